@@ -1,0 +1,134 @@
+/*
+ * zeroalloc: the C ABI of libzeroalloc.so.
+ *
+ * Everything a user, a binding or PyTorch calls. The allocation functions have exactly the
+ * signatures of PyTorch's pluggable allocator, so
+ *
+ *   torch.cuda.memory.CUDAPluggableAllocator("libzeroalloc.so",
+ *                                            "zeroalloc_malloc", "zeroalloc_free")
+ *
+ * works as it is, and the optional hooks (set_init_fn, set_reset_fn,
+ * set_memory_fraction_fn, set_record_stream_fn) take zeroalloc_init, zeroalloc_empty_cache,
+ * zeroalloc_set_memory_fraction and zeroalloc_record_stream.
+ *
+ * Nothing crosses this boundary as an exception. A function that fails returns its failure
+ * value (documented with it) and zeroalloc_last_error() then describes the failure in one
+ * readable message. The library starts on first use: it reads the ZEROALLOC_* environment
+ * variables once (README.md lists them) and, if one is malformed, refuses to start; every
+ * allocation then fails and zeroalloc_last_error() names the variable.
+ */
+#ifndef ZEROALLOC_ZEROALLOC_H
+#define ZEROALLOC_ZEROALLOC_H
+
+#include <stddef.h>
+#include <sys/types.h> /* ssize_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** A CUDA stream (cudaStream_t and CUstream are the same pointer). NULL: default stream. */
+typedef struct CUstream_st* zeroalloc_stream_t;
+
+/** Version of this ABI: major * 10000 + minor * 100 + patch. */
+#define ZEROALLOC_ABI_VERSION 100
+int zeroalloc_abi_version(void);
+
+/**
+ * Allocation classes. Each class lives in its own chunks, so that memory of one kind
+ * (and one lifetime) can later be paged without touching another.
+ */
+typedef enum zeroalloc_class {
+  ZEROALLOC_CLASS_OTHER = 0,           /**< activations, workspaces: the default */
+  ZEROALLOC_CLASS_PARAMETER = 1,       /**< model parameters */
+  ZEROALLOC_CLASS_GRADIENT = 2,        /**< gradients */
+  ZEROALLOC_CLASS_OPTIMIZER_STATE = 3, /**< optimizer states (Adam moments, ...) */
+  ZEROALLOC_CLASS_COUNT = 4
+} zeroalloc_class;
+
+/**
+ * Allocates `size` bytes on `device` for use on `stream`, aligned to 512 bytes, in the
+ * calling thread's current class (zeroalloc_set_thread_class).
+ * Returns NULL with zeroalloc_last_error() set when memory is exhausted (the message says
+ * how much was requested, free, cached and the limit in force), when `device` is not a
+ * valid device index, when `size` is negative, or when the library could not start.
+ * A size of 0 returns a unique, non-NULL pointer that must not be dereferenced and may be
+ * passed to zeroalloc_free.
+ */
+void* zeroalloc_malloc(ssize_t size, int device, zeroalloc_stream_t stream);
+
+/** zeroalloc_malloc with an explicit class. */
+void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_stream_t stream,
+                             zeroalloc_class allocation_class);
+
+/**
+ * Frees memory from zeroalloc_malloc. The memory is reused on its allocation stream at
+ * once (stream order makes that safe) and on other streams only once the work enqueued
+ * on its streams so far has completed. `size`, `device` and `stream` are accepted for
+ * PyTorch's signature; the allocator knows them already. NULL is ignored. A pointer that
+ * zeroalloc did not hand out is ignored and recorded in zeroalloc_last_error().
+ */
+void zeroalloc_free(void* ptr, ssize_t size, int device, zeroalloc_stream_t stream);
+
+/**
+ * Starts the library for `device_count` devices (PyTorch calls it through set_init_fn).
+ * Optional: the first allocation starts the library too. Calling it again is harmless.
+ */
+void zeroalloc_init(int device_count);
+
+/** Returns free cached physical memory of every device to the driver (empty_cache). */
+void zeroalloc_empty_cache(void);
+
+/**
+ * Limits the memory zeroalloc may hold on `device` to `fraction` of the device's total
+ * (PyTorch's set_per_process_memory_fraction). Fraction in (0, 1]; anything else is
+ * ignored and recorded in zeroalloc_last_error().
+ */
+void zeroalloc_set_memory_fraction(double fraction, int device);
+
+/**
+ * Records that the allocation containing `ptr` is used on `stream` too: when it is freed,
+ * it is not reused until the work enqueued on `stream` by then has completed.
+ */
+void zeroalloc_record_stream(void* ptr, zeroalloc_stream_t stream);
+
+/**
+ * Sets the class of the calling thread's later zeroalloc_malloc calls and returns the
+ * previous one (so callers can restore it). An out-of-range value leaves it unchanged.
+ */
+zeroalloc_class zeroalloc_set_thread_class(zeroalloc_class allocation_class);
+
+/** Resets the peak statistics of `device` (all classes) to the current values. */
+void zeroalloc_reset_peak_stats(int device);
+
+/**
+ * Writes the statistics of `device` as a JSON object into `buffer` (at most `length`
+ * bytes, NUL-terminated when length > 0) and returns the length of the full text without
+ * its NUL, so a caller can size the buffer with a first call of length 0.
+ * Returns -1 with zeroalloc_last_error() set when `device` is not valid.
+ */
+int zeroalloc_stats_json(int device, char* buffer, size_t length);
+
+/**
+ * Creates a stream on `device` of the kind zeroalloc drives (a CUDA stream, or a stream of
+ * the simulated device, where it is the only way to get one). NULL on failure.
+ */
+zeroalloc_stream_t zeroalloc_stream_create(int device);
+
+/** Waits for the work enqueued on `stream` so far and destroys it. NULL is ignored. */
+void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream);
+
+/** Number of devices the library drives (starting it if needed); -1 if it cannot start. */
+int zeroalloc_device_count(void);
+
+/**
+ * The message of the last failure in the calling thread, or "" when nothing failed.
+ * Valid until the thread's next call into zeroalloc.
+ */
+const char* zeroalloc_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZEROALLOC_ZEROALLOC_H */

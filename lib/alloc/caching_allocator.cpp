@@ -1,0 +1,220 @@
+#include "alloc/caching_allocator.hpp"
+
+#include <cstdio>
+
+#include "alloc/heap.hpp"
+#include "core/errors.hpp"
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+
+caching_allocator::caching_allocator(device& backing, const allocator_settings& settings)
+    : device_(backing),
+      limiter_(settings.limit_bytes != 0 ? settings.limit_bytes : backing.query_memory().total_bytes),
+      arena_(backing, settings.chunk_bytes, limiter_),
+      limit_source_(settings.limit_source) {
+  // Each heap may at most map the whole device; twice that leaves room for the holes
+  // that unmapped segments leave in its address region.
+  const std::size_t region_bytes = 2 * backing.query_memory().total_bytes;
+  for (allocation_class cls : kAllocationClasses) {
+    heaps_[2 * class_index(cls)] =
+        std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::small, region_bytes);
+    heaps_[2 * class_index(cls) + 1] =
+        std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::large, region_bytes);
+  }
+}
+
+caching_allocator::~caching_allocator() = default;
+
+heap& caching_allocator::heap_for(allocation_class cls, std::size_t rounded_bytes) {
+  return *heaps_[2 * class_index(cls) + (rounded_bytes > kSmallRequestBytes ? 1 : 0)];
+}
+
+void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, allocation_class cls) {
+  const std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kAlignment);
+  if (rounded < bytes) ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
+  if (void* pointer = heap_for(cls, rounded).allocate(rounded, stream)) return pointer;
+  return allocate_after_pressure(rounded, stream, cls);
+}
+
+void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stream_handle stream,
+                                                 allocation_class cls) {
+  // Out of new memory: give back every cached free segment (of every class) and retry;
+  // then let the pressure handler free memory, and retry once more.
+  stats_.apply(cls, [](class_stats& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
+  const std::uint64_t released = release_all_cached();
+  log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
+             format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
+  if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream)) return pointer;
+  pressure_handler handler;
+  {
+    std::lock_guard lock(settings_mutex_);
+    handler = pressure_handler_;
+  }
+  if (handler && handler(rounded_bytes) > 0) {
+    if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream)) return pointer;
+  }
+  stats_.apply(cls, [](class_stats& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
+  throw_out_of_memory(rounded_bytes, cls);
+}
+
+std::uint64_t caching_allocator::release_all_cached() {
+  std::lock_guard lock(reclaim_mutex_);
+  std::uint64_t released = 0;
+  for (auto& each : heaps_) released += each->release_free_segments();
+  arena_.release_pool();
+  return released;
+}
+
+// Note [Out-of-memory message]: say what was asked for, what the device has, what zeroalloc
+// holds and why it could not use it, which limit applied and which variable sets it, so the
+// user can act without reading code.
+void caching_allocator::throw_out_of_memory(std::size_t bytes, allocation_class cls) {
+  const memory_info info = device_.query_memory();
+  const std::int64_t reserved = stats_.total.reserved_bytes.current();
+  const std::int64_t allocated = stats_.total.allocated_bytes.current();
+  std::string source;
+  {
+    std::lock_guard lock(settings_mutex_);
+    source = limit_source_;
+  }
+  const std::string limit_text =
+      source.empty() ? detail::concat(format_bytes(limiter_.limit_bytes()),
+                                      " (the whole device; set ZEROALLOC_MEMORY_LIMIT to lower it)")
+                     : detail::concat(format_bytes(limiter_.limit_bytes()), ", set by ", source);
+  ZA_THROW(out_of_memory, "out of memory on ", device_.name(), ": tried to allocate ",
+           format_bytes(bytes), " (", class_name(cls), "); the device has ",
+           format_bytes(info.free_bytes), " free of ", format_bytes(info.total_bytes),
+           "; zeroalloc holds ", format_bytes(static_cast<std::uint64_t>(reserved)), " of which ",
+           format_bytes(static_cast<std::uint64_t>(allocated)), " is allocated and ",
+           format_bytes(static_cast<std::uint64_t>(reserved - allocated)),
+           " is cached but free (the largest free block is ",
+           format_bytes(std::max({largest_free_block(allocation_class::other),
+                                  largest_free_block(allocation_class::parameter),
+                                  largest_free_block(allocation_class::gradient),
+                                  largest_free_block(allocation_class::optimizer_state)})),
+           "); offloaded: 0 B; limit in force: ", limit_text,
+           ". Free tensors you no longer need, lower the batch size, or raise the limit.");
+}
+
+bool caching_allocator::owns(const void* pointer) const {
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  for (const auto& each : heaps_) {
+    if (each->contains(address)) return true;
+  }
+  return false;
+}
+
+bool caching_allocator::deallocate(void* pointer) {
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  for (auto& each : heaps_) {
+    if (each->contains(address)) return each->deallocate(address);
+  }
+  return false;
+}
+
+bool caching_allocator::record_stream(void* pointer, stream_handle stream) {
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  for (auto& each : heaps_) {
+    if (each->contains(address)) return each->record_stream(address, stream);
+  }
+  return false;
+}
+
+void caching_allocator::forget_stream(stream_handle stream) {
+  device_.synchronize_stream(stream);
+  for (auto& each : heaps_) each->forget_stream(stream);
+}
+
+void caching_allocator::empty_cache() {
+  const std::uint64_t released = release_all_cached();
+  log().debug("empty_cache released {} on {}", format_bytes(released), device_.name());
+}
+
+void caching_allocator::set_limit(std::uint64_t bytes, std::string source) {
+  limiter_.set_limit_bytes(bytes);
+  std::lock_guard lock(settings_mutex_);
+  limit_source_ = std::move(source);
+}
+
+void caching_allocator::set_pressure_handler(pressure_handler handler) {
+  std::lock_guard lock(settings_mutex_);
+  pressure_handler_ = std::move(handler);
+}
+
+std::size_t caching_allocator::largest_free_block(allocation_class cls) const {
+  return std::max(heaps_[2 * class_index(cls)]->largest_free_block(),
+                  heaps_[2 * class_index(cls) + 1]->largest_free_block());
+}
+
+namespace {
+
+void append_figures(std::string& out, const class_stats& figures, std::size_t largest_free) {
+  char text[1024];
+  const std::int64_t fragmentation =
+      figures.reserved_bytes.current() - figures.allocated_bytes.current();
+  std::snprintf(
+      text, sizeof text,
+      "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld},"
+      "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld},"
+      "\"active_bytes\":{\"current\":%lld,\"peak\":%lld},"
+      "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
+      "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,"
+      "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
+      static_cast<long long>(figures.allocated_bytes.current()),
+      static_cast<long long>(figures.allocated_bytes.peak()),
+      static_cast<long long>(figures.reserved_bytes.current()),
+      static_cast<long long>(figures.reserved_bytes.peak()),
+      static_cast<long long>(figures.active_bytes.current()),
+      static_cast<long long>(figures.active_bytes.peak()),
+      static_cast<unsigned long long>(figures.allocations.load()),
+      static_cast<unsigned long long>(figures.frees.load()),
+      static_cast<unsigned long long>(figures.cache_hits.load()),
+      static_cast<unsigned long long>(figures.retries.load()),
+      static_cast<unsigned long long>(figures.failures.load()),
+      static_cast<unsigned long long>(figures.segments_mapped.load()),
+      static_cast<unsigned long long>(figures.segments_unmapped.load()),
+      static_cast<unsigned long long>(largest_free), static_cast<long long>(fragmentation));
+  out += text;
+}
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+std::string caching_allocator::stats_json() const {
+  std::string source;
+  {
+    std::lock_guard lock(settings_mutex_);
+    source = limit_source_;
+  }
+  std::string out = detail::concat(
+      "{\"device\":", device_.ordinal(), ",\"device_name\":", json_string(device_.name()),
+      ",\"simulated\":", device_.is_simulated() ? "true" : "false",
+      ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_string(source),
+      ",\"held_bytes\":", limiter_.used_bytes(), ",\"pooled_bytes\":", arena_.pooled_bytes(),
+      ",\"total\":");
+  std::size_t largest_overall = 0;
+  std::string classes;
+  for (allocation_class cls : kAllocationClasses) {
+    const std::size_t largest = largest_free_block(cls);
+    largest_overall = std::max(largest_overall, largest);
+    classes += classes.empty() ? "" : ",";
+    classes += json_string(std::string(class_name(cls))) + ":";
+    append_figures(classes, stats_.classes[class_index(cls)], largest);
+  }
+  append_figures(out, stats_.total, largest_overall);
+  out += ",\"classes\":{" + classes + "}}";
+  return out;
+}
+
+}  // namespace zeroalloc

@@ -1,0 +1,119 @@
+// The caching allocator of one device: stream-ordered, size-binned best fit over segments
+// that the chunk arena backs with physical memory.
+//
+// Memory is organised in heaps, one per (allocation class, size kind): small requests
+// (up to 1 MiB) are packed into 2 MiB segments, large ones into segments of their own size
+// (rounded to 2 MiB; requests under 10 MiB share 20 MiB segments), as PyTorch's allocator
+// does, because that is what keeps reserved memory within a few percent of allocated
+// memory on training workloads. Each heap has its own address region, lock, free-block
+// index and address lookup, so threads allocating different classes or sizes never
+// contend, and the fast path (a cached block of the right stream) takes one uncontended
+// lock and allocates nothing.
+//
+// Note [Stream-ordered reuse]: a freed block keeps the stream it was used on. A request on
+// that stream may reuse it at once: the stream orders the new work after the old. A
+// request on another stream takes it only after recording an event on the old stream and
+// making the new stream wait for that event, so the block is never handed out while work
+// that may still touch it is queued elsewhere; no host thread waits. Blocks used on more
+// streams (record_stream) are not reused at all until events recorded on each of those
+// streams at free time have completed.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "alloc/allocation_class.hpp"
+#include "alloc/allocator_stats.hpp"
+#include "alloc/chunk_arena.hpp"
+#include "alloc/memory_limit.hpp"
+#include "device/device.hpp"
+
+namespace zeroalloc {
+
+class heap;
+
+/// Settings of one device's allocator.
+struct allocator_settings {
+  std::size_t chunk_bytes = 64ull << 20;  ///< ZEROALLOC_CHUNK_SIZE
+  std::uint64_t limit_bytes = 0;          ///< 0: the device's total memory
+  std::string limit_source;               ///< what set the limit, for error messages
+};
+
+class caching_allocator {
+ public:
+  /// Every allocation is aligned to this many bytes and rounded up to a multiple of it.
+  static constexpr std::size_t kAlignment = 512;
+  /// Requests up to this size are small: packed into 2 MiB segments.
+  static constexpr std::size_t kSmallRequestBytes = 1ull << 20;
+
+  caching_allocator(device& backing, const allocator_settings& settings);
+  ~caching_allocator();
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  /// Returns `bytes` (0 allowed: a unique minimal block) of memory usable on `stream`.
+  /// Throws out_of_memory after releasing the cache and retrying.
+  void* allocate(std::size_t bytes, stream_handle stream, allocation_class cls);
+
+  /// Frees memory from allocate(). Returns false (and changes nothing) when `pointer` is
+  /// not the start of a live allocation of this allocator.
+  bool deallocate(void* pointer);
+
+  /// True when `pointer` lies in this allocator's address regions.
+  [[nodiscard]] bool owns(const void* pointer) const;
+
+  /// Marks the allocation at `pointer` as used on `stream` too. Returns false when `pointer`
+  /// is not the start of a live allocation.
+  bool record_stream(void* pointer, stream_handle stream);
+
+  /// Call before destroying a stream that allocations were used on: waits for its work and
+  /// detaches its cached blocks, so no event is ever recorded on the destroyed stream.
+  void forget_stream(stream_handle stream);
+
+  /// Unmaps every fully free segment and returns the physical memory to the device, after
+  /// waiting for the work queued on those segments' streams.
+  void empty_cache();
+
+  /// Changes the limit on physical memory held; `source` names what set it.
+  void set_limit(std::uint64_t bytes, std::string source);
+  [[nodiscard]] std::uint64_t limit_bytes() const { return limiter_.limit_bytes(); }
+
+  /// Called, without locks held, when an allocation fails even after the cache was released;
+  /// returns the bytes it freed (the offload engine will evict here). Optional.
+  using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
+  void set_pressure_handler(pressure_handler handler);
+
+  [[nodiscard]] allocator_stats& stats() { return stats_; }
+  [[nodiscard]] const allocator_stats& stats() const { return stats_; }
+  void reset_peak_stats() { stats_.reset_peaks(); }
+  /// Largest free block of a class: the biggest request it could serve without new memory.
+  [[nodiscard]] std::size_t largest_free_block(allocation_class cls) const;
+  /// Statistics as a JSON object (the format of zeroalloc_stats_json).
+  [[nodiscard]] std::string stats_json() const;
+
+  [[nodiscard]] device& backing() { return device_; }
+
+ private:
+  heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
+  void* allocate_after_pressure(std::size_t rounded_bytes, stream_handle stream,
+                                allocation_class cls);
+  std::uint64_t release_all_cached();
+  [[noreturn]] void throw_out_of_memory(std::size_t bytes, allocation_class cls);
+
+  device& device_;
+  memory_limiter limiter_;
+  chunk_arena arena_;
+  allocator_stats stats_;
+  std::array<std::unique_ptr<heap>, 2 * kAllocationClassCount> heaps_;
+  std::mutex reclaim_mutex_;  // one thread at a time releases cache across heaps
+  mutable std::mutex settings_mutex_;
+  std::string limit_source_;
+  pressure_handler pressure_handler_;
+};
+
+}  // namespace zeroalloc

@@ -1,0 +1,135 @@
+#include "alloc/chunk_arena.hpp"
+
+#include "core/errors.hpp"
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+
+chunk_arena::chunk_arena(device& backing, std::size_t chunk_bytes, memory_limiter& limiter)
+    : device_(backing),
+      chunk_bytes_(round_up(chunk_bytes, backing.granularity())),
+      granularity_(backing.granularity()),
+      limiter_(limiter) {}
+
+chunk_arena::~chunk_arena() {
+  try {
+    std::lock_guard lock(mutex_);
+    release_pool_locked();
+    for (auto [address, bytes] : regions_) device_.free_addresses(address, bytes);
+  } catch (const std::exception& failure) {
+    log().warn("releasing the memory of {} failed at exit: {}", device_.name(), failure.what());
+  }
+}
+
+std::uintptr_t chunk_arena::reserve_region(std::size_t bytes) {
+  const std::uintptr_t address = device_.reserve_addresses(bytes, granularity_);
+  std::lock_guard lock(mutex_);
+  regions_.emplace_back(address, bytes);
+  return address;
+}
+
+physical_handle chunk_arena::obtain_chunk(std::size_t bytes) {
+  auto pooled = pool_.find(bytes);
+  if (pooled != pool_.end() && !pooled->second.empty()) {
+    physical_handle handle = pooled->second.back();
+    pooled->second.pop_back();
+    pooled_bytes_ -= bytes;
+    return handle;  // already charged while pooled
+  }
+  if (!limiter_.try_charge(bytes)) {
+    // Idle chunks of other sizes count against the limit too; give them back and retry.
+    if (pooled_bytes_ == 0) return {};
+    release_pool_locked();
+    if (!limiter_.try_charge(bytes)) return {};
+  }
+  try {
+    return device_.create_physical(bytes, memory_location::device);
+  } catch (const device_error& failure) {
+    limiter_.credit(bytes);
+    if (failure.code() != kDeviceOutOfMemoryCode) throw;
+    if (pooled_bytes_ == 0) return {};
+    release_pool_locked();
+    if (!limiter_.try_charge(bytes)) return {};
+    try {
+      return device_.create_physical(bytes, memory_location::device);
+    } catch (const device_error& retry_failure) {
+      limiter_.credit(bytes);
+      if (retry_failure.code() != kDeviceOutOfMemoryCode) throw;
+      return {};
+    }
+  }
+}
+
+bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
+                         std::vector<physical_handle>& chunks) {
+  std::lock_guard lock(mutex_);
+  const std::size_t first_new = chunks.size();
+  std::size_t offset = 0;
+  auto undo = [&] {
+    std::size_t undo_offset = 0;
+    for (std::size_t i = first_new; i < chunks.size(); ++i) {
+      device_.unmap(address + undo_offset, chunks[i].bytes);
+      undo_offset += chunks[i].bytes;
+      pool_[chunks[i].bytes].push_back(chunks[i]);
+      pooled_bytes_ += chunks[i].bytes;
+    }
+    chunks.resize(first_new);
+  };
+  while (offset < bytes) {
+    const std::size_t piece = std::min(chunk_bytes_, bytes - offset);
+    physical_handle handle = obtain_chunk(piece);
+    if (!handle.valid()) {
+      undo();
+      return false;
+    }
+    try {
+      device_.map(address + offset, handle);
+    } catch (...) {
+      pool_[handle.bytes].push_back(handle);
+      pooled_bytes_ += handle.bytes;
+      undo();
+      throw;
+    }
+    chunks.push_back(handle);
+    offset += piece;
+  }
+  return true;
+}
+
+void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {
+  std::lock_guard lock(mutex_);
+  std::size_t offset = 0;
+  for (const physical_handle& handle : chunks) {
+    device_.unmap(address + offset, handle.bytes);
+    offset += handle.bytes;
+    pool_[handle.bytes].push_back(handle);
+    pooled_bytes_ += handle.bytes;
+  }
+  chunks.clear();
+}
+
+std::uint64_t chunk_arena::release_pool() {
+  std::lock_guard lock(mutex_);
+  const std::uint64_t released = pooled_bytes_;
+  release_pool_locked();
+  return released;
+}
+
+void chunk_arena::release_pool_locked() {
+  for (auto& [bytes, handles] : pool_) {
+    while (!handles.empty()) {
+      device_.release_physical(handles.back());
+      limiter_.credit(bytes);
+      pooled_bytes_ -= bytes;
+      handles.pop_back();
+    }
+  }
+}
+
+std::uint64_t chunk_arena::pooled_bytes() const {
+  std::lock_guard lock(mutex_);
+  return pooled_bytes_;
+}
+
+}  // namespace zeroalloc

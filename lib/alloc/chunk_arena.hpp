@@ -1,0 +1,69 @@
+// The chunk arena: physical memory for one device, in chunks, behind stable addresses.
+//
+// The caching allocator asks it to back an address range (a segment) with physical memory
+// and, rarely, to take that memory back. The arena splits a segment into chunks of at most
+// ZEROALLOC_CHUNK_SIZE bytes (the unit a later tier moves between device, host and disk),
+// creates each chunk's physical handle only when its pool has none of that size, and
+// charges every byte it holds, mapped or pooled, to the memory_limiter.
+//
+// Note [Handle pool]: creating and releasing physical memory costs 40-70 us and, unlike a
+// map of an existing handle, cannot be hidden; cudaFree even waits for every running
+// kernel. Decommitted chunks therefore go to a pool keyed by size and are mapped again by
+// the next commit of that size; the pool is drained only by release_pool() (empty_cache,
+// or a commit that needs bytes of another size under the limit).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "alloc/memory_limit.hpp"
+#include "device/device.hpp"
+
+namespace zeroalloc {
+
+class chunk_arena {
+ public:
+  /// `chunk_bytes`: a multiple of the device's granularity.
+  chunk_arena(device& backing, std::size_t chunk_bytes, memory_limiter& limiter);
+  ~chunk_arena();
+  chunk_arena(const chunk_arena&) = delete;
+  chunk_arena& operator=(const chunk_arena&) = delete;
+
+  /// Reserves an address region of `bytes` (a multiple of the granularity).
+  std::uintptr_t reserve_region(std::size_t bytes);
+
+  /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`.
+  /// Returns false, with nothing mapped and nothing charged, when the limit or the device's
+  /// memory is exhausted. Throws device_error for any other failure.
+  bool commit(std::uintptr_t address, std::size_t bytes, std::vector<physical_handle>& chunks);
+
+  /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool.
+  /// The caller guarantees that no queued work still touches the range.
+  void decommit(std::uintptr_t address, std::vector<physical_handle>& chunks);
+
+  /// Releases every pooled chunk to the device; returns the bytes released.
+  std::uint64_t release_pool();
+
+  [[nodiscard]] std::uint64_t pooled_bytes() const;
+  [[nodiscard]] std::size_t chunk_bytes() const { return chunk_bytes_; }
+  [[nodiscard]] std::size_t granularity() const { return granularity_; }
+  [[nodiscard]] device& backing() { return device_; }
+
+ private:
+  physical_handle obtain_chunk(std::size_t bytes);  // from the pool, else created
+  void release_pool_locked();
+
+  device& device_;
+  const std::size_t chunk_bytes_;
+  const std::size_t granularity_;
+  memory_limiter& limiter_;
+  mutable std::mutex mutex_;
+  std::map<std::size_t, std::vector<physical_handle>> pool_;  // bytes -> idle handles
+  std::uint64_t pooled_bytes_ = 0;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> regions_;
+};
+
+}  // namespace zeroalloc

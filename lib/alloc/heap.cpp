@@ -1,0 +1,413 @@
+#include "alloc/heap.hpp"
+
+#include <algorithm>
+#include <bit>
+
+#include "core/errors.hpp"
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+
+namespace {
+
+constexpr std::size_t kMinBlockBytes = 512;
+constexpr std::size_t kSmallSegmentBytes = 2 * MiB;
+constexpr std::size_t kSmallRequestBytes = 1 * MiB;
+constexpr std::size_t kMediumRequestBytes = 10 * MiB;
+constexpr std::size_t kMediumSegmentBytes = 20 * MiB;
+
+}  // namespace
+
+heap::heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
+           std::size_t region_bytes)
+    : arena_(arena), device_(arena.backing()), stats_(stats), class_(cls), kind_(kind) {
+  region_bytes_ = round_up(region_bytes, arena.granularity());
+  region_start_ = arena.reserve_region(region_bytes_);
+  free_addresses_[region_start_] = region_bytes_;
+}
+
+heap::~heap() {
+  try {
+    std::lock_guard lock(mutex_);
+    for (auto& owned : segments_) {
+      if (!owned->chunks.empty()) arena_.decommit(owned->address, owned->chunks);
+    }
+    for (event_handle event : all_events_) device_.destroy_event(event);
+  } catch (const std::exception& failure) {
+    log().warn("releasing a heap of {} failed: {}", device_.name(), failure.what());
+  }
+}
+
+std::size_t heap::bin_of(std::size_t bytes) {
+  const int power = std::bit_width(bytes) - 1;  // bytes >= 512, so power >= 9
+  const std::size_t quarter = (bytes >> (power - 2)) & 3;
+  return std::min<std::size_t>((static_cast<std::size_t>(power) - 9) * 4 + quarter, kBinCount - 1);
+}
+
+heap::free_index& heap::index_for(stream_handle stream) {
+  for (auto& index : indexes_) {
+    if (index->stream == stream) return *index;
+  }
+  indexes_.push_back(std::make_unique<free_index>());
+  indexes_.back()->stream = stream;
+  return *indexes_.back();
+}
+
+void heap::insert_free(block* free_block) {
+  free_index& index = index_for(free_block->stream);
+  const std::size_t bin = bin_of(free_block->bytes);
+  free_block->bin_previous = nullptr;
+  free_block->bin_next = index.heads[bin];
+  if (index.heads[bin] != nullptr) index.heads[bin]->bin_previous = free_block;
+  index.heads[bin] = free_block;
+  index.nonempty[bin / 64] |= std::uint64_t{1} << (bin % 64);
+}
+
+void heap::remove_free(block* free_block) {
+  free_index& index = index_for(free_block->stream);
+  const std::size_t bin = bin_of(free_block->bytes);
+  if (free_block->bin_previous != nullptr) {
+    free_block->bin_previous->bin_next = free_block->bin_next;
+  } else {
+    index.heads[bin] = free_block->bin_next;
+    if (index.heads[bin] == nullptr) index.nonempty[bin / 64] &= ~(std::uint64_t{1} << (bin % 64));
+  }
+  if (free_block->bin_next != nullptr) free_block->bin_next->bin_previous = free_block->bin_previous;
+  free_block->bin_previous = free_block->bin_next = nullptr;
+}
+
+block* heap::find_fit(free_index& index, std::size_t bytes) {
+  // The request's own bin holds blocks both smaller and larger than it: take the best fit
+  // there. Any block of a higher bin fits; take the smallest of the first non-empty one.
+  std::size_t bin = bin_of(bytes);
+  block* best = nullptr;
+  for (block* candidate = index.heads[bin]; candidate != nullptr; candidate = candidate->bin_next) {
+    if (candidate->bytes >= bytes && (best == nullptr || candidate->bytes < best->bytes)) {
+      best = candidate;
+      if (best->bytes == bytes) return best;
+    }
+  }
+  if (best != nullptr) return best;
+  ++bin;
+  while (bin < kBinCount) {
+    const std::uint64_t word = index.nonempty[bin / 64] >> (bin % 64);
+    if (word == 0) {
+      bin = (bin / 64 + 1) * 64;
+      continue;
+    }
+    bin += static_cast<std::size_t>(std::countr_zero(word));
+    for (block* candidate = index.heads[bin]; candidate != nullptr; candidate = candidate->bin_next) {
+      if (best == nullptr || candidate->bytes < best->bytes) best = candidate;
+    }
+    return best;
+  }
+  return nullptr;
+}
+
+block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
+  block* best = nullptr;
+  for (auto& index : indexes_) {
+    if (index->stream == stream) continue;
+    block* candidate = find_fit(*index, bytes);
+    if (candidate != nullptr && (best == nullptr || candidate->bytes < best->bytes)) best = candidate;
+  }
+  if (best == nullptr) return nullptr;
+  // Note [Stream-ordered reuse]: the new stream waits for everything queued on the old one.
+  remove_free(best);
+  if (best->stream != kDetachedStream) {
+    event_handle fence = obtain_event();
+    device_.record_event(fence, best->stream);
+    device_.stream_wait_event(stream, fence);
+    spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
+  }
+  best->stream = stream;
+  return best;
+}
+
+std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
+  if (kind_ == size_kind::small) return kSmallSegmentBytes;
+  if (rounded_bytes < kMediumRequestBytes) return kMediumSegmentBytes;
+  return round_up(rounded_bytes, arena_.granularity());
+}
+
+block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
+  const std::size_t bytes = segment_bytes_for(rounded_bytes);
+  auto fit = free_addresses_.end();
+  for (auto range = free_addresses_.begin(); range != free_addresses_.end(); ++range) {
+    if (range->second >= bytes && (fit == free_addresses_.end() || range->second < fit->second)) {
+      fit = range;
+    }
+  }
+  if (fit == free_addresses_.end()) {
+    log().warn("address region of {} {} memory on {} is exhausted ({} reserved)",
+               class_name(class_), kind_ == size_kind::small ? "small" : "large", device_.name(),
+               format_bytes(region_bytes_));
+    return nullptr;
+  }
+  const std::uintptr_t address = fit->first;
+  auto owned = std::make_unique<segment>();
+  owned->address = address;
+  owned->bytes = bytes;
+  if (!arena_.commit(address, bytes, owned->chunks)) return nullptr;
+  const std::size_t remaining = fit->second - bytes;
+  free_addresses_.erase(fit);
+  if (remaining > 0) free_addresses_[address + bytes] = remaining;
+
+  block* whole = new_block();
+  whole->address = address;
+  whole->bytes = bytes;
+  whole->owner = owned.get();
+  whole->stream = stream;
+  owned->first = whole;
+  segments_.push_back(std::move(owned));
+  stats_.apply(class_, [&](class_stats& figures) {
+    figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
+    figures.segments_mapped.fetch_add(1, std::memory_order_relaxed);
+  });
+  log().debug("mapped a {} segment for {} ({} request) on {}", format_bytes(bytes),
+              class_name(class_), format_bytes(rounded_bytes), device_.name());
+  return whole;
+}
+
+void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  if (!pending_.empty()) process_pending(false);
+  bool from_cache = true;
+  block* chosen = find_fit(index_for(stream), rounded_bytes);
+  if (chosen != nullptr) {
+    remove_free(chosen);
+  } else {
+    chosen = take_from_other_stream(rounded_bytes, stream);
+  }
+  if (chosen == nullptr) {
+    chosen = map_new_segment(rounded_bytes, stream);
+    from_cache = false;
+    if (chosen == nullptr) return nullptr;
+  }
+
+  const std::size_t remainder = chosen->bytes - rounded_bytes;
+  const bool split = kind_ == size_kind::small ? remainder >= kMinBlockBytes
+                                               : remainder > kSmallRequestBytes;
+  if (split) {
+    block* rest = new_block();
+    rest->address = chosen->address + rounded_bytes;
+    rest->bytes = remainder;
+    rest->owner = chosen->owner;
+    rest->stream = chosen->stream;
+    rest->previous = chosen;
+    rest->next = chosen->next;
+    if (chosen->next != nullptr) chosen->next->previous = rest;
+    chosen->next = rest;
+    chosen->bytes = rounded_bytes;
+    insert_free(rest);
+  }
+  chosen->allocated = true;
+  ++chosen->owner->busy_blocks;
+  live_.insert(chosen->address, chosen);
+
+  const auto bytes = static_cast<std::int64_t>(chosen->bytes);
+  stats_.apply(class_, [&](class_stats& figures) {
+    figures.allocated_bytes.add(bytes);
+    figures.active_bytes.add(bytes);
+    figures.allocations.fetch_add(1, std::memory_order_relaxed);
+    if (from_cache) figures.cache_hits.fetch_add(1, std::memory_order_relaxed);
+  });
+  return reinterpret_cast<void*>(chosen->address);
+}
+
+bool heap::deallocate(std::uintptr_t pointer) {
+  std::lock_guard lock(mutex_);
+  block* freed = live_.find(pointer);
+  if (freed == nullptr) return false;
+  live_.erase(pointer);
+  freed->allocated = false;
+  const auto bytes = static_cast<std::int64_t>(freed->bytes);
+  stats_.apply(class_, [&](class_stats& figures) {
+    figures.allocated_bytes.add(-bytes);
+    figures.frees.fetch_add(1, std::memory_order_relaxed);
+  });
+  if (!freed->other_streams.empty()) {
+    for (stream_handle other : freed->other_streams) {
+      event_handle done = obtain_event();
+      device_.record_event(done, other);
+      freed->pending_events.push_back(done);
+    }
+    freed->other_streams.clear();
+    freed->pending = true;
+    pending_.push_back(freed);
+    return true;
+  }
+  stats_.apply(class_, [&](class_stats& figures) { figures.active_bytes.add(-bytes); });
+  release_block(freed);
+  return true;
+}
+
+bool heap::record_stream(std::uintptr_t pointer, stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  block* used = live_.find(pointer);
+  if (used == nullptr) return false;
+  if (stream == used->stream) return true;
+  if (std::find(used->other_streams.begin(), used->other_streams.end(), stream) ==
+      used->other_streams.end()) {
+    used->other_streams.push_back(stream);
+  }
+  return true;
+}
+
+void heap::forget_stream(stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  for (auto& owned : segments_) {
+    for (block* piece = owned->first; piece != nullptr; piece = piece->next) {
+      std::erase(piece->other_streams, stream);
+      if (piece->stream != stream) continue;
+      const bool listed = !piece->allocated && !piece->pending;
+      if (listed) remove_free(piece);
+      piece->stream = kDetachedStream;
+      if (listed) insert_free(piece);
+    }
+  }
+}
+
+void heap::release_block(block* freed) {
+  --freed->owner->busy_blocks;
+  auto mergeable = [&](block* neighbour) {
+    return neighbour != nullptr && !neighbour->allocated && !neighbour->pending &&
+           neighbour->stream == freed->stream;
+  };
+  if (mergeable(freed->previous)) {
+    block* previous = freed->previous;
+    remove_free(previous);
+    previous->bytes += freed->bytes;
+    previous->next = freed->next;
+    if (freed->next != nullptr) freed->next->previous = previous;
+    recycle_block(freed);
+    freed = previous;
+  }
+  if (mergeable(freed->next)) {
+    block* next = freed->next;
+    remove_free(next);
+    freed->bytes += next->bytes;
+    freed->next = next->next;
+    if (next->next != nullptr) next->next->previous = freed;
+    recycle_block(next);
+  }
+  insert_free(freed);
+}
+
+void heap::process_pending(bool wait) {
+  auto done = std::remove_if(pending_.begin(), pending_.end(), [&](block* waiting) {
+    for (event_handle event : waiting->pending_events) {
+      if (wait) {
+        device_.synchronize_event(event);
+      } else if (!device_.event_completed(event)) {
+        return false;
+      }
+    }
+    for (event_handle event : waiting->pending_events) spare_events_.push_back(event);
+    waiting->pending_events.clear();
+    waiting->pending = false;
+    const auto bytes = static_cast<std::int64_t>(waiting->bytes);
+    stats_.apply(class_, [&](class_stats& figures) { figures.active_bytes.add(-bytes); });
+    release_block(waiting);
+    return true;
+  });
+  pending_.erase(done, pending_.end());
+}
+
+std::uint64_t heap::release_free_segments() {
+  std::lock_guard lock(mutex_);
+  process_pending(true);
+  std::uint64_t released = 0;
+  auto unused = std::stable_partition(segments_.begin(), segments_.end(),
+                                      [](const auto& owned) { return owned->busy_blocks != 0; });
+  for (auto it = unused; it != segments_.end(); ++it) {
+    segment& idle = **it;
+    // Work queued before the frees may still touch the segment: unmap only after it ran.
+    std::vector<stream_handle> streams;
+    for (block* piece = idle.first; piece != nullptr; piece = piece->next) {
+      if (std::find(streams.begin(), streams.end(), piece->stream) == streams.end()) {
+        streams.push_back(piece->stream);
+      }
+    }
+    for (stream_handle stream : streams) {
+      if (stream == kDetachedStream) continue;
+      event_handle fence = obtain_event();
+      device_.record_event(fence, stream);
+      device_.synchronize_event(fence);
+      spare_events_.push_back(fence);
+    }
+    for (block* piece = idle.first; piece != nullptr;) {
+      block* next = piece->next;
+      remove_free(piece);
+      recycle_block(piece);
+      piece = next;
+    }
+    arena_.decommit(idle.address, idle.chunks);
+    auto [inserted, fresh] = free_addresses_.emplace(idle.address, idle.bytes);
+    (void)fresh;
+    auto after = std::next(inserted);
+    if (after != free_addresses_.end() && inserted->first + inserted->second == after->first) {
+      inserted->second += after->second;
+      free_addresses_.erase(after);
+    }
+    if (inserted != free_addresses_.begin()) {
+      auto before = std::prev(inserted);
+      if (before->first + before->second == inserted->first) {
+        before->second += inserted->second;
+        free_addresses_.erase(inserted);
+      }
+    }
+    released += idle.bytes;
+    stats_.apply(class_, [&](class_stats& figures) {
+      figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes));
+      figures.segments_unmapped.fetch_add(1, std::memory_order_relaxed);
+    });
+  }
+  segments_.erase(unused, segments_.end());
+  return released;
+}
+
+std::size_t heap::largest_free_block() const {
+  std::lock_guard lock(mutex_);
+  std::size_t largest = 0;
+  for (const auto& index : indexes_) {
+    for (std::size_t word = index->nonempty.size(); word-- > 0;) {
+      if (index->nonempty[word] == 0) continue;
+      const std::size_t bin = word * 64 + 63 - static_cast<std::size_t>(std::countl_zero(index->nonempty[word]));
+      for (block* candidate = index->heads[bin]; candidate != nullptr; candidate = candidate->bin_next) {
+        largest = std::max(largest, candidate->bytes);
+      }
+      break;
+    }
+  }
+  return largest;
+}
+
+block* heap::new_block() {
+  if (spare_blocks_.empty()) {
+    block_storage_.push_back(std::make_unique<block>());
+    return block_storage_.back().get();
+  }
+  block* reused = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return reused;
+}
+
+void heap::recycle_block(block* unused) {
+  *unused = block{};
+  spare_blocks_.push_back(unused);
+}
+
+event_handle heap::obtain_event() {
+  if (!spare_events_.empty()) {
+    event_handle event = spare_events_.back();
+    spare_events_.pop_back();
+    return event;
+  }
+  event_handle event = device_.create_event();
+  all_events_.push_back(event);
+  return event;
+}
+
+}  // namespace zeroalloc

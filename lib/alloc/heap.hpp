@@ -1,0 +1,121 @@
+// A heap: the blocks of one allocation class and one size kind (small or large) of one
+// device, in segments inside the heap's own address region. Used by caching_allocator only;
+// see Note [Stream-ordered reuse] in caching_allocator.hpp.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "alloc/allocation_class.hpp"
+#include "alloc/allocator_stats.hpp"
+#include "alloc/chunk_arena.hpp"
+#include "alloc/pointer_map.hpp"
+#include "device/device.hpp"
+
+namespace zeroalloc {
+
+struct segment;
+
+/// A range of a segment: allocated, free, or freed but waiting for other streams.
+struct block {
+  std::uintptr_t address = 0;
+  std::size_t bytes = 0;
+  segment* owner = nullptr;
+  block* previous = nullptr;  // neighbours by address, within the segment
+  block* next = nullptr;
+  block* bin_previous = nullptr;  // free-list links, while free
+  block* bin_next = nullptr;
+  stream_handle stream = nullptr;
+  bool allocated = false;
+  bool pending = false;                   // freed, waiting for events on other streams
+  std::vector<stream_handle> other_streams;  // record_stream targets
+  std::vector<event_handle> pending_events;
+};
+
+/// Mapped memory with its physical chunks; carved into blocks.
+struct segment {
+  std::uintptr_t address = 0;
+  std::size_t bytes = 0;
+  std::vector<physical_handle> chunks;
+  std::size_t busy_blocks = 0;  // allocated or pending
+  block* first = nullptr;
+};
+
+class heap {
+ public:
+  /// The stream tag of blocks whose stream was destroyed after its work completed: any
+  /// stream may take them without waiting.
+  static inline const stream_handle kDetachedStream = reinterpret_cast<stream_handle>(~std::uintptr_t{0});
+
+  enum class size_kind { small, large };
+
+  heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
+       std::size_t region_bytes);
+  ~heap();
+
+  /// A block of `rounded_bytes` for `stream`, or nullptr when new memory is needed and
+  /// the arena has none (the caller releases cache and retries).
+  void* allocate(std::size_t rounded_bytes, stream_handle stream);
+  /// Frees; false when `pointer` is not a live allocation of this heap.
+  bool deallocate(std::uintptr_t pointer);
+  bool record_stream(std::uintptr_t pointer, stream_handle stream);
+  /// Detaches every block tagged with `stream` (which the caller has synchronized and is
+  /// about to destroy), so that no event is ever recorded on it again.
+  void forget_stream(stream_handle stream);
+  /// Waits for pending frees, then unmaps every fully free segment. Returns bytes unmapped.
+  std::uint64_t release_free_segments();
+
+  [[nodiscard]] bool contains(std::uintptr_t pointer) const {
+    return pointer - region_start_ < region_bytes_;
+  }
+  [[nodiscard]] std::size_t largest_free_block() const;
+  [[nodiscard]] allocation_class cls() const { return class_; }
+
+ private:
+  static constexpr std::size_t kBinCount = 4 * 48;
+  struct free_index {  // free blocks of one stream, binned by size
+    stream_handle stream = nullptr;
+    std::array<block*, kBinCount> heads{};
+    std::array<std::uint64_t, kBinCount / 64> nonempty{};
+  };
+
+  static std::size_t bin_of(std::size_t bytes);
+  free_index& index_for(stream_handle stream);
+  void insert_free(block* free_block);
+  void remove_free(block* free_block);
+  block* find_fit(free_index& index, std::size_t bytes);
+  block* take_from_other_stream(std::size_t bytes, stream_handle stream);
+  block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);
+  std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
+  void release_block(block* freed);
+  void process_pending(bool wait);
+  block* new_block();
+  void recycle_block(block* unused);
+  event_handle obtain_event();
+
+  chunk_arena& arena_;
+  device& device_;
+  allocator_stats& stats_;
+  const allocation_class class_;
+  const size_kind kind_;
+  std::uintptr_t region_start_ = 0;
+  std::size_t region_bytes_ = 0;
+
+  mutable std::mutex mutex_;
+  std::map<std::uintptr_t, std::size_t> free_addresses_;  // unmapped parts of the region
+  std::vector<std::unique_ptr<free_index>> indexes_;
+  pointer_map<block> live_;
+  std::vector<std::unique_ptr<segment>> segments_;
+  std::vector<std::unique_ptr<block>> block_storage_;
+  std::vector<block*> spare_blocks_;
+  std::vector<block*> pending_;
+  std::vector<event_handle> spare_events_;
+  std::vector<event_handle> all_events_;
+};
+
+}  // namespace zeroalloc

@@ -1,0 +1,162 @@
+// The extern "C" boundary. Every function catches everything: a failure becomes the
+// documented return value plus a message in zeroalloc_last_error(), never an exception.
+#include <cstring>
+#include <string>
+
+#include "alloc/caching_allocator.hpp"
+#include "capi/runtime.hpp"
+#include "core/errors.hpp"
+#include "core/log.hpp"
+#include "zeroalloc/zeroalloc.h"
+
+#define ZA_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using zeroalloc::allocation_class;
+using zeroalloc::runtime;
+
+thread_local std::string t_last_error;
+thread_local allocation_class t_class = allocation_class::other;
+
+void set_error(const char* function, const std::exception& failure) {
+  t_last_error = std::string(function) + ": " + failure.what();
+}
+
+// Runs `body`; on an exception records it and returns `failed`.
+template <typename Result, typename Body>
+Result guarded(const char* function, Result failed, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception& failure) {
+    set_error(function, failure);
+  } catch (...) {
+    t_last_error = std::string(function) + ": unknown failure";
+  }
+  return failed;
+}
+
+template <typename Body>
+void guarded_void(const char* function, Body&& body) noexcept {
+  guarded(function, 0, [&] {
+    body();
+    return 0;
+  });
+}
+
+bool valid_class(int value) { return value >= 0 && value < ZEROALLOC_CLASS_COUNT; }
+
+}  // namespace
+
+ZA_EXPORT int zeroalloc_abi_version(void) { return ZEROALLOC_ABI_VERSION; }
+
+ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_stream_t stream,
+                                       zeroalloc_class cls) {
+  return guarded("zeroalloc_malloc", static_cast<void*>(nullptr), [&]() -> void* {
+    if (size < 0) ZA_THROW(zeroalloc::invalid_argument, "size ", size, " is negative");
+    if (!valid_class(cls)) ZA_THROW(zeroalloc::invalid_argument, "class ", static_cast<int>(cls), " does not exist");
+    return runtime::get().allocator(device).allocate(static_cast<std::size_t>(size), stream,
+                                                     static_cast<allocation_class>(cls));
+  });
+}
+
+ZA_EXPORT void* zeroalloc_malloc(ssize_t size, int device, zeroalloc_stream_t stream) {
+  return zeroalloc_malloc_class(size, device, stream, static_cast<zeroalloc_class>(t_class));
+}
+
+ZA_EXPORT void zeroalloc_free(void* ptr, ssize_t /*size*/, int /*device*/,
+                              zeroalloc_stream_t /*stream*/) {
+  if (ptr == nullptr) return;
+  guarded_void("zeroalloc_free", [&] {
+    zeroalloc::caching_allocator* owner = runtime::get().owner_of(ptr);
+    if (owner == nullptr || !owner->deallocate(ptr)) {
+      ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr,
+               " is not a live zeroalloc allocation (freed twice, or from another allocator); "
+               "ignored");
+    }
+  });
+}
+
+ZA_EXPORT void zeroalloc_init(int device_count) {
+  guarded_void("zeroalloc_init", [&] {
+    runtime& started = runtime::get();
+    if (device_count > started.device_count()) {
+      zeroalloc::log().warn("zeroalloc_init({}): only {} device(s) are present", device_count,
+                            started.device_count());
+    }
+  });
+}
+
+ZA_EXPORT void zeroalloc_empty_cache(void) {
+  guarded_void("zeroalloc_empty_cache", [&] {
+    for (zeroalloc::caching_allocator* each : runtime::get().started_allocators()) {
+      each->empty_cache();
+    }
+  });
+}
+
+ZA_EXPORT void zeroalloc_set_memory_fraction(double fraction, int device) {
+  guarded_void("zeroalloc_set_memory_fraction", [&] {
+    if (!(fraction > 0.0 && fraction <= 1.0)) {
+      ZA_THROW(zeroalloc::invalid_argument, "fraction ", fraction,
+               " is outside (0, 1]; the limit is unchanged");
+    }
+    zeroalloc::caching_allocator& target = runtime::get().allocator(device);
+    const auto total = target.backing().query_memory().total_bytes;
+    target.set_limit(static_cast<std::uint64_t>(static_cast<double>(total) * fraction),
+                     zeroalloc::detail::concat("set_per_process_memory_fraction(", fraction, ")"));
+  });
+}
+
+ZA_EXPORT void zeroalloc_record_stream(void* ptr, zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_record_stream", [&] {
+    zeroalloc::caching_allocator* owner = runtime::get().owner_of(ptr);
+    if (owner == nullptr || !owner->record_stream(ptr, stream)) {
+      ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr, " is not a live zeroalloc allocation");
+    }
+  });
+}
+
+ZA_EXPORT zeroalloc_class zeroalloc_set_thread_class(zeroalloc_class cls) {
+  const auto previous = static_cast<zeroalloc_class>(t_class);
+  if (valid_class(cls)) t_class = static_cast<allocation_class>(cls);
+  return previous;
+}
+
+ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
+  guarded_void("zeroalloc_reset_peak_stats",
+               [&] { runtime::get().allocator(device).reset_peak_stats(); });
+}
+
+ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
+  return guarded("zeroalloc_stats_json", -1, [&] {
+    const std::string text = runtime::get().allocator(device).stats_json();
+    if (buffer != nullptr && length > 0) {
+      const std::size_t copied = std::min(text.size(), length - 1);
+      std::memcpy(buffer, text.data(), copied);
+      buffer[copied] = '\0';
+    }
+    return static_cast<int>(text.size());
+  });
+}
+
+ZA_EXPORT zeroalloc_stream_t zeroalloc_stream_create(int device) {
+  return guarded("zeroalloc_stream_create", static_cast<zeroalloc_stream_t>(nullptr), [&] {
+    return static_cast<zeroalloc_stream_t>(runtime::get().allocator(device).backing().create_stream());
+  });
+}
+
+ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
+  if (stream == nullptr) return;
+  guarded_void("zeroalloc_stream_destroy", [&] {
+    zeroalloc::caching_allocator& owner = runtime::get().allocator(device);
+    owner.forget_stream(stream);
+    owner.backing().destroy_stream(stream);
+  });
+}
+
+ZA_EXPORT int zeroalloc_device_count(void) {
+  return guarded("zeroalloc_device_count", -1, [] { return runtime::get().device_count(); });
+}
+
+ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error.c_str(); }

@@ -1,0 +1,84 @@
+#include "capi/runtime.hpp"
+
+#include <cstdio>
+
+#include "core/errors.hpp"
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+
+namespace {
+
+// The outcome of the one start-up attempt: a runtime, or the reason there is none.
+struct startup {
+  runtime* started = nullptr;
+  std::string failure;
+};
+
+}  // namespace
+
+runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
+  log().info("zeroalloc started: {} {} device(s), chunk size {}", registry_.count(),
+             registry_.kind(), format_bytes(parsed.chunk_bytes));
+}
+
+runtime& runtime::get() {
+  static startup outcome = [] {
+    startup attempt;
+    try {
+      const options parsed = options::from_environment();
+      configure_logging(parsed);
+      attempt.started = new runtime(parsed);
+    } catch (const std::exception& failure) {
+      attempt.failure = detail::concat("zeroalloc cannot start: ", failure.what());
+      log().error("{}", attempt.failure);
+    }
+    return attempt;
+  }();
+  if (outcome.started == nullptr) throw config_error(outcome.failure);
+  return *outcome.started;
+}
+
+caching_allocator& runtime::allocator(int ordinal) {
+  if (ordinal < 0 || ordinal >= registry_.count() || ordinal >= kMaxDevices) {
+    ZA_THROW(invalid_argument, "device ", ordinal, " does not exist: zeroalloc drives ",
+             registry_.count(), " ", registry_.kind(), " device(s), numbered from 0");
+  }
+  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire)) return *ready;
+  std::lock_guard lock(create_mutex_);
+  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire)) return *ready;
+  devices_.push_back(registry_.open(ordinal));
+  device& opened = *devices_.back();
+  allocator_settings settings;
+  settings.chunk_bytes = options_.chunk_bytes;
+  if (options_.limit.is_set()) {
+    settings.limit_bytes = options_.limit.resolve(opened.query_memory().total_bytes);
+    settings.limit_source = "ZEROALLOC_MEMORY_LIMIT=" + options_.limit.text;
+  }
+  owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
+  caching_allocator* created = owned_allocators_.back().get();
+  allocators_[ordinal].store(created, std::memory_order_release);
+  log().info("device {}: {}, limit {}", ordinal, opened.name(), format_bytes(created->limit_bytes()));
+  return *created;
+}
+
+caching_allocator* runtime::owner_of(const void* pointer) {
+  for (int ordinal = 0; ordinal < registry_.count() && ordinal < kMaxDevices; ++ordinal) {
+    caching_allocator* candidate = allocators_[ordinal].load(std::memory_order_acquire);
+    if (candidate != nullptr && candidate->owns(pointer)) return candidate;
+  }
+  return nullptr;
+}
+
+std::vector<caching_allocator*> runtime::started_allocators() {
+  std::vector<caching_allocator*> started;
+  for (int ordinal = 0; ordinal < registry_.count() && ordinal < kMaxDevices; ++ordinal) {
+    if (caching_allocator* each = allocators_[ordinal].load(std::memory_order_acquire)) {
+      started.push_back(each);
+    }
+  }
+  return started;
+}
+
+}  // namespace zeroalloc

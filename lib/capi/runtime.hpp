@@ -1,0 +1,48 @@
+// The process-wide state behind the C ABI: options, devices and one caching allocator per
+// device, created on first use. It is never destroyed: PyTorch and CUDA libraries free
+// memory from static destructors, after which a destroyed allocator would crash them.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "alloc/caching_allocator.hpp"
+#include "core/options.hpp"
+#include "device/device_registry.hpp"
+
+namespace zeroalloc {
+
+class runtime {
+ public:
+  /// The runtime, started on the first call. Throws config_error (or no_driver_error) on
+  /// every call when the start failed, with the same message.
+  static runtime& get();
+
+  [[nodiscard]] int device_count() const { return registry_.count(); }
+  /// The allocator of `ordinal`, created on first use. Throws invalid_argument for a bad
+  /// ordinal.
+  caching_allocator& allocator(int ordinal);
+  /// The allocator that owns `pointer`, or nullptr; never creates one.
+  caching_allocator* owner_of(const void* pointer);
+  /// Allocators created so far (for empty_cache over all devices).
+  std::vector<caching_allocator*> started_allocators();
+
+  [[nodiscard]] const options& settings() const { return options_; }
+
+ private:
+  explicit runtime(const options& parsed);
+
+  static constexpr int kMaxDevices = 64;
+  options options_;
+  device_registry registry_;
+  std::mutex create_mutex_;
+  std::array<std::atomic<caching_allocator*>, kMaxDevices> allocators_{};
+  std::vector<std::unique_ptr<device>> devices_;
+  std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
+};
+
+}  // namespace zeroalloc

@@ -1,0 +1,244 @@
+#include "core/options.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/errors.hpp"
+#include "core/units.hpp"
+
+extern char** environ;
+
+namespace zeroalloc {
+
+namespace {
+
+constexpr std::string_view kPrefix = "ZEROALLOC_";
+
+const std::vector<option_spec> kTable = {
+    {"ZEROALLOC_DEVICE", option_kind::choice, "auto", "auto|cuda|sim",
+     "Which device backs allocations: cuda (the GPU through the CUDA driver), sim (the "
+     "simulated device in host memory), or auto (cuda when a driver and a GPU are present, "
+     "else sim)."},
+    {"ZEROALLOC_MEMORY_LIMIT", option_kind::byte_size_or_share, "", "",
+     "Most device memory zeroalloc may hold per device, in bytes with a unit (512MiB, 80GB) "
+     "or as a share of the device (0.9, 90%). Unset: the whole device."},
+    {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
+     "Size of the physical memory chunks that back large allocations and that later tiers "
+     "move as a unit; a multiple of the device's 2 MiB granularity."},
+    {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
+     "Least severe message that is logged."},
+    {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
+     "Write the log to this file instead of standard error."},
+    {"ZEROALLOC_SIM_MEMORY", option_kind::byte_size, "8GiB", "",
+     "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
+    {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
+     "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
+    {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
+     "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
+     "in the build tree."},
+};
+
+std::string lowercase(std::string_view text) {
+  std::string out(text);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+std::string_view trim(std::string_view text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) {
+    text.remove_prefix(1);
+  }
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) {
+    text.remove_suffix(1);
+  }
+  return text;
+}
+
+// Parses a non-negative decimal number ("12", "1.5"); nullopt on anything else.
+std::optional<double> parse_decimal(std::string_view text) {
+  if (text.empty() || text.front() == '-' || text.front() == '+') return std::nullopt;
+  double value = 0;
+  auto [end, status] = std::from_chars(text.data(), text.data() + text.size(), value,
+                                       std::chars_format::fixed);
+  if (status != std::errc() || end != text.data() + text.size() || !std::isfinite(value)) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+[[noreturn]] void reject(std::string_view name, std::string_view value, std::string_view form) {
+  ZA_THROW(config_error, name, "='", value, "' is not valid: expected ", form, ".");
+}
+
+std::string_view accepted_form(const option_spec& spec) {
+  switch (spec.kind) {
+    case option_kind::byte_size:
+      return "a byte size such as 512MiB, 80GB or 1048576";
+    case option_kind::byte_size_or_share:
+      return "a byte size such as 512MiB or 80GB, or a share of the device such as 0.9 or 90%";
+    case option_kind::boolean:
+      return "1 or 0 (also true/false, yes/no, on/off)";
+    case option_kind::count:
+      return "a whole number from 1 to 1024";
+    case option_kind::choice:
+      return spec.choices;
+    case option_kind::text:
+      return "a non-empty text";
+  }
+  return "";
+}
+
+}  // namespace
+
+const std::vector<option_spec>& option_table() { return kTable; }
+
+std::uint64_t memory_limit::resolve(std::uint64_t total_bytes) const {
+  if (bytes) return std::min(*bytes, total_bytes);
+  if (share) return static_cast<std::uint64_t>(static_cast<double>(total_bytes) * *share);
+  return total_bytes;
+}
+
+std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
+  text = trim(text);
+  std::size_t split = 0;
+  while (split < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[split])) || text[split] == '.')) {
+    ++split;
+  }
+  const std::optional<double> number = parse_decimal(text.substr(0, split));
+  if (!number) return std::nullopt;
+  const std::string unit = lowercase(trim(text.substr(split)));
+  double multiplier = 0;
+  if (unit.empty() || unit == "b") {
+    multiplier = 1;
+  } else if (unit == "k" || unit == "kib") {
+    multiplier = 0x1p10;
+  } else if (unit == "m" || unit == "mib") {
+    multiplier = 0x1p20;
+  } else if (unit == "g" || unit == "gib") {
+    multiplier = 0x1p30;
+  } else if (unit == "t" || unit == "tib") {
+    multiplier = 0x1p40;
+  } else if (unit == "kb") {
+    multiplier = 1e3;
+  } else if (unit == "mb") {
+    multiplier = 1e6;
+  } else if (unit == "gb") {
+    multiplier = 1e9;
+  } else if (unit == "tb") {
+    multiplier = 1e12;
+  } else {
+    return std::nullopt;
+  }
+  const double bytes = *number * multiplier;
+  if (bytes >= 0x1p64 || bytes != std::floor(bytes)) return std::nullopt;
+  return static_cast<std::uint64_t>(bytes);
+}
+
+options options::parse(const std::function<const char*(const char*)>& lookup,
+                       const std::vector<std::string>& variable_names) {
+  for (const std::string& name : variable_names) {
+    const bool known = std::any_of(kTable.begin(), kTable.end(),
+                                   [&](const option_spec& spec) { return spec.name == name; });
+    if (!known) {
+      ZA_THROW(config_error, name,
+               " is not a zeroalloc variable: unset it, or check its spelling against the "
+               "list in README.md (python -m zeroalloc doctor prints it too).");
+    }
+  }
+
+  options parsed;
+  for (const option_spec& spec : kTable) {
+    const std::string name(spec.name);
+    const char* raw = lookup(name.c_str());
+    const bool from_user = raw != nullptr;
+    const std::string_view value = from_user ? std::string_view(raw) : spec.default_value;
+    if (from_user && trim(value).empty()) {
+      ZA_THROW(config_error, name, " is set but empty: expected ", accepted_form(spec),
+               ". Unset it to use the default",
+               spec.default_value.empty() ? "" : std::string(" (") + std::string(spec.default_value) + ")",
+               ".");
+    }
+    if (value.empty()) continue;  // unset, no default
+    const std::string_view form = accepted_form(spec);
+
+    if (spec.kind == option_kind::choice) {
+      const std::string word = lowercase(trim(value));
+      std::string_view rest = spec.choices;
+      bool found = false;
+      while (!rest.empty()) {
+        const std::size_t bar = rest.find('|');
+        if (rest.substr(0, bar) == word) found = true;
+        rest = bar == std::string_view::npos ? std::string_view() : rest.substr(bar + 1);
+      }
+      if (!found) reject(name, value, std::string("one of ") + std::string(form));
+      if (name == "ZEROALLOC_DEVICE") parsed.device = word;
+      if (name == "ZEROALLOC_LOG_LEVEL") parsed.log_level = word;
+    } else if (spec.kind == option_kind::byte_size) {
+      const std::optional<std::uint64_t> bytes = parse_byte_size(value);
+      if (!bytes || *bytes == 0) reject(name, value, form);
+      if (name == "ZEROALLOC_CHUNK_SIZE") {
+        if (*bytes % (2 * MiB) != 0) {
+          reject(name, value, "a multiple of 2MiB (the device's mapping granularity), such as 64MiB");
+        }
+        parsed.chunk_bytes = *bytes;
+      }
+      if (name == "ZEROALLOC_SIM_MEMORY") parsed.sim_memory_bytes = *bytes;
+    } else if (spec.kind == option_kind::byte_size_or_share) {
+      const std::string_view trimmed = trim(value);
+      memory_limit limit;
+      limit.text = std::string(trimmed);
+      if (!trimmed.empty() && trimmed.back() == '%') {
+        const std::optional<double> percent = parse_decimal(trim(trimmed.substr(0, trimmed.size() - 1)));
+        if (!percent || *percent <= 0 || *percent > 100) reject(name, value, form);
+        limit.share = *percent / 100.0;
+      } else if (trimmed.find('.') != std::string_view::npos &&
+                 trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
+        const std::optional<double> share = parse_decimal(trimmed);
+        if (!share || *share <= 0 || *share > 1) {
+          reject(name, value, "a share of the device between 0 and 1 (such as 0.9), or a byte size such as 80GB");
+        }
+        limit.share = *share;
+      } else {
+        const std::optional<std::uint64_t> bytes = parse_byte_size(trimmed);
+        if (!bytes || *bytes == 0) reject(name, value, form);
+        limit.bytes = *bytes;
+      }
+      parsed.limit = limit;
+    } else if (spec.kind == option_kind::count) {
+      const std::string_view trimmed = trim(value);
+      int number = 0;
+      auto [end, status] = std::from_chars(trimmed.data(), trimmed.data() + trimmed.size(), number);
+      if (status != std::errc() || end != trimmed.data() + trimmed.size() || number < 1 ||
+          number > 1024) {
+        reject(name, value, form);
+      }
+      if (name == "ZEROALLOC_SIM_DEVICES") parsed.sim_device_count = number;
+    } else if (spec.kind == option_kind::boolean) {
+      const std::string word = lowercase(trim(value));
+      const bool known = word == "1" || word == "0" || word == "true" || word == "false" ||
+                         word == "yes" || word == "no" || word == "on" || word == "off";
+      if (!known) reject(name, value, form);
+    } else if (spec.kind == option_kind::text) {
+      if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);
+    }
+  }
+  return parsed;
+}
+
+options options::from_environment() {
+  std::vector<std::string> names;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    const std::string_view variable(*entry);
+    if (variable.substr(0, kPrefix.size()) != kPrefix) continue;
+    names.emplace_back(variable.substr(0, variable.find('=')));
+  }
+  return parse([](const char* name) { return std::getenv(name); }, names);
+}
+
+}  // namespace zeroalloc

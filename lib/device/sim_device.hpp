@@ -1,0 +1,87 @@
+// The simulated device: a faithful model of the CUDA VMM semantics in host memory, so that
+// every allocator and engine test runs in CI without a GPU (see DESIGN.md, "Testing on
+// machines without a GPU").
+//
+// - A physical handle is a memfd; device-located handles count against the device's
+//   capacity, host-located ones do not.
+// - map() is mmap(MAP_FIXED | MAP_SHARED) of that memfd at the reserved address, so a remap
+//   really swaps the bytes behind a stable pointer, and a stale access after unmap faults.
+// - A stream is a worker thread that runs its queue in order; events mark points in a queue
+//   and can be waited on by other streams, as in CUDA.
+// Mapping over a mapped range, unmapping an unmapped one, or releasing a mapped handle
+// raise device_error, as the driver would.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "device/device.hpp"
+
+namespace zeroalloc {
+
+class sim_stream;
+
+class sim_device final : public device {
+ public:
+  /// A device with `capacity_bytes` of "device memory".
+  sim_device(int ordinal, std::uint64_t capacity_bytes);
+  ~sim_device() override;
+
+  [[nodiscard]] std::string name() const override;
+  [[nodiscard]] int ordinal() const override { return ordinal_; }
+  [[nodiscard]] bool is_simulated() const override { return true; }
+  [[nodiscard]] std::size_t granularity() const override;
+  [[nodiscard]] memory_info query_memory() const override;
+
+  physical_handle create_physical(std::size_t bytes, memory_location location) override;
+  void release_physical(physical_handle handle) override;
+  std::uintptr_t reserve_addresses(std::size_t bytes, std::size_t alignment) override;
+  void free_addresses(std::uintptr_t address, std::size_t bytes) override;
+  void map(std::uintptr_t address, physical_handle handle) override;
+  void unmap(std::uintptr_t address, std::size_t bytes) override;
+
+  stream_handle create_stream() override;
+  void destroy_stream(stream_handle stream) override;
+  event_handle create_event() override;
+  void destroy_event(event_handle event) override;
+  void record_event(event_handle event, stream_handle stream) override;
+  [[nodiscard]] bool event_completed(event_handle event) override;
+  void synchronize_event(event_handle event) override;
+  void stream_wait_event(stream_handle stream, event_handle event) override;
+  void synchronize_stream(stream_handle stream) override;
+
+  void copy_async(void* destination, const void* source, std::size_t bytes,
+                  stream_handle stream) override;
+  void fill_async(void* destination, std::uint8_t value, std::size_t bytes,
+                  stream_handle stream) override;
+  void host_function_async(std::function<void()> function, stream_handle stream) override;
+
+ private:
+  struct handle_record {
+    int memfd = -1;
+    std::size_t bytes = 0;
+    memory_location location = memory_location::device;
+    int mappings = 0;
+  };
+  struct mapping_record {
+    std::size_t bytes = 0;
+    std::uint64_t handle = 0;
+  };
+
+  sim_stream& resolve(stream_handle stream);
+
+  const int ordinal_;
+  const std::uint64_t capacity_bytes_;
+  mutable std::mutex mutex_;
+  std::uint64_t used_bytes_ = 0;  // device-located handles alive
+  std::uint64_t next_handle_ = 1;
+  std::map<std::uint64_t, handle_record> handles_;
+  std::map<std::uintptr_t, std::size_t> reservations_;  // start -> bytes
+  std::map<std::uintptr_t, mapping_record> mappings_;   // start -> mapping
+  std::unique_ptr<sim_stream> default_stream_;
+};
+
+}  // namespace zeroalloc

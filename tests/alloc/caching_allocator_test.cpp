@@ -1,0 +1,391 @@
+// The caching allocator's behaviour as a user of the library sees it, over every device:
+// memory is distinct and intact, reuse respects streams, the limit holds to the byte,
+// running out says why, empty_cache gives memory back, and the statistics add up.
+#include "alloc/caching_allocator.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "core/errors.hpp"
+#include "support/test_device.hpp"
+
+namespace zeroalloc {
+namespace {
+
+using testing::read_back;
+
+constexpr std::size_t kSimBytes = 1 * GiB;
+
+class CachingAllocatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, kSimBytes); }
+
+  std::unique_ptr<caching_allocator> make_allocator(std::uint64_t limit_bytes = 0,
+                                                    std::string source = "the test") {
+    allocator_settings settings;
+    settings.chunk_bytes = 8 * MiB;
+    settings.limit_bytes = limit_bytes;
+    settings.limit_source = limit_bytes != 0 ? std::move(source) : "";
+    return std::make_unique<caching_allocator>(*device_, settings);
+  }
+
+  void fill(void* pointer, std::uint8_t value, std::size_t bytes, stream_handle stream = nullptr) {
+    device_->fill_async(pointer, value, bytes, stream);
+  }
+  bool holds(void* pointer, std::uint8_t value, std::size_t bytes, stream_handle stream = nullptr) {
+    return read_back(*device_, pointer, bytes, stream) == std::vector<std::uint8_t>(bytes, value);
+  }
+
+  std::unique_ptr<device> device_;
+};
+
+TEST_F(CachingAllocatorTest, AllocationsAreAlignedDistinctAndUsable) {
+  auto allocator = make_allocator();
+  std::map<std::uintptr_t, std::size_t> ranges;
+  const std::size_t sizes[] = {1, 511, 512, 4096, 100'000, 1 * MiB, 1 * MiB + 1, 7 * MiB, 33 * MiB};
+  for (std::size_t bytes : sizes) {
+    void* pointer = allocator->allocate(bytes, nullptr, allocation_class::other);
+    ASSERT_NE(pointer, nullptr);
+    const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+    EXPECT_EQ(address % caching_allocator::kAlignment, 0u);
+    auto next = ranges.lower_bound(address);
+    if (next != ranges.end()) {
+      EXPECT_LE(address + bytes, next->first) << "overlaps the next block";
+    }
+    if (next != ranges.begin()) {
+      auto previous = std::prev(next);
+      EXPECT_LE(previous->first + previous->second, address) << "overlaps the previous block";
+    }
+    ranges[address] = bytes;
+    fill(pointer, 0x3C, bytes);
+    EXPECT_TRUE(holds(pointer, 0x3C, bytes));
+    EXPECT_TRUE(allocator->owns(pointer));
+  }
+  for (auto [address, bytes] : ranges) EXPECT_TRUE(allocator->deallocate(reinterpret_cast<void*>(address)));
+}
+
+TEST_F(CachingAllocatorTest, ZeroBytesGivesAUniquePointerThatCanBeFreed) {
+  auto allocator = make_allocator();
+  void* first = allocator->allocate(0, nullptr, allocation_class::other);
+  void* second = allocator->allocate(0, nullptr, allocation_class::other);
+  EXPECT_NE(first, nullptr);
+  EXPECT_NE(first, second);
+  EXPECT_TRUE(allocator->deallocate(first));
+  EXPECT_TRUE(allocator->deallocate(second));
+}
+
+TEST_F(CachingAllocatorTest, ForeignAndDoubleFreesAreRefused) {
+  auto allocator = make_allocator();
+  int on_the_stack = 0;
+  EXPECT_FALSE(allocator->deallocate(&on_the_stack));
+  void* pointer = allocator->allocate(4096, nullptr, allocation_class::other);
+  EXPECT_TRUE(allocator->deallocate(pointer));
+  EXPECT_FALSE(allocator->deallocate(pointer));
+  EXPECT_FALSE(allocator->deallocate(static_cast<char*>(pointer) + 512));
+  EXPECT_EQ(allocator->stats().total.frees.load(), 1u);
+}
+
+TEST_F(CachingAllocatorTest, FreedMemoryIsReusedFromTheCache) {
+  auto allocator = make_allocator();
+  void* first = allocator->allocate(3 * MiB, nullptr, allocation_class::other);
+  allocator->deallocate(first);
+  void* second = allocator->allocate(3 * MiB, nullptr, allocation_class::other);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(allocator->stats().total.cache_hits.load(), 1u);
+  EXPECT_EQ(allocator->stats().total.segments_mapped.load(), 1u);
+  allocator->deallocate(second);
+}
+
+TEST_F(CachingAllocatorTest, BytesStayIntactThroughSplitsAndMerges) {
+  auto allocator = make_allocator();
+  std::mt19937 random(7);
+  struct live_block {
+    void* pointer;
+    std::size_t bytes;
+    std::uint8_t value;
+  };
+  std::vector<live_block> live;
+  for (int round = 0; round < 400; ++round) {
+    if (!live.empty() && random() % 3 == 0) {
+      const std::size_t victim = random() % live.size();
+      ASSERT_TRUE(allocator->deallocate(live[victim].pointer));
+      live.erase(live.begin() + static_cast<long>(victim));
+      continue;
+    }
+    const std::size_t bytes = random() % 2 == 0 ? 512 + random() % (256 * KiB)
+                                                : 1 * MiB + random() % (6 * MiB);
+    const auto value = static_cast<std::uint8_t>(random());
+    void* pointer = allocator->allocate(bytes, nullptr, allocation_class::other);
+    fill(pointer, value, bytes);
+    live.push_back({pointer, bytes, value});
+  }
+  for (const live_block& each : live) {
+    EXPECT_TRUE(holds(each.pointer, each.value, each.bytes)) << "block of " << each.bytes << " bytes";
+  }
+  for (const live_block& each : live) allocator->deallocate(each.pointer);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current(), 0);
+}
+
+TEST_F(CachingAllocatorTest, ClassesLiveInSeparateSegments) {
+  auto allocator = make_allocator();
+  void* parameter = allocator->allocate(4096, nullptr, allocation_class::parameter);
+  void* state = allocator->allocate(4096, nullptr, allocation_class::optimizer_state);
+  const auto distance = reinterpret_cast<std::uintptr_t>(state) > reinterpret_cast<std::uintptr_t>(parameter)
+                            ? reinterpret_cast<std::uintptr_t>(state) - reinterpret_cast<std::uintptr_t>(parameter)
+                            : reinterpret_cast<std::uintptr_t>(parameter) - reinterpret_cast<std::uintptr_t>(state);
+  EXPECT_GE(distance, 2 * MiB) << "two classes shared a segment";
+  EXPECT_EQ(allocator->stats().classes[class_index(allocation_class::parameter)].allocated_bytes.current(), 4096);
+  EXPECT_EQ(allocator->stats().classes[class_index(allocation_class::optimizer_state)].reserved_bytes.current(),
+            static_cast<std::int64_t>(2 * MiB));
+  allocator->deallocate(parameter);
+  allocator->deallocate(state);
+}
+
+// Note [Stream-ordered reuse]: the block freed on `first` while `first` still has work
+// queued for it must not be written by `second` before that work has run.
+TEST_F(CachingAllocatorTest, BlockFreedOnOneStreamIsReusedOnAnotherOnlyAfterItsWork) {
+  auto allocator = make_allocator();
+  stream_handle first = device_->create_stream();
+  stream_handle second = device_->create_stream();
+  const std::size_t bytes = 4 * MiB;
+
+  void* pointer = allocator->allocate(bytes, first, allocation_class::other);
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, first);
+  fill(pointer, 0xAA, bytes, first);  // the late "kernel" on the first stream
+  allocator->deallocate(pointer);     // stream-ordered free: legal at once
+
+  void* reused = allocator->allocate(bytes, second, allocation_class::other);
+  EXPECT_EQ(reused, pointer) << "the cached block should be reused across streams";
+  fill(reused, 0xBB, bytes, second);
+  device_->synchronize_stream(second);
+  device_->synchronize_stream(first);
+  EXPECT_TRUE(holds(reused, 0xBB, bytes)) << "the second stream wrote before the first finished";
+
+  allocator->deallocate(reused);
+  allocator->forget_stream(first);
+  allocator->forget_stream(second);
+  device_->destroy_stream(first);
+  device_->destroy_stream(second);
+}
+
+TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
+  auto allocator = make_allocator();
+  stream_handle producer = device_->create_stream();
+  stream_handle consumer = device_->create_stream();
+  const std::size_t bytes = 2 * MiB + 512;
+
+  void* pointer = allocator->allocate(bytes, producer, allocation_class::other);
+  ASSERT_TRUE(allocator->record_stream(pointer, consumer));
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, consumer);
+  fill(pointer, 0xCC, bytes, consumer);  // the consumer still uses it after the free below
+  allocator->deallocate(pointer);
+  EXPECT_EQ(allocator->stats().total.active_bytes.current(),
+            allocator->stats().total.allocated_bytes.current() + static_cast<std::int64_t>(round_up(bytes, 512)));
+
+  void* meanwhile = allocator->allocate(bytes, producer, allocation_class::other);
+  EXPECT_NE(meanwhile, pointer) << "handed out while the consumer stream may still use it";
+  fill(meanwhile, 0x01, bytes, producer);
+  device_->synchronize_stream(consumer);
+  EXPECT_TRUE(holds(pointer, 0xCC, bytes, consumer));
+  allocator->deallocate(meanwhile);
+
+  void* later = allocator->allocate(bytes, producer, allocation_class::other);
+  allocator->deallocate(later);
+  EXPECT_EQ(allocator->stats().total.active_bytes.current(), 0);
+  allocator->forget_stream(producer);
+  allocator->forget_stream(consumer);
+  device_->destroy_stream(producer);
+  device_->destroy_stream(consumer);
+}
+
+TEST_F(CachingAllocatorTest, LimitIsHonouredToTheByte) {
+  const std::uint64_t limit = 41 * MiB;  // not a multiple of the granularity on purpose
+  auto allocator = make_allocator(limit);
+  void* exact = allocator->allocate(40 * MiB, nullptr, allocation_class::other);
+  ASSERT_NE(exact, nullptr);
+  EXPECT_THROW(allocator->allocate(512, nullptr, allocation_class::other), out_of_memory);
+  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak()), limit);
+  allocator->deallocate(exact);
+  void* small = allocator->allocate(512, nullptr, allocation_class::other);  // cache released, fits
+  EXPECT_NE(small, nullptr);
+  allocator->deallocate(small);
+}
+
+TEST_F(CachingAllocatorTest, OutOfMemoryMessageSaysWhatAndWhichVariable) {
+  auto allocator = make_allocator(64 * MiB, "ZEROALLOC_MEMORY_LIMIT=64MiB");
+  void* held = allocator->allocate(30 * MiB, nullptr, allocation_class::parameter);
+  try {
+    allocator->allocate(100 * MiB, nullptr, allocation_class::optimizer_state);
+    FAIL() << "an allocation over the limit succeeded";
+  } catch (const out_of_memory& failure) {
+    const std::string message = failure.what();
+    EXPECT_NE(message.find("tried to allocate 100.00 MiB (optimizer_state)"), std::string::npos) << message;
+    EXPECT_NE(message.find("limit in force: 64.00 MiB, set by ZEROALLOC_MEMORY_LIMIT=64MiB"), std::string::npos) << message;
+    EXPECT_NE(message.find("zeroalloc holds 30.00 MiB of which 30.00 MiB is allocated"), std::string::npos) << message;
+    EXPECT_NE(message.find("cached but free"), std::string::npos) << message;
+  }
+  EXPECT_EQ(allocator->stats().total.failures.load(), 1u);
+  allocator->deallocate(held);
+}
+
+TEST_F(CachingAllocatorTest, CachedMemoryOfAnotherClassIsReleasedToServeARequest) {
+  auto allocator = make_allocator(64 * MiB);
+  std::vector<void*> activations;
+  for (int i = 0; i < 6; ++i) activations.push_back(allocator->allocate(10 * MiB, nullptr, allocation_class::other));
+  for (void* each : activations) allocator->deallocate(each);  // 60 MiB cached, free
+  void* state = allocator->allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
+  EXPECT_NE(state, nullptr);
+  EXPECT_EQ(allocator->stats().total.retries.load(), 1u);
+  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak()), 64 * MiB);
+  allocator->deallocate(state);
+}
+
+TEST_F(CachingAllocatorTest, EmptyCacheReturnsFreeMemoryToTheDevice) {
+  auto allocator = make_allocator();
+  const memory_info before = device_->query_memory();
+  void* kept = allocator->allocate(4096, nullptr, allocation_class::other);
+  void* dropped = allocator->allocate(64 * MiB, nullptr, allocation_class::other);
+  allocator->deallocate(dropped);
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), static_cast<std::int64_t>(66 * MiB));
+  allocator->empty_cache();
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), static_cast<std::int64_t>(2 * MiB));
+  if (device_->is_simulated()) {
+    EXPECT_EQ(device_->query_memory().free_bytes, before.free_bytes - 2 * MiB);
+  }
+  allocator->deallocate(kept);
+  allocator->empty_cache();
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), 0);
+  if (device_->is_simulated()) {
+    EXPECT_EQ(device_->query_memory().free_bytes, before.free_bytes);
+  }
+}
+
+TEST_F(CachingAllocatorTest, StatisticsAreExactAfterARandomWorkload) {
+  auto allocator = make_allocator();
+  std::mt19937 random(11);
+  struct live_block {
+    void* pointer;
+    std::int64_t bytes;
+    allocation_class cls;
+  };
+  std::vector<live_block> live;
+  std::array<std::int64_t, kAllocationClassCount> allocated{};
+  std::array<std::int64_t, kAllocationClassCount> peak{};
+  std::int64_t total = 0;
+  std::int64_t total_peak = 0;
+  std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
+  for (int round = 0; round < 3000; ++round) {
+    if (!live.empty() && random() % 2 == 0) {
+      const std::size_t victim = random() % live.size();
+      allocator->deallocate(live[victim].pointer);
+      allocated[class_index(live[victim].cls)] -= live[victim].bytes;
+      total -= live[victim].bytes;
+      ++frees;
+      live.erase(live.begin() + static_cast<long>(victim));
+      continue;
+    }
+    const auto cls = static_cast<allocation_class>(random() % kAllocationClassCount);
+    const std::size_t bytes = random() % 4 == 0 ? 1 * MiB + random() % (3 * MiB) : 1 + random() % (64 * KiB);
+    void* pointer = allocator->allocate(bytes, nullptr, cls);
+    // Rounded to 512; a large block keeps an unsplittable remainder of up to 1 MiB.
+    const std::int64_t charged = allocator->stats().total.allocated_bytes.current() - total;
+    EXPECT_GE(charged, static_cast<std::int64_t>(round_up(bytes, 512)));
+    EXPECT_LE(charged, static_cast<std::int64_t>(round_up(bytes, 512) + (bytes > MiB ? MiB : 0)));
+    live.push_back({pointer, charged, cls});
+    allocated[class_index(cls)] += charged;
+    peak[class_index(cls)] = std::max(peak[class_index(cls)], allocated[class_index(cls)]);
+    total += charged;
+    total_peak = std::max(total_peak, total);
+    ++allocations;
+  }
+  const allocator_stats& stats = allocator->stats();
+  for (allocation_class cls : kAllocationClasses) {
+    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.current(), allocated[class_index(cls)]);
+    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.peak(), peak[class_index(cls)]);
+  }
+  EXPECT_EQ(stats.total.allocated_bytes.current(), total);
+  EXPECT_EQ(stats.total.allocated_bytes.peak(), total_peak);
+  EXPECT_EQ(stats.total.allocations.load(), allocations);
+  EXPECT_EQ(stats.total.frees.load(), frees);
+  EXPECT_EQ(stats.total.active_bytes.current(), total);
+  EXPECT_EQ(stats.total.reserved_bytes.current() - stats.total.allocated_bytes.current(),
+            static_cast<std::int64_t>(stats.total.reserved_bytes.current() - total));
+  std::int64_t reserved_by_classes = 0;
+  for (const class_stats& each : stats.classes) reserved_by_classes += each.reserved_bytes.current();
+  EXPECT_EQ(reserved_by_classes, stats.total.reserved_bytes.current());
+
+  allocator->reset_peak_stats();
+  EXPECT_EQ(stats.total.allocated_bytes.peak(), total);
+  for (const live_block& each : live) allocator->deallocate(each.pointer);
+  EXPECT_EQ(stats.total.allocated_bytes.current(), 0);
+}
+
+TEST_F(CachingAllocatorTest, SixteenThreadsOfRandomWorkKeepEveryByte) {
+  auto allocator = make_allocator();
+  std::atomic<int> corrupted{0};
+  const bool simulated = device_->is_simulated();
+  std::vector<std::thread> threads;
+  for (int thread_index = 0; thread_index < 16; ++thread_index) {
+    threads.emplace_back([&, thread_index] {
+      std::mt19937 random(static_cast<unsigned>(thread_index));
+      stream_handle stream = thread_index % 2 == 0 ? nullptr : device_->create_stream();
+      std::vector<std::pair<void*, std::size_t>> live;
+      const auto value = static_cast<std::uint8_t>(thread_index + 1);
+      for (int round = 0; round < (simulated ? 2000 : 300); ++round) {
+        if (!live.empty() && random() % 2 == 0) {
+          auto [pointer, bytes] = live.back();
+          live.pop_back();
+          if (!holds(pointer, value, std::min<std::size_t>(bytes, 4096), stream)) ++corrupted;
+          allocator->deallocate(pointer);
+          continue;
+        }
+        const auto cls = static_cast<allocation_class>(random() % kAllocationClassCount);
+        const std::size_t bytes = random() % 8 == 0 ? 1 * MiB + random() % (2 * MiB) : 1 + random() % (32 * KiB);
+        void* pointer = allocator->allocate(bytes, stream, cls);
+        fill(pointer, value, bytes, stream);
+        live.emplace_back(pointer, bytes);
+      }
+      for (auto [pointer, bytes] : live) {
+        if (!holds(pointer, value, std::min<std::size_t>(bytes, 4096), stream)) ++corrupted;
+        allocator->deallocate(pointer);
+      }
+      if (stream != nullptr) {
+        allocator->forget_stream(stream);
+        device_->destroy_stream(stream);
+      }
+    });
+  }
+  for (auto& each : threads) each.join();
+  EXPECT_EQ(corrupted.load(), 0);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current(), 0);
+  EXPECT_EQ(allocator->stats().total.allocations.load(), allocator->stats().total.frees.load());
+}
+
+TEST(CachingAllocatorMultiDevice, EachDeviceHasItsOwnMemoryAndLimit) {
+  std::unique_ptr<device> first;
+  std::unique_ptr<device> second;
+  ZA_OPEN_TEST_DEVICE_OR_SKIP(first, 0, 256 * MiB);
+  ZA_OPEN_TEST_DEVICE_OR_SKIP(second, 1, 256 * MiB);
+  allocator_settings settings;
+  settings.chunk_bytes = 8 * MiB;
+  settings.limit_bytes = 32 * MiB;
+  caching_allocator on_first(*first, settings);
+  caching_allocator on_second(*second, settings);
+  void* a = on_first.allocate(30 * MiB, nullptr, allocation_class::other);
+  void* b = on_second.allocate(30 * MiB, nullptr, allocation_class::other);  // its own limit
+  EXPECT_TRUE(on_first.owns(a));
+  EXPECT_FALSE(on_first.owns(b));
+  EXPECT_TRUE(on_second.owns(b));
+  EXPECT_FALSE(on_second.deallocate(a));
+  EXPECT_TRUE(on_first.deallocate(a));
+  EXPECT_TRUE(on_second.deallocate(b));
+}
+
+}  // namespace
+}  // namespace zeroalloc

@@ -1,0 +1,147 @@
+// The C ABI as PyTorch and users call it: defined answers for odd input, no exceptions,
+// readable errors, and the statistics in JSON. Runs on the device ZEROALLOC_DEVICE names.
+#include "zeroalloc/zeroalloc.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string stats_text(int device) {
+  const int length = zeroalloc_stats_json(device, nullptr, 0);
+  EXPECT_GT(length, 0) << zeroalloc_last_error();
+  std::vector<char> buffer(static_cast<std::size_t>(length) + 1);
+  EXPECT_EQ(zeroalloc_stats_json(device, buffer.data(), buffer.size()), length);
+  return buffer.data();
+}
+
+class CApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (zeroalloc_device_count() < 1) GTEST_SKIP() << "skipped: " << zeroalloc_last_error();
+  }
+};
+
+TEST_F(CApiTest, MallocAndFreeServeAndReuse) {
+  void* pointer = zeroalloc_malloc(1 << 20, 0, nullptr);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  zeroalloc_free(pointer, 1 << 20, 0, nullptr);
+  void* again = zeroalloc_malloc(1 << 20, 0, nullptr);
+  EXPECT_EQ(again, pointer);
+  zeroalloc_free(again, 1 << 20, 0, nullptr);
+}
+
+TEST_F(CApiTest, ZeroSizeGivesAFreeableUniquePointer) {
+  void* first = zeroalloc_malloc(0, 0, nullptr);
+  void* second = zeroalloc_malloc(0, 0, nullptr);
+  EXPECT_NE(first, nullptr);
+  EXPECT_NE(first, second);
+  zeroalloc_free(first, 0, 0, nullptr);
+  zeroalloc_free(second, 0, 0, nullptr);
+}
+
+TEST_F(CApiTest, BadArgumentsGetNullAndAMessage) {
+  EXPECT_EQ(zeroalloc_malloc(-1, 0, nullptr), nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("size -1 is negative"), std::string::npos);
+  EXPECT_EQ(zeroalloc_malloc(16, 999, nullptr), nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("device 999 does not exist"), std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_malloc(16, -1, nullptr), nullptr);
+  EXPECT_EQ(zeroalloc_stats_json(999, nullptr, 0), -1);
+  EXPECT_EQ(zeroalloc_malloc_class(16, 0, nullptr, static_cast<zeroalloc_class>(9)), nullptr);
+}
+
+TEST_F(CApiTest, ForeignNullAndDoubleFreesAreIgnoredWithAMessage) {
+  zeroalloc_free(nullptr, 0, 0, nullptr);  // no-op
+  int on_the_stack = 0;
+  zeroalloc_free(&on_the_stack, 4, 0, nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("is not a live zeroalloc allocation"), std::string::npos);
+  void* pointer = zeroalloc_malloc(4096, 0, nullptr);
+  zeroalloc_free(pointer, 4096, 0, nullptr);
+  const std::string before = stats_text(0);
+  zeroalloc_free(pointer, 4096, 0, nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("freed twice"), std::string::npos);
+  EXPECT_EQ(stats_text(0), before);
+  zeroalloc_record_stream(&on_the_stack, nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("zeroalloc_record_stream"), std::string::npos);
+}
+
+TEST_F(CApiTest, StatsJsonSizesItsBufferAndTruncatesSafely) {
+  const std::string full = stats_text(0);
+  EXPECT_EQ(full.front(), '{');
+  EXPECT_EQ(full.back(), '}');
+  for (const char* key : {"\"device\":0", "\"allocated_bytes\"", "\"reserved_bytes\"", "\"classes\"",
+                          "\"optimizer_state\"", "\"cache_hits\"", "\"largest_free_block_bytes\""}) {
+    EXPECT_NE(full.find(key), std::string::npos) << key;
+  }
+  char small[8];
+  EXPECT_EQ(zeroalloc_stats_json(0, small, sizeof small), static_cast<int>(full.size()));
+  EXPECT_EQ(std::string(small), full.substr(0, 7));
+}
+
+TEST_F(CApiTest, ThreadClassRoutesAllocationsToTheirClass) {
+  const zeroalloc_class previous = zeroalloc_set_thread_class(ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  EXPECT_EQ(previous, ZEROALLOC_CLASS_OTHER);
+  void* state = zeroalloc_malloc(3 << 20, 0, nullptr);
+  zeroalloc_set_thread_class(previous);
+  const std::string text = stats_text(0);
+  const std::size_t at = text.find("\"optimizer_state\":");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_EQ(text.find("\"allocated_bytes\":{\"current\":3145728", at), text.find("\"allocated_bytes\"", at));
+  zeroalloc_free(state, 3 << 20, 0, nullptr);
+}
+
+TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {
+  zeroalloc_set_memory_fraction(1.5, 0);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("outside (0, 1]"), std::string::npos);
+  zeroalloc_set_memory_fraction(0.001, 0);
+  void* huge = zeroalloc_malloc(ssize_t{1} << 40, 0, nullptr);
+  EXPECT_EQ(huge, nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("set_per_process_memory_fraction(0.001)"), std::string::npos)
+      << zeroalloc_last_error();
+  zeroalloc_set_memory_fraction(1.0, 0);
+}
+
+TEST_F(CApiTest, EmptyCacheReleasesFreeSegments) {
+  void* pointer = zeroalloc_malloc(32 << 20, 0, nullptr);
+  zeroalloc_free(pointer, 32 << 20, 0, nullptr);
+  zeroalloc_empty_cache();
+  const std::string text = stats_text(0);
+  EXPECT_NE(text.find("\"total\":{\"allocated_bytes\":{\"current\":0"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"reserved_bytes\":{\"current\":0"), std::string::npos) << text;
+}
+
+TEST_F(CApiTest, StreamsOfTheDeviceCanBeCreatedAndUsed) {
+  zeroalloc_stream_t stream = zeroalloc_stream_create(0);
+  ASSERT_NE(stream, nullptr) << zeroalloc_last_error();
+  void* pointer = zeroalloc_malloc(4096, 0, stream);
+  zeroalloc_record_stream(pointer, nullptr);
+  zeroalloc_free(pointer, 4096, 0, stream);
+  zeroalloc_stream_destroy(0, stream);
+}
+
+// A malformed variable stops the library from starting: every allocation fails and says
+// which variable was wrong. Each case runs in a fresh process (the start happens once).
+void expect_refusal(const char* name, const char* value, const char* expected) {
+  EXPECT_EXIT(
+      {
+        setenv(name, value, 1);
+        void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        std::fprintf(stderr, "last error: %s\n", zeroalloc_last_error());
+        std::exit(pointer == nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), expected);
+}
+
+TEST(CApiConfiguration, MalformedVariablesStopTheStartAndAreNamed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  expect_refusal("ZEROALLOC_MEMORY_LIMIT", "lots", "ZEROALLOC_MEMORY_LIMIT='lots' is not valid");
+  expect_refusal("ZEROALLOC_CHUNK_SIZE", "-4MiB", "ZEROALLOC_CHUNK_SIZE='-4MiB' is not valid");
+  expect_refusal("ZEROALLOC_DEVICE", "", "ZEROALLOC_DEVICE is set but empty");
+  expect_refusal("ZEROALLOC_MEMROY_LIMIT", "1GB", "ZEROALLOC_MEMROY_LIMIT is not a zeroalloc variable");
+}
+
+}  // namespace

@@ -1,0 +1,108 @@
+// The options table: values users write are read as they mean them, and every bad value is
+// refused with a message naming the variable, the value and the accepted form.
+#include "core/options.hpp"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "core/errors.hpp"
+
+namespace zeroalloc {
+namespace {
+
+options parse_with(const std::map<std::string, std::string>& environment) {
+  std::vector<std::string> names;
+  for (const auto& [name, value] : environment) names.push_back(name);
+  return options::parse(
+      [&](const char* name) -> const char* {
+        auto found = environment.find(name);
+        return found == environment.end() ? nullptr : found->second.c_str();
+      },
+      names);
+}
+
+std::string error_of(const std::map<std::string, std::string>& environment) {
+  try {
+    parse_with(environment);
+  } catch (const config_error& failure) {
+    return failure.what();
+  }
+  return "(accepted)";
+}
+
+TEST(ByteSize, ReadsBinaryAndDecimalUnits) {
+  EXPECT_EQ(parse_byte_size("512MiB"), 512ull << 20);
+  EXPECT_EQ(parse_byte_size("80GB"), 80'000'000'000ull);
+  EXPECT_EQ(parse_byte_size("2m"), 2ull << 20);
+  EXPECT_EQ(parse_byte_size("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(parse_byte_size("1048576"), 1048576ull);
+  EXPECT_EQ(parse_byte_size(" 4 KiB "), 4096ull);
+}
+
+TEST(ByteSize, RefusesGarbageNegativeFractionalBytesAndOverflow) {
+  EXPECT_FALSE(parse_byte_size("lots"));
+  EXPECT_FALSE(parse_byte_size("-5MiB"));
+  EXPECT_FALSE(parse_byte_size("12 parsecs"));
+  EXPECT_FALSE(parse_byte_size("1.3"));  // a fraction of a byte
+  EXPECT_FALSE(parse_byte_size("99999999999TiB"));
+  EXPECT_FALSE(parse_byte_size(""));
+}
+
+TEST(Options, DefaultsWhenNothingIsSet) {
+  const options parsed = parse_with({});
+  EXPECT_EQ(parsed.device, "auto");
+  EXPECT_FALSE(parsed.limit.is_set());
+  EXPECT_EQ(parsed.chunk_bytes, 64ull << 20);
+  EXPECT_EQ(parsed.log_level, "warn");
+  EXPECT_EQ(parsed.sim_device_count, 2);
+}
+
+TEST(Options, MemoryLimitAsBytesOrShare) {
+  EXPECT_EQ(*parse_with({{"ZEROALLOC_MEMORY_LIMIT", "512MiB"}}).limit.bytes, 512ull << 20);
+  EXPECT_DOUBLE_EQ(*parse_with({{"ZEROALLOC_MEMORY_LIMIT", "0.9"}}).limit.share, 0.9);
+  EXPECT_DOUBLE_EQ(*parse_with({{"ZEROALLOC_MEMORY_LIMIT", "75%"}}).limit.share, 0.75);
+  EXPECT_EQ(parse_with({{"ZEROALLOC_MEMORY_LIMIT", "0.5"}}).limit.resolve(8ull << 30), 4ull << 30);
+  EXPECT_EQ(parse_with({{"ZEROALLOC_MEMORY_LIMIT", "1GiB"}}).limit.resolve(8ull << 30), 1ull << 30);
+}
+
+TEST(Options, BadValuesNameTheVariableTheValueAndTheForm) {
+  const std::string garbage = error_of({{"ZEROALLOC_MEMORY_LIMIT", "lots"}});
+  EXPECT_NE(garbage.find("ZEROALLOC_MEMORY_LIMIT='lots' is not valid"), std::string::npos) << garbage;
+  EXPECT_NE(garbage.find("512MiB"), std::string::npos) << garbage;
+
+  EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "-1GB"}}).find("ZEROALLOC_MEMORY_LIMIT='-1GB'"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "1.7"}}).find("between 0 and 1"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "0"}}).find("ZEROALLOC_MEMORY_LIMIT='0'"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_CHUNK_SIZE", "3MiB"}}).find("multiple of 2MiB"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_CHUNK_SIZE", "99999999999999TiB"}}).find("ZEROALLOC_CHUNK_SIZE="),
+            std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_DEVICE", "tpu"}}).find("one of auto|cuda|sim"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_SIM_DEVICES", "-2"}}).find("whole number"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_LOG_LEVEL", "loud"}}).find("trace|debug|info|warn|error|off"),
+            std::string::npos);
+}
+
+TEST(Options, EmptyValueIsRefusedNotTreatedAsUnset) {
+  const std::string message = error_of({{"ZEROALLOC_MEMORY_LIMIT", ""}});
+  EXPECT_NE(message.find("ZEROALLOC_MEMORY_LIMIT is set but empty"), std::string::npos) << message;
+}
+
+TEST(Options, UnknownZeroallocVariableIsRefused) {
+  const std::string message = error_of({{"ZEROALLOC_MEMORY_LIMT", "1GB"}});
+  EXPECT_NE(message.find("ZEROALLOC_MEMORY_LIMT is not a zeroalloc variable"), std::string::npos)
+      << message;
+}
+
+TEST(Options, EveryVariableHasHelpAndAnAcceptedDefault) {
+  for (const option_spec& spec : option_table()) {
+    EXPECT_FALSE(spec.help.empty()) << spec.name;
+  }
+  EXPECT_NO_THROW(parse_with({}));
+}
+
+}  // namespace
+}  // namespace zeroalloc

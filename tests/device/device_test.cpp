@@ -1,0 +1,135 @@
+// The device layer's promises that the allocator and the offload engine build on, run over
+// every device: a remap swaps the bytes behind a stable address; streams run in order;
+// events order one stream after another.
+#include "device/device.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "support/test_device.hpp"
+
+namespace zeroalloc {
+namespace {
+
+using testing::read_back;
+
+class DeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ZA_OPEN_TEST_DEVICE_OR_SKIP(device_); }
+  std::unique_ptr<device> device_;
+};
+
+TEST_F(DeviceTest, RemapSwapsTheBytesBehindAStableAddress) {
+  const std::size_t bytes = device_->granularity();
+  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
+  auto* pointer = reinterpret_cast<void*>(address);
+  const physical_handle first = device_->create_physical(bytes, memory_location::device);
+  const physical_handle second = device_->create_physical(bytes, memory_location::device);
+
+  device_->map(address, first);
+  device_->fill_async(pointer, 0x11, bytes, nullptr);
+  device_->synchronize_stream(nullptr);
+  device_->unmap(address, bytes);
+  device_->map(address, second);
+  device_->fill_async(pointer, 0x22, bytes, nullptr);
+  device_->synchronize_stream(nullptr);
+  device_->unmap(address, bytes);
+
+  device_->map(address, first);  // the first handle's bytes come back at the same address
+  EXPECT_EQ(read_back(*device_, pointer, bytes), std::vector<std::uint8_t>(bytes, 0x11));
+  device_->unmap(address, bytes);
+  device_->map(address, second);
+  EXPECT_EQ(read_back(*device_, pointer, bytes), std::vector<std::uint8_t>(bytes, 0x22));
+  device_->unmap(address, bytes);
+
+  device_->release_physical(first);
+  device_->release_physical(second);
+  device_->free_addresses(address, bytes);
+}
+
+TEST_F(DeviceTest, HostLocatedMemoryIsMappableAndKeepsItsBytes) {
+  const std::size_t bytes = device_->granularity();
+  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
+  const physical_handle host = device_->create_physical(bytes, memory_location::host);
+  device_->map(address, host);
+  device_->fill_async(reinterpret_cast<void*>(address), 0x5A, bytes, nullptr);
+  EXPECT_EQ(read_back(*device_, reinterpret_cast<void*>(address), bytes),
+            std::vector<std::uint8_t>(bytes, 0x5A));
+  device_->unmap(address, bytes);
+  device_->release_physical(host);
+  device_->free_addresses(address, bytes);
+}
+
+TEST_F(DeviceTest, DeviceMemoryIsAccountedInQueryMemory) {
+  const memory_info before = device_->query_memory();
+  const std::size_t bytes = 8 * device_->granularity();
+  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
+  const memory_info during = device_->query_memory();
+  EXPECT_LE(during.free_bytes + bytes, before.free_bytes + 64 * MiB);  // other processes may move it
+  EXPECT_LT(during.free_bytes, before.free_bytes);
+  device_->release_physical(handle);
+  EXPECT_EQ(device_->query_memory().total_bytes, before.total_bytes);
+}
+
+TEST_F(DeviceTest, StreamWaitEventOrdersOneStreamAfterAnother) {
+  const std::size_t bytes = device_->granularity();
+  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
+  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
+  device_->map(address, handle);
+  auto* pointer = reinterpret_cast<void*>(address);
+
+  stream_handle slow = device_->create_stream();
+  stream_handle fast = device_->create_stream();
+  event_handle done = device_->create_event();
+  // The slow stream is held up, then writes; the fast stream must write after it.
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }, slow);
+  device_->fill_async(pointer, 0xAA, bytes, slow);
+  device_->record_event(done, slow);
+  EXPECT_FALSE(device_->event_completed(done));
+  device_->stream_wait_event(fast, done);
+  device_->fill_async(pointer, 0xBB, bytes, fast);
+  device_->synchronize_stream(fast);
+  EXPECT_TRUE(device_->event_completed(done));
+  EXPECT_EQ(read_back(*device_, pointer, bytes, fast), std::vector<std::uint8_t>(bytes, 0xBB));
+
+  device_->destroy_event(done);
+  device_->destroy_stream(slow);
+  device_->destroy_stream(fast);
+  device_->unmap(address, bytes);
+  device_->release_physical(handle);
+  device_->free_addresses(address, bytes);
+}
+
+TEST_F(DeviceTest, HostFunctionsRunInStreamOrder) {
+  stream_handle stream = device_->create_stream();
+  std::atomic<int> order{0};
+  int first = -1;
+  int second = -1;
+  device_->host_function_async([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    first = order++;
+  }, stream);
+  device_->host_function_async([&] { second = order++; }, stream);
+  device_->synchronize_stream(stream);
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(second, 1);
+  device_->destroy_stream(stream);
+}
+
+TEST_F(DeviceTest, MisuseIsReportedNotIgnored) {
+  const std::size_t bytes = device_->granularity();
+  const std::uintptr_t address = device_->reserve_addresses(2 * bytes, bytes);
+  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
+  device_->map(address, handle);
+  EXPECT_THROW(device_->map(address, handle), device_error);       // already mapped
+  EXPECT_THROW(device_->unmap(address + bytes, bytes), device_error);  // never mapped
+  device_->unmap(address, bytes);
+  device_->release_physical(handle);
+  device_->free_addresses(address, 2 * bytes);
+}
+
+}  // namespace
+}  // namespace zeroalloc
