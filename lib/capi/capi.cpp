@@ -44,7 +44,13 @@ void guarded_void(const char* function, Body&& body) noexcept {
   });
 }
 
-bool valid_class(int value) { return value >= 0 && value < ZEROALLOC_CLASS_COUNT; }
+// A caller may pass any int as a zeroalloc_class; read it as an int, never as the enum
+// (loading an out-of-range enum value is undefined behaviour).
+bool valid_class(const zeroalloc_class& cls) {
+  int value = 0;
+  std::memcpy(&value, &cls, sizeof value);
+  return value >= 0 && value < ZEROALLOC_CLASS_COUNT;
+}
 
 }  // namespace
 
@@ -54,7 +60,7 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
                                        zeroalloc_class cls) {
   return guarded("zeroalloc_malloc", static_cast<void*>(nullptr), [&]() -> void* {
     if (size < 0) ZA_THROW(zeroalloc::invalid_argument, "size ", size, " is negative");
-    if (!valid_class(cls)) ZA_THROW(zeroalloc::invalid_argument, "class ", static_cast<int>(cls), " does not exist");
+    if (!valid_class(cls)) ZA_THROW(zeroalloc::invalid_argument, "the class is not a zeroalloc_class");
     return runtime::get().allocator(device).allocate(static_cast<std::size_t>(size), stream,
                                                      static_cast<allocation_class>(cls));
   });

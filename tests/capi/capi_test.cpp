@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -51,7 +52,11 @@ TEST_F(CApiTest, BadArgumentsGetNullAndAMessage) {
       << zeroalloc_last_error();
   EXPECT_EQ(zeroalloc_malloc(16, -1, nullptr), nullptr);
   EXPECT_EQ(zeroalloc_stats_json(999, nullptr, 0), -1);
-  EXPECT_EQ(zeroalloc_malloc_class(16, 0, nullptr, static_cast<zeroalloc_class>(9)), nullptr);
+  zeroalloc_class bogus;
+  const int nine = 9;
+  std::memcpy(&bogus, &nine, sizeof nine);  // what a C caller passing 9 would hand over
+  EXPECT_EQ(zeroalloc_malloc_class(16, 0, nullptr, bogus), nullptr);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("not a zeroalloc_class"), std::string::npos);
 }
 
 TEST_F(CApiTest, ForeignNullAndDoubleFreesAreIgnoredWithAMessage) {

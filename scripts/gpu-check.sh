@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# On the GPU machine: builds zeroalloc, runs the GPU tests (label gpu, and the sim suites),
+# the PyTorch bit-exactness test and the benchmarks, and prints a short table last.
+# liburing is not installed there: its Debian packages travel in .deps/ (see README).
+# Logs and JSON go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}; mkdir -p "$out"
+prefix=/tmp/zeroalloc-prefix
+if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
+  for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
+fi
+export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+
+step() { echo; echo "== $*"; }
+status=0
+step build
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" >"$out/configure.log" 2>&1 \
+  && ninja -C build -j16 >"$out/build.log" 2>&1 || { tail -40 "$out/configure.log" "$out/build.log"; exit 1; }
+
+step "ctest (gpu and sim labels)"
+(cd build && ctest --output-on-failure -j1 2>&1) | tee "$out/ctest.log" | tail -15 || status=1
+grep -q "tests passed, 0 tests failed" "$out/ctest.log" || status=1
+
+step "caching_allocator_bench"
+build/bench/caching_allocator_bench --benchmark_repetitions=7 --benchmark_report_aggregates_only=true \
+  --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
+
+step "torch.empty + del through zeroalloc vs native"
+python3 bench/python/torch_empty_bench.py --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
+
+step "training trace: zeroalloc vs PyTorch native, same trace"
+build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null
+build/demo/zeroalloc-demo --trace "$out/trace.txt" 2>&1 | tee "$out/demo.txt" | tail -12
+python3 bench/python/replay_trace_torch.py "$out/trace.txt" 2>&1 | tee "$out/replay_native.txt" | tail -1
+python3 bench/python/replay_trace_torch.py --expandable "$out/trace.txt" 2>&1 | tee "$out/replay_expandable.txt" | tail -1
+
+step "PyTorch training, 50 steps, losses bit for bit"
+ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s tests/python/test_training_bitexact.py 2>&1 \
+  | tee "$out/pytest.log" | tail -8
+grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "failed|error" "$out/pytest.log" || status=1
+
+step summary
+python3 - "$out" <<'PY'
+import json, re, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+rows = []
+try:
+    bench = json.loads((out / "alloc_bench.json").read_text())
+    for b in bench["benchmarks"]:
+        if b.get("aggregate_name") == "median":
+            rows.append((b["run_name"], f'{b["real_time"]:.1f} {b["time_unit"]}'))
+except Exception as e:
+    rows.append(("alloc bench", f"missing ({e})"))
+demo = (out / "demo.txt").read_text() if (out / "demo.txt").exists() else ""
+m = re.search(r"peak reserved / peak allocated = ([0-9.]+)", demo)
+rows.append(("trace ratio zeroalloc", m.group(1) if m else "missing"))
+for name in ("replay_native", "replay_expandable"):
+    try:
+        line = (out / f"{name}.txt").read_text().strip().splitlines()[-1]
+        rows.append((f"trace ratio {name}", f'{json.loads(line)["ratio"]:.3f}'))
+    except Exception as e:
+        rows.append((f"trace ratio {name}", f"missing ({e})"))
+for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_empty.txt").exists() else []:
+    if re.match(r"^\s*[0-9.]+ [KMG]?i?B", line):
+        rows.append(("torch.empty+del", line.strip()))
+ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
+m = re.search(r"(\d+% tests passed.*)", ctest)
+rows.append(("ctest", m.group(1) if m else "missing"))
+py = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
+m = re.findall(r"(\d+ (?:passed|failed|skipped)[^\n]*)", py)
+rows.append(("pytest bit-exact", m[-1] if m else "missing"))
+w = max(len(r[0]) for r in rows)
+for k, v in rows:
+    print(f"{k:<{w}}  {v}")
+PY
+exit $status
