@@ -1,14 +1,17 @@
 // Statistics of one device's allocator, per allocation class and in total.
 //
-// Byte figures (allocated, reserved, active) are gauges with a peak; counts only grow.
-// Gauges are updated with relaxed atomics from any heap's lock, so a reader sees each
-// figure exact but two figures not necessarily from the same instant.
+// Note [Statistics cost]: the fast path may not pay for bookkeeping. Counts (allocations,
+// frees, cache hits) live in each heap as plain integers under the heap's lock and are
+// summed when read. Only the byte gauges that need an exact peak across heaps (allocated,
+// per class and in total) are atomics: two relaxed additions per allocation or free, and a
+// compare-exchange only when a new peak is reached. Active bytes (allocated plus freed
+// blocks still waiting for other streams) are derived from them and from the rarely moving
+// pending bytes, so they cost nothing on the fast path.
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <string>
 
 #include "alloc/allocation_class.hpp"
 
@@ -17,55 +20,95 @@ namespace zeroalloc {
 /// A byte count that remembers its highest value since the last reset.
 class gauge {
  public:
-  void add(std::int64_t delta) {
+  /// Adds `delta` and returns the new value.
+  std::int64_t add(std::int64_t delta) {
     const std::int64_t now = current_.fetch_add(delta, std::memory_order_relaxed) + delta;
+    if (delta > 0) raise_peak(now);
+    return now;
+  }
+  /// Raises the peak to `value` if it is higher.
+  void raise_peak(std::int64_t value) {
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
-    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    while (value > peak && !peak_.compare_exchange_weak(peak, value, std::memory_order_relaxed)) {
     }
   }
   [[nodiscard]] std::int64_t current() const { return current_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
-  void reset_peak() { peak_.store(current(), std::memory_order_relaxed); }
+  void reset_peak(std::int64_t to) { peak_.store(to, std::memory_order_relaxed); }
 
  private:
   std::atomic<std::int64_t> current_{0};
   std::atomic<std::int64_t> peak_{0};
 };
 
-/// Figures of one class, or of the whole device.
-struct class_stats {
-  gauge allocated_bytes;  ///< bytes of blocks handed out (rounded block sizes)
-  gauge reserved_bytes;   ///< bytes of mapped segments
-  gauge active_bytes;     ///< allocated, plus freed blocks still waiting for other streams
-  std::atomic<std::uint64_t> allocations{0};
-  std::atomic<std::uint64_t> frees{0};
-  std::atomic<std::uint64_t> cache_hits{0};  ///< allocations served without new memory
-  std::atomic<std::uint64_t> retries{0};     ///< allocations that released cache and retried
-  std::atomic<std::uint64_t> failures{0};    ///< allocations that failed out of memory
-  std::atomic<std::uint64_t> segments_mapped{0};
-  std::atomic<std::uint64_t> segments_unmapped{0};
+/// The live gauges of one class, or of the whole device.
+struct live_gauges {
+  gauge allocated_bytes;   ///< bytes of blocks handed out (rounded block sizes)
+  gauge reserved_bytes;    ///< bytes of mapped segments
+  gauge pending_bytes;     ///< freed, waiting for events on other streams
+  gauge active_peak;       ///< only its peak is used: allocated + pending at its highest
+  std::atomic<std::uint64_t> retries{0};   ///< allocations that released cache and retried
+  std::atomic<std::uint64_t> failures{0};  ///< allocations that failed out of memory
 
-  void reset_peaks() {
-    allocated_bytes.reset_peak();
-    reserved_bytes.reset_peak();
-    active_bytes.reset_peak();
+  /// After allocated_bytes rose to `allocated_now`.
+  void note_active(std::int64_t allocated_now) {
+    active_peak.raise_peak(allocated_now + pending_bytes.current());
   }
 };
 
-/// One device's statistics: per class, and totals over all classes.
-struct allocator_stats {
-  std::array<class_stats, kAllocationClassCount> classes;
-  class_stats total;
+/// Counts kept by each heap under its lock (Note [Statistics cost]).
+struct heap_counts {
+  std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
+  std::uint64_t cache_hits = 0;  ///< allocations served without new memory
+  std::uint64_t segments_mapped = 0;
+  std::uint64_t segments_unmapped = 0;
+};
 
-  /// Applies `update` to the class's figures and the totals.
+/// A current value and its peak since the last reset.
+struct gauge_figures {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+};
+
+/// The figures of one class (or the total) at one moment, as reported.
+struct class_figures {
+  gauge_figures allocated_bytes;
+  gauge_figures reserved_bytes;
+  gauge_figures active_bytes;
+  std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
+  std::uint64_t cache_hits = 0;
+  std::uint64_t retries = 0;
+  std::uint64_t failures = 0;
+  std::uint64_t segments_mapped = 0;
+  std::uint64_t segments_unmapped = 0;
+  std::uint64_t largest_free_block_bytes = 0;
+  /// Reserved minus allocated: memory held but not handed out.
+  [[nodiscard]] std::int64_t fragmentation_bytes() const {
+    return reserved_bytes.current - allocated_bytes.current;
+  }
+};
+
+/// What stats() returns: every class, and the device in total.
+struct stats_snapshot {
+  std::array<class_figures, kAllocationClassCount> classes;
+  class_figures total;
+  [[nodiscard]] const class_figures& of(allocation_class cls) const {
+    return classes[class_index(cls)];
+  }
+};
+
+/// The live statistics of one device: per class and in total.
+struct allocator_stats {
+  std::array<live_gauges, kAllocationClassCount> classes;
+  live_gauges total;
+
+  /// Applies `update` to the class's gauges and the totals.
   template <typename Update>
   void apply(allocation_class cls, Update&& update) {
     update(classes[class_index(cls)]);
     update(total);
-  }
-  void reset_peaks() {
-    for (class_stats& figures : classes) figures.reset_peaks();
-    total.reset_peaks();
   }
 };
 

@@ -42,7 +42,7 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stre
                                                  allocation_class cls) {
   // Out of new memory: give back every cached free segment (of every class) and retry;
   // then let the pressure handler free memory, and retry once more.
-  stats_.apply(cls, [](class_stats& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
+  stats_.apply(cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::uint64_t released = release_all_cached();
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -55,7 +55,7 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stre
   if (handler && handler(rounded_bytes) > 0) {
     if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream)) return pointer;
   }
-  stats_.apply(cls, [](class_stats& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
+  stats_.apply(cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   throw_out_of_memory(rounded_bytes, cls);
 }
 
@@ -148,12 +148,51 @@ std::size_t caching_allocator::largest_free_block(allocation_class cls) const {
                   heaps_[2 * class_index(cls) + 1]->largest_free_block());
 }
 
+stats_snapshot caching_allocator::stats() const {
+  stats_snapshot snapshot;
+  auto read = [](const live_gauges& live, class_figures& figures) {
+    figures.allocated_bytes = {live.allocated_bytes.current(), live.allocated_bytes.peak()};
+    figures.reserved_bytes = {live.reserved_bytes.current(), live.reserved_bytes.peak()};
+    figures.active_bytes = {live.allocated_bytes.current() + live.pending_bytes.current(),
+                            live.active_peak.peak()};
+    figures.retries = live.retries.load(std::memory_order_relaxed);
+    figures.failures = live.failures.load(std::memory_order_relaxed);
+  };
+  read(stats_.total, snapshot.total);
+  for (allocation_class cls : kAllocationClasses) {
+    class_figures& figures = snapshot.classes[class_index(cls)];
+    read(stats_.classes[class_index(cls)], figures);
+    for (int kind = 0; kind < 2; ++kind) {
+      const heap_counts counts = heaps_[2 * class_index(cls) + kind]->counts();
+      for (class_figures* into : {&figures, &snapshot.total}) {
+        into->allocations += counts.allocations;
+        into->frees += counts.frees;
+        into->cache_hits += counts.cache_hits;
+        into->segments_mapped += counts.segments_mapped;
+        into->segments_unmapped += counts.segments_unmapped;
+      }
+    }
+    figures.largest_free_block_bytes = largest_free_block(cls);
+    snapshot.total.largest_free_block_bytes =
+        std::max(snapshot.total.largest_free_block_bytes, figures.largest_free_block_bytes);
+  }
+  return snapshot;
+}
+
+void caching_allocator::reset_peak_stats() {
+  auto reset = [](live_gauges& live) {
+    live.allocated_bytes.reset_peak(live.allocated_bytes.current());
+    live.reserved_bytes.reset_peak(live.reserved_bytes.current());
+    live.active_peak.reset_peak(live.allocated_bytes.current() + live.pending_bytes.current());
+  };
+  for (live_gauges& live : stats_.classes) reset(live);
+  reset(stats_.total);
+}
+
 namespace {
 
-void append_figures(std::string& out, const class_stats& figures, std::size_t largest_free) {
+void append_figures(std::string& out, const class_figures& figures) {
   char text[1024];
-  const std::int64_t fragmentation =
-      figures.reserved_bytes.current() - figures.allocated_bytes.current();
   std::snprintf(
       text, sizeof text,
       "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld},"
@@ -162,20 +201,21 @@ void append_figures(std::string& out, const class_stats& figures, std::size_t la
       "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
       "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,"
       "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
-      static_cast<long long>(figures.allocated_bytes.current()),
-      static_cast<long long>(figures.allocated_bytes.peak()),
-      static_cast<long long>(figures.reserved_bytes.current()),
-      static_cast<long long>(figures.reserved_bytes.peak()),
-      static_cast<long long>(figures.active_bytes.current()),
-      static_cast<long long>(figures.active_bytes.peak()),
-      static_cast<unsigned long long>(figures.allocations.load()),
-      static_cast<unsigned long long>(figures.frees.load()),
-      static_cast<unsigned long long>(figures.cache_hits.load()),
-      static_cast<unsigned long long>(figures.retries.load()),
-      static_cast<unsigned long long>(figures.failures.load()),
-      static_cast<unsigned long long>(figures.segments_mapped.load()),
-      static_cast<unsigned long long>(figures.segments_unmapped.load()),
-      static_cast<unsigned long long>(largest_free), static_cast<long long>(fragmentation));
+      static_cast<long long>(figures.allocated_bytes.current),
+      static_cast<long long>(figures.allocated_bytes.peak),
+      static_cast<long long>(figures.reserved_bytes.current),
+      static_cast<long long>(figures.reserved_bytes.peak),
+      static_cast<long long>(figures.active_bytes.current),
+      static_cast<long long>(figures.active_bytes.peak),
+      static_cast<unsigned long long>(figures.allocations),
+      static_cast<unsigned long long>(figures.frees),
+      static_cast<unsigned long long>(figures.cache_hits),
+      static_cast<unsigned long long>(figures.retries),
+      static_cast<unsigned long long>(figures.failures),
+      static_cast<unsigned long long>(figures.segments_mapped),
+      static_cast<unsigned long long>(figures.segments_unmapped),
+      static_cast<unsigned long long>(figures.largest_free_block_bytes),
+      static_cast<long long>(figures.fragmentation_bytes()));
   out += text;
 }
 
@@ -203,16 +243,14 @@ std::string caching_allocator::stats_json() const {
       ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_string(source),
       ",\"held_bytes\":", limiter_.used_bytes(), ",\"pooled_bytes\":", arena_.pooled_bytes(),
       ",\"total\":");
-  std::size_t largest_overall = 0;
+  const stats_snapshot snapshot = stats();
   std::string classes;
   for (allocation_class cls : kAllocationClasses) {
-    const std::size_t largest = largest_free_block(cls);
-    largest_overall = std::max(largest_overall, largest);
     classes += classes.empty() ? "" : ",";
     classes += json_string(std::string(class_name(cls))) + ":";
-    append_figures(classes, stats_.classes[class_index(cls)], largest);
+    append_figures(classes, snapshot.of(cls));
   }
-  append_figures(out, stats_.total, largest_overall);
+  append_figures(out, snapshot.total);
   out += ",\"classes\":{" + classes + "}}";
   return out;
 }

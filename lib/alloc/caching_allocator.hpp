@@ -88,9 +88,10 @@ class caching_allocator {
   using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
   void set_pressure_handler(pressure_handler handler);
 
-  [[nodiscard]] allocator_stats& stats() { return stats_; }
-  [[nodiscard]] const allocator_stats& stats() const { return stats_; }
-  void reset_peak_stats() { stats_.reset_peaks(); }
+  /// Every figure of every class, read now.
+  [[nodiscard]] stats_snapshot stats() const;
+  /// Sets every peak to its current value.
+  void reset_peak_stats();
   /// Largest free block of a class: the biggest request it could serve without new memory.
   [[nodiscard]] std::size_t largest_free_block(allocation_class cls) const;
   /// Statistics as a JSON object (the format of zeroalloc_stats_json).

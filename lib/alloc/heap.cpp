@@ -161,10 +161,8 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   whole->stream = stream;
   owned->first = whole;
   segments_.push_back(std::move(owned));
-  stats_.apply(class_, [&](class_stats& figures) {
-    figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
-    figures.segments_mapped.fetch_add(1, std::memory_order_relaxed);
-  });
+  stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(static_cast<std::int64_t>(bytes)); });
+  ++counts_.segments_mapped;
   log().debug("mapped a {} segment for {} ({} request) on {}", format_bytes(bytes),
               class_name(class_), format_bytes(rounded_bytes), device_.name());
   return whole;
@@ -207,12 +205,9 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
   live_.insert(chosen->address, chosen);
 
   const auto bytes = static_cast<std::int64_t>(chosen->bytes);
-  stats_.apply(class_, [&](class_stats& figures) {
-    figures.allocated_bytes.add(bytes);
-    figures.active_bytes.add(bytes);
-    figures.allocations.fetch_add(1, std::memory_order_relaxed);
-    if (from_cache) figures.cache_hits.fetch_add(1, std::memory_order_relaxed);
-  });
+  stats_.apply(class_, [&](live_gauges& figures) { figures.note_active(figures.allocated_bytes.add(bytes)); });
+  ++counts_.allocations;
+  if (from_cache) ++counts_.cache_hits;
   return reinterpret_cast<void*>(chosen->address);
 }
 
@@ -223,11 +218,12 @@ bool heap::deallocate(std::uintptr_t pointer) {
   live_.erase(pointer);
   freed->allocated = false;
   const auto bytes = static_cast<std::int64_t>(freed->bytes);
-  stats_.apply(class_, [&](class_stats& figures) {
-    figures.allocated_bytes.add(-bytes);
-    figures.frees.fetch_add(1, std::memory_order_relaxed);
-  });
-  if (!freed->other_streams.empty()) {
+  const bool waits_for_other_streams = !freed->other_streams.empty();
+  // Pending bytes rise before allocated bytes fall, so active bytes never dip.
+  if (waits_for_other_streams) stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(bytes); });
+  stats_.apply(class_, [&](live_gauges& figures) { figures.allocated_bytes.add(-bytes); });
+  ++counts_.frees;
+  if (waits_for_other_streams) {
     for (stream_handle other : freed->other_streams) {
       event_handle done = obtain_event();
       device_.record_event(done, other);
@@ -238,7 +234,6 @@ bool heap::deallocate(std::uintptr_t pointer) {
     pending_.push_back(freed);
     return true;
   }
-  stats_.apply(class_, [&](class_stats& figures) { figures.active_bytes.add(-bytes); });
   release_block(freed);
   return true;
 }
@@ -308,7 +303,7 @@ void heap::process_pending(bool wait) {
     waiting->pending_events.clear();
     waiting->pending = false;
     const auto bytes = static_cast<std::int64_t>(waiting->bytes);
-    stats_.apply(class_, [&](class_stats& figures) { figures.active_bytes.add(-bytes); });
+    stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(-bytes); });
     release_block(waiting);
     return true;
   });
@@ -359,10 +354,8 @@ std::uint64_t heap::release_free_segments() {
       }
     }
     released += idle.bytes;
-    stats_.apply(class_, [&](class_stats& figures) {
-      figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes));
-      figures.segments_unmapped.fetch_add(1, std::memory_order_relaxed);
-    });
+    stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes)); });
+    ++counts_.segments_unmapped;
   }
   segments_.erase(unused, segments_.end());
   return released;
@@ -382,6 +375,11 @@ std::size_t heap::largest_free_block() const {
     }
   }
   return largest;
+}
+
+heap_counts heap::counts() const {
+  std::lock_guard lock(mutex_);
+  return counts_;
 }
 
 block* heap::new_block() {

@@ -15,6 +15,7 @@
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
 #include "alloc/pointer_map.hpp"
+#include "core/spin_lock.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -74,6 +75,8 @@ class heap {
     return pointer - region_start_ < region_bytes_;
   }
   [[nodiscard]] std::size_t largest_free_block() const;
+  /// The heap's counts (Note [Statistics cost] in allocator_stats.hpp).
+  [[nodiscard]] heap_counts counts() const;
   [[nodiscard]] allocation_class cls() const { return class_; }
 
  private:
@@ -106,7 +109,10 @@ class heap {
   std::uintptr_t region_start_ = 0;
   std::size_t region_bytes_ = 0;
 
-  mutable std::mutex mutex_;
+  // A spin lock: the sections it guards are a few hundred instructions, except
+  // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
+  mutable spin_lock mutex_;
+  heap_counts counts_;
   std::map<std::uintptr_t, std::size_t> free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;
   pointer_map<block> live_;

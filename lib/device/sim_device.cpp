@@ -33,6 +33,12 @@ struct sim_event {
   std::uint64_t completed = 0;
 };
 
+// Like cudaEventDestroy, destroying an event with a recording still queued is legal: the
+// queued work holds its own reference, so the state outlives the handle.
+using sim_event_ref = std::shared_ptr<sim_event>;
+
+sim_event_ref& state_of(event_handle event) { return *static_cast<sim_event_ref*>(event); }
+
 }  // namespace
 
 // One worker thread running its queue in order, like a CUDA stream.
@@ -238,12 +244,12 @@ void sim_device::destroy_stream(stream_handle stream) {
   if (stream != nullptr) delete static_cast<sim_stream*>(stream);
 }
 
-event_handle sim_device::create_event() { return new sim_event(); }
+event_handle sim_device::create_event() { return new sim_event_ref(std::make_shared<sim_event>()); }
 
-void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event*>(event); }
+void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event_ref*>(event); }
 
 void sim_device::record_event(event_handle event, stream_handle stream) {
-  auto* state = static_cast<sim_event*>(event);
+  sim_event_ref state = state_of(event);
   std::uint64_t recording = 0;
   {
     std::lock_guard lock(state->mutex);
@@ -259,20 +265,20 @@ void sim_device::record_event(event_handle event, stream_handle stream) {
 }
 
 bool sim_device::event_completed(event_handle event) {
-  auto* state = static_cast<sim_event*>(event);
+  sim_event* state = state_of(event).get();
   std::lock_guard lock(state->mutex);
   return state->completed >= state->recorded;
 }
 
 void sim_device::synchronize_event(event_handle event) {
-  auto* state = static_cast<sim_event*>(event);
+  sim_event* state = state_of(event).get();
   std::unique_lock lock(state->mutex);
   const std::uint64_t target = state->recorded;
   state->reached.wait(lock, [&] { return state->completed >= target; });
 }
 
 void sim_device::stream_wait_event(stream_handle stream, event_handle event) {
-  auto* state = static_cast<sim_event*>(event);
+  sim_event_ref state = state_of(event);
   std::uint64_t target = 0;
   {
     std::lock_guard lock(state->mutex);

@@ -87,7 +87,7 @@ TEST_F(CachingAllocatorTest, ForeignAndDoubleFreesAreRefused) {
   EXPECT_TRUE(allocator->deallocate(pointer));
   EXPECT_FALSE(allocator->deallocate(pointer));
   EXPECT_FALSE(allocator->deallocate(static_cast<char*>(pointer) + 512));
-  EXPECT_EQ(allocator->stats().total.frees.load(), 1u);
+  EXPECT_EQ(allocator->stats().total.frees, 1u);
 }
 
 TEST_F(CachingAllocatorTest, FreedMemoryIsReusedFromTheCache) {
@@ -96,8 +96,8 @@ TEST_F(CachingAllocatorTest, FreedMemoryIsReusedFromTheCache) {
   allocator->deallocate(first);
   void* second = allocator->allocate(3 * MiB, nullptr, allocation_class::other);
   EXPECT_EQ(first, second);
-  EXPECT_EQ(allocator->stats().total.cache_hits.load(), 1u);
-  EXPECT_EQ(allocator->stats().total.segments_mapped.load(), 1u);
+  EXPECT_EQ(allocator->stats().total.cache_hits, 1u);
+  EXPECT_EQ(allocator->stats().total.segments_mapped, 1u);
   allocator->deallocate(second);
 }
 
@@ -128,7 +128,7 @@ TEST_F(CachingAllocatorTest, BytesStayIntactThroughSplitsAndMerges) {
     EXPECT_TRUE(holds(each.pointer, each.value, each.bytes)) << "block of " << each.bytes << " bytes";
   }
   for (const live_block& each : live) allocator->deallocate(each.pointer);
-  EXPECT_EQ(allocator->stats().total.allocated_bytes.current(), 0);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
 }
 
 TEST_F(CachingAllocatorTest, ClassesLiveInSeparateSegments) {
@@ -139,8 +139,8 @@ TEST_F(CachingAllocatorTest, ClassesLiveInSeparateSegments) {
                             ? reinterpret_cast<std::uintptr_t>(state) - reinterpret_cast<std::uintptr_t>(parameter)
                             : reinterpret_cast<std::uintptr_t>(parameter) - reinterpret_cast<std::uintptr_t>(state);
   EXPECT_GE(distance, 2 * MiB) << "two classes shared a segment";
-  EXPECT_EQ(allocator->stats().classes[class_index(allocation_class::parameter)].allocated_bytes.current(), 4096);
-  EXPECT_EQ(allocator->stats().classes[class_index(allocation_class::optimizer_state)].reserved_bytes.current(),
+  EXPECT_EQ(allocator->stats().of(allocation_class::parameter).allocated_bytes.current, 4096);
+  EXPECT_EQ(allocator->stats().of(allocation_class::optimizer_state).reserved_bytes.current,
             static_cast<std::int64_t>(2 * MiB));
   allocator->deallocate(parameter);
   allocator->deallocate(state);
@@ -184,8 +184,8 @@ TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
   device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, consumer);
   fill(pointer, 0xCC, bytes, consumer);  // the consumer still uses it after the free below
   allocator->deallocate(pointer);
-  EXPECT_EQ(allocator->stats().total.active_bytes.current(),
-            allocator->stats().total.allocated_bytes.current() + static_cast<std::int64_t>(round_up(bytes, 512)));
+  EXPECT_EQ(allocator->stats().total.active_bytes.current,
+            allocator->stats().total.allocated_bytes.current + static_cast<std::int64_t>(round_up(bytes, 512)));
 
   void* meanwhile = allocator->allocate(bytes, producer, allocation_class::other);
   EXPECT_NE(meanwhile, pointer) << "handed out while the consumer stream may still use it";
@@ -196,7 +196,7 @@ TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
 
   void* later = allocator->allocate(bytes, producer, allocation_class::other);
   allocator->deallocate(later);
-  EXPECT_EQ(allocator->stats().total.active_bytes.current(), 0);
+  EXPECT_EQ(allocator->stats().total.active_bytes.current, 0);
   allocator->forget_stream(producer);
   allocator->forget_stream(consumer);
   device_->destroy_stream(producer);
@@ -209,7 +209,7 @@ TEST_F(CachingAllocatorTest, LimitIsHonouredToTheByte) {
   void* exact = allocator->allocate(40 * MiB, nullptr, allocation_class::other);
   ASSERT_NE(exact, nullptr);
   EXPECT_THROW(allocator->allocate(512, nullptr, allocation_class::other), out_of_memory);
-  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak()), limit);
+  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak), limit);
   allocator->deallocate(exact);
   void* small = allocator->allocate(512, nullptr, allocation_class::other);  // cache released, fits
   EXPECT_NE(small, nullptr);
@@ -229,7 +229,7 @@ TEST_F(CachingAllocatorTest, OutOfMemoryMessageSaysWhatAndWhichVariable) {
     EXPECT_NE(message.find("zeroalloc holds 30.00 MiB of which 30.00 MiB is allocated"), std::string::npos) << message;
     EXPECT_NE(message.find("cached but free"), std::string::npos) << message;
   }
-  EXPECT_EQ(allocator->stats().total.failures.load(), 1u);
+  EXPECT_EQ(allocator->stats().total.failures, 1u);
   allocator->deallocate(held);
 }
 
@@ -240,8 +240,8 @@ TEST_F(CachingAllocatorTest, CachedMemoryOfAnotherClassIsReleasedToServeARequest
   for (void* each : activations) allocator->deallocate(each);  // 60 MiB cached, free
   void* state = allocator->allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
   EXPECT_NE(state, nullptr);
-  EXPECT_EQ(allocator->stats().total.retries.load(), 1u);
-  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak()), 64 * MiB);
+  EXPECT_EQ(allocator->stats().total.retries, 1u);
+  EXPECT_LE(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.peak), 64 * MiB);
   allocator->deallocate(state);
 }
 
@@ -251,15 +251,15 @@ TEST_F(CachingAllocatorTest, EmptyCacheReturnsFreeMemoryToTheDevice) {
   void* kept = allocator->allocate(4096, nullptr, allocation_class::other);
   void* dropped = allocator->allocate(64 * MiB, nullptr, allocation_class::other);
   allocator->deallocate(dropped);
-  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), static_cast<std::int64_t>(66 * MiB));
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current, static_cast<std::int64_t>(66 * MiB));
   allocator->empty_cache();
-  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current, static_cast<std::int64_t>(2 * MiB));
   if (device_->is_simulated()) {
     EXPECT_EQ(device_->query_memory().free_bytes, before.free_bytes - 2 * MiB);
   }
   allocator->deallocate(kept);
   allocator->empty_cache();
-  EXPECT_EQ(allocator->stats().total.reserved_bytes.current(), 0);
+  EXPECT_EQ(allocator->stats().total.reserved_bytes.current, 0);
   if (device_->is_simulated()) {
     EXPECT_EQ(device_->query_memory().free_bytes, before.free_bytes);
   }
@@ -294,7 +294,7 @@ TEST_F(CachingAllocatorTest, StatisticsAreExactAfterARandomWorkload) {
     const std::size_t bytes = random() % 4 == 0 ? 1 * MiB + random() % (3 * MiB) : 1 + random() % (64 * KiB);
     void* pointer = allocator->allocate(bytes, nullptr, cls);
     // Rounded to 512; a large block keeps an unsplittable remainder of up to 1 MiB.
-    const std::int64_t charged = allocator->stats().total.allocated_bytes.current() - total;
+    const std::int64_t charged = allocator->stats().total.allocated_bytes.current - total;
     EXPECT_GE(charged, static_cast<std::int64_t>(round_up(bytes, 512)));
     EXPECT_LE(charged, static_cast<std::int64_t>(round_up(bytes, 512) + (bytes > MiB ? MiB : 0)));
     live.push_back({pointer, charged, cls});
@@ -304,26 +304,28 @@ TEST_F(CachingAllocatorTest, StatisticsAreExactAfterARandomWorkload) {
     total_peak = std::max(total_peak, total);
     ++allocations;
   }
-  const allocator_stats& stats = allocator->stats();
+  const stats_snapshot stats = allocator->stats();
   for (allocation_class cls : kAllocationClasses) {
-    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.current(), allocated[class_index(cls)]);
-    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.peak(), peak[class_index(cls)]);
+    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.current, allocated[class_index(cls)]);
+    EXPECT_EQ(stats.classes[class_index(cls)].allocated_bytes.peak, peak[class_index(cls)]);
   }
-  EXPECT_EQ(stats.total.allocated_bytes.current(), total);
-  EXPECT_EQ(stats.total.allocated_bytes.peak(), total_peak);
-  EXPECT_EQ(stats.total.allocations.load(), allocations);
-  EXPECT_EQ(stats.total.frees.load(), frees);
-  EXPECT_EQ(stats.total.active_bytes.current(), total);
-  EXPECT_EQ(stats.total.reserved_bytes.current() - stats.total.allocated_bytes.current(),
-            static_cast<std::int64_t>(stats.total.reserved_bytes.current() - total));
+  EXPECT_EQ(stats.total.allocated_bytes.current, total);
+  EXPECT_EQ(stats.total.allocated_bytes.peak, total_peak);
+  EXPECT_EQ(stats.total.allocations, allocations);
+  EXPECT_EQ(stats.total.frees, frees);
+  EXPECT_EQ(stats.total.active_bytes.current, total);
+  EXPECT_EQ(stats.total.active_bytes.peak, total_peak);  // nothing waited for another stream
+  EXPECT_EQ(stats.total.reserved_bytes.current - stats.total.allocated_bytes.current,
+            static_cast<std::int64_t>(stats.total.reserved_bytes.current - total));
   std::int64_t reserved_by_classes = 0;
-  for (const class_stats& each : stats.classes) reserved_by_classes += each.reserved_bytes.current();
-  EXPECT_EQ(reserved_by_classes, stats.total.reserved_bytes.current());
+  for (const class_figures& each : stats.classes) reserved_by_classes += each.reserved_bytes.current;
+  EXPECT_EQ(reserved_by_classes, stats.total.reserved_bytes.current);
 
   allocator->reset_peak_stats();
-  EXPECT_EQ(stats.total.allocated_bytes.peak(), total);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.peak, total);
   for (const live_block& each : live) allocator->deallocate(each.pointer);
-  EXPECT_EQ(stats.total.allocated_bytes.current(), 0);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.peak, total);
 }
 
 TEST_F(CachingAllocatorTest, SixteenThreadsOfRandomWorkKeepEveryByte) {
@@ -362,9 +364,9 @@ TEST_F(CachingAllocatorTest, SixteenThreadsOfRandomWorkKeepEveryByte) {
     });
   }
   for (auto& each : threads) each.join();
-  EXPECT_EQ(corrupted.load(), 0);
-  EXPECT_EQ(allocator->stats().total.allocated_bytes.current(), 0);
-  EXPECT_EQ(allocator->stats().total.allocations.load(), allocator->stats().total.frees.load());
+  EXPECT_EQ(corrupted, 0);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
+  EXPECT_EQ(allocator->stats().total.allocations, allocator->stats().total.frees);
 }
 
 TEST(CachingAllocatorMultiDevice, EachDeviceHasItsOwnMemoryAndLimit) {

@@ -1,0 +1,36 @@
+// A lock for short critical sections on the allocation fast path: one atomic exchange to
+// take it, a plain release store to give it back (std::mutex pays a second atomic
+// read-modify-write on unlock). Waiters spin briefly, then yield the processor, so a
+// holder that was descheduled does not burn the other cores.
+#pragma once
+
+#include <atomic>
+#include <thread>
+
+namespace zeroalloc {
+
+class spin_lock {
+ public:
+  void lock() noexcept {
+    for (;;) {
+      if (!locked_.exchange(true, std::memory_order_acquire)) return;
+      for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
+        if (spins < 64) {
+          __builtin_ia32_pause();
+        } else {
+          std::this_thread::yield();
+        }
+      }
+    }
+  }
+  bool try_lock() noexcept {
+    return !locked_.load(std::memory_order_relaxed) &&
+           !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
+}  // namespace zeroalloc
