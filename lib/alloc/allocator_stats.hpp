@@ -63,6 +63,7 @@ struct heap_counts {
   std::uint64_t cache_hits = 0;  ///< allocations served without new memory
   std::uint64_t segments_mapped = 0;
   std::uint64_t segments_unmapped = 0;
+  std::uint64_t segments_donated = 0;  ///< fully free segments given to another heap
 };
 
 /// A current value and its peak since the last reset.
@@ -83,6 +84,7 @@ struct class_figures {
   std::uint64_t failures = 0;
   std::uint64_t segments_mapped = 0;
   std::uint64_t segments_unmapped = 0;
+  std::uint64_t segments_donated = 0;
   std::uint64_t largest_free_block_bytes = 0;
   /// Reserved minus allocated: memory held but not handed out.
   [[nodiscard]] std::int64_t fragmentation_bytes() const {

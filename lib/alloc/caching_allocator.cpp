@@ -23,6 +23,9 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
     heaps_[2 * class_index(cls) + 1] =
         std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::large, region_bytes);
   }
+  std::vector<heap*> all;
+  for (auto& each : heaps_) all.push_back(each.get());
+  for (auto& each : heaps_) each->set_donors(all);
 }
 
 caching_allocator::~caching_allocator() = default;
@@ -170,6 +173,7 @@ stats_snapshot caching_allocator::stats() const {
         into->cache_hits += counts.cache_hits;
         into->segments_mapped += counts.segments_mapped;
         into->segments_unmapped += counts.segments_unmapped;
+        into->segments_donated += counts.segments_donated;
       }
     }
     figures.largest_free_block_bytes = largest_free_block(cls);
@@ -199,7 +203,7 @@ void append_figures(std::string& out, const class_figures& figures) {
       "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld},"
       "\"active_bytes\":{\"current\":%lld,\"peak\":%lld},"
       "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
-      "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,"
+      "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_donated\":%llu,"
       "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
       static_cast<long long>(figures.allocated_bytes.current),
       static_cast<long long>(figures.allocated_bytes.peak),
@@ -214,6 +218,7 @@ void append_figures(std::string& out, const class_figures& figures) {
       static_cast<unsigned long long>(figures.failures),
       static_cast<unsigned long long>(figures.segments_mapped),
       static_cast<unsigned long long>(figures.segments_unmapped),
+      static_cast<unsigned long long>(figures.segments_donated),
       static_cast<unsigned long long>(figures.largest_free_block_bytes),
       static_cast<long long>(figures.fragmentation_bytes()));
   out += text;

@@ -62,6 +62,7 @@ physical_handle chunk_arena::obtain_chunk(std::size_t bytes) {
 }
 
 bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
+                         std::vector<physical_handle>& donated,
                          std::vector<physical_handle>& chunks) {
   std::lock_guard lock(mutex_);
   const std::size_t first_new = chunks.size();
@@ -76,11 +77,20 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
     }
     chunks.resize(first_new);
   };
+  std::size_t next_donated = 0;
+  auto pool_unused_donations = [&] {
+    for (; next_donated < donated.size(); ++next_donated) {
+      pool_[donated[next_donated].bytes].push_back(donated[next_donated]);
+      pooled_bytes_ += donated[next_donated].bytes;
+    }
+    donated.clear();
+  };
   while (offset < bytes) {
     const std::size_t piece = std::min(chunk_bytes_, bytes - offset);
-    physical_handle handle = obtain_chunk(piece);
+    physical_handle handle = next_donated < donated.size() ? donated[next_donated++] : obtain_chunk(piece);
     if (!handle.valid()) {
       undo();
+      pool_unused_donations();
       return false;
     }
     try {
@@ -89,12 +99,23 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
       pool_[handle.bytes].push_back(handle);
       pooled_bytes_ += handle.bytes;
       undo();
+      pool_unused_donations();
       throw;
     }
     chunks.push_back(handle);
-    offset += piece;
+    offset += handle.bytes;
   }
+  donated.clear();
   return true;
+}
+
+void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
+  std::lock_guard lock(mutex_);
+  for (const physical_handle& handle : chunks) {
+    pool_[handle.bytes].push_back(handle);
+    pooled_bytes_ += handle.bytes;
+  }
+  chunks.clear();
 }
 
 void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {

@@ -35,10 +35,16 @@ class chunk_arena {
   /// Reserves an address region of `bytes` (a multiple of the granularity).
   std::uintptr_t reserve_region(std::size_t bytes);
 
-  /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`.
-  /// Returns false, with nothing mapped and nothing charged, when the limit or the device's
-  /// memory is exhausted. Throws device_error for any other failure.
-  bool commit(std::uintptr_t address, std::size_t bytes, std::vector<physical_handle>& chunks);
+  /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`:
+  /// first `donated` (chunks taken from free segments, see Note [Moving free memory between
+  /// classes] in heap.cpp), then chunks from the pool or created. Returns false when the limit
+  /// or the device's memory is exhausted; the new mappings are then undone and every chunk,
+  /// donated ones included, is kept in the pool. Throws device_error for any other failure.
+  bool commit(std::uintptr_t address, std::size_t bytes, std::vector<physical_handle>& donated,
+              std::vector<physical_handle>& chunks);
+
+  /// Keeps chunks that are not mapped by their new owner in the pool.
+  void keep_in_pool(std::vector<physical_handle>& chunks);
 
   /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool.
   /// The caller guarantees that no queued work still touches the range.

@@ -30,6 +30,7 @@ heap::heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, siz
 heap::~heap() {
   try {
     std::lock_guard lock(mutex_);
+    retire_donated(true);
     for (auto& owned : segments_) {
       if (!owned->chunks.empty()) arena_.decommit(owned->address, owned->chunks);
     }
@@ -131,8 +132,126 @@ std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   return round_up(rounded_bytes, arena_.granularity());
 }
 
+// Note [Moving free memory between classes]: classes live in separate segments, so memory
+// one class frees (activations, at the end of backward) would otherwise sit cached while
+// another class (gradients, optimizer states) maps new memory, and reserved memory would
+// grow to the sum of every class's peak instead of the peak of their sum. So before
+// creating physical memory, a heap takes the chunks of fully free segments, of any heap of
+// the device, and maps them at its own addresses. No host thread waits: a physical chunk
+// may be mapped at two addresses at once, so the donor's old mapping stays until fences
+// recorded on its streams have passed (retire_donated), and the receiving stream waits for
+// those fences before its first use. Donated segments are sized to the need (within an
+// eighth, and at most eight of them), so a small heap never swallows a large segment.
+void heap::gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into) {
+  const std::size_t eighth = std::max(bytes / 8, arena_.granularity());
+  for (heap* donor : donors_) {
+    while (into.bytes < bytes) {
+      const std::size_t remaining = bytes - into.bytes;
+      const std::size_t least = std::min(remaining, eighth);
+      const std::size_t most = remaining + eighth;
+      const bool given = donor == this ? donate_locked(least, most, stream, into)
+                                       : donor->try_donate(least, most, stream, into);
+      if (!given) break;
+    }
+    if (into.bytes >= bytes) break;
+  }
+}
+
+bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
+                      donated_memory& into) {
+  // try_lock: the requesting heap holds its own lock, so waiting here could deadlock with a
+  // heap asking this one's neighbour; a busy heap is simply skipped.
+  std::unique_lock lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  return donate_locked(least_bytes, most_bytes, for_stream, into);
+}
+
+std::vector<stream_handle> heap::streams_of(const segment& owner) const {
+  std::vector<stream_handle> streams;
+  for (const block* piece = owner.first; piece != nullptr; piece = piece->next) {
+    if (piece->stream != kDetachedStream &&
+        std::find(streams.begin(), streams.end(), piece->stream) == streams.end()) {
+      streams.push_back(piece->stream);
+    }
+  }
+  return streams;
+}
+
+bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
+                         donated_memory& into) {
+  auto chosen = segments_.end();
+  for (auto it = segments_.begin(); it != segments_.end(); ++it) {
+    const segment& candidate = **it;
+    if (candidate.busy_blocks != 0 || candidate.bytes < least_bytes || candidate.bytes > most_bytes) continue;
+    if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
+  }
+  if (chosen == segments_.end()) return false;
+  segment& given = **chosen;
+  retiring_range old_addresses{given.address, given.bytes, given.chunks, {}};
+  for (stream_handle stream : streams_of(given)) {
+    event_handle fence = obtain_event();
+    device_.record_event(fence, stream);
+    if (stream != for_stream) device_.stream_wait_event(for_stream, fence);
+    old_addresses.fences.push_back(fence);
+  }
+  for (block* piece = given.first; piece != nullptr;) {
+    block* next = piece->next;
+    remove_free(piece);
+    recycle_block(piece);
+    piece = next;
+  }
+  into.chunks.insert(into.chunks.end(), given.chunks.begin(), given.chunks.end());
+  into.bytes += given.bytes;
+  stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes)); });
+  ++counts_.segments_donated;
+  retiring_.push_back(std::move(old_addresses));
+  segments_.erase(chosen);
+  return true;
+}
+
+void heap::retire_donated(bool wait) {
+  std::erase_if(retiring_, [&](retiring_range& range) {
+    for (event_handle fence : range.fences) {
+      if (wait) {
+        device_.synchronize_event(fence);
+      } else if (!device_.event_completed(fence)) {
+        return false;
+      }
+    }
+    std::size_t offset = 0;
+    for (const physical_handle& chunk : range.chunks) {
+      device_.unmap(range.address + offset, chunk.bytes);
+      offset += chunk.bytes;
+    }
+    return_addresses(range.address, range.bytes);
+    spare_events_.insert(spare_events_.end(), range.fences.begin(), range.fences.end());
+    return true;
+  });
+}
+
+void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
+  auto [inserted, fresh] = free_addresses_.emplace(address, bytes);
+  (void)fresh;
+  auto after = std::next(inserted);
+  if (after != free_addresses_.end() && inserted->first + inserted->second == after->first) {
+    inserted->second += after->second;
+    free_addresses_.erase(after);
+  }
+  if (inserted != free_addresses_.begin()) {
+    auto before = std::prev(inserted);
+    if (before->first + before->second == inserted->first) {
+      before->second += inserted->second;
+      free_addresses_.erase(inserted);
+    }
+  }
+}
+
 block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
-  const std::size_t bytes = segment_bytes_for(rounded_bytes);
+  if (!retiring_.empty()) retire_donated(false);
+  const std::size_t needed = segment_bytes_for(rounded_bytes);
+  donated_memory donated;
+  gather_donations(needed, stream, donated);
+  const std::size_t bytes = std::max(needed, donated.bytes);
   auto fit = free_addresses_.end();
   for (auto range = free_addresses_.begin(); range != free_addresses_.end(); ++range) {
     if (range->second >= bytes && (fit == free_addresses_.end() || range->second < fit->second)) {
@@ -143,13 +262,14 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     log().warn("address region of {} {} memory on {} is exhausted ({} reserved)",
                class_name(class_), kind_ == size_kind::small ? "small" : "large", device_.name(),
                format_bytes(region_bytes_));
+    arena_.keep_in_pool(donated.chunks);
     return nullptr;
   }
   const std::uintptr_t address = fit->first;
   auto owned = std::make_unique<segment>();
   owned->address = address;
   owned->bytes = bytes;
-  if (!arena_.commit(address, bytes, owned->chunks)) return nullptr;
+  if (!arena_.commit(address, bytes, donated.chunks, owned->chunks)) return nullptr;
   const std::size_t remaining = fit->second - bytes;
   free_addresses_.erase(fit);
   if (remaining > 0) free_addresses_[address + bytes] = remaining;
@@ -163,8 +283,9 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   segments_.push_back(std::move(owned));
   stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(static_cast<std::int64_t>(bytes)); });
   ++counts_.segments_mapped;
-  log().debug("mapped a {} segment for {} ({} request) on {}", format_bytes(bytes),
-              class_name(class_), format_bytes(rounded_bytes), device_.name());
+  log().debug("mapped a {} segment for {} ({} request, {} donated) on {}", format_bytes(bytes),
+              class_name(class_), format_bytes(rounded_bytes), format_bytes(donated.bytes),
+              device_.name());
   return whole;
 }
 
@@ -313,20 +434,14 @@ void heap::process_pending(bool wait) {
 std::uint64_t heap::release_free_segments() {
   std::lock_guard lock(mutex_);
   process_pending(true);
+  retire_donated(true);
   std::uint64_t released = 0;
   auto unused = std::stable_partition(segments_.begin(), segments_.end(),
                                       [](const auto& owned) { return owned->busy_blocks != 0; });
   for (auto it = unused; it != segments_.end(); ++it) {
     segment& idle = **it;
     // Work queued before the frees may still touch the segment: unmap only after it ran.
-    std::vector<stream_handle> streams;
-    for (block* piece = idle.first; piece != nullptr; piece = piece->next) {
-      if (std::find(streams.begin(), streams.end(), piece->stream) == streams.end()) {
-        streams.push_back(piece->stream);
-      }
-    }
-    for (stream_handle stream : streams) {
-      if (stream == kDetachedStream) continue;
+    for (stream_handle stream : streams_of(idle)) {
       event_handle fence = obtain_event();
       device_.record_event(fence, stream);
       device_.synchronize_event(fence);
@@ -339,20 +454,7 @@ std::uint64_t heap::release_free_segments() {
       piece = next;
     }
     arena_.decommit(idle.address, idle.chunks);
-    auto [inserted, fresh] = free_addresses_.emplace(idle.address, idle.bytes);
-    (void)fresh;
-    auto after = std::next(inserted);
-    if (after != free_addresses_.end() && inserted->first + inserted->second == after->first) {
-      inserted->second += after->second;
-      free_addresses_.erase(after);
-    }
-    if (inserted != free_addresses_.begin()) {
-      auto before = std::prev(inserted);
-      if (before->first + before->second == inserted->first) {
-        before->second += inserted->second;
-        free_addresses_.erase(inserted);
-      }
-    }
+    return_addresses(idle.address, idle.bytes);
     released += idle.bytes;
     stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes)); });
     ++counts_.segments_unmapped;

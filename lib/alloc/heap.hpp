@@ -47,6 +47,12 @@ struct segment {
   block* first = nullptr;
 };
 
+/// Physical chunks a heap gave up for another (Note [Moving free memory between classes]).
+struct donated_memory {
+  std::vector<physical_handle> chunks;
+  std::size_t bytes = 0;
+};
+
 class heap {
  public:
   /// The stream tag of blocks whose stream was destroyed after its work completed: any
@@ -75,6 +81,14 @@ class heap {
     return pointer - region_start_ < region_bytes_;
   }
   [[nodiscard]] std::size_t largest_free_block() const;
+  /// The heaps (this one included) whose fully free segments may back this heap's new
+  /// segments. Set once, before use.
+  void set_donors(std::vector<heap*> donors) { donors_ = std::move(donors); }
+  /// Unless the heap is busy, gives up one fully free segment of `least_bytes` to
+  /// `most_bytes`: `for_stream` is made to wait for the work queued on it, its chunks are
+  /// appended to `into`, and its old addresses are unmapped once that work has run.
+  bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
+                  donated_memory& into);
   /// The heap's counts (Note [Statistics cost] in allocator_stats.hpp).
   [[nodiscard]] heap_counts counts() const;
   [[nodiscard]] allocation_class cls() const { return class_; }
@@ -96,6 +110,12 @@ class heap {
   block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);
   std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
   void release_block(block* freed);
+  bool donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
+                     donated_memory& into);
+  void gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into);
+  void retire_donated(bool wait);
+  void return_addresses(std::uintptr_t address, std::size_t bytes);
+  std::vector<stream_handle> streams_of(const segment& owner) const;
   void process_pending(bool wait);
   block* new_block();
   void recycle_block(block* unused);
@@ -122,6 +142,14 @@ class heap {
   std::vector<block*> pending_;
   std::vector<event_handle> spare_events_;
   std::vector<event_handle> all_events_;
+  struct retiring_range {  // a donated segment's old addresses, unmapped once fences pass
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    std::vector<physical_handle> chunks;
+    std::vector<event_handle> fences;
+  };
+  std::vector<retiring_range> retiring_;
+  std::vector<heap*> donors_;
 };
 
 }  // namespace zeroalloc

@@ -152,7 +152,14 @@ void sim_device::release_physical(physical_handle handle) {
   std::lock_guard lock(mutex_);
   auto found = handles_.find(handle.value);
   if (found == handles_.end()) throw_errno("release_physical (unknown handle)", EINVAL);
-  if (found->second.mappings != 0) throw_errno("release_physical (handle still mapped)", EBUSY);
+  if (found->second.released) throw_errno("release_physical (released twice)", EINVAL);
+  // As with cuMemRelease, a handle still mapped somewhere is freed by its last unmap.
+  found->second.released = true;
+  if (found->second.mappings == 0) destroy_handle_locked(found->first);
+}
+
+void sim_device::destroy_handle_locked(std::uint64_t id) {
+  auto found = handles_.find(id);
   ::close(found->second.memfd);
   if (found->second.location == memory_location::device) used_bytes_ -= found->second.bytes;
   handles_.erase(found);
@@ -190,7 +197,7 @@ void sim_device::free_addresses(std::uintptr_t address, std::size_t bytes) {
 void sim_device::map(std::uintptr_t address, physical_handle handle) {
   std::lock_guard lock(mutex_);
   auto record = handles_.find(handle.value);
-  if (record == handles_.end()) throw_errno("map (unknown handle)", EINVAL);
+  if (record == handles_.end() || record->second.released) throw_errno("map (unknown handle)", EINVAL);
   const std::size_t bytes = record->second.bytes;
   auto reservation = reservations_.upper_bound(address);
   if (reservation == reservations_.begin() || address % kGranularity != 0) {
@@ -229,7 +236,8 @@ void sim_device::unmap(std::uintptr_t address, std::size_t bytes) {
                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (restored == MAP_FAILED) throw_errno("unmap (mmap)", errno);
   for (auto it = mappings_.find(address); it != mappings_.end() && it->first < address + bytes;) {
-    --handles_.at(it->second.handle).mappings;
+    handle_record& record = handles_.at(it->second.handle);
+    if (--record.mappings == 0 && record.released) destroy_handle_locked(it->second.handle);
     it = mappings_.erase(it);
   }
 }

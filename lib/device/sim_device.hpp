@@ -8,8 +8,8 @@
 //   really swaps the bytes behind a stable pointer, and a stale access after unmap faults.
 // - A stream is a worker thread that runs its queue in order; events mark points in a queue
 //   and can be waited on by other streams, as in CUDA.
-// Mapping over a mapped range, unmapping an unmapped one, or releasing a mapped handle
-// raise device_error, as the driver would.
+// Mapping over a mapped range or unmapping an unmapped one raise device_error; a handle
+// released while mapped is freed by its last unmap, as with cuMemRelease.
 #pragma once
 
 #include <cstddef>
@@ -65,6 +65,7 @@ class sim_device final : public device {
     std::size_t bytes = 0;
     memory_location location = memory_location::device;
     int mappings = 0;
+    bool released = false;  // released while mapped: destroyed by its last unmap
   };
   struct mapping_record {
     std::size_t bytes = 0;
@@ -72,6 +73,7 @@ class sim_device final : public device {
   };
 
   sim_stream& resolve(stream_handle stream);
+  void destroy_handle_locked(std::uint64_t id);
 
   const int ordinal_;
   const std::uint64_t capacity_bytes_;
