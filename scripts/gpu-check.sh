@@ -28,7 +28,7 @@ build/bench/caching_allocator_bench --benchmark_repetitions=7 --benchmark_report
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
 step "torch.empty + del through zeroalloc vs native"
-python3 bench/python/torch_empty_bench.py --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
+python3 bench/python/torch_empty_bench.py --rounds 3 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
 
 step "training trace: zeroalloc vs PyTorch native, same trace"
 build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null

@@ -24,7 +24,10 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
         std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::large, region_bytes);
   }
   std::vector<heap*> all;
-  for (auto& each : heaps_) all.push_back(each.get());
+  for (std::size_t i = 0; i < heaps_.size(); ++i) {
+    all.push_back(heaps_[i].get());
+    regions_[i] = {heaps_[i]->region_start(), heaps_[i]->region_bytes()};
+  }
   for (auto& each : heaps_) each->set_donors(all);
 }
 
@@ -101,28 +104,27 @@ void caching_allocator::throw_out_of_memory(std::size_t bytes, allocation_class 
            ". Free tensors you no longer need, lower the batch size, or raise the limit.");
 }
 
-bool caching_allocator::owns(const void* pointer) const {
-  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
-  for (const auto& each : heaps_) {
-    if (each->contains(address)) return true;
+heap* caching_allocator::heap_at(std::uintptr_t address) const {
+  for (std::size_t i = 0; i < regions_.size(); ++i) {
+    if (address - regions_[i].start < regions_[i].bytes) return heaps_[i].get();
   }
-  return false;
+  return nullptr;
+}
+
+bool caching_allocator::owns(const void* pointer) const {
+  return heap_at(reinterpret_cast<std::uintptr_t>(pointer)) != nullptr;
 }
 
 bool caching_allocator::deallocate(void* pointer) {
   const auto address = reinterpret_cast<std::uintptr_t>(pointer);
-  for (auto& each : heaps_) {
-    if (each->contains(address)) return each->deallocate(address);
-  }
-  return false;
+  heap* owner = heap_at(address);
+  return owner != nullptr && owner->deallocate(address);
 }
 
 bool caching_allocator::record_stream(void* pointer, stream_handle stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(pointer);
-  for (auto& each : heaps_) {
-    if (each->contains(address)) return each->record_stream(address, stream);
-  }
-  return false;
+  heap* owner = heap_at(address);
+  return owner != nullptr && owner->record_stream(address, stream);
 }
 
 void caching_allocator::forget_stream(stream_handle stream) {

@@ -101,6 +101,8 @@ class caching_allocator {
 
  private:
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
+  /// The heap whose address region holds `address`, or nullptr.
+  heap* heap_at(std::uintptr_t address) const;
   void* allocate_after_pressure(std::size_t rounded_bytes, stream_handle stream,
                                 allocation_class cls);
   std::uint64_t release_all_cached();
@@ -111,6 +113,11 @@ class caching_allocator {
   chunk_arena arena_;
   allocator_stats stats_;
   std::array<std::unique_ptr<heap>, 2 * kAllocationClassCount> heaps_;
+  struct region {  // heaps_[i]'s address region, kept flat for the lookup on every free
+    std::uintptr_t start = 0;
+    std::size_t bytes = 0;
+  };
+  std::array<region, 2 * kAllocationClassCount> regions_{};
   std::mutex reclaim_mutex_;  // one thread at a time releases cache across heaps
   mutable std::mutex settings_mutex_;
   std::string limit_source_;

@@ -77,9 +77,8 @@ class heap {
   /// Waits for pending frees, then unmaps every fully free segment. Returns bytes unmapped.
   std::uint64_t release_free_segments();
 
-  [[nodiscard]] bool contains(std::uintptr_t pointer) const {
-    return pointer - region_start_ < region_bytes_;
-  }
+  [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
+  [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
   [[nodiscard]] std::size_t largest_free_block() const;
   /// The heaps (this one included) whose fully free segments may back this heap's new
   /// segments. Set once, before use.

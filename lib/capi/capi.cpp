@@ -74,8 +74,7 @@ ZA_EXPORT void zeroalloc_free(void* ptr, ssize_t /*size*/, int /*device*/,
                               zeroalloc_stream_t /*stream*/) {
   if (ptr == nullptr) return;
   guarded_void("zeroalloc_free", [&] {
-    zeroalloc::caching_allocator* owner = runtime::get().owner_of(ptr);
-    if (owner == nullptr || !owner->deallocate(ptr)) {
+    if (!runtime::get().deallocate(ptr)) {
       ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr,
                " is not a live zeroalloc allocation (freed twice, or from another allocator); "
                "ignored");

@@ -71,6 +71,14 @@ caching_allocator* runtime::owner_of(const void* pointer) {
   return nullptr;
 }
 
+bool runtime::deallocate(void* pointer) {
+  for (int ordinal = 0; ordinal < registry_.count() && ordinal < kMaxDevices; ++ordinal) {
+    caching_allocator* candidate = allocators_[ordinal].load(std::memory_order_acquire);
+    if (candidate != nullptr && candidate->owns(pointer)) return candidate->deallocate(pointer);
+  }
+  return false;
+}
+
 std::vector<caching_allocator*> runtime::started_allocators() {
   std::vector<caching_allocator*> started;
   for (int ordinal = 0; ordinal < registry_.count() && ordinal < kMaxDevices; ++ordinal) {

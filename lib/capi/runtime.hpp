@@ -28,6 +28,9 @@ class runtime {
   caching_allocator& allocator(int ordinal);
   /// The allocator that owns `pointer`, or nullptr; never creates one.
   caching_allocator* owner_of(const void* pointer);
+  /// Frees `pointer` through the allocator that owns it; false when none does or it is not
+  /// a live allocation.
+  bool deallocate(void* pointer);
   /// Allocators created so far (for empty_cache over all devices).
   std::vector<caching_allocator*> started_allocators();
 

@@ -23,13 +23,15 @@ device_registry::device_registry(const options& parsed)
                                   "Check nvidia-smi and CUDA_VISIBLE_DEVICES, or run with "
                                   "ZEROALLOC_DEVICE=sim.");
       }
-      log().info("the CUDA driver sees no GPU: using the simulated device (ZEROALLOC_DEVICE=sim)");
+      log().warn("the CUDA driver sees no GPU: zeroalloc runs on the simulated device (host "
+                 "memory). Set ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.");
       kind_ = "sim";
       count_ = parsed.sim_device_count;
     }
   } catch (const no_driver_error& failure) {
     if (parsed.device == "cuda") throw;
-    log().info("{}: using the simulated device (ZEROALLOC_DEVICE=sim)", failure.what());
+    log().warn("{}. zeroalloc runs on the simulated device (host memory). Set "
+               "ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.", failure.what());
     kind_ = "sim";
     count_ = parsed.sim_device_count;
   }
