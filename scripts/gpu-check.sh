@@ -28,7 +28,7 @@ build/bench/caching_allocator_bench --benchmark_repetitions=7 --benchmark_report
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
 step "torch.empty + del through zeroalloc vs native"
-python3 bench/python/torch_empty_bench.py --rounds 3 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
+python3 bench/python/torch_empty_bench.py --rounds 4 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
 
 step "training trace: zeroalloc vs PyTorch native, same trace"
 build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null
@@ -63,7 +63,7 @@ for name in ("replay_native", "replay_expandable"):
     except Exception as e:
         rows.append((f"trace ratio {name}", f"missing ({e})"))
 for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_empty.txt").exists() else []:
-    if re.match(r"^\s*[0-9.]+ [KMG]?i?B", line):
+    if re.match(r"^\s*[0-9.]+ [KMG]?i?B ", line):
         rows.append(("torch.empty+del", line.strip()))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
