@@ -24,7 +24,7 @@ step "ctest (gpu and sim labels)"
 grep -q "tests passed, 0 tests failed" "$out/ctest.log" || status=1
 
 step "caching_allocator_bench"
-build/bench/caching_allocator_bench --benchmark_repetitions=7 --benchmark_report_aggregates_only=true \
+taskset -c 2 build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
 step "torch.empty + del through zeroalloc vs native"
@@ -37,9 +37,9 @@ python3 bench/python/replay_trace_torch.py "$out/trace.txt" 2>&1 | tee "$out/rep
 python3 bench/python/replay_trace_torch.py --expandable "$out/trace.txt" 2>&1 | tee "$out/replay_expandable.txt" | tail -1
 
 step "PyTorch training, 50 steps, losses bit for bit"
-ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s tests/python/test_training_bitexact.py 2>&1 \
-  | tee "$out/pytest.log" | tail -8
-grep -qE "[0-9]+ passed" "$out/pytest.log" && ! grep -qE "failed|error" "$out/pytest.log" || status=1
+ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s tests/python/test_training_bitexact.py \
+  >"$out/pytest.log" 2>&1 || status=1
+tail -8 "$out/pytest.log"
 
 step summary
 python3 - "$out" <<'PY'

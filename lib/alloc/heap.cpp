@@ -495,7 +495,17 @@ block* heap::new_block() {
 }
 
 void heap::recycle_block(block* unused) {
-  *unused = block{};
+  // Field by field: the vectors keep their capacity, so recycling never frees memory.
+  unused->address = 0;
+  unused->bytes = 0;
+  unused->owner = nullptr;
+  unused->previous = unused->next = nullptr;
+  unused->bin_previous = unused->bin_next = nullptr;
+  unused->stream = nullptr;
+  unused->allocated = false;
+  unused->pending = false;
+  unused->other_streams.clear();
+  unused->pending_events.clear();
   spare_blocks_.push_back(unused);
 }
 
