@@ -24,7 +24,7 @@ step "ctest (gpu and sim labels)"
 grep -q "tests passed, 0 tests failed" "$out/ctest.log" || status=1
 
 step "caching_allocator_bench"
-taskset -c 2 build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
+build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
 step "torch.empty + del through zeroalloc vs native"

@@ -293,7 +293,12 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   if (!pending_.empty()) process_pending(false);
   bool from_cache = true;
-  block* chosen = find_fit(index_for(stream), rounded_bytes);
+  free_index& own = index_for(stream);
+  block* chosen = find_fit(own, rounded_bytes);
+  if (chosen == nullptr && !unmerged_.empty()) {
+    coalesce_freed();
+    chosen = find_fit(own, rounded_bytes);
+  }
   if (chosen != nullptr) {
     remove_free(chosen);
   } else {
@@ -385,12 +390,34 @@ void heap::forget_stream(stream_handle stream) {
   }
 }
 
+// Note [Deferred coalescing]: a freed block goes back to its bin as it is, so the next
+// request of the same size (the common case in a training loop) takes it without a split,
+// and its free costs no merge. Freed blocks are merged with their free neighbours in one
+// pass when a request finds nothing that fits (before any new memory is mapped, so reserved
+// memory is not affected) or when many frees have accumulated.
 void heap::release_block(block* freed) {
   --freed->owner->busy_blocks;
+  insert_free(freed);
+  unmerged_.push_back(freed);
+  if (unmerged_.size() >= kMaxUnmergedBlocks) coalesce_freed();
+}
+
+void heap::coalesce_freed() {
+  for (block* freed : unmerged_) {
+    // The entry may be stale: since allocated again, or merged away and recycled.
+    if (freed->owner == nullptr || freed->allocated || freed->pending) continue;
+    merge_free_neighbours(freed);
+  }
+  unmerged_.clear();
+}
+
+void heap::merge_free_neighbours(block* freed) {
   auto mergeable = [&](block* neighbour) {
     return neighbour != nullptr && !neighbour->allocated && !neighbour->pending &&
            neighbour->stream == freed->stream;
   };
+  if (!mergeable(freed->previous) && !mergeable(freed->next)) return;
+  remove_free(freed);
   if (mergeable(freed->previous)) {
     block* previous = freed->previous;
     remove_free(previous);

@@ -109,6 +109,8 @@ class heap {
   block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);
   std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
   void release_block(block* freed);
+  void coalesce_freed();
+  void merge_free_neighbours(block* freed);
   bool donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                      donated_memory& into);
   void gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into);
@@ -139,6 +141,8 @@ class heap {
   std::vector<std::unique_ptr<block>> block_storage_;
   std::vector<block*> spare_blocks_;
   std::vector<block*> pending_;
+  static constexpr std::size_t kMaxUnmergedBlocks = 4096;
+  std::vector<block*> unmerged_;  // Note [Deferred coalescing]
   std::vector<event_handle> spare_events_;
   std::vector<event_handle> all_events_;
   struct retiring_range {  // a donated segment's old addresses, unmapped once fences pass
