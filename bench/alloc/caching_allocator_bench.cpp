@@ -72,7 +72,8 @@ void cuda_malloc_pair(benchmark::State& state) {
 }
 
 void sizes(benchmark::internal::Benchmark* bench) {
-  for (std::int64_t bytes : {512ll, 64ll << 10, 1ll << 20, 16ll << 20, 256ll << 20}) bench->Arg(bytes);
+  for (std::int64_t bytes : {512ll, 64ll << 10, 1ll << 20, 16ll << 20, 256ll << 20})
+    bench->Arg(bytes);
 }
 
 BENCHMARK(zeroalloc_pair)->Apply(sizes)->Threads(1)->Threads(16)->UseRealTime();

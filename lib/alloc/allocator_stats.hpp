@@ -43,10 +43,10 @@ class gauge {
 
 /// The live gauges of one class, or of the whole device.
 struct live_gauges {
-  gauge allocated_bytes;   ///< bytes of blocks handed out (rounded block sizes)
-  gauge reserved_bytes;    ///< bytes of mapped segments
-  gauge pending_bytes;     ///< freed, waiting for events on other streams
-  gauge active_peak;       ///< only its peak is used: allocated + pending at its highest
+  gauge allocated_bytes;  ///< bytes of blocks handed out (rounded block sizes)
+  gauge reserved_bytes;   ///< bytes of mapped segments
+  gauge pending_bytes;    ///< freed, waiting for events on other streams
+  gauge active_peak;      ///< only its peak is used: allocated + pending at its highest
   std::atomic<std::uint64_t> retries{0};   ///< allocations that released cache and retried
   std::atomic<std::uint64_t> failures{0};  ///< allocations that failed out of memory
 

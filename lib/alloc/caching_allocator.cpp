@@ -11,7 +11,8 @@ namespace zeroalloc {
 
 caching_allocator::caching_allocator(device& backing, const allocator_settings& settings)
     : device_(backing),
-      limiter_(settings.limit_bytes != 0 ? settings.limit_bytes : backing.query_memory().total_bytes),
+      limiter_(settings.limit_bytes != 0 ? settings.limit_bytes
+                                         : backing.query_memory().total_bytes),
       arena_(backing, settings.chunk_bytes, limiter_),
       limit_source_(settings.limit_source) {
   // Each heap may at most map the whole device; twice that leaves room for the holes
@@ -39,7 +40,8 @@ heap& caching_allocator::heap_for(allocation_class cls, std::size_t rounded_byte
 
 void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, allocation_class cls) {
   const std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kAlignment);
-  if (rounded < bytes) ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
+  if (rounded < bytes)
+    ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
   if (void* pointer = heap_for(cls, rounded).allocate(rounded, stream)) return pointer;
   return allocate_after_pressure(rounded, stream, cls);
 }
@@ -48,7 +50,8 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stre
                                                  allocation_class cls) {
   // Out of new memory: give back every cached free segment (of every class) and retry;
   // then let the pressure handler free memory, and retry once more.
-  stats_.apply(cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
+  stats_.apply(
+      cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::uint64_t released = release_all_cached();
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -59,9 +62,11 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stre
     handler = pressure_handler_;
   }
   if (handler && handler(rounded_bytes) > 0) {
-    if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream)) return pointer;
+    if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream))
+      return pointer;
   }
-  stats_.apply(cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
+  stats_.apply(
+      cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   throw_out_of_memory(rounded_bytes, cls);
 }
 
@@ -199,30 +204,30 @@ namespace {
 
 void append_figures(std::string& out, const class_figures& figures) {
   char text[1024];
-  std::snprintf(
-      text, sizeof text,
-      "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld},"
-      "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld},"
-      "\"active_bytes\":{\"current\":%lld,\"peak\":%lld},"
-      "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
-      "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_donated\":%llu,"
-      "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
-      static_cast<long long>(figures.allocated_bytes.current),
-      static_cast<long long>(figures.allocated_bytes.peak),
-      static_cast<long long>(figures.reserved_bytes.current),
-      static_cast<long long>(figures.reserved_bytes.peak),
-      static_cast<long long>(figures.active_bytes.current),
-      static_cast<long long>(figures.active_bytes.peak),
-      static_cast<unsigned long long>(figures.allocations),
-      static_cast<unsigned long long>(figures.frees),
-      static_cast<unsigned long long>(figures.cache_hits),
-      static_cast<unsigned long long>(figures.retries),
-      static_cast<unsigned long long>(figures.failures),
-      static_cast<unsigned long long>(figures.segments_mapped),
-      static_cast<unsigned long long>(figures.segments_unmapped),
-      static_cast<unsigned long long>(figures.segments_donated),
-      static_cast<unsigned long long>(figures.largest_free_block_bytes),
-      static_cast<long long>(figures.fragmentation_bytes()));
+  std::snprintf(text, sizeof text,
+                "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld},"
+                "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld},"
+                "\"active_bytes\":{\"current\":%lld,\"peak\":%lld},"
+                "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
+                "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_"
+                "donated\":%llu,"
+                "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
+                static_cast<long long>(figures.allocated_bytes.current),
+                static_cast<long long>(figures.allocated_bytes.peak),
+                static_cast<long long>(figures.reserved_bytes.current),
+                static_cast<long long>(figures.reserved_bytes.peak),
+                static_cast<long long>(figures.active_bytes.current),
+                static_cast<long long>(figures.active_bytes.peak),
+                static_cast<unsigned long long>(figures.allocations),
+                static_cast<unsigned long long>(figures.frees),
+                static_cast<unsigned long long>(figures.cache_hits),
+                static_cast<unsigned long long>(figures.retries),
+                static_cast<unsigned long long>(figures.failures),
+                static_cast<unsigned long long>(figures.segments_mapped),
+                static_cast<unsigned long long>(figures.segments_unmapped),
+                static_cast<unsigned long long>(figures.segments_donated),
+                static_cast<unsigned long long>(figures.largest_free_block_bytes),
+                static_cast<long long>(figures.fragmentation_bytes()));
   out += text;
 }
 

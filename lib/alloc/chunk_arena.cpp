@@ -87,7 +87,8 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
   };
   while (offset < bytes) {
     const std::size_t piece = std::min(chunk_bytes_, bytes - offset);
-    physical_handle handle = next_donated < donated.size() ? donated[next_donated++] : obtain_chunk(piece);
+    physical_handle handle =
+        next_donated < donated.size() ? donated[next_donated++] : obtain_chunk(piece);
     if (!handle.valid()) {
       undo();
       pool_unused_donations();

@@ -74,7 +74,8 @@ void heap::remove_free(block* free_block) {
     index.heads[bin] = free_block->bin_next;
     if (index.heads[bin] == nullptr) index.nonempty[bin / 64] &= ~(std::uint64_t{1} << (bin % 64));
   }
-  if (free_block->bin_next != nullptr) free_block->bin_next->bin_previous = free_block->bin_previous;
+  if (free_block->bin_next != nullptr)
+    free_block->bin_next->bin_previous = free_block->bin_previous;
   free_block->bin_previous = free_block->bin_next = nullptr;
 }
 
@@ -98,7 +99,8 @@ block* heap::find_fit(free_index& index, std::size_t bytes) {
       continue;
     }
     bin += static_cast<std::size_t>(std::countr_zero(word));
-    for (block* candidate = index.heads[bin]; candidate != nullptr; candidate = candidate->bin_next) {
+    for (block* candidate = index.heads[bin]; candidate != nullptr;
+         candidate = candidate->bin_next) {
       if (best == nullptr || candidate->bytes < best->bytes) best = candidate;
     }
     return best;
@@ -111,7 +113,8 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   for (auto& index : indexes_) {
     if (index->stream == stream) continue;
     block* candidate = find_fit(*index, bytes);
-    if (candidate != nullptr && (best == nullptr || candidate->bytes < best->bytes)) best = candidate;
+    if (candidate != nullptr && (best == nullptr || candidate->bytes < best->bytes))
+      best = candidate;
   }
   if (best == nullptr) return nullptr;
   // Note [Stream-ordered reuse]: the new stream waits for everything queued on the old one.
@@ -182,7 +185,8 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
   auto chosen = segments_.end();
   for (auto it = segments_.begin(); it != segments_.end(); ++it) {
     const segment& candidate = **it;
-    if (candidate.busy_blocks != 0 || candidate.bytes < least_bytes || candidate.bytes > most_bytes) continue;
+    if (candidate.busy_blocks != 0 || candidate.bytes < least_bytes || candidate.bytes > most_bytes)
+      continue;
     if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
   }
   if (chosen == segments_.end()) return false;
@@ -202,7 +206,9 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
   }
   into.chunks.insert(into.chunks.end(), given.chunks.begin(), given.chunks.end());
   into.bytes += given.bytes;
-  stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes)); });
+  stats_.apply(class_, [&](live_gauges& figures) {
+    figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes));
+  });
   ++counts_.segments_donated;
   retiring_.push_back(std::move(old_addresses));
   segments_.erase(chosen);
@@ -281,7 +287,9 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   whole->stream = stream;
   owned->first = whole;
   segments_.push_back(std::move(owned));
-  stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(static_cast<std::int64_t>(bytes)); });
+  stats_.apply(class_, [&](live_gauges& figures) {
+    figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
+  });
   ++counts_.segments_mapped;
   log().debug("mapped a {} segment for {} ({} request, {} donated) on {}", format_bytes(bytes),
               class_name(class_), format_bytes(rounded_bytes), format_bytes(donated.bytes),
@@ -311,8 +319,8 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
   }
 
   const std::size_t remainder = chosen->bytes - rounded_bytes;
-  const bool split = kind_ == size_kind::small ? remainder >= kMinBlockBytes
-                                               : remainder > kSmallRequestBytes;
+  const bool split =
+      kind_ == size_kind::small ? remainder >= kMinBlockBytes : remainder > kSmallRequestBytes;
   if (split) {
     block* rest = new_block();
     rest->address = chosen->address + rounded_bytes;
@@ -331,7 +339,9 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
   live_.insert(chosen->address, chosen);
 
   const auto bytes = static_cast<std::int64_t>(chosen->bytes);
-  stats_.apply(class_, [&](live_gauges& figures) { figures.note_active(figures.allocated_bytes.add(bytes)); });
+  stats_.apply(class_, [&](live_gauges& figures) {
+    figures.note_active(figures.allocated_bytes.add(bytes));
+  });
   ++counts_.allocations;
   if (from_cache) ++counts_.cache_hits;
   return reinterpret_cast<void*>(chosen->address);
@@ -346,7 +356,8 @@ bool heap::deallocate(std::uintptr_t pointer) {
   const auto bytes = static_cast<std::int64_t>(freed->bytes);
   const bool waits_for_other_streams = !freed->other_streams.empty();
   // Pending bytes rise before allocated bytes fall, so active bytes never dip.
-  if (waits_for_other_streams) stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(bytes); });
+  if (waits_for_other_streams)
+    stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(bytes); });
   stats_.apply(class_, [&](live_gauges& figures) { figures.allocated_bytes.add(-bytes); });
   ++counts_.frees;
   if (waits_for_other_streams) {
@@ -483,7 +494,9 @@ std::uint64_t heap::release_free_segments() {
     arena_.decommit(idle.address, idle.chunks);
     return_addresses(idle.address, idle.bytes);
     released += idle.bytes;
-    stats_.apply(class_, [&](live_gauges& figures) { figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes)); });
+    stats_.apply(class_, [&](live_gauges& figures) {
+      figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes));
+    });
     ++counts_.segments_unmapped;
   }
   segments_.erase(unused, segments_.end());
@@ -496,8 +509,10 @@ std::size_t heap::largest_free_block() const {
   for (const auto& index : indexes_) {
     for (std::size_t word = index->nonempty.size(); word-- > 0;) {
       if (index->nonempty[word] == 0) continue;
-      const std::size_t bin = word * 64 + 63 - static_cast<std::size_t>(std::countl_zero(index->nonempty[word]));
-      for (block* candidate = index->heads[bin]; candidate != nullptr; candidate = candidate->bin_next) {
+      const std::size_t bin =
+          word * 64 + 63 - static_cast<std::size_t>(std::countl_zero(index->nonempty[word]));
+      for (block* candidate = index->heads[bin]; candidate != nullptr;
+           candidate = candidate->bin_next) {
         largest = std::max(largest, candidate->bytes);
       }
       break;

@@ -33,7 +33,7 @@ struct block {
   block* bin_next = nullptr;
   stream_handle stream = nullptr;
   bool allocated = false;
-  bool pending = false;                   // freed, waiting for events on other streams
+  bool pending = false;                      // freed, waiting for events on other streams
   std::vector<stream_handle> other_streams;  // record_stream targets
   std::vector<event_handle> pending_events;
 };
@@ -57,7 +57,8 @@ class heap {
  public:
   /// The stream tag of blocks whose stream was destroyed after its work completed: any
   /// stream may take them without waiting.
-  static inline const stream_handle kDetachedStream = reinterpret_cast<stream_handle>(~std::uintptr_t{0});
+  static inline const stream_handle kDetachedStream =
+      reinterpret_cast<stream_handle>(~std::uintptr_t{0});
 
   enum class size_kind { small, large };
 

@@ -22,10 +22,16 @@ class memory_limiter {
   }
   void credit(std::uint64_t bytes) { used_bytes_.fetch_sub(bytes, std::memory_order_relaxed); }
 
-  [[nodiscard]] std::uint64_t used_bytes() const { return used_bytes_.load(std::memory_order_relaxed); }
-  [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::uint64_t used_bytes() const {
+    return used_bytes_.load(std::memory_order_relaxed);
+  }
+  [[nodiscard]] std::uint64_t limit_bytes() const {
+    return limit_bytes_.load(std::memory_order_relaxed);
+  }
   /// A lower limit takes effect for later charges; memory already held is not taken back.
-  void set_limit_bytes(std::uint64_t bytes) { limit_bytes_.store(bytes, std::memory_order_relaxed); }
+  void set_limit_bytes(std::uint64_t bytes) {
+    limit_bytes_.store(bytes, std::memory_order_relaxed);
+  }
 
  private:
   std::atomic<std::uint64_t> limit_bytes_;

@@ -38,11 +38,12 @@ class pointer_map {
       index = (index + 1) & mask();
     }
     std::size_t hole = index;
-    for (std::size_t next = (hole + 1) & mask(); slots_[next].key != 0; next = (next + 1) & mask()) {
+    for (std::size_t next = (hole + 1) & mask(); slots_[next].key != 0;
+         next = (next + 1) & mask()) {
       const std::size_t wanted = home(slots_[next].key);
       // Move the entry back if its home is not in the cyclic range (hole, next].
-      const bool stays = hole <= next ? (wanted > hole && wanted <= next)
-                                      : (wanted > hole || wanted <= next);
+      const bool stays =
+          hole <= next ? (wanted > hole && wanted <= next) : (wanted > hole || wanted <= next);
       if (!stays) {
         slots_[hole] = slots_[next];
         hole = next;

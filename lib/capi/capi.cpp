@@ -60,7 +60,8 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
                                        zeroalloc_class cls) {
   return guarded("zeroalloc_malloc", static_cast<void*>(nullptr), [&]() -> void* {
     if (size < 0) ZA_THROW(zeroalloc::invalid_argument, "size ", size, " is negative");
-    if (!valid_class(cls)) ZA_THROW(zeroalloc::invalid_argument, "the class is not a zeroalloc_class");
+    if (!valid_class(cls))
+      ZA_THROW(zeroalloc::invalid_argument, "the class is not a zeroalloc_class");
     return runtime::get().allocator(device).allocate(static_cast<std::size_t>(size), stream,
                                                      static_cast<allocation_class>(cls));
   });
@@ -147,7 +148,8 @@ ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
 
 ZA_EXPORT zeroalloc_stream_t zeroalloc_stream_create(int device) {
   return guarded("zeroalloc_stream_create", static_cast<zeroalloc_stream_t>(nullptr), [&] {
-    return static_cast<zeroalloc_stream_t>(runtime::get().allocator(device).backing().create_stream());
+    return static_cast<zeroalloc_stream_t>(
+        runtime::get().allocator(device).backing().create_stream());
   });
 }
 

@@ -45,9 +45,11 @@ caching_allocator& runtime::allocator(int ordinal) {
     ZA_THROW(invalid_argument, "device ", ordinal, " does not exist: zeroalloc drives ",
              registry_.count(), " ", registry_.kind(), " device(s), numbered from 0");
   }
-  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire)) return *ready;
+  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire))
+    return *ready;
   std::lock_guard lock(create_mutex_);
-  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire)) return *ready;
+  if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire))
+    return *ready;
   devices_.push_back(registry_.open(ordinal));
   device& opened = *devices_.back();
   allocator_settings settings;
@@ -59,7 +61,8 @@ caching_allocator& runtime::allocator(int ordinal) {
   owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
   caching_allocator* created = owned_allocators_.back().get();
   allocators_[ordinal].store(created, std::memory_order_release);
-  log().info("device {}: {}, limit {}", ordinal, opened.name(), format_bytes(created->limit_bytes()));
+  log().info("device {}: {}, limit {}", ordinal, opened.name(),
+             format_bytes(created->limit_bytes()));
   return *created;
 }
 

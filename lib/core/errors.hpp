@@ -55,14 +55,14 @@ class invalid_argument : public error {
 }  // namespace zeroalloc
 
 /// Throws `type` with a message built by streaming the remaining arguments.
-#define ZA_THROW(type, ...)                                \
-  do {                                                     \
+#define ZA_THROW(type, ...)                               \
+  do {                                                    \
     throw type(::zeroalloc::detail::concat(__VA_ARGS__)); \
   } while (0)
 
 /// Checks a condition that callers can violate; throws invalid_argument when it fails.
-#define ZA_REQUIRE(condition, ...)                        \
-  do {                                                    \
+#define ZA_REQUIRE(condition, ...)                                          \
+  do {                                                                      \
     if (!(condition)) ZA_THROW(::zeroalloc::invalid_argument, __VA_ARGS__); \
   } while (0)
 

@@ -13,8 +13,8 @@ namespace zeroalloc {
 namespace {
 
 std::shared_ptr<spdlog::logger> make_stderr_logger() {
-  auto logger = std::make_shared<spdlog::logger>(
-      "zeroalloc", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  auto logger = std::make_shared<spdlog::logger>("zeroalloc",
+                                                 std::make_shared<spdlog::sinks::stderr_sink_mt>());
   logger->set_pattern("[zeroalloc %L %H:%M:%S.%e] %v");
   logger->set_level(spdlog::level::warn);
   return logger;
@@ -22,7 +22,8 @@ std::shared_ptr<spdlog::logger> make_stderr_logger() {
 
 // Leaked on purpose: allocations can be freed by static destructors after spdlog's registry
 // is gone, and those paths may still log.
-std::shared_ptr<spdlog::logger>* g_logger = new std::shared_ptr<spdlog::logger>(make_stderr_logger());
+std::shared_ptr<spdlog::logger>* g_logger =
+    new std::shared_ptr<spdlog::logger>(make_stderr_logger());
 std::mutex g_configure_mutex;
 
 }  // namespace
@@ -39,9 +40,10 @@ void configure_logging(const options& parsed) {
       logger->set_pattern("[zeroalloc %L %Y-%m-%d %H:%M:%S.%e] %v");
       logger->flush_on(spdlog::level::warn);
     } catch (const spdlog::spdlog_ex& failure) {
-      logger->warn("cannot write the log file ZEROALLOC_LOG_FILE='{}' ({}); logging to standard "
-                   "error instead. Point ZEROALLOC_LOG_FILE at a writable path.",
-                   parsed.log_file, failure.what());
+      logger->warn(
+          "cannot write the log file ZEROALLOC_LOG_FILE='{}' ({}); logging to standard "
+          "error instead. Point ZEROALLOC_LOG_FILE at a writable path.",
+          parsed.log_file, failure.what());
     }
   }
   logger->set_level(spdlog::level::from_str(parsed.log_level));

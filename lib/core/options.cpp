@@ -63,8 +63,8 @@ std::string_view trim(std::string_view text) {
 std::optional<double> parse_decimal(std::string_view text) {
   if (text.empty() || text.front() == '-' || text.front() == '+') return std::nullopt;
   double value = 0;
-  auto [end, status] = std::from_chars(text.data(), text.data() + text.size(), value,
-                                       std::chars_format::fixed);
+  auto [end, status] =
+      std::from_chars(text.data(), text.data() + text.size(), value, std::chars_format::fixed);
   if (status != std::errc() || end != text.data() + text.size() || !std::isfinite(value)) {
     return std::nullopt;
   }
@@ -161,7 +161,9 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
     if (from_user && trim(value).empty()) {
       ZA_THROW(config_error, name, " is set but empty: expected ", accepted_form(spec),
                ". Unset it to use the default",
-               spec.default_value.empty() ? "" : std::string(" (") + std::string(spec.default_value) + ")",
+               spec.default_value.empty()
+                   ? ""
+                   : std::string(" (") + std::string(spec.default_value) + ")",
                ".");
     }
     if (value.empty()) continue;  // unset, no default
@@ -184,7 +186,8 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       if (!bytes || *bytes == 0) reject(name, value, form);
       if (name == "ZEROALLOC_CHUNK_SIZE") {
         if (*bytes % (2 * MiB) != 0) {
-          reject(name, value, "a multiple of 2MiB (the device's mapping granularity), such as 64MiB");
+          reject(name, value,
+                 "a multiple of 2MiB (the device's mapping granularity), such as 64MiB");
         }
         parsed.chunk_bytes = *bytes;
       }
@@ -194,14 +197,17 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       memory_limit limit;
       limit.text = std::string(trimmed);
       if (!trimmed.empty() && trimmed.back() == '%') {
-        const std::optional<double> percent = parse_decimal(trim(trimmed.substr(0, trimmed.size() - 1)));
+        const std::optional<double> percent =
+            parse_decimal(trim(trimmed.substr(0, trimmed.size() - 1)));
         if (!percent || *percent <= 0 || *percent > 100) reject(name, value, form);
         limit.share = *percent / 100.0;
       } else if (trimmed.find('.') != std::string_view::npos &&
                  trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
         const std::optional<double> share = parse_decimal(trimmed);
         if (!share || *share <= 0 || *share > 1) {
-          reject(name, value, "a share of the device between 0 and 1 (such as 0.9), or a byte size such as 80GB");
+          reject(
+              name, value,
+              "a share of the device between 0 and 1 (such as 0.9), or a byte size such as 80GB");
         }
         limit.share = *share;
       } else {

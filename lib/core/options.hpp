@@ -26,7 +26,7 @@ enum class option_kind {
 
 /// One row of the table.
 struct option_spec {
-  std::string_view name;           ///< "ZEROALLOC_MEMORY_LIMIT"
+  std::string_view name;  ///< "ZEROALLOC_MEMORY_LIMIT"
   option_kind kind;
   std::string_view default_value;  ///< as the user would write it; empty = unset
   std::string_view choices;        ///< for option_kind::choice: "auto|cuda|sim"

@@ -19,19 +19,23 @@ device_registry::device_registry(const options& parsed)
     kind_ = "cuda";
     if (count_ == 0) {
       if (parsed.device == "cuda") {
-        ZA_THROW(no_driver_error, "ZEROALLOC_DEVICE=cuda, but the CUDA driver sees no GPU. "
-                                  "Check nvidia-smi and CUDA_VISIBLE_DEVICES, or run with "
-                                  "ZEROALLOC_DEVICE=sim.");
+        ZA_THROW(no_driver_error,
+                 "ZEROALLOC_DEVICE=cuda, but the CUDA driver sees no GPU. "
+                 "Check nvidia-smi and CUDA_VISIBLE_DEVICES, or run with "
+                 "ZEROALLOC_DEVICE=sim.");
       }
-      log().warn("the CUDA driver sees no GPU: zeroalloc runs on the simulated device (host "
-                 "memory). Set ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.");
+      log().warn(
+          "the CUDA driver sees no GPU: zeroalloc runs on the simulated device (host "
+          "memory). Set ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.");
       kind_ = "sim";
       count_ = parsed.sim_device_count;
     }
   } catch (const no_driver_error& failure) {
     if (parsed.device == "cuda") throw;
-    log().warn("{}. zeroalloc runs on the simulated device (host memory). Set "
-               "ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.", failure.what());
+    log().warn(
+        "{}. zeroalloc runs on the simulated device (host memory). Set "
+        "ZEROALLOC_DEVICE=sim to silence this, or =cuda to require a GPU.",
+        failure.what());
     kind_ = "sim";
     count_ = parsed.sim_device_count;
   }

@@ -19,9 +19,9 @@ namespace {
 constexpr std::size_t kGranularity = 2 * MiB;
 
 [[noreturn]] void throw_errno(const char* call, int error_number) {
-  throw device_error(detail::concat("simulated device: ", call, " failed: ",
-                                    std::strerror(error_number)),
-                     error_number);
+  throw device_error(
+      detail::concat("simulated device: ", call, " failed: ", std::strerror(error_number)),
+      error_number);
 }
 
 // An event is a counter pair: how many times it was recorded, and which recording the
@@ -131,8 +131,8 @@ physical_handle sim_device::create_physical(std::size_t bytes, memory_location l
   std::lock_guard lock(mutex_);
   if (location == memory_location::device && used_bytes_ + bytes > capacity_bytes_) {
     throw device_error(detail::concat("simulated device ", ordinal_, ": out of memory creating ",
-                                      format_bytes(bytes), " (", format_bytes(used_bytes_),
-                                      " of ", format_bytes(capacity_bytes_), " in use)"),
+                                      format_bytes(bytes), " (", format_bytes(used_bytes_), " of ",
+                                      format_bytes(capacity_bytes_), " in use)"),
                        kDeviceOutOfMemoryCode);
   }
   const int memfd = ::memfd_create("zeroalloc-sim", MFD_CLOEXEC);
@@ -168,13 +168,15 @@ void sim_device::destroy_handle_locked(std::uint64_t id) {
 std::uintptr_t sim_device::reserve_addresses(std::size_t bytes, std::size_t alignment) {
   alignment = std::max(alignment, kGranularity);
   const std::size_t padded = bytes + alignment;
-  void* raw = ::mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* raw =
+      ::mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) throw_errno("reserve_addresses (mmap)", errno);
   const auto start = reinterpret_cast<std::uintptr_t>(raw);
   const std::uintptr_t aligned = round_up(start, alignment);
   if (aligned > start) ::munmap(raw, aligned - start);
   const std::uintptr_t end = start + padded;
-  if (end > aligned + bytes) ::munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+  if (end > aligned + bytes)
+    ::munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
   std::lock_guard lock(mutex_);
   reservations_[aligned] = bytes;
   return aligned;
@@ -197,7 +199,8 @@ void sim_device::free_addresses(std::uintptr_t address, std::size_t bytes) {
 void sim_device::map(std::uintptr_t address, physical_handle handle) {
   std::lock_guard lock(mutex_);
   auto record = handles_.find(handle.value);
-  if (record == handles_.end() || record->second.released) throw_errno("map (unknown handle)", EINVAL);
+  if (record == handles_.end() || record->second.released)
+    throw_errno("map (unknown handle)", EINVAL);
   const std::size_t bytes = record->second.bytes;
   auto reservation = reservations_.upper_bound(address);
   if (reservation == reservations_.begin() || address % kGranularity != 0) {

@@ -66,7 +66,8 @@ TEST_F(CachingAllocatorTest, AllocationsAreAlignedDistinctAndUsable) {
     EXPECT_TRUE(holds(pointer, 0x3C, bytes));
     EXPECT_TRUE(allocator->owns(pointer));
   }
-  for (auto [address, bytes] : ranges) EXPECT_TRUE(allocator->deallocate(reinterpret_cast<void*>(address)));
+  for (auto [address, bytes] : ranges)
+    EXPECT_TRUE(allocator->deallocate(reinterpret_cast<void*>(address)));
 }
 
 TEST_F(CachingAllocatorTest, ZeroBytesGivesAUniquePointerThatCanBeFreed) {
@@ -117,15 +118,16 @@ TEST_F(CachingAllocatorTest, BytesStayIntactThroughSplitsAndMerges) {
       live.erase(live.begin() + static_cast<long>(victim));
       continue;
     }
-    const std::size_t bytes = random() % 2 == 0 ? 512 + random() % (256 * KiB)
-                                                : 1 * MiB + random() % (6 * MiB);
+    const std::size_t bytes =
+        random() % 2 == 0 ? 512 + random() % (256 * KiB) : 1 * MiB + random() % (6 * MiB);
     const auto value = static_cast<std::uint8_t>(random());
     void* pointer = allocator->allocate(bytes, nullptr, allocation_class::other);
     fill(pointer, value, bytes);
     live.push_back({pointer, bytes, value});
   }
   for (const live_block& each : live) {
-    EXPECT_TRUE(holds(each.pointer, each.value, each.bytes)) << "block of " << each.bytes << " bytes";
+    EXPECT_TRUE(holds(each.pointer, each.value, each.bytes))
+        << "block of " << each.bytes << " bytes";
   }
   for (const live_block& each : live) allocator->deallocate(each.pointer);
   EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
@@ -135,9 +137,10 @@ TEST_F(CachingAllocatorTest, ClassesLiveInSeparateSegments) {
   auto allocator = make_allocator();
   void* parameter = allocator->allocate(4096, nullptr, allocation_class::parameter);
   void* state = allocator->allocate(4096, nullptr, allocation_class::optimizer_state);
-  const auto distance = reinterpret_cast<std::uintptr_t>(state) > reinterpret_cast<std::uintptr_t>(parameter)
-                            ? reinterpret_cast<std::uintptr_t>(state) - reinterpret_cast<std::uintptr_t>(parameter)
-                            : reinterpret_cast<std::uintptr_t>(parameter) - reinterpret_cast<std::uintptr_t>(state);
+  const auto distance =
+      reinterpret_cast<std::uintptr_t>(state) > reinterpret_cast<std::uintptr_t>(parameter)
+          ? reinterpret_cast<std::uintptr_t>(state) - reinterpret_cast<std::uintptr_t>(parameter)
+          : reinterpret_cast<std::uintptr_t>(parameter) - reinterpret_cast<std::uintptr_t>(state);
   EXPECT_GE(distance, 2 * MiB) << "two classes shared a segment";
   EXPECT_EQ(allocator->stats().of(allocation_class::parameter).allocated_bytes.current, 4096);
   EXPECT_EQ(allocator->stats().of(allocation_class::optimizer_state).reserved_bytes.current,
@@ -155,7 +158,8 @@ TEST_F(CachingAllocatorTest, BlockFreedOnOneStreamIsReusedOnAnotherOnlyAfterItsW
   const std::size_t bytes = 4 * MiB;
 
   void* pointer = allocator->allocate(bytes, first, allocation_class::other);
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, first);
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); },
+                               first);
   fill(pointer, 0xAA, bytes, first);  // the late "kernel" on the first stream
   allocator->deallocate(pointer);     // stream-ordered free: legal at once
 
@@ -181,11 +185,13 @@ TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
 
   void* pointer = allocator->allocate(bytes, producer, allocation_class::other);
   ASSERT_TRUE(allocator->record_stream(pointer, consumer));
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, consumer);
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); },
+                               consumer);
   fill(pointer, 0xCC, bytes, consumer);  // the consumer still uses it after the free below
   allocator->deallocate(pointer);
   EXPECT_EQ(allocator->stats().total.active_bytes.current,
-            allocator->stats().total.allocated_bytes.current + static_cast<std::int64_t>(round_up(bytes, 512)));
+            allocator->stats().total.allocated_bytes.current +
+                static_cast<std::int64_t>(round_up(bytes, 512)));
 
   void* meanwhile = allocator->allocate(bytes, producer, allocation_class::other);
   EXPECT_NE(meanwhile, pointer) << "handed out while the consumer stream may still use it";
@@ -224,9 +230,14 @@ TEST_F(CachingAllocatorTest, OutOfMemoryMessageSaysWhatAndWhichVariable) {
     FAIL() << "an allocation over the limit succeeded";
   } catch (const out_of_memory& failure) {
     const std::string message = failure.what();
-    EXPECT_NE(message.find("tried to allocate 100.00 MiB (optimizer_state)"), std::string::npos) << message;
-    EXPECT_NE(message.find("limit in force: 64.00 MiB, set by ZEROALLOC_MEMORY_LIMIT=64MiB"), std::string::npos) << message;
-    EXPECT_NE(message.find("zeroalloc holds 30.00 MiB of which 30.00 MiB is allocated"), std::string::npos) << message;
+    EXPECT_NE(message.find("tried to allocate 100.00 MiB (optimizer_state)"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("limit in force: 64.00 MiB, set by ZEROALLOC_MEMORY_LIMIT=64MiB"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("zeroalloc holds 30.00 MiB of which 30.00 MiB is allocated"),
+              std::string::npos)
+        << message;
     EXPECT_NE(message.find("cached but free"), std::string::npos) << message;
   }
   EXPECT_EQ(allocator->stats().total.failures, 1u);
@@ -236,7 +247,8 @@ TEST_F(CachingAllocatorTest, OutOfMemoryMessageSaysWhatAndWhichVariable) {
 TEST_F(CachingAllocatorTest, FreeMemoryOfAnotherClassServesARequestWithoutNewMemory) {
   auto allocator = make_allocator(64 * MiB);
   std::vector<void*> activations;
-  for (int i = 0; i < 6; ++i) activations.push_back(allocator->allocate(10 * MiB, nullptr, allocation_class::other));
+  for (int i = 0; i < 6; ++i)
+    activations.push_back(allocator->allocate(10 * MiB, nullptr, allocation_class::other));
   for (void* each : activations) allocator->deallocate(each);  // 60 MiB cached, free
   void* state = allocator->allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
   EXPECT_NE(state, nullptr);
@@ -253,10 +265,12 @@ TEST_F(CachingAllocatorTest, ReservedMemoryFollowsThePeakOfAllClassesTogether) {
   auto allocator = make_allocator();
   for (int step = 0; step < 3; ++step) {
     std::vector<void*> activations;
-    for (int i = 0; i < 8; ++i) activations.push_back(allocator->allocate(24 * MiB, nullptr, allocation_class::other));
+    for (int i = 0; i < 8; ++i)
+      activations.push_back(allocator->allocate(24 * MiB, nullptr, allocation_class::other));
     for (void* each : activations) allocator->deallocate(each);
     std::vector<void*> gradients;
-    for (int i = 0; i < 8; ++i) gradients.push_back(allocator->allocate(24 * MiB, nullptr, allocation_class::gradient));
+    for (int i = 0; i < 8; ++i)
+      gradients.push_back(allocator->allocate(24 * MiB, nullptr, allocation_class::gradient));
     for (void* each : gradients) allocator->deallocate(each);
   }
   const stats_snapshot stats = allocator->stats();
@@ -271,7 +285,8 @@ TEST_F(CachingAllocatorTest, DonatedMemoryIsWrittenOnlyAfterTheDonorsWorkRan) {
   stream_handle second = device_->create_stream();
   const std::size_t bytes = 24 * MiB;
   void* activation = allocator->allocate(bytes, first, allocation_class::other);
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }, first);
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); },
+                               first);
   fill(activation, 0xAA, bytes, first);  // still queued when the memory changes class
   allocator->deallocate(activation);
 
@@ -281,7 +296,8 @@ TEST_F(CachingAllocatorTest, DonatedMemoryIsWrittenOnlyAfterTheDonorsWorkRan) {
   fill(gradient, 0xBB, bytes, second);
   device_->synchronize_stream(second);
   device_->synchronize_stream(first);
-  EXPECT_TRUE(holds(gradient, 0xBB, bytes)) << "the gradient stream wrote before the donor's work ran";
+  EXPECT_TRUE(holds(gradient, 0xBB, bytes))
+      << "the gradient stream wrote before the donor's work ran";
   allocator->deallocate(gradient);
   allocator->forget_stream(first);
   allocator->forget_stream(second);
@@ -335,7 +351,8 @@ TEST_F(CachingAllocatorTest, StatisticsAreExactAfterARandomWorkload) {
       continue;
     }
     const auto cls = static_cast<allocation_class>(random() % kAllocationClassCount);
-    const std::size_t bytes = random() % 4 == 0 ? 1 * MiB + random() % (3 * MiB) : 1 + random() % (64 * KiB);
+    const std::size_t bytes =
+        random() % 4 == 0 ? 1 * MiB + random() % (3 * MiB) : 1 + random() % (64 * KiB);
     void* pointer = allocator->allocate(bytes, nullptr, cls);
     // Rounded to 512; a large block keeps an unsplittable remainder of up to 1 MiB.
     const std::int64_t charged = allocator->stats().total.allocated_bytes.current - total;
@@ -362,7 +379,8 @@ TEST_F(CachingAllocatorTest, StatisticsAreExactAfterARandomWorkload) {
   EXPECT_EQ(stats.total.reserved_bytes.current - stats.total.allocated_bytes.current,
             static_cast<std::int64_t>(stats.total.reserved_bytes.current - total));
   std::int64_t reserved_by_classes = 0;
-  for (const class_figures& each : stats.classes) reserved_by_classes += each.reserved_bytes.current;
+  for (const class_figures& each : stats.classes)
+    reserved_by_classes += each.reserved_bytes.current;
   EXPECT_EQ(reserved_by_classes, stats.total.reserved_bytes.current);
 
   allocator->reset_peak_stats();
@@ -392,7 +410,8 @@ TEST_F(CachingAllocatorTest, SixteenThreadsOfRandomWorkKeepEveryByte) {
           continue;
         }
         const auto cls = static_cast<allocation_class>(random() % kAllocationClassCount);
-        const std::size_t bytes = random() % 8 == 0 ? 1 * MiB + random() % (2 * MiB) : 1 + random() % (32 * KiB);
+        const std::size_t bytes =
+            random() % 8 == 0 ? 1 * MiB + random() % (2 * MiB) : 1 + random() % (32 * KiB);
         void* pointer = allocator->allocate(bytes, stream, cls);
         fill(pointer, value, bytes, stream);
         live.emplace_back(pointer, bytes);

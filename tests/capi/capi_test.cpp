@@ -1,13 +1,13 @@
 // The C ABI as PyTorch and users call it: defined answers for odd input, no exceptions,
 // readable errors, and the statistics in JSON. Runs on the device ZEROALLOC_DEVICE names.
-#include "zeroalloc/zeroalloc.h"
-
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "zeroalloc/zeroalloc.h"
 
 namespace {
 
@@ -48,7 +48,8 @@ TEST_F(CApiTest, BadArgumentsGetNullAndAMessage) {
   EXPECT_EQ(zeroalloc_malloc(-1, 0, nullptr), nullptr);
   EXPECT_NE(std::string(zeroalloc_last_error()).find("size -1 is negative"), std::string::npos);
   EXPECT_EQ(zeroalloc_malloc(16, 999, nullptr), nullptr);
-  EXPECT_NE(std::string(zeroalloc_last_error()).find("device 999 does not exist"), std::string::npos)
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("device 999 does not exist"),
+            std::string::npos)
       << zeroalloc_last_error();
   EXPECT_EQ(zeroalloc_malloc(16, -1, nullptr), nullptr);
   EXPECT_EQ(zeroalloc_stats_json(999, nullptr, 0), -1);
@@ -63,7 +64,8 @@ TEST_F(CApiTest, ForeignNullAndDoubleFreesAreIgnoredWithAMessage) {
   zeroalloc_free(nullptr, 0, 0, nullptr);  // no-op
   int on_the_stack = 0;
   zeroalloc_free(&on_the_stack, 4, 0, nullptr);
-  EXPECT_NE(std::string(zeroalloc_last_error()).find("is not a live zeroalloc allocation"), std::string::npos);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("is not a live zeroalloc allocation"),
+            std::string::npos);
   void* pointer = zeroalloc_malloc(4096, 0, nullptr);
   zeroalloc_free(pointer, 4096, 0, nullptr);
   const std::string before = stats_text(0);
@@ -78,8 +80,9 @@ TEST_F(CApiTest, StatsJsonSizesItsBufferAndTruncatesSafely) {
   const std::string full = stats_text(0);
   EXPECT_EQ(full.front(), '{');
   EXPECT_EQ(full.back(), '}');
-  for (const char* key : {"\"device\":0", "\"allocated_bytes\"", "\"reserved_bytes\"", "\"classes\"",
-                          "\"optimizer_state\"", "\"cache_hits\"", "\"largest_free_block_bytes\""}) {
+  for (const char* key :
+       {"\"device\":0", "\"allocated_bytes\"", "\"reserved_bytes\"", "\"classes\"",
+        "\"optimizer_state\"", "\"cache_hits\"", "\"largest_free_block_bytes\""}) {
     EXPECT_NE(full.find(key), std::string::npos) << key;
   }
   char small[8];
@@ -95,7 +98,8 @@ TEST_F(CApiTest, ThreadClassRoutesAllocationsToTheirClass) {
   const std::string text = stats_text(0);
   const std::size_t at = text.find("\"optimizer_state\":");
   ASSERT_NE(at, std::string::npos);
-  EXPECT_EQ(text.find("\"allocated_bytes\":{\"current\":3145728", at), text.find("\"allocated_bytes\"", at));
+  EXPECT_EQ(text.find("\"allocated_bytes\":{\"current\":3145728", at),
+            text.find("\"allocated_bytes\"", at));
   zeroalloc_free(state, 3 << 20, 0, nullptr);
 }
 
@@ -105,7 +109,8 @@ TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {
   zeroalloc_set_memory_fraction(0.001, 0);
   void* huge = zeroalloc_malloc(ssize_t{1} << 40, 0, nullptr);
   EXPECT_EQ(huge, nullptr);
-  EXPECT_NE(std::string(zeroalloc_last_error()).find("set_per_process_memory_fraction(0.001)"), std::string::npos)
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("set_per_process_memory_fraction(0.001)"),
+            std::string::npos)
       << zeroalloc_last_error();
   zeroalloc_set_memory_fraction(1.0, 0);
 }
@@ -146,7 +151,8 @@ TEST(CApiConfiguration, MalformedVariablesStopTheStartAndAreNamed) {
   expect_refusal("ZEROALLOC_MEMORY_LIMIT", "lots", "ZEROALLOC_MEMORY_LIMIT='lots' is not valid");
   expect_refusal("ZEROALLOC_CHUNK_SIZE", "-4MiB", "ZEROALLOC_CHUNK_SIZE='-4MiB' is not valid");
   expect_refusal("ZEROALLOC_DEVICE", "", "ZEROALLOC_DEVICE is set but empty");
-  expect_refusal("ZEROALLOC_MEMROY_LIMIT", "1GB", "ZEROALLOC_MEMROY_LIMIT is not a zeroalloc variable");
+  expect_refusal("ZEROALLOC_MEMROY_LIMIT", "1GB",
+                 "ZEROALLOC_MEMROY_LIMIT is not a zeroalloc variable");
 }
 
 }  // namespace

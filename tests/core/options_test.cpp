@@ -69,18 +69,22 @@ TEST(Options, MemoryLimitAsBytesOrShare) {
 
 TEST(Options, BadValuesNameTheVariableTheValueAndTheForm) {
   const std::string garbage = error_of({{"ZEROALLOC_MEMORY_LIMIT", "lots"}});
-  EXPECT_NE(garbage.find("ZEROALLOC_MEMORY_LIMIT='lots' is not valid"), std::string::npos) << garbage;
+  EXPECT_NE(garbage.find("ZEROALLOC_MEMORY_LIMIT='lots' is not valid"), std::string::npos)
+      << garbage;
   EXPECT_NE(garbage.find("512MiB"), std::string::npos) << garbage;
 
   EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "-1GB"}}).find("ZEROALLOC_MEMORY_LIMIT='-1GB'"),
             std::string::npos);
-  EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "1.7"}}).find("between 0 and 1"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "1.7"}}).find("between 0 and 1"),
+            std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_MEMORY_LIMIT", "0"}}).find("ZEROALLOC_MEMORY_LIMIT='0'"),
             std::string::npos);
-  EXPECT_NE(error_of({{"ZEROALLOC_CHUNK_SIZE", "3MiB"}}).find("multiple of 2MiB"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_CHUNK_SIZE", "3MiB"}}).find("multiple of 2MiB"),
+            std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_CHUNK_SIZE", "99999999999999TiB"}}).find("ZEROALLOC_CHUNK_SIZE="),
             std::string::npos);
-  EXPECT_NE(error_of({{"ZEROALLOC_DEVICE", "tpu"}}).find("one of auto|cuda|sim"), std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_DEVICE", "tpu"}}).find("one of auto|cuda|sim"),
+            std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_SIM_DEVICES", "-2"}}).find("whole number"), std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_LOG_LEVEL", "loud"}}).find("trace|debug|info|warn|error|off"),
             std::string::npos);

@@ -68,7 +68,8 @@ TEST_F(DeviceTest, DeviceMemoryIsAccountedInQueryMemory) {
   const std::size_t bytes = 8 * device_->granularity();
   const physical_handle handle = device_->create_physical(bytes, memory_location::device);
   const memory_info during = device_->query_memory();
-  EXPECT_LE(during.free_bytes + bytes, before.free_bytes + 64 * MiB);  // other processes may move it
+  EXPECT_LE(during.free_bytes + bytes,
+            before.free_bytes + 64 * MiB);  // other processes may move it
   EXPECT_LT(during.free_bytes, before.free_bytes);
   device_->release_physical(handle);
   EXPECT_EQ(device_->query_memory().total_bytes, before.total_bytes);
@@ -85,7 +86,8 @@ TEST_F(DeviceTest, StreamWaitEventOrdersOneStreamAfterAnother) {
   stream_handle fast = device_->create_stream();
   event_handle done = device_->create_event();
   // The slow stream is held up, then writes; the fast stream must write after it.
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }, slow);
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); },
+                               slow);
   device_->fill_async(pointer, 0xAA, bytes, slow);
   device_->record_event(done, slow);
   EXPECT_FALSE(device_->event_completed(done));
@@ -108,10 +110,12 @@ TEST_F(DeviceTest, HostFunctionsRunInStreamOrder) {
   std::atomic<int> order{0};
   int first = -1;
   int second = -1;
-  device_->host_function_async([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    first = order++;
-  }, stream);
+  device_->host_function_async(
+      [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        first = order++;
+      },
+      stream);
   device_->host_function_async([&] { second = order++; }, stream);
   device_->synchronize_stream(stream);
   EXPECT_EQ(first, 0);
@@ -124,7 +128,7 @@ TEST_F(DeviceTest, MisuseIsReportedNotIgnored) {
   const std::uintptr_t address = device_->reserve_addresses(2 * bytes, bytes);
   const physical_handle handle = device_->create_physical(bytes, memory_location::device);
   device_->map(address, handle);
-  EXPECT_THROW(device_->map(address, handle), device_error);       // already mapped
+  EXPECT_THROW(device_->map(address, handle), device_error);  // already mapped
   if (device_->is_simulated()) {
     // The CUDA driver accepts this silently; the simulated device is stricter on purpose.
     EXPECT_THROW(device_->unmap(address + bytes, bytes), device_error);  // never mapped

@@ -34,10 +34,10 @@ inline std::unique_ptr<device> open_test_device(int ordinal = 0,
   }
 }
 
-#define ZA_OPEN_TEST_DEVICE_OR_SKIP(variable, ...)                                 \
-  variable = ::zeroalloc::testing::open_test_device(__VA_ARGS__);                  \
-  if (!variable) GTEST_SKIP() << "skipped: no " << ::zeroalloc::testing::test_device_kind() \
-                              << " device present"
+#define ZA_OPEN_TEST_DEVICE_OR_SKIP(variable, ...)                \
+  variable = ::zeroalloc::testing::open_test_device(__VA_ARGS__); \
+  if (!variable)                                                  \
+  GTEST_SKIP() << "skipped: no " << ::zeroalloc::testing::test_device_kind() << " device present"
 
 /// Copies device memory to a host vector (synchronously).
 inline std::vector<std::uint8_t> read_back(device& from, const void* source, std::size_t bytes,
