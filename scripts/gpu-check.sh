@@ -36,8 +36,8 @@ build/demo/zeroalloc-demo --trace "$out/trace.txt" 2>&1 | tee "$out/demo.txt" | 
 python3 bench/python/replay_trace_torch.py "$out/trace.txt" 2>&1 | tee "$out/replay_native.txt" | tail -1
 python3 bench/python/replay_trace_torch.py --expandable "$out/trace.txt" 2>&1 | tee "$out/replay_expandable.txt" | tail -1
 
-step "PyTorch training, 50 steps, losses bit for bit"
-ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s tests/python/test_training_bitexact.py \
+step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
+ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s -rs tests/python \
   >"$out/pytest.log" 2>&1 || status=1
 tail -8 "$out/pytest.log"
 
@@ -70,7 +70,7 @@ m = re.search(r"(\d+% tests passed.*)", ctest)
 rows.append(("ctest", m.group(1) if m else "missing"))
 py = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
 m = re.findall(r"(\d+ (?:passed|failed|skipped)[^\n]*)", py)
-rows.append(("pytest bit-exact", m[-1] if m else "missing"))
+rows.append(("pytest tests/python", m[-1] if m else "missing"))
 w = max(len(r[0]) for r in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")

@@ -18,6 +18,10 @@ run_suite() {  # build-dir extra-cmake-args...
 
 echo "== tests on the simulated device"
 run_suite build
+echo "== the Python package (tests needing PyTorch and a GPU skip themselves here)"
+python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest 2>/dev/null \
+  || apt-get install -y -qq python3-pytest
+ZEROALLOC_DEVICE=sim python3 -m pytest -q tests/python
 echo "== the same under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 run_suite build-asan -DZEROALLOC_SANITIZE=address,undefined -DZEROALLOC_BUILD_DEMO=OFF
 echo "== the same under ThreadSanitizer"

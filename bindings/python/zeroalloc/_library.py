@@ -1,0 +1,86 @@
+"""Finding and loading libzeroalloc.so, and declaring the C ABI to ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+_LIBRARY_NAME = "libzeroalloc.so"
+
+
+class ZeroallocError(RuntimeError):
+    """A zeroalloc call failed; the message is the library's own (zeroalloc_last_error)."""
+
+
+def _candidates() -> list[Path]:
+    found = []
+    explicit = os.environ.get("ZEROALLOC_LIBRARY")
+    if explicit:
+        found.append(Path(explicit))
+    here = Path(__file__).resolve().parent
+    found.append(here / _LIBRARY_NAME)
+    # bindings/python/zeroalloc -> the repository root, then its build tree.
+    found.append(here.parents[2] / "build" / _LIBRARY_NAME)
+    return found
+
+
+def library_path() -> Path:
+    """The libzeroalloc.so this package uses. Raises ZeroallocError naming where it looked."""
+    candidates = _candidates()
+    if os.environ.get("ZEROALLOC_LIBRARY"):
+        explicit = candidates[0]
+        if not explicit.is_file():
+            raise ZeroallocError(
+                f"ZEROALLOC_LIBRARY={explicit} does not exist: point it at libzeroalloc.so "
+                "(built by scripts/demo.sh or cmake into build/)")
+        return explicit
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ZeroallocError(
+        "libzeroalloc.so was not found (looked at " + ", ".join(map(str, candidates)) +
+        "): build it (scripts/demo.sh builds build/libzeroalloc.so) or set ZEROALLOC_LIBRARY")
+
+
+_loaded: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library, with every C ABI function declared."""
+    global _loaded
+    if _loaded is None:
+        handle = ctypes.CDLL(str(library_path()))
+        c_stream = ctypes.c_void_p
+        signatures = {
+            "zeroalloc_abi_version": ([], ctypes.c_int),
+            "zeroalloc_malloc": ([ctypes.c_ssize_t, ctypes.c_int, c_stream], ctypes.c_void_p),
+            "zeroalloc_malloc_class": ([ctypes.c_ssize_t, ctypes.c_int, c_stream, ctypes.c_int],
+                                       ctypes.c_void_p),
+            "zeroalloc_free": ([ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, c_stream], None),
+            "zeroalloc_init": ([ctypes.c_int], None),
+            "zeroalloc_empty_cache": ([], None),
+            "zeroalloc_set_memory_fraction": ([ctypes.c_double, ctypes.c_int], None),
+            "zeroalloc_record_stream": ([ctypes.c_void_p, c_stream], None),
+            "zeroalloc_set_thread_class": ([ctypes.c_int], ctypes.c_int),
+            "zeroalloc_reset_peak_stats": ([ctypes.c_int], None),
+            "zeroalloc_stats_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],
+                                     ctypes.c_int),
+            "zeroalloc_device_count": ([], ctypes.c_int),
+            "zeroalloc_last_error": ([], ctypes.c_char_p),
+        }
+        for name, (arguments, result) in signatures.items():
+            function = getattr(handle, name)
+            function.argtypes = arguments
+            function.restype = result
+        _loaded = handle
+    return _loaded
+
+
+def last_error() -> str:
+    return (library().zeroalloc_last_error() or b"").decode(errors="replace")
+
+
+def function_address(name: str) -> int:
+    """The address of a C ABI function, for PyTorch's set_*_fn hooks."""
+    return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value

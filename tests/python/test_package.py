@@ -1,0 +1,101 @@
+"""The Python package over the C ABI, on the simulated device: statistics under PyTorch's
+key names, the summary table, allocation classes, and clear errors. Needs no PyTorch."""
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+os.environ.setdefault("ZEROALLOC_DEVICE", "sim")
+sys.path.insert(0, str(PACKAGE))
+
+import zeroalloc  # noqa: E402
+
+MiB = 1 << 20
+
+if not (ROOT / "build" / "libzeroalloc.so").exists() and "ZEROALLOC_LIBRARY" not in os.environ:
+    pytest.skip("skipped: build/libzeroalloc.so is not built", allow_module_level=True)
+
+
+def run_python(code: str, **environment) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), **environment}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_memory_stats_use_torch_key_names_and_count_exactly():
+    lib = zeroalloc.library()
+    before = zeroalloc.memory_stats()
+    pointer = lib.zeroalloc_malloc(3 * MiB, 0, None)
+    assert pointer, zeroalloc._library.last_error()
+    during = zeroalloc.memory_stats()
+    assert during["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == 3 * MiB
+    assert during["allocated_bytes.all.peak"] >= during["allocated_bytes.all.current"]
+    assert during["allocation.all.allocated"] == before["allocation.all.allocated"] + 1
+    assert during["reserved_bytes.other.current"] >= 3 * MiB
+    assert during["zeroalloc.simulated"] is True
+    lib.zeroalloc_free(pointer, 3 * MiB, 0, None)
+    after = zeroalloc.memory_stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert after["allocation.all.freed"] == before["allocation.all.freed"] + 1
+    assert {"num_alloc_retries", "num_ooms", "segment.all.current"} <= after.keys()
+
+
+def test_allocation_class_routes_this_threads_allocations_and_restores():
+    lib = zeroalloc.library()
+    with zeroalloc.allocation_class("optimizer_state"):
+        pointer = lib.zeroalloc_malloc(2 * MiB, 0, None)
+    outside = lib.zeroalloc_malloc(4096, 0, None)
+    stats = zeroalloc.memory_stats()
+    assert stats["allocated_bytes.optimizer_state.current"] == 2 * MiB
+    assert stats["allocated_bytes.other.current"] >= 4096
+    lib.zeroalloc_free(pointer, 0, 0, None)
+    lib.zeroalloc_free(outside, 0, 0, None)
+    with pytest.raises(ValueError, match="allocation class 'activations' does not exist"):
+        with zeroalloc.allocation_class("activations"):
+            pass
+
+
+def test_summary_is_a_table_of_every_class():
+    lib = zeroalloc.library()
+    with zeroalloc.allocation_class("parameter"):
+        pointer = lib.zeroalloc_malloc(5 * MiB, 0, None)
+    summary = zeroalloc.memory_summary()
+    for name in ("other", "parameter", "gradient", "optimizer_state", "total"):
+        assert f"| {name}" in summary
+    assert "simulated device 0" in summary
+    assert "5.00 MiB" in summary
+    lib.zeroalloc_free(pointer, 0, 0, None)
+
+
+def test_bad_device_raises_the_librarys_message():
+    with pytest.raises(zeroalloc.ZeroallocError, match="device 7 does not exist"):
+        zeroalloc.raw_stats(7)
+
+
+def test_malformed_variable_is_named_when_the_library_is_used():
+    result = run_python("import zeroalloc; zeroalloc.memory_stats()",
+                        ZEROALLOC_MEMORY_LIMIT="plenty")
+    assert result.returncode != 0
+    assert "ZEROALLOC_MEMORY_LIMIT='plenty' is not valid" in result.stderr
+
+
+def test_missing_library_says_where_it_looked():
+    result = run_python("import zeroalloc; zeroalloc.library()",
+                        ZEROALLOC_LIBRARY="/nonexistent/libzeroalloc.so")
+    assert result.returncode != 0
+    assert "ZEROALLOC_LIBRARY=/nonexistent/libzeroalloc.so does not exist" in result.stderr
+
+
+def test_command_line_summary_runs():
+    result = run_python("import runpy; runpy.run_module('zeroalloc', run_name='__main__')")
+    assert result.returncode == 2  # no command: usage
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "summary"],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "zeroalloc memory summary, device 0" in result.stdout

@@ -1,0 +1,73 @@
+"""zeroalloc.torch on a GPU: install() switches PyTorch to zeroalloc (and refuses once CUDA
+is initialised), mem_pool() routes only chosen tensors. Each case runs in a fresh process,
+because PyTorch allows the allocator swap once per process, before CUDA starts."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("skipped: no CUDA GPU", allow_module_level=True)
+
+
+def run(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE)}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_install_serves_every_cuda_allocation_from_zeroalloc():
+    out = run("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        zt.install()
+        x = torch.randn(4096, 4096, device="cuda")
+        y = x @ x
+        stats = zeroalloc.memory_stats()
+        assert stats["zeroalloc.simulated"] is False
+        assert stats["allocated_bytes.all.current"] >= 2 * 4096 * 4096 * 4, stats
+        del x, y
+        torch.cuda.empty_cache()  # reaches zeroalloc_empty_cache through the reset hook
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        stats = zeroalloc.memory_stats()
+        assert "set_per_process_memory_fraction(0.5)" in stats["zeroalloc.limit_source"], stats
+        print(zeroalloc.memory_summary())
+    """)
+    assert "| total" in out
+
+
+def test_install_after_cuda_started_says_what_to_do():
+    out = run("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        torch.zeros(1, device="cuda")
+        try:
+            zt.install()
+        except zeroalloc.ZeroallocError as failure:
+            print(failure)
+    """)
+    assert "must run before any CUDA work" in out
+
+
+def test_mem_pool_routes_only_the_tensors_inside_it():
+    run("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        pool = zt.mem_pool()
+        with torch.cuda.use_mem_pool(pool), zeroalloc.allocation_class("parameter"):
+            weights = torch.ones(8 << 20, device="cuda")
+        activations = torch.ones(8 << 20, device="cuda")  # PyTorch's own allocator
+        stats = zeroalloc.memory_stats()
+        assert stats["allocated_bytes.parameter.current"] >= 32 << 20, stats
+        assert stats["allocated_bytes.other.current"] == 0, stats
+        assert torch.cuda.memory_allocated() >= 32 << 20  # PyTorch's statistics still work
+        assert float(weights.sum()) == float(8 << 20)
+        del weights, activations
+    """)
