@@ -82,6 +82,8 @@ class caching_allocator {
   /// Changes the limit on physical memory held; `source` names what set it.
   void set_limit(std::uint64_t bytes, std::string source);
   [[nodiscard]] std::uint64_t limit_bytes() const { return limiter_.limit_bytes(); }
+  /// Physical device memory held: mapped segments and idle pooled chunks.
+  [[nodiscard]] std::uint64_t held_bytes() const { return limiter_.used_bytes(); }
 
   /// Called, without locks held, when an allocation fails even after the cache was released;
   /// returns the bytes it freed (the offload engine will evict here). Optional.

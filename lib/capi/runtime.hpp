@@ -23,6 +23,8 @@ class runtime {
   static runtime& get();
 
   [[nodiscard]] int device_count() const { return registry_.count(); }
+  /// True when the devices are simulated (ZEROALLOC_DEVICE=sim, or no GPU).
+  [[nodiscard]] bool simulated() const { return registry_.kind() == "sim"; }
   /// The allocator of `ordinal`, created on first use. Throws invalid_argument for a bad
   /// ordinal.
   caching_allocator& allocator(int ordinal);

@@ -37,6 +37,9 @@ const std::vector<option_spec> kTable = {
      "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
     {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
      "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
+    {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
+     "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
+     "driver."},
     {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
      "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
      "in the build tree."},

@@ -1,0 +1,154 @@
+// The LD_PRELOAD interposers, seen from an ordinary program linked against the shared CUDA
+// runtime and run as `LD_PRELOAD=libzeroalloc.so` (CTest sets it): its cudaMalloc, the
+// driver's cuMemAlloc reached through cudaGetDriverEntryPoint and cuGetProcAddress, and
+// cudaMemGetInfo are served by zeroalloc. On the simulated device (CI) and on a GPU.
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// The library is preloaded, not linked: reach its C ABI the way a tool would.
+std::string stats() {
+  using stats_json = int (*)(int, char*, size_t);
+  auto function = reinterpret_cast<stats_json>(dlsym(RTLD_DEFAULT, "zeroalloc_stats_json"));
+  if (function == nullptr) return "";
+  std::vector<char> buffer(static_cast<size_t>(function(0, nullptr, 0)) + 1);
+  function(0, buffer.data(), buffer.size());
+  return buffer.data();
+}
+
+long long total_count(const std::string& key) {
+  const std::string text = stats();
+  const std::size_t total = text.find("\"total\":");
+  const std::size_t at = text.find("\"" + key + "\":", total);
+  if (total == std::string::npos || at == std::string::npos) return -1;
+  return std::atoll(text.c_str() + at + key.size() + 3);
+}
+
+bool simulated() { return stats().find("\"simulated\":true") != std::string::npos; }
+
+void expect_writable(void* pointer, std::size_t bytes) {
+  std::vector<unsigned char> pattern(bytes, 0x5A);
+  std::vector<unsigned char> back(bytes, 0);
+  if (simulated()) {  // simulated device memory is host memory
+    std::memcpy(pointer, pattern.data(), bytes);
+    std::memcpy(back.data(), pointer, bytes);
+  } else {
+    ASSERT_EQ(cudaMemcpy(pointer, pattern.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(back.data(), pointer, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  EXPECT_EQ(back, pattern);
+}
+
+class PreloadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (dlsym(RTLD_DEFAULT, "zeroalloc_stats_json") == nullptr) {
+      GTEST_SKIP() << "skipped: run with LD_PRELOAD=libzeroalloc.so";
+    }
+  }
+};
+
+TEST_F(PreloadTest, CudaMallocAndCudaFreeAreServedByZeroalloc) {
+  const long long before = total_count("allocations");
+  void* pointer = nullptr;
+  ASSERT_EQ(cudaMalloc(&pointer, 3 << 20), cudaSuccess);
+  ASSERT_NE(pointer, nullptr);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  expect_writable(pointer, 3 << 20);
+  const long long frees = total_count("frees");
+  EXPECT_EQ(cudaFree(pointer), cudaSuccess);
+  EXPECT_EQ(total_count("frees"), frees + 1);
+}
+
+TEST_F(PreloadTest, ZeroBytesIsSuccessAndANullPointerAsInCuda) {
+  void* pointer = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(cudaMalloc(&pointer, 0), cudaSuccess);
+  EXPECT_EQ(pointer, nullptr);
+}
+
+TEST_F(PreloadTest, StreamOrderedCallsAreServed) {
+  const long long before = total_count("allocations");
+  void* pointer = nullptr;
+  ASSERT_EQ(cudaMallocAsync(&pointer, 1 << 20, nullptr), cudaSuccess);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  EXPECT_EQ(cudaFreeAsync(pointer, nullptr), cudaSuccess);
+  EXPECT_EQ(total_count("allocations") - total_count("frees"), 0);
+}
+
+TEST_F(PreloadTest, MemGetInfoReportsTheZeroallocLimit) {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  EXPECT_EQ(total_bytes, std::size_t{512} << 20);  // ZEROALLOC_MEMORY_LIMIT=512MiB (CTest)
+  const std::string text = stats();
+  const long long held = std::atoll(text.c_str() + text.find("\"held_bytes\":") + 13);
+  EXPECT_EQ(free_bytes, total_bytes - static_cast<std::size_t>(held));
+  void* pointer = nullptr;
+  ASSERT_EQ(cudaMalloc(&pointer, 64 << 20), cudaSuccess);
+  std::size_t free_after = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total_bytes), cudaSuccess);
+  EXPECT_LE(free_after, total_bytes - (64 << 20));
+  cudaFree(pointer);
+}
+
+TEST_F(PreloadTest, RunningOutIsCudaErrorMemoryAllocation) {
+  void* pointer = nullptr;
+  EXPECT_EQ(cudaMalloc(&pointer, std::size_t{600} << 20), cudaErrorMemoryAllocation);
+}
+
+TEST_F(PreloadTest, DriverAllocationThroughCudaGetDriverEntryPointIsServed) {
+  using mem_alloc = int (*)(unsigned long long*, std::size_t);
+  using mem_free = int (*)(unsigned long long);
+  void* alloc_function = nullptr;
+  void* free_function = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemAlloc", &alloc_function, 12000, cudaEnableDefault, &status),
+            cudaSuccess);
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemFree", &free_function, 12000, cudaEnableDefault, &status),
+            cudaSuccess);
+  EXPECT_EQ(status, cudaDriverEntryPointSuccess);
+  EXPECT_EQ(alloc_function, dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));  // zeroalloc's, preloaded first
+  const long long before = total_count("allocations");
+  unsigned long long address = 0;
+  ASSERT_EQ(reinterpret_cast<mem_alloc>(alloc_function)(&address, 1 << 20), 0);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  expect_writable(reinterpret_cast<void*>(address), 1 << 20);
+  EXPECT_EQ(reinterpret_cast<mem_free>(free_function)(address), 0);
+}
+
+TEST_F(PreloadTest, CuGetProcAddressServesThePerThreadStreamVariants) {
+  using get_proc_address = int (*)(const char*, void**, int, unsigned long long, int*);
+  using alloc_async = int (*)(unsigned long long*, std::size_t, void*);
+  using free_async = int (*)(unsigned long long, void*);
+  auto lookup = reinterpret_cast<get_proc_address>(dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
+  ASSERT_NE(lookup, nullptr);
+  void* alloc_function = nullptr;
+  void* free_function = nullptr;
+  constexpr unsigned long long kPerThreadDefaultStream = 2;
+  ASSERT_EQ(lookup("cuMemAllocAsync", &alloc_function, 12000, kPerThreadDefaultStream, nullptr), 0);
+  ASSERT_EQ(lookup("cuMemFreeAsync", &free_function, 12000, kPerThreadDefaultStream, nullptr), 0);
+  EXPECT_EQ(alloc_function, dlsym(RTLD_DEFAULT, "cuMemAllocAsync_ptsz"));
+  const long long before = total_count("allocations");
+  unsigned long long address = 0;
+  ASSERT_EQ(reinterpret_cast<alloc_async>(alloc_function)(&address, 4096, nullptr), 0);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  EXPECT_EQ(reinterpret_cast<free_async>(free_function)(address, nullptr), 0);
+}
+
+// With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.
+TEST(PreloadDisabled, EveryCallGoesToTheRealRuntime) {
+  if (std::getenv("ZEROALLOC_DISABLE") == nullptr) GTEST_SKIP() << "skipped: needs ZEROALLOC_DISABLE=1";
+  void* pointer = nullptr;
+  const cudaError_t result = cudaMalloc(&pointer, 1 << 20);
+  if (result == cudaSuccess) cudaFree(pointer);  // a GPU served it
+  EXPECT_EQ(total_count("allocations"), 0) << "zeroalloc served an allocation while disabled";
+}
+
+}  // namespace
