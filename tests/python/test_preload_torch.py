@@ -1,0 +1,56 @@
+"""An unmodified training script under LD_PRELOAD=libzeroalloc.so: PyTorch's own caching
+allocator stays on top and takes its segments from zeroalloc (through cudaMalloc), with
+expandable segments off; with them on, PyTorch maps memory itself through the driver's VMM
+calls, which zeroalloc passes through. Either way the losses equal a run without zeroalloc,
+bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "python" / "train_small_transformer.py"
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
+STEPS = 20
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("skipped: no CUDA GPU", allow_module_level=True)
+if not LIBRARY.is_file():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+
+
+def train(preload: bool, expandable: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("ZEROALLOC_LIBRARY", None)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{expandable}"
+    if preload:
+        env["LD_PRELOAD"] = str(LIBRARY)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--allocator", "native", "--steps",
+                             str(STEPS)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def losses(result):
+    return [line for line in result.stdout.splitlines() if line.startswith("loss ")]
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["expandable-off", "expandable-on"])
+def test_unmodified_script_trains_identically_under_preload(expandable):
+    plain = train(preload=False, expandable=expandable)
+    preloaded = train(preload=True, expandable=expandable)
+    assert len(losses(plain)) == STEPS
+    assert losses(preloaded) == losses(plain)
+    stats_lines = [line for line in preloaded.stdout.splitlines() if line.startswith("stats ")]
+    assert stats_lines, "the preloaded library was not found in the process"
+    total = json.loads(stats_lines[0][len("stats "):])["total"]
+    print(f"expandable_segments={expandable}: zeroalloc served {total['allocations']} "
+          f"allocations, peak {total['allocated_bytes']['peak']} bytes")
+    if not expandable:
+        assert total["allocations"] > 0, "PyTorch's segments did not come from zeroalloc"
+        assert total["allocated_bytes"]["peak"] > 100 << 20
