@@ -11,6 +11,7 @@
 // the program's own CUDA calls. Calls not served here (the VMM cuMem* family, IPC, managed
 // memory) never reach this file: they go to the real driver directly.
 #include <dlfcn.h>
+#include <strings.h>
 
 #include <atomic>
 #include <cstddef>
@@ -28,7 +29,8 @@ namespace {
 constexpr int kSuccess = 0;
 constexpr int kInvalidValue = 1;
 constexpr int kOutOfMemory = 2;  // cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY
-constexpr unsigned long long kPerThreadDefaultStream = 2;  // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+constexpr unsigned long long kPerThreadDefaultStream =
+    2;  // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
 void* const kPerThreadStream = reinterpret_cast<void*>(0x2);  // CU_STREAM_PER_THREAD
 
 using device_pointer = unsigned long long;  // CUdeviceptr
@@ -37,9 +39,10 @@ bool interception_active() {
   static const bool active = [] {
     const char* preload = std::getenv("LD_PRELOAD");
     const char* disable = std::getenv("ZEROALLOC_DISABLE");
-    const bool disabled = disable != nullptr && (std::strcmp(disable, "1") == 0 ||
-                                                 std::strcmp(disable, "true") == 0 ||
-                                                 std::strcmp(disable, "yes") == 0);
+    // The same words the options table accepts for a boolean.
+    const bool disabled =
+        disable != nullptr && (std::strcmp(disable, "1") == 0 || strcasecmp(disable, "true") == 0 ||
+                               strcasecmp(disable, "yes") == 0 || strcasecmp(disable, "on") == 0);
     return preload != nullptr && std::strstr(preload, "libzeroalloc") != nullptr && !disabled;
   }();
   return active;
@@ -66,7 +69,8 @@ Function real(const char* name, std::atomic<void*>& cache) {
 int runtime_current_device() {
   using get_device = int (*)(int*);
   int device = 0;
-  if (auto function = ZA_REAL(get_device, cudaGetDevice); function != nullptr && function(&device) == 0) {
+  if (auto function = ZA_REAL(get_device, cudaGetDevice);
+      function != nullptr && function(&device) == 0) {
     return device;
   }
   return 0;
@@ -75,7 +79,8 @@ int runtime_current_device() {
 int driver_current_device() {
   using ctx_get_device = int (*)(int*);
   int device = 0;
-  if (auto function = ZA_REAL(ctx_get_device, cuCtxGetDevice); function != nullptr && function(&device) == 0) {
+  if (auto function = ZA_REAL(ctx_get_device, cuCtxGetDevice);
+      function != nullptr && function(&device) == 0) {
     return device;
   }
   return runtime_current_device();
@@ -94,7 +99,8 @@ int serve_allocation(void** pointer, std::size_t size, int device, void* stream)
     *pointer = nullptr;
     return kSuccess;
   }
-  *pointer = zeroalloc_malloc(static_cast<ssize_t>(size), device, static_cast<zeroalloc_stream_t>(stream));
+  *pointer =
+      zeroalloc_malloc(static_cast<ssize_t>(size), device, static_cast<zeroalloc_stream_t>(stream));
   return *pointer != nullptr ? kSuccess : kOutOfMemory;
 }
 
@@ -130,7 +136,8 @@ int serve_memory_info(std::size_t* free_bytes, std::size_t* total_bytes, int dev
 // ---- CUDA runtime -----------------------------------------------------------------------
 
 ZA_HOOK int cudaMalloc(void** pointer, std::size_t size) {
-  if (!interception_active()) return ZA_REAL(int (*)(void**, std::size_t), cudaMalloc)(pointer, size);
+  if (!interception_active())
+    return ZA_REAL(int (*)(void**, std::size_t), cudaMalloc)(pointer, size);
   return serve_allocation(pointer, size, runtime_current_device(), nullptr);
 }
 
@@ -151,22 +158,25 @@ ZA_HOOK int cudaMallocAsync(void** pointer, std::size_t size, void* stream) {
 
 ZA_HOOK int cudaMallocAsync_ptsz(void** pointer, std::size_t size, void* stream) {
   if (!interception_active()) {
-    return ZA_REAL(int (*)(void**, std::size_t, void*), cudaMallocAsync_ptsz)(pointer, size, stream);
+    return ZA_REAL(int (*)(void**, std::size_t, void*), cudaMallocAsync_ptsz)(pointer, size,
+                                                                              stream);
   }
   return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, true));
 }
 
 ZA_HOOK int cudaMallocFromPoolAsync(void** pointer, std::size_t size, void* pool, void* stream) {
   if (!interception_active()) {
-    return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync)(pointer, size, pool, stream);
+    return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync)(
+        pointer, size, pool, stream);
   }
   return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, false));
 }
 
-ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void* pool, void* stream) {
+ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void* pool,
+                                         void* stream) {
   if (!interception_active()) {
-    return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync_ptsz)(pointer, size, pool,
-                                                                                           stream);
+    return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync_ptsz)(
+        pointer, size, pool, stream);
   }
   return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, true));
 }
@@ -197,8 +207,10 @@ ZA_HOOK int cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
 // ---- CUDA driver ------------------------------------------------------------------------
 
 ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
-  if (!interception_active()) return ZA_REAL(int (*)(device_pointer*, std::size_t), cuMemAlloc_v2)(pointer, size);
-  return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(), nullptr);
+  if (!interception_active())
+    return ZA_REAL(int (*)(device_pointer*, std::size_t), cuMemAlloc_v2)(pointer, size);
+  return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
+                          nullptr);
 }
 
 ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
@@ -211,7 +223,8 @@ ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
 
 ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* stream) {
   if (!interception_active()) {
-    return ZA_REAL(int (*)(device_pointer*, std::size_t, void*), cuMemAllocAsync)(pointer, size, stream);
+    return ZA_REAL(int (*)(device_pointer*, std::size_t, void*), cuMemAllocAsync)(pointer, size,
+                                                                                  stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
                           served_stream(stream, false));
@@ -219,7 +232,8 @@ ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* str
 
 ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void* stream) {
   if (!interception_active()) {
-    return ZA_REAL(int (*)(device_pointer*, std::size_t, void*), cuMemAllocAsync_ptsz)(pointer, size, stream);
+    return ZA_REAL(int (*)(device_pointer*, std::size_t, void*), cuMemAllocAsync_ptsz)(
+        pointer, size, stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
                           served_stream(stream, true));
@@ -287,7 +301,8 @@ ZA_HOOK int cuGetProcAddress(const char* symbol, void** function, int cuda_versi
 
 namespace {
 
-// cudaGetDriverEntryPoint's flags mean what cuGetProcAddress's do (cudaEnablePerThreadDefaultStream == 2).
+// cudaGetDriverEntryPoint's flags mean what cuGetProcAddress's do (cudaEnablePerThreadDefaultStream
+// == 2).
 int lookup_through_runtime(const char* symbol, void** function, int cuda_version,
                            unsigned long long flags, int* status) {
   if (!interception_active() || symbol == nullptr || function == nullptr) return -1;
@@ -313,8 +328,8 @@ ZA_HOOK int cudaGetDriverEntryPoint_ptsz(const char* symbol, void** function,
       kSuccess) {
     return kSuccess;
   }
-  return ZA_REAL(int (*)(const char*, void**, unsigned long long, int*), cudaGetDriverEntryPoint_ptsz)(
-      symbol, function, flags, status);
+  return ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
+                 cudaGetDriverEntryPoint_ptsz)(symbol, function, flags, status);
 }
 
 ZA_HOOK int cudaGetDriverEntryPointByVersion(const char* symbol, void** function,
@@ -336,7 +351,8 @@ ZA_HOOK int cudaGetDriverEntryPointByVersion_ptsz(const char* symbol, void** fun
     return kSuccess;
   }
   return ZA_REAL(int (*)(const char*, void**, unsigned int, unsigned long long, int*),
-                 cudaGetDriverEntryPointByVersion_ptsz)(symbol, function, cuda_version, flags, status);
+                 cudaGetDriverEntryPointByVersion_ptsz)(symbol, function, cuda_version, flags,
+                                                        status);
 }
 
 namespace {

@@ -66,41 +66,39 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
                          std::vector<physical_handle>& chunks) {
   std::lock_guard lock(mutex_);
   const std::size_t first_new = chunks.size();
-  std::size_t offset = 0;
+  // Undoes this call's mappings. Donated chunks stay in `donated` for the caller, who must
+  // first let the donors' queued work finish; the others go back to the pool.
   auto undo = [&] {
-    std::size_t undo_offset = 0;
+    std::size_t offset = 0;
     for (std::size_t i = first_new; i < chunks.size(); ++i) {
-      device_.unmap(address + undo_offset, chunks[i].bytes);
-      undo_offset += chunks[i].bytes;
-      pool_[chunks[i].bytes].push_back(chunks[i]);
-      pooled_bytes_ += chunks[i].bytes;
+      device_.unmap(address + offset, chunks[i].bytes);
+      offset += chunks[i].bytes;
+      if (i - first_new >= donated.size()) {
+        pool_[chunks[i].bytes].push_back(chunks[i]);
+        pooled_bytes_ += chunks[i].bytes;
+      }
     }
     chunks.resize(first_new);
   };
+  std::size_t offset = 0;
   std::size_t next_donated = 0;
-  auto pool_unused_donations = [&] {
-    for (; next_donated < donated.size(); ++next_donated) {
-      pool_[donated[next_donated].bytes].push_back(donated[next_donated]);
-      pooled_bytes_ += donated[next_donated].bytes;
-    }
-    donated.clear();
-  };
   while (offset < bytes) {
-    const std::size_t piece = std::min(chunk_bytes_, bytes - offset);
-    physical_handle handle =
-        next_donated < donated.size() ? donated[next_donated++] : obtain_chunk(piece);
-    if (!handle.valid()) {
-      undo();
-      pool_unused_donations();
-      return false;
-    }
+    physical_handle handle;
     try {
+      handle = next_donated < donated.size() ? donated[next_donated++]
+                                             : obtain_chunk(std::min(chunk_bytes_, bytes - offset));
+      if (!handle.valid()) {
+        undo();
+        return false;
+      }
       device_.map(address + offset, handle);
     } catch (...) {
-      pool_[handle.bytes].push_back(handle);
-      pooled_bytes_ += handle.bytes;
+      const bool was_donated = next_donated > 0 && handle.value == donated[next_donated - 1].value;
+      if (handle.valid() && !was_donated) {
+        pool_[handle.bytes].push_back(handle);
+        pooled_bytes_ += handle.bytes;
+      }
       undo();
-      pool_unused_donations();
       throw;
     }
     chunks.push_back(handle);

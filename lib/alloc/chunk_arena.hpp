@@ -37,9 +37,10 @@ class chunk_arena {
 
   /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`:
   /// first `donated` (chunks taken from free segments, see Note [Moving free memory between
-  /// classes] in heap.cpp), then chunks from the pool or created. Returns false when the limit
-  /// or the device's memory is exhausted; the new mappings are then undone and every chunk,
-  /// donated ones included, is kept in the pool. Throws device_error for any other failure.
+  /// classes] in heap.cpp; emptied on success), then chunks from the pool or created.
+  /// Returns false when the limit or the device's memory is exhausted, and throws
+  /// device_error for any other failure; either way this call's mappings are undone, its new
+  /// chunks are pooled, and the donated chunks are left in `donated` for the caller.
   bool commit(std::uintptr_t address, std::size_t bytes, std::vector<physical_handle>& donated,
               std::vector<physical_handle>& chunks);
 

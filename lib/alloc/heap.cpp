@@ -166,6 +166,7 @@ bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_ha
   // heap asking this one's neighbour; a busy heap is simply skipped.
   std::unique_lock lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return false;
+  if (!pending_.empty()) process_pending(false);  // an idle heap never runs it otherwise
   return donate_locked(least_bytes, most_bytes, for_stream, into);
 }
 
@@ -255,27 +256,46 @@ void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
 block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   if (!retiring_.empty()) retire_donated(false);
   const std::size_t needed = segment_bytes_for(rounded_bytes);
-  donated_memory donated;
-  gather_donations(needed, stream, donated);
-  const std::size_t bytes = std::max(needed, donated.bytes);
-  auto fit = free_addresses_.end();
-  for (auto range = free_addresses_.begin(); range != free_addresses_.end(); ++range) {
-    if (range->second >= bytes && (fit == free_addresses_.end() || range->second < fit->second)) {
-      fit = range;
+  auto best_fit = [&](std::size_t bytes) {
+    auto fit = free_addresses_.end();
+    for (auto range = free_addresses_.begin(); range != free_addresses_.end(); ++range) {
+      if (range->second >= bytes && (fit == free_addresses_.end() || range->second < fit->second)) {
+        fit = range;
+      }
     }
-  }
-  if (fit == free_addresses_.end()) {
+    return fit;
+  };
+  // Donations never exceed the need by more than an eighth (gather_donations): check that
+  // much address space first, so a request that cannot be placed strips no donor.
+  if (best_fit(needed + std::max(needed / 8, arena_.granularity())) == free_addresses_.end()) {
     log().warn("address region of {} {} memory on {} is exhausted ({} reserved)",
                class_name(class_), kind_ == size_kind::small ? "small" : "large", device_.name(),
                format_bytes(region_bytes_));
-    arena_.keep_in_pool(donated.chunks);
     return nullptr;
   }
+  donated_memory donated;
+  gather_donations(needed, stream, donated);
+  const std::size_t bytes = std::max(needed, donated.bytes);
+  auto fit = best_fit(bytes);
   const std::uintptr_t address = fit->first;
   auto owned = std::make_unique<segment>();
   owned->address = address;
   owned->bytes = bytes;
-  if (!arena_.commit(address, bytes, donated.chunks, owned->chunks)) return nullptr;
+  auto pool_donations = [&] {
+    if (donated.chunks.empty()) return;
+    // The donors' queued work may still touch these chunks; only `stream` waited for it.
+    device_.synchronize_stream(stream);
+    arena_.keep_in_pool(donated.chunks);
+  };
+  try {
+    if (!arena_.commit(address, bytes, donated.chunks, owned->chunks)) {
+      pool_donations();
+      return nullptr;
+    }
+  } catch (...) {
+    pool_donations();
+    throw;
+  }
   const std::size_t remaining = fit->second - bytes;
   free_addresses_.erase(fit);
   if (remaining > 0) free_addresses_[address + bytes] = remaining;
@@ -333,6 +353,7 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
     chosen->next = rest;
     chosen->bytes = rounded_bytes;
     insert_free(rest);
+    unmerged_.push_back(rest);  // it may border a free block of its stream
   }
   chosen->allocated = true;
   ++chosen->owner->busy_blocks;
@@ -351,21 +372,28 @@ bool heap::deallocate(std::uintptr_t pointer) {
   std::lock_guard lock(mutex_);
   block* freed = live_.find(pointer);
   if (freed == nullptr) return false;
+  // Record the other streams' fences first: if the device fails, nothing has changed.
+  std::vector<event_handle> fences;
+  try {
+    for (stream_handle other : freed->other_streams) {
+      fences.push_back(obtain_event());
+      device_.record_event(fences.back(), other);
+    }
+  } catch (...) {
+    spare_events_.insert(spare_events_.end(), fences.begin(), fences.end());
+    throw;
+  }
   live_.erase(pointer);
   freed->allocated = false;
   const auto bytes = static_cast<std::int64_t>(freed->bytes);
-  const bool waits_for_other_streams = !freed->other_streams.empty();
+  const bool waits_for_other_streams = !fences.empty();
   // Pending bytes rise before allocated bytes fall, so active bytes never dip.
   if (waits_for_other_streams)
     stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(bytes); });
   stats_.apply(class_, [&](live_gauges& figures) { figures.allocated_bytes.add(-bytes); });
   ++counts_.frees;
   if (waits_for_other_streams) {
-    for (stream_handle other : freed->other_streams) {
-      event_handle done = obtain_event();
-      device_.record_event(done, other);
-      freed->pending_events.push_back(done);
-    }
+    freed->pending_events = std::move(fences);
     freed->other_streams.clear();
     freed->pending = true;
     pending_.push_back(freed);
@@ -396,7 +424,10 @@ void heap::forget_stream(stream_handle stream) {
       const bool listed = !piece->allocated && !piece->pending;
       if (listed) remove_free(piece);
       piece->stream = kDetachedStream;
-      if (listed) insert_free(piece);
+      if (listed) {
+        insert_free(piece);
+        unmerged_.push_back(piece);  // detached neighbours can merge now
+      }
     }
   }
 }
@@ -429,7 +460,7 @@ void heap::merge_free_neighbours(block* freed) {
   };
   if (!mergeable(freed->previous) && !mergeable(freed->next)) return;
   remove_free(freed);
-  if (mergeable(freed->previous)) {
+  while (mergeable(freed->previous)) {
     block* previous = freed->previous;
     remove_free(previous);
     previous->bytes += freed->bytes;
@@ -438,7 +469,7 @@ void heap::merge_free_neighbours(block* freed) {
     recycle_block(freed);
     freed = previous;
   }
-  if (mergeable(freed->next)) {
+  while (mergeable(freed->next)) {
     block* next = freed->next;
     remove_free(next);
     freed->bytes += next->bytes;

@@ -1,5 +1,6 @@
 // The extern "C" boundary. Every function catches everything: a failure becomes the
 // documented return value plus a message in zeroalloc_last_error(), never an exception.
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -16,11 +17,13 @@ namespace {
 using zeroalloc::allocation_class;
 using zeroalloc::runtime;
 
-thread_local std::string t_last_error;
+// A fixed buffer: building a std::string could throw inside a noexcept function, and a
+// thread_local std::string is destroyed before the static destructors that may still free.
+thread_local char t_last_error[1024];
 thread_local allocation_class t_class = allocation_class::other;
 
-void set_error(const char* function, const std::exception& failure) {
-  t_last_error = std::string(function) + ": " + failure.what();
+void set_error(const char* function, const char* message) noexcept {
+  std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", function, message);
 }
 
 // Runs `body`; on an exception records it and returns `failed`.
@@ -29,9 +32,9 @@ Result guarded(const char* function, Result failed, Body&& body) noexcept {
   try {
     return body();
   } catch (const std::exception& failure) {
-    set_error(function, failure);
+    set_error(function, failure.what());
   } catch (...) {
-    t_last_error = std::string(function) + ": unknown failure";
+    set_error(function, "unknown failure");
   }
   return failed;
 }
@@ -166,4 +169,4 @@ ZA_EXPORT int zeroalloc_device_count(void) {
   return guarded("zeroalloc_device_count", -1, [] { return runtime::get().device_count(); });
 }
 
-ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error.c_str(); }
+ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error; }

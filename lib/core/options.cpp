@@ -138,9 +138,13 @@ std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
   } else {
     return std::nullopt;
   }
+  // "16.1KB" is 16100.000000000002 in binary floating point: accept what is whole within
+  // rounding error, refuse real fractions of a byte.
   const double bytes = *number * multiplier;
-  if (bytes >= 0x1p64 || bytes != std::floor(bytes)) return std::nullopt;
-  return static_cast<std::uint64_t>(bytes);
+  const double whole = std::round(bytes);
+  if (whole >= 0x1p64 || std::fabs(bytes - whole) > 1e-6 * std::max(1.0, whole))
+    return std::nullopt;
+  return static_cast<std::uint64_t>(whole);
 }
 
 options options::parse(const std::function<const char*(const char*)>& lookup,

@@ -16,7 +16,7 @@ class spin_lock {
       if (!locked_.exchange(true, std::memory_order_acquire)) return;
       for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
         if (spins < 64) {
-          __builtin_ia32_pause();
+          relax();
         } else {
           std::this_thread::yield();
         }
@@ -30,6 +30,14 @@ class spin_lock {
   void unlock() noexcept { locked_.store(false, std::memory_order_release); }
 
  private:
+  static void relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
   std::atomic<bool> locked_{false};
 };
 

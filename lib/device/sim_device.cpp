@@ -24,20 +24,44 @@ constexpr std::size_t kGranularity = 2 * MiB;
       error_number);
 }
 
-// An event is a counter pair: how many times it was recorded, and which recording the
-// streams have reached. It is complete when the latest recording has been reached.
-struct sim_event {
+// A point in a stream's queue: reached once the work before it has run.
+struct sim_recording {
   std::mutex mutex;
-  std::condition_variable reached;
-  std::uint64_t recorded = 0;
-  std::uint64_t completed = 0;
+  std::condition_variable reached_signal;
+  bool reached = false;
+
+  void mark_reached() {
+    {
+      std::lock_guard lock(mutex);
+      reached = true;
+    }
+    reached_signal.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mutex);
+    reached_signal.wait(lock, [this] { return reached; });
+  }
+  bool is_reached() {
+    std::lock_guard lock(mutex);
+    return reached;
+  }
 };
 
-// Like cudaEventDestroy, destroying an event with a recording still queued is legal: the
-// queued work holds its own reference, so the state outlives the handle.
-using sim_event_ref = std::shared_ptr<sim_event>;
+// An event names its latest recording, as in CUDA: a wait or a query captures the recording
+// current at the call, so re-recording the event (even on an idle stream) never releases a
+// wait on an earlier point. Queued work holds its own reference to its recording, so
+// destroying an event with work still queued is legal, as with cudaEventDestroy.
+struct sim_event {
+  std::mutex mutex;
+  std::shared_ptr<sim_recording> latest;  // null until first recorded: counts as complete
 
-sim_event_ref& state_of(event_handle event) { return *static_cast<sim_event_ref*>(event); }
+  std::shared_ptr<sim_recording> current() {
+    std::lock_guard lock(mutex);
+    return latest;
+  }
+};
+
+sim_event& state_of(event_handle event) { return *static_cast<sim_event*>(event); }
 
 }  // namespace
 
@@ -255,50 +279,33 @@ void sim_device::destroy_stream(stream_handle stream) {
   if (stream != nullptr) delete static_cast<sim_stream*>(stream);
 }
 
-event_handle sim_device::create_event() { return new sim_event_ref(std::make_shared<sim_event>()); }
+event_handle sim_device::create_event() { return new sim_event(); }
 
-void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event_ref*>(event); }
+void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event*>(event); }
 
 void sim_device::record_event(event_handle event, stream_handle stream) {
-  sim_event_ref state = state_of(event);
-  std::uint64_t recording = 0;
+  auto recording = std::make_shared<sim_recording>();
   {
-    std::lock_guard lock(state->mutex);
-    recording = ++state->recorded;
+    sim_event& state = state_of(event);
+    std::lock_guard lock(state.mutex);
+    state.latest = recording;
   }
-  resolve(stream).enqueue([state, recording] {
-    {
-      std::lock_guard lock(state->mutex);
-      state->completed = std::max(state->completed, recording);
-    }
-    state->reached.notify_all();
-  });
+  resolve(stream).enqueue([recording] { recording->mark_reached(); });
 }
 
 bool sim_device::event_completed(event_handle event) {
-  sim_event* state = state_of(event).get();
-  std::lock_guard lock(state->mutex);
-  return state->completed >= state->recorded;
+  const std::shared_ptr<sim_recording> recording = state_of(event).current();
+  return recording == nullptr || recording->is_reached();
 }
 
 void sim_device::synchronize_event(event_handle event) {
-  sim_event* state = state_of(event).get();
-  std::unique_lock lock(state->mutex);
-  const std::uint64_t target = state->recorded;
-  state->reached.wait(lock, [&] { return state->completed >= target; });
+  if (const std::shared_ptr<sim_recording> recording = state_of(event).current()) recording->wait();
 }
 
 void sim_device::stream_wait_event(stream_handle stream, event_handle event) {
-  sim_event_ref state = state_of(event);
-  std::uint64_t target = 0;
-  {
-    std::lock_guard lock(state->mutex);
-    target = state->recorded;
-  }
-  resolve(stream).enqueue([state, target] {
-    std::unique_lock lock(state->mutex);
-    state->reached.wait(lock, [&] { return state->completed >= target; });
-  });
+  const std::shared_ptr<sim_recording> recording = state_of(event).current();
+  if (recording == nullptr) return;
+  resolve(stream).enqueue([recording] { recording->wait(); });
 }
 
 void sim_device::synchronize_stream(stream_handle stream) { resolve(stream).synchronize(); }

@@ -133,6 +133,22 @@ TEST_F(CachingAllocatorTest, BytesStayIntactThroughSplitsAndMerges) {
   EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
 }
 
+// Note [Deferred coalescing]: whatever order blocks are freed in, a request that fits the
+// merged space is served from it, without new memory.
+TEST_F(CachingAllocatorTest, FreedNeighboursMergeWhateverTheOrderOfFrees) {
+  for (bool first_freed_first : {true, false}) {
+    auto allocator = make_allocator();
+    void* a = allocator->allocate(4 * MiB, nullptr, allocation_class::other);  // 20 MiB segment
+    void* b = allocator->allocate(4 * MiB, nullptr, allocation_class::other);
+    allocator->deallocate(first_freed_first ? a : b);
+    allocator->deallocate(first_freed_first ? b : a);
+    void* whole = allocator->allocate(18 * MiB, nullptr, allocation_class::other);
+    EXPECT_EQ(whole, a);
+    EXPECT_EQ(allocator->stats().total.segments_mapped, 1u);
+    allocator->deallocate(whole);
+  }
+}
+
 TEST_F(CachingAllocatorTest, ClassesLiveInSeparateSegments) {
   auto allocator = make_allocator();
   void* parameter = allocator->allocate(4096, nullptr, allocation_class::parameter);

@@ -39,6 +39,7 @@ TEST(ByteSize, ReadsBinaryAndDecimalUnits) {
   EXPECT_EQ(parse_byte_size("1.5GiB"), 3ull << 29);
   EXPECT_EQ(parse_byte_size("1048576"), 1048576ull);
   EXPECT_EQ(parse_byte_size(" 4 KiB "), 4096ull);
+  EXPECT_EQ(parse_byte_size("16.1KB"), 16100ull);  // whole, though not exact in binary
 }
 
 TEST(ByteSize, RefusesGarbageNegativeFractionalBytesAndOverflow) {

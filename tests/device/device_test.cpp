@@ -105,6 +105,35 @@ TEST_F(DeviceTest, StreamWaitEventOrdersOneStreamAfterAnother) {
   device_->free_addresses(address, bytes);
 }
 
+TEST_F(DeviceTest, AWaitKeepsItsRecordingWhenTheEventIsRecordedAgain) {
+  const std::size_t bytes = device_->granularity();
+  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
+  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
+  device_->map(address, handle);
+  auto* pointer = reinterpret_cast<void*>(address);
+  stream_handle slow = device_->create_stream();
+  stream_handle waiting = device_->create_stream();
+  stream_handle idle = device_->create_stream();
+  event_handle fence = device_->create_event();
+
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); },
+                               slow);
+  device_->fill_async(pointer, 0xAA, bytes, slow);
+  device_->record_event(fence, slow);
+  device_->stream_wait_event(waiting, fence);
+  device_->record_event(fence, idle);  // reused at once, as the allocator reuses its fences
+  device_->fill_async(pointer, 0xBB, bytes, waiting);
+  device_->synchronize_stream(waiting);
+  device_->synchronize_stream(slow);
+  EXPECT_EQ(read_back(*device_, pointer, bytes), std::vector<std::uint8_t>(bytes, 0xBB));
+
+  device_->destroy_event(fence);
+  for (stream_handle stream : {slow, waiting, idle}) device_->destroy_stream(stream);
+  device_->unmap(address, bytes);
+  device_->release_physical(handle);
+  device_->free_addresses(address, bytes);
+}
+
 TEST_F(DeviceTest, HostFunctionsRunInStreamOrder) {
   stream_handle stream = device_->create_stream();
   std::atomic<int> order{0};

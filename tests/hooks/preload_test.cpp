@@ -109,9 +109,11 @@ TEST_F(PreloadTest, DriverAllocationThroughCudaGetDriverEntryPointIsServed) {
   void* alloc_function = nullptr;
   void* free_function = nullptr;
   cudaDriverEntryPointQueryResult status{};
-  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemAlloc", &alloc_function, 12000, cudaEnableDefault, &status),
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemAlloc", &alloc_function, 12000,
+                                             cudaEnableDefault, &status),
             cudaSuccess);
-  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemFree", &free_function, 12000, cudaEnableDefault, &status),
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemFree", &free_function, 12000, cudaEnableDefault,
+                                             &status),
             cudaSuccess);
   EXPECT_EQ(status, cudaDriverEntryPointSuccess);
   EXPECT_EQ(alloc_function, dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));  // zeroalloc's, preloaded first
@@ -144,7 +146,8 @@ TEST_F(PreloadTest, CuGetProcAddressServesThePerThreadStreamVariants) {
 
 // With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.
 TEST(PreloadDisabled, EveryCallGoesToTheRealRuntime) {
-  if (std::getenv("ZEROALLOC_DISABLE") == nullptr) GTEST_SKIP() << "skipped: needs ZEROALLOC_DISABLE=1";
+  if (std::getenv("ZEROALLOC_DISABLE") == nullptr)
+    GTEST_SKIP() << "skipped: needs ZEROALLOC_DISABLE=1";
   void* pointer = nullptr;
   const cudaError_t result = cudaMalloc(&pointer, 1 << 20);
   if (result == cudaSuccess) cudaFree(pointer);  // a GPU served it
