@@ -1,5 +1,7 @@
-"""The Python package over the C ABI, on the simulated device: statistics under PyTorch's
-key names, the summary table, allocation classes, and clear errors. Needs no PyTorch."""
+"""The Python package over the C ABI: statistics under PyTorch's key names, the summary
+table, allocation classes, and clear errors. Needs no PyTorch; runs on whatever device the
+library picks (CI sets ZEROALLOC_DEVICE=sim). The test never sets ZEROALLOC_* in its own
+environment: pytest runs other files' subprocesses from the same process."""
 
 import ctypes
 import os
@@ -11,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "bindings" / "python"
-os.environ.setdefault("ZEROALLOC_DEVICE", "sim")
 sys.path.insert(0, str(PACKAGE))
 
 import zeroalloc  # noqa: E402
@@ -37,7 +38,7 @@ def test_memory_stats_use_torch_key_names_and_count_exactly():
     assert during["allocated_bytes.all.peak"] >= during["allocated_bytes.all.current"]
     assert during["allocation.all.allocated"] == before["allocation.all.allocated"] + 1
     assert during["reserved_bytes.other.current"] >= 3 * MiB
-    assert during["zeroalloc.simulated"] is True
+    assert isinstance(during["zeroalloc.simulated"], bool)
     lib.zeroalloc_free(pointer, 3 * MiB, 0, None)
     after = zeroalloc.memory_stats()
     assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
@@ -67,7 +68,7 @@ def test_summary_is_a_table_of_every_class():
     summary = zeroalloc.memory_summary()
     for name in ("other", "parameter", "gradient", "optimizer_state", "total"):
         assert f"| {name}" in summary
-    assert "simulated device 0" in summary
+    assert zeroalloc.raw_stats()["device_name"] in summary
     assert "5.00 MiB" in summary
     lib.zeroalloc_free(pointer, 0, 0, None)
 

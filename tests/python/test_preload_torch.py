@@ -27,6 +27,7 @@ if not LIBRARY.is_file():
 def train(preload: bool, expandable: bool) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("ZEROALLOC_LIBRARY", None)
+    env["ZEROALLOC_DEVICE"] = "cuda"  # whatever the calling environment says
     env["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{expandable}"
     if preload:
         env["LD_PRELOAD"] = str(LIBRARY)

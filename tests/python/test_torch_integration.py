@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 
 def run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE)}
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "cuda"}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -42,6 +42,7 @@ def train(allocator: str, library: Path) -> subprocess.CompletedProcess:
     environment = dict(os.environ)
     # The library may reject ZEROALLOC_* names it does not know; the path goes by argument.
     environment.pop("ZEROALLOC_LIBRARY", None)
+    environment["ZEROALLOC_DEVICE"] = "cuda"  # whatever the calling environment says
     command = [sys.executable, str(SCRIPT), "--allocator", allocator,
                "--steps", str(STEPS), "--library", str(library)]
     result = subprocess.run(command, cwd=REPO_ROOT, env=environment, capture_output=True,
