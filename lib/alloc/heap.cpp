@@ -66,7 +66,10 @@ void heap::insert_free(block* free_block) {
 }
 
 void heap::remove_free(block* free_block) {
-  free_index& index = index_for(free_block->stream);
+  remove_free(index_for(free_block->stream), free_block);
+}
+
+void heap::remove_free(free_index& index, block* free_block) {
   const std::size_t bin = bin_of(free_block->bytes);
   if (free_block->bin_previous != nullptr) {
     free_block->bin_previous->bin_next = free_block->bin_next;
@@ -328,7 +331,7 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
     chosen = find_fit(own, rounded_bytes);
   }
   if (chosen != nullptr) {
-    remove_free(chosen);
+    remove_free(own, chosen);
   } else {
     chosen = take_from_other_stream(rounded_bytes, stream);
   }

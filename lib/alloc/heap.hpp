@@ -105,6 +105,7 @@ class heap {
   free_index& index_for(stream_handle stream);
   void insert_free(block* free_block);
   void remove_free(block* free_block);
+  void remove_free(free_index& index, block* free_block);  // index: the block's stream's
   block* find_fit(free_index& index, std::size_t bytes);
   block* take_from_other_stream(std::size_t bytes, stream_handle stream);
   block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);

@@ -77,7 +77,7 @@ caching_allocator* runtime::owner_of(const void* pointer) {
 bool runtime::deallocate(void* pointer) {
   for (int ordinal = 0; ordinal < registry_.count() && ordinal < kMaxDevices; ++ordinal) {
     caching_allocator* candidate = allocators_[ordinal].load(std::memory_order_acquire);
-    if (candidate != nullptr && candidate->owns(pointer)) return candidate->deallocate(pointer);
+    if (candidate != nullptr && candidate->deallocate(pointer)) return true;
   }
   return false;
 }
