@@ -118,6 +118,18 @@ zeroalloc_stream_t zeroalloc_stream_create(int device);
 /** Waits for the work enqueued on `stream` so far and destroys it. NULL is ignored. */
 void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream);
 
+/**
+ * Writes every segment of `device` with its blocks as JSON into `buffer`, with the same
+ * length protocol as zeroalloc_stats_json: {"devices":[{"device":0,"segments":[{"address",
+ * "total_size","class","kind","stream","blocks":[{"address","size","requested_size",
+ * "state"}]}]}]}, where a block's state is "active_allocated", "active_pending_free"
+ * (freed, waiting for another stream) or "inactive" (free). `device` -1 lists every
+ * device the library has started (and starts none). The Python package turns this into
+ * PyTorch's memory-snapshot format. Returns -1 with zeroalloc_last_error() set when
+ * `device` is not valid.
+ */
+int zeroalloc_snapshot_json(int device, char* buffer, size_t length);
+
 /** Number of devices the library drives (starting it if needed); -1 if it cannot start. */
 int zeroalloc_device_count(void);
 

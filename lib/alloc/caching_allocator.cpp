@@ -42,11 +42,12 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
   const std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kAlignment);
   if (rounded < bytes)
     ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
-  if (void* pointer = heap_for(cls, rounded).allocate(rounded, stream)) return pointer;
-  return allocate_after_pressure(rounded, stream, cls);
+  if (void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream)) return pointer;
+  return allocate_after_pressure(rounded, bytes, stream, cls);
 }
 
-void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stream_handle stream,
+void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
+                                                 std::size_t requested_bytes, stream_handle stream,
                                                  allocation_class cls) {
   // Out of new memory: give back every cached free segment (of every class) and retry;
   // then let the pressure handler free memory, and retry once more.
@@ -55,14 +56,16 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes, stre
   const std::uint64_t released = release_all_cached();
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
-  if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream)) return pointer;
+  if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream))
+    return pointer;
   pressure_handler handler;
   {
     std::lock_guard lock(settings_mutex_);
     handler = pressure_handler_;
   }
   if (handler && handler(rounded_bytes) > 0) {
-    if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, stream))
+    if (void* pointer =
+            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream))
       return pointer;
   }
   stats_.apply(
@@ -242,6 +245,13 @@ std::string json_string(const std::string& text) {
 }
 
 }  // namespace
+
+std::string caching_allocator::snapshot_json() const {
+  std::string out = detail::concat("{\"device\":", device_.ordinal(), ",\"segments\":[");
+  const char* separator = "";
+  for (const auto& each : heaps_) each->append_snapshot(out, separator);
+  return out + "]}";
+}
 
 std::string caching_allocator::stats_json() const {
   std::string source;

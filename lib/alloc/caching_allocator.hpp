@@ -96,6 +96,8 @@ class caching_allocator {
   void reset_peak_stats();
   /// Largest free block of a class: the biggest request it could serve without new memory.
   [[nodiscard]] std::size_t largest_free_block(allocation_class cls) const;
+  /// Every segment with its blocks, as JSON (the format of zeroalloc_snapshot_json).
+  [[nodiscard]] std::string snapshot_json() const;
   /// Statistics as a JSON object (the format of zeroalloc_stats_json).
   [[nodiscard]] std::string stats_json() const;
 
@@ -105,8 +107,8 @@ class caching_allocator {
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
   /// The heap whose address region holds `address`, or nullptr.
   heap* heap_at(std::uintptr_t address) const;
-  void* allocate_after_pressure(std::size_t rounded_bytes, stream_handle stream,
-                                allocation_class cls);
+  void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
+                                stream_handle stream, allocation_class cls);
   std::uint64_t release_all_cached();
   [[noreturn]] void throw_out_of_memory(std::size_t bytes, allocation_class cls);
 

@@ -320,7 +320,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   return whole;
 }
 
-void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
+void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   if (!pending_.empty()) process_pending(false);
   bool from_cache = true;
@@ -359,6 +359,7 @@ void* heap::allocate(std::size_t rounded_bytes, stream_handle stream) {
     unmerged_.push_back(rest);  // it may border a free block of its stream
   }
   chosen->allocated = true;
+  chosen->requested_bytes = requested_bytes;
   ++chosen->owner->busy_blocks;
   live_.insert(chosen->address, chosen);
 
@@ -555,6 +556,30 @@ std::size_t heap::largest_free_block() const {
   return largest;
 }
 
+void heap::append_snapshot(std::string& out, const char*& separator) const {
+  std::lock_guard lock(mutex_);
+  const char* kind = kind_ == size_kind::small ? "small" : "large";
+  for (const auto& owned : segments_) {
+    out += detail::concat(
+        separator, "{\"address\":", owned->address, ",\"total_size\":", owned->bytes,
+        ",\"class\":\"", class_name(class_), "\",\"kind\":\"", kind,
+        "\",\"stream\":", reinterpret_cast<std::uintptr_t>(owned->first->stream), ",\"blocks\":[");
+    separator = ",";
+    const char* block_separator = "";
+    for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
+      const char* state = piece->allocated ? "active_allocated"
+                          : piece->pending ? "active_pending_free"
+                                           : "inactive";
+      out += detail::concat(
+          block_separator, "{\"address\":", piece->address, ",\"size\":", piece->bytes,
+          ",\"requested_size\":", piece->allocated ? piece->requested_bytes : piece->bytes,
+          ",\"state\":\"", state, "\"}");
+      block_separator = ",";
+    }
+    out += "]}";
+  }
+}
+
 heap_counts heap::counts() const {
   std::lock_guard lock(mutex_);
   return counts_;
@@ -574,6 +599,7 @@ void heap::recycle_block(block* unused) {
   // Field by field: the vectors keep their capacity, so recycling never frees memory.
   unused->address = 0;
   unused->bytes = 0;
+  unused->requested_bytes = 0;
   unused->owner = nullptr;
   unused->previous = unused->next = nullptr;
   unused->bin_previous = unused->bin_next = nullptr;

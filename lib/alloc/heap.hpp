@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "alloc/allocation_class.hpp"
@@ -26,6 +27,7 @@ struct segment;
 struct block {
   std::uintptr_t address = 0;
   std::size_t bytes = 0;
+  std::size_t requested_bytes = 0;  // what the caller asked for, while allocated
   segment* owner = nullptr;
   block* previous = nullptr;  // neighbours by address, within the segment
   block* next = nullptr;
@@ -66,9 +68,10 @@ class heap {
        std::size_t region_bytes);
   ~heap();
 
-  /// A block of `rounded_bytes` for `stream`, or nullptr when new memory is needed and
+  /// A block of `rounded_bytes` (asked for as `requested_bytes`) for `stream`, or nullptr
+  /// when new memory is needed and
   /// the arena has none (the caller releases cache and retries).
-  void* allocate(std::size_t rounded_bytes, stream_handle stream);
+  void* allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream);
   /// Frees; false when `pointer` is not a live allocation of this heap.
   bool deallocate(std::uintptr_t pointer);
   bool record_stream(std::uintptr_t pointer, stream_handle stream);
@@ -89,6 +92,9 @@ class heap {
   /// appended to `into`, and its old addresses are unmapped once that work has run.
   bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                   donated_memory& into);
+  /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,
+  /// after `separator` for the first) in the shape of PyTorch's memory snapshot.
+  void append_snapshot(std::string& out, const char*& separator) const;
   /// The heap's counts (Note [Statistics cost] in allocator_stats.hpp).
   [[nodiscard]] heap_counts counts() const;
   [[nodiscard]] allocation_class cls() const { return class_; }

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
@@ -140,15 +141,40 @@ ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
                [&] { runtime::get().allocator(device).reset_peak_stats(); });
 }
 
+namespace {
+
+// Copies `text` into the caller's buffer (NUL-terminated, truncated to fit) and returns the
+// length of the whole text, so a caller can size its buffer with a first call.
+int copy_out(const std::string& text, char* buffer, size_t length) {
+  if (buffer != nullptr && length > 0) {
+    const std::size_t copied = std::min(text.size(), length - 1);
+    std::memcpy(buffer, text.data(), copied);
+    buffer[copied] = '\0';
+  }
+  return static_cast<int>(text.size());
+}
+
+}  // namespace
+
 ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
   return guarded("zeroalloc_stats_json", -1, [&] {
-    const std::string text = runtime::get().allocator(device).stats_json();
-    if (buffer != nullptr && length > 0) {
-      const std::size_t copied = std::min(text.size(), length - 1);
-      std::memcpy(buffer, text.data(), copied);
-      buffer[copied] = '\0';
+    return copy_out(runtime::get().allocator(device).stats_json(), buffer, length);
+  });
+}
+
+ZA_EXPORT int zeroalloc_snapshot_json(int device, char* buffer, size_t length) {
+  return guarded("zeroalloc_snapshot_json", -1, [&] {
+    std::vector<zeroalloc::caching_allocator*> chosen;
+    if (device == -1) {
+      chosen = runtime::get().started_allocators();
+    } else {
+      chosen.push_back(&runtime::get().allocator(device));
     }
-    return static_cast<int>(text.size());
+    std::string text = "{\"devices\":[";
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+      text += (i == 0 ? "" : ",") + chosen[i]->snapshot_json();
+    }
+    return copy_out(text + "]}", buffer, length);
   });
 }
 

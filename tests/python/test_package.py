@@ -100,3 +100,46 @@ def test_command_line_summary_runs():
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "zeroalloc memory summary, device 0" in result.stdout
+
+
+def test_snapshot_has_pytorchs_shape_and_accounts_for_every_byte(tmp_path):
+    import pickle
+
+    lib = zeroalloc.library()
+    with zeroalloc.allocation_class("gradient"):
+        pointer = lib.zeroalloc_malloc(3 * MiB + 100, 0, None)
+    data = zeroalloc.snapshot()
+    assert set(data) >= {"segments", "device_traces"}
+    assert len(data["device_traces"]) >= 1
+    ours = [segment for segment in data["segments"]
+            if any(block["address"] == pointer for block in segment["blocks"])]
+    assert len(ours) == 1
+    segment = ours[0]
+    assert segment["allocation_class"] == "gradient"
+    assert {"device", "address", "total_size", "allocated_size", "stream", "segment_type",
+            "blocks", "frames"} <= segment.keys()
+    block = next(block for block in segment["blocks"] if block["address"] == pointer)
+    assert block["state"] == "active_allocated"
+    assert block["requested_size"] == 3 * MiB + 100
+    assert block["size"] >= block["requested_size"]
+    for each in data["segments"]:  # torch.cuda._memory_viz.segsum relies on this
+        assert sum(block["size"] for block in each["blocks"]) == each["total_size"]
+        offset = each["address"]
+        for piece in each["blocks"]:
+            assert piece["address"] == offset
+            offset += piece["size"]
+    path = tmp_path / "snapshot.pickle"
+    zeroalloc.dump_snapshot(path)
+    with open(path, "rb") as saved:
+        assert pickle.load(saved)["segments"]
+    lib.zeroalloc_free(pointer, 0, 0, None)
+    freed = zeroalloc.snapshot()
+    states = [block["state"] for segment in freed["segments"] for block in segment["blocks"]
+              if block["address"] == pointer]
+    assert states in ([], ["inactive"])
+
+
+def test_unwritable_snapshot_path_is_named():
+    with pytest.raises(zeroalloc.ZeroallocError,
+                       match="cannot write the memory snapshot to /nonexistent/dir/s.pickle"):
+        zeroalloc.dump_snapshot("/nonexistent/dir/s.pickle")

@@ -71,3 +71,19 @@ def test_mem_pool_routes_only_the_tensors_inside_it():
         assert float(weights.sum()) == float(8 << 20)
         del weights, activations
     """)
+
+
+def test_snapshot_opens_in_pytorchs_memory_viz():
+    out = run("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        from torch.cuda import _memory_viz
+        zt.install()
+        x = torch.randn(1 << 22, device="cuda")
+        y = torch.randn(1 << 10, device="cuda")
+        data = zeroalloc.snapshot()
+        print(_memory_viz.segsum(data))  # asserts that every segment's bytes add up
+        html = _memory_viz.segment_plot(data)
+        assert "snapshot.pickle" in html
+        print(_memory_viz.trace(data))
+    """)
+    assert "total_allocated" in out

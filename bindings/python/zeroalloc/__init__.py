@@ -4,6 +4,7 @@ The PyTorch integration lives in ``zeroalloc.torch``; this module needs no PyTor
 """
 
 from zeroalloc._library import ZeroallocError, library, library_path
+from zeroalloc._snapshot import dump_snapshot, snapshot
 from zeroalloc._stats import (
     CLASSES,
     allocation_class,
@@ -20,6 +21,7 @@ __all__ = [
     "ZeroallocError",
     "allocation_class",
     "device_count",
+    "dump_snapshot",
     "empty_cache",
     "library",
     "library_path",
@@ -27,4 +29,5 @@ __all__ = [
     "memory_summary",
     "raw_stats",
     "reset_peak_memory_stats",
+    "snapshot",
 ]

@@ -66,6 +66,8 @@ def library() -> ctypes.CDLL:
             "zeroalloc_reset_peak_stats": ([ctypes.c_int], None),
             "zeroalloc_stats_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],
                                      ctypes.c_int),
+            "zeroalloc_snapshot_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],
+                                        ctypes.c_int),
             "zeroalloc_device_count": ([], ctypes.c_int),
             "zeroalloc_last_error": ([], ctypes.c_char_p),
         }
