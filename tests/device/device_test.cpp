@@ -19,6 +19,28 @@ using testing::read_back;
 class DeviceTest : public ::testing::Test {
  protected:
   void SetUp() override { ZA_OPEN_TEST_DEVICE_OR_SKIP(device_); }
+
+  // One granule of device memory, mapped at reserved addresses for the test's duration.
+  struct mapped_granule {
+    device& owner;
+    std::size_t bytes = owner.granularity();
+    std::uintptr_t address = owner.reserve_addresses(bytes, bytes);
+    physical_handle handle = owner.create_physical(bytes, memory_location::device);
+    explicit mapped_granule(device& on) : owner(on) { owner.map(address, handle); }
+    ~mapped_granule() {
+      owner.unmap(address, bytes);
+      owner.release_physical(handle);
+      owner.free_addresses(address, bytes);
+    }
+    [[nodiscard]] void* pointer() const { return reinterpret_cast<void*>(address); }
+  };
+
+  // Holds `stream` up for a tenth of a second, as a long kernel would.
+  void delay(stream_handle stream) {
+    device_->host_function_async(
+        [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }, stream);
+  }
+
   std::unique_ptr<device> device_;
 };
 
@@ -76,62 +98,44 @@ TEST_F(DeviceTest, DeviceMemoryIsAccountedInQueryMemory) {
 }
 
 TEST_F(DeviceTest, StreamWaitEventOrdersOneStreamAfterAnother) {
-  const std::size_t bytes = device_->granularity();
-  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
-  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
-  device_->map(address, handle);
-  auto* pointer = reinterpret_cast<void*>(address);
-
+  mapped_granule memory(*device_);
   stream_handle slow = device_->create_stream();
   stream_handle fast = device_->create_stream();
   event_handle done = device_->create_event();
   // The slow stream is held up, then writes; the fast stream must write after it.
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); },
-                               slow);
-  device_->fill_async(pointer, 0xAA, bytes, slow);
+  delay(slow);
+  device_->fill_async(memory.pointer(), 0xAA, memory.bytes, slow);
   device_->record_event(done, slow);
   EXPECT_FALSE(device_->event_completed(done));
   device_->stream_wait_event(fast, done);
-  device_->fill_async(pointer, 0xBB, bytes, fast);
+  device_->fill_async(memory.pointer(), 0xBB, memory.bytes, fast);
   device_->synchronize_stream(fast);
   EXPECT_TRUE(device_->event_completed(done));
-  EXPECT_EQ(read_back(*device_, pointer, bytes, fast), std::vector<std::uint8_t>(bytes, 0xBB));
-
+  EXPECT_EQ(read_back(*device_, memory.pointer(), memory.bytes, fast),
+            std::vector<std::uint8_t>(memory.bytes, 0xBB));
   device_->destroy_event(done);
   device_->destroy_stream(slow);
   device_->destroy_stream(fast);
-  device_->unmap(address, bytes);
-  device_->release_physical(handle);
-  device_->free_addresses(address, bytes);
 }
 
 TEST_F(DeviceTest, AWaitKeepsItsRecordingWhenTheEventIsRecordedAgain) {
-  const std::size_t bytes = device_->granularity();
-  const std::uintptr_t address = device_->reserve_addresses(bytes, bytes);
-  const physical_handle handle = device_->create_physical(bytes, memory_location::device);
-  device_->map(address, handle);
-  auto* pointer = reinterpret_cast<void*>(address);
+  mapped_granule memory(*device_);
   stream_handle slow = device_->create_stream();
   stream_handle waiting = device_->create_stream();
   stream_handle idle = device_->create_stream();
   event_handle fence = device_->create_event();
-
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); },
-                               slow);
-  device_->fill_async(pointer, 0xAA, bytes, slow);
+  delay(slow);
+  device_->fill_async(memory.pointer(), 0xAA, memory.bytes, slow);
   device_->record_event(fence, slow);
   device_->stream_wait_event(waiting, fence);
   device_->record_event(fence, idle);  // reused at once, as the allocator reuses its fences
-  device_->fill_async(pointer, 0xBB, bytes, waiting);
+  device_->fill_async(memory.pointer(), 0xBB, memory.bytes, waiting);
   device_->synchronize_stream(waiting);
   device_->synchronize_stream(slow);
-  EXPECT_EQ(read_back(*device_, pointer, bytes), std::vector<std::uint8_t>(bytes, 0xBB));
-
+  EXPECT_EQ(read_back(*device_, memory.pointer(), memory.bytes),
+            std::vector<std::uint8_t>(memory.bytes, 0xBB));
   device_->destroy_event(fence);
   for (stream_handle stream : {slow, waiting, idle}) device_->destroy_stream(stream);
-  device_->unmap(address, bytes);
-  device_->release_physical(handle);
-  device_->free_addresses(address, bytes);
 }
 
 TEST_F(DeviceTest, HostFunctionsRunInStreamOrder) {
