@@ -130,6 +130,21 @@ void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream);
  */
 int zeroalloc_snapshot_json(int device, char* buffer, size_t length);
 
+/**
+ * How this library was built, as a JSON object: {"version","abi","cuda_version",
+ * "nccl_version"} (CUDA and NCCL as their headers' version codes: 13000, 22809).
+ */
+const char* zeroalloc_build_info(void);
+
+/**
+ * Every ZEROALLOC_* variable of the options table with its value in this environment, its
+ * default, accepted form and help, and whether the environment parses, as JSON:
+ * {"valid":true,"error":"","options":[{"name","value","default","accepted","help"}]}
+ * ("value" is null when unset). Reads the environment now; starts nothing. Same length
+ * protocol as zeroalloc_stats_json.
+ */
+int zeroalloc_options_json(char* buffer, size_t length);
+
 /** Number of devices the library drives (starting it if needed); -1 if it cannot start. */
 int zeroalloc_device_count(void);
 

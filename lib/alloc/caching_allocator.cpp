@@ -4,6 +4,7 @@
 
 #include "alloc/heap.hpp"
 #include "core/errors.hpp"
+#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
 
@@ -234,16 +235,6 @@ void append_figures(std::string& out, const class_figures& figures) {
   out += text;
 }
 
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    out += c;
-  }
-  return out + "\"";
-}
-
 }  // namespace
 
 std::string caching_allocator::snapshot_json() const {
@@ -260,16 +251,16 @@ std::string caching_allocator::stats_json() const {
     source = limit_source_;
   }
   std::string out = detail::concat(
-      "{\"device\":", device_.ordinal(), ",\"device_name\":", json_string(device_.name()),
+      "{\"device\":", device_.ordinal(), ",\"device_name\":", json_quote(device_.name()),
       ",\"simulated\":", device_.is_simulated() ? "true" : "false",
-      ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_string(source),
+      ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_quote(source),
       ",\"held_bytes\":", limiter_.used_bytes(), ",\"pooled_bytes\":", arena_.pooled_bytes(),
       ",\"total\":");
   const stats_snapshot snapshot = stats();
   std::string classes;
   for (allocation_class cls : kAllocationClasses) {
     classes += classes.empty() ? "" : ",";
-    classes += json_string(std::string(class_name(cls))) + ":";
+    classes += json_quote(std::string(class_name(cls))) + ":";
     append_figures(classes, snapshot.of(cls));
   }
   append_figures(out, snapshot.total);

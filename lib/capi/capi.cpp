@@ -1,6 +1,10 @@
 // The extern "C" boundary. Every function catches everything: a failure becomes the
 // documented return value plus a message in zeroalloc_last_error(), never an exception.
+#include <cuda.h>
+#include <nccl.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -8,7 +12,9 @@
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
 #include "core/errors.hpp"
+#include "core/json.hpp"
 #include "core/log.hpp"
+#include "core/options.hpp"
 #include "zeroalloc/zeroalloc.h"
 
 #define ZA_EXPORT extern "C" __attribute__((visibility("default")))
@@ -191,6 +197,38 @@ ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
     zeroalloc::caching_allocator& owner = runtime::get().allocator(device);
     owner.forget_stream(stream);
     owner.backing().destroy_stream(stream);
+  });
+}
+
+ZA_EXPORT const char* zeroalloc_build_info(void) {
+  static const std::string info = zeroalloc::detail::concat(
+      "{\"version\":\"", ZEROALLOC_VERSION, "\",\"abi\":", ZEROALLOC_ABI_VERSION,
+      ",\"cuda_version\":", CUDA_VERSION, ",\"nccl_version\":", NCCL_VERSION_CODE, "}");
+  return info.c_str();
+}
+
+ZA_EXPORT int zeroalloc_options_json(char* buffer, size_t length) {
+  return guarded("zeroalloc_options_json", -1, [&] {
+    std::string error;
+    try {
+      zeroalloc::options::from_environment();
+    } catch (const zeroalloc::config_error& failure) {
+      error = failure.what();
+    }
+    std::string text = "{\"valid\":" + std::string(error.empty() ? "true" : "false") +
+                       ",\"error\":" + zeroalloc::json_quote(error) + ",\"options\":[";
+    const char* separator = "";
+    for (const zeroalloc::option_spec& spec : zeroalloc::option_table()) {
+      const char* value = std::getenv(std::string(spec.name).c_str());
+      text += zeroalloc::detail::concat(
+          separator, "{\"name\":", zeroalloc::json_quote(spec.name),
+          ",\"value\":", value == nullptr ? std::string("null") : zeroalloc::json_quote(value),
+          ",\"default\":", zeroalloc::json_quote(spec.default_value),
+          ",\"accepted\":", zeroalloc::json_quote(zeroalloc::accepted_form(spec)),
+          ",\"help\":", zeroalloc::json_quote(spec.help), "}");
+      separator = ",";
+    }
+    return copy_out(text + "]}", buffer, length);
   });
 }
 

@@ -78,6 +78,10 @@ std::optional<double> parse_decimal(std::string_view text) {
   ZA_THROW(config_error, name, "='", value, "' is not valid: expected ", form, ".");
 }
 
+}  // namespace
+
+const std::vector<option_spec>& option_table() { return kTable; }
+
 std::string_view accepted_form(const option_spec& spec) {
   switch (spec.kind) {
     case option_kind::byte_size:
@@ -95,10 +99,6 @@ std::string_view accepted_form(const option_spec& spec) {
   }
   return "";
 }
-
-}  // namespace
-
-const std::vector<option_spec>& option_table() { return kTable; }
 
 std::uint64_t memory_limit::resolve(std::uint64_t total_bytes) const {
   if (bytes) return std::min(*bytes, total_bytes);

@@ -36,6 +36,9 @@ struct option_spec {
 /// Every variable the library reads, in README order.
 const std::vector<option_spec>& option_table();
 
+/// The accepted form of a variable's value, as error messages and `doctor` say it.
+std::string_view accepted_form(const option_spec& spec);
+
 /// A memory limit: nothing, an absolute byte count, or a share of each device's memory.
 struct memory_limit {
   std::optional<std::uint64_t> bytes;

@@ -143,3 +143,24 @@ def test_unwritable_snapshot_path_is_named():
     with pytest.raises(zeroalloc.ZeroallocError,
                        match="cannot write the memory snapshot to /nonexistent/dir/s.pickle"):
         zeroalloc.dump_snapshot("/nonexistent/dir/s.pickle")
+
+
+def test_doctor_prints_every_check_and_passes_on_a_working_setup():
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                            capture_output=True, text=True)
+    for row in ("libzeroalloc.so", "ZEROALLOC_* variables", "CUDA driver", "CUDA runtime",
+                "GPU", "locked memory (ulimit -l)", "io_uring", "NUMA", "NCCL", "PyTorch"):
+        assert row in result.stdout, result.stdout
+    failed = [line for line in result.stdout.splitlines() if "  FAIL  " in line]
+    assert (result.returncode == 0) == (not failed), result.stdout
+
+
+def test_doctor_fails_on_a_malformed_variable_and_names_it():
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE),
+                                 "ZEROALLOC_CHUNK_SIZE": "3MiB"},
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "ZEROALLOC_CHUNK_SIZE='3MiB' is not valid" in result.stdout
+    assert "multiple of 2MiB" in result.stdout

@@ -1,5 +1,9 @@
-"""python -m zeroalloc summary [device]: print the memory summary of a fresh process's library
-(mostly useful to check that the library loads and which device it drives)."""
+"""python -m zeroalloc doctor | summary [device]
+
+doctor: checks the set-up (driver, runtime, GPUs, pinned memory, io_uring, NUMA, NCCL,
+PyTorch, every ZEROALLOC_* variable) and prints what to do; exits non-zero on a failure.
+summary: prints the memory summary of a fresh process's library (shows that it loads and
+which device it drives)."""
 
 import sys
 
@@ -7,11 +11,15 @@ import zeroalloc
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["doctor"]:
+        from zeroalloc import doctor
+
+        return doctor.main()
     if len(argv) >= 1 and argv[0] == "summary":
         device = int(argv[1]) if len(argv) > 1 else 0
         print(zeroalloc.memory_summary(device))
         return 0
-    print("usage: python -m zeroalloc summary [device]", file=sys.stderr)
+    print("usage: python -m zeroalloc doctor | summary [device]", file=sys.stderr)
     return 2
 
 

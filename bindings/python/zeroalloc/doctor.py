@@ -1,0 +1,264 @@
+"""python -m zeroalloc doctor: one table of set-up checks with pass / warn / fail and what to
+do, like DeepSpeed's ds_report. Exit code 0 only when nothing fails. Works, and says so,
+on a machine without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import json
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+# CUdevice_attribute values (cuda.h).
+_ATTRIBUTE_VMM = 102
+_ATTRIBUTE_HOST_NUMA_VMM = 141
+_ATTRIBUTE_HOST_NUMA_ID = 134
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    finding: str
+    action: str = ""
+
+
+def _version_text(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _library_checks(checks: list[Check]) -> dict | None:
+    from zeroalloc._library import ZeroallocError, library, library_path
+
+    try:
+        lib = library()
+    except (ZeroallocError, OSError) as failure:
+        checks.append(Check("libzeroalloc.so", FAIL, str(failure),
+                            "build it (scripts/demo.sh) or set ZEROALLOC_LIBRARY"))
+        return None
+    lib.zeroalloc_build_info.restype = ctypes.c_char_p
+    build = json.loads(lib.zeroalloc_build_info().decode())
+    checks.append(Check("libzeroalloc.so", PASS,
+                        f"{library_path()} (version {build['version']}, built for CUDA "
+                        f"{_version_text(build['cuda_version'])})"))
+    return build
+
+
+def _option_checks(checks: list[Check]) -> None:
+    from zeroalloc._library import library
+
+    lib = library()
+    lib.zeroalloc_options_json.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+    lib.zeroalloc_options_json.restype = ctypes.c_int
+    length = lib.zeroalloc_options_json(None, 0)
+    buffer = ctypes.create_string_buffer(length + 1)
+    lib.zeroalloc_options_json(buffer, length + 1)
+    report = json.loads(buffer.value.decode())
+    set_options = [option for option in report["options"] if option["value"] is not None]
+    if not report["valid"]:
+        checks.append(Check("ZEROALLOC_* variables", FAIL, report["error"],
+                            "fix or unset the variable; README.md lists every variable"))
+    elif set_options:
+        listing = ", ".join(f"{option['name']}={option['value']}" for option in set_options)
+        checks.append(Check("ZEROALLOC_* variables", PASS, f"all parse: {listing}"))
+    else:
+        checks.append(Check("ZEROALLOC_* variables", PASS, "none set: every default applies"))
+
+
+def _load(names: list[str]) -> ctypes.CDLL | None:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _driver_checks(checks: list[Check], build: dict | None) -> tuple[ctypes.CDLL | None, int]:
+    driver = _load(["libcuda.so.1", "libcuda.so"])
+    if driver is None:
+        checks.append(Check("CUDA driver", WARN, "libcuda.so.1 not found: no NVIDIA driver",
+                            "install the NVIDIA driver to use a GPU; until then zeroalloc runs "
+                            "on the simulated device"))
+        return None, 0
+    result = driver.cuInit(0)
+    if result != 0:
+        checks.append(Check("CUDA driver", WARN, f"cuInit failed with CUresult {result} "
+                            "(no usable GPU, or the driver does not match the kernel module)",
+                            "check nvidia-smi; zeroalloc falls back to the simulated device"))
+        return None, 0
+    version = ctypes.c_int()
+    driver.cuDriverGetVersion(ctypes.byref(version))
+    built = (build or {}).get("cuda_version", 0)
+    if built and version.value < built:
+        checks.append(Check("CUDA driver", FAIL,
+                            f"supports CUDA {_version_text(version.value)}, the library was "
+                            f"built for CUDA {_version_text(built)}",
+                            "update the NVIDIA driver (or build zeroalloc with an older CUDA)"))
+    else:
+        checks.append(Check("CUDA driver", PASS,
+                            f"supports CUDA {_version_text(version.value)}"
+                            + (f" (library built for {_version_text(built)})" if built else "")))
+    count = ctypes.c_int()
+    driver.cuDeviceGetCount(ctypes.byref(count))
+    return driver, count.value
+
+
+def _runtime_check(checks: list[Check], build: dict | None) -> None:
+    runtime = _load(["libcudart.so.13", "libcudart.so", ctypes.util.find_library("cudart") or ""])
+    if runtime is None:
+        checks.append(Check("CUDA runtime", WARN, "libcudart not found on the library path",
+                            "only needed by CUDA programs; PyTorch ships its own"))
+        return
+    version = ctypes.c_int()
+    runtime.cudaRuntimeGetVersion(ctypes.byref(version))
+    built = (build or {}).get("cuda_version", 0)
+    major_matches = not built or version.value // 1000 == built // 1000
+    checks.append(Check("CUDA runtime", PASS if major_matches else WARN,
+                        f"CUDA {_version_text(version.value)}",
+                        "" if major_matches else
+                        f"the library was built for CUDA {_version_text(built)}: use a runtime "
+                        "of the same major version"))
+
+
+def _gpu_checks(checks: list[Check], driver: ctypes.CDLL | None, count: int) -> None:
+    if driver is None or count == 0:
+        checks.append(Check("GPUs", WARN, "no GPU visible",
+                            "zeroalloc runs on the simulated device (host memory); set "
+                            "ZEROALLOC_DEVICE=sim to say so explicitly"))
+        return
+    for ordinal in range(count):
+        device = ctypes.c_int()
+        driver.cuDeviceGet(ctypes.byref(device), ordinal)
+        name = ctypes.create_string_buffer(256)
+        driver.cuDeviceGetName(name, 256, device)
+
+        def attribute(code: int) -> int:
+            value = ctypes.c_int(-1)
+            driver.cuDeviceGetAttribute(ctypes.byref(value), code, device)
+            return value.value
+
+        vmm = attribute(_ATTRIBUTE_VMM) == 1
+        host_vmm = attribute(_ATTRIBUTE_HOST_NUMA_VMM) == 1
+        bus = ctypes.create_string_buffer(64)
+        driver.cuDeviceGetPCIBusId(bus, 64, device)
+        numa = _pci_numa_node(bus.value.decode())
+        checks.append(Check(f"GPU {ordinal}", PASS if vmm else FAIL,
+                            f"{name.value.decode()} at {bus.value.decode()}, NUMA node {numa}; "
+                            f"VMM {'yes' if vmm else 'no'}, host-located VMM "
+                            f"{'yes' if host_vmm else 'no'}",
+                            "" if vmm else "zeroalloc needs virtual memory management "
+                            "(cuMemCreate): use a newer GPU or driver"))
+        if vmm and not host_vmm:
+            checks.append(Check(f"GPU {ordinal} offload", WARN,
+                                "host-located VMM memory is not supported",
+                                "offload to host memory needs a driver with HOST_NUMA support"))
+
+
+def _pci_numa_node(bus_id: str) -> str:
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node") as node:
+            return node.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _system_checks(checks: list[Check]) -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        checks.append(Check("locked memory (ulimit -l)", PASS, "unlimited"))
+    else:
+        checks.append(Check("locked memory (ulimit -l)", WARN, f"{soft // 1024} KiB",
+                            "pinned host memory may fail to register: run `ulimit -l "
+                            "unlimited` (or set memlock in /etc/security/limits.conf)"))
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as setting:
+            disabled = int(setting.read().strip())
+    except (OSError, ValueError):
+        disabled = 0
+    io_uring = {0: (PASS, "allowed", ""),
+                1: (WARN, "restricted to the io_uring_group", "add the user to that group "
+                    "or set kernel.io_uring_disabled=0, for the NVMe tier"),
+                2: (FAIL, "disabled by the kernel", "set kernel.io_uring_disabled=0 to use "
+                    "the NVMe tier")}
+    status, finding, action = io_uring.get(disabled, (WARN, f"setting {disabled}", ""))
+    checks.append(Check("io_uring", status, finding, action))
+    nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    checks.append(Check("NUMA", PASS, f"{len(nodes) or 1} node(s)"
+                        + (f": {', '.join(os.path.basename(node) for node in nodes)}" if nodes else "")))
+
+
+def _nccl_check(checks: list[Check], build: dict | None) -> None:
+    nccl = _load(["libnccl.so.2", "libnccl.so"])
+    if nccl is None:
+        checks.append(Check("NCCL", WARN, "libnccl.so.2 not found",
+                            "needed for ZeRO partitions across GPUs"))
+        return
+    version = ctypes.c_int()
+    nccl.ncclGetVersion(ctypes.byref(version))
+    code = version.value
+    text = f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    checks.append(Check("NCCL", PASS, text))
+
+
+def _torch_check(checks: list[Check]) -> None:
+    try:
+        import torch
+    except ImportError:
+        checks.append(Check("PyTorch", WARN, "not installed",
+                            "zeroalloc.torch needs PyTorch; the library works without it"))
+        return
+    memory = torch.cuda.memory
+    missing = [name for name in ("CUDAPluggableAllocator", "change_current_allocator")
+               if not hasattr(memory, name)]
+    if not hasattr(torch.cuda, "MemPool"):
+        missing.append("MemPool")
+    checks.append(Check("PyTorch", FAIL if missing else PASS,
+                        f"{torch.__version__}, CUDA {torch.version.cuda}"
+                        + (f"; missing {', '.join(missing)}" if missing else
+                           "; pluggable allocator and MemPool available"),
+                        "use PyTorch 2.6 or newer" if missing else ""))
+
+
+def run_checks() -> list[Check]:
+    checks: list[Check] = []
+    build = _library_checks(checks)
+    if build is not None:
+        _option_checks(checks)
+    driver, count = _driver_checks(checks, build)
+    _runtime_check(checks, build)
+    _gpu_checks(checks, driver, count)
+    _system_checks(checks)
+    _nccl_check(checks, build)
+    _torch_check(checks)
+    return checks
+
+
+def render(checks: list[Check]) -> str:
+    widths = [max(len(check.name) for check in checks), 4]
+    lines = []
+    for check in checks:
+        line = f"{check.name:<{widths[0]}}  {check.status.upper():<{widths[1]}}  {check.finding}"
+        if check.action:
+            line += f"\n{'':<{widths[0] + widths[1] + 4}}-> {check.action}"
+        lines.append(line)
+    failures = sum(check.status == FAIL for check in checks)
+    warnings = sum(check.status == WARN for check in checks)
+    lines.append(f"\n{len(checks)} checks: {failures} failed, {warnings} warnings")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    checks = run_checks()
+    print(render(checks))
+    return 1 if any(check.status == FAIL for check in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
