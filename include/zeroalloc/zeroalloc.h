@@ -145,6 +145,19 @@ const char* zeroalloc_build_info(void);
  */
 int zeroalloc_options_json(char* buffer, size_t length);
 
+/**
+ * Writes the memory report now (ZEROALLOC_REPORT=prefix: prefix.json and prefix.html),
+ * giving `reason` as why. Returns 0, or -1 with zeroalloc_last_error() set when no report
+ * was asked for or a file could not be written.
+ */
+int zeroalloc_report_write(const char* reason);
+
+/**
+ * Renders the page of a report: reads the JSON at `json_path` (a prefix.json) and writes
+ * the self-contained HTML page to `html_path`. Returns 0, or -1 with zeroalloc_last_error().
+ */
+int zeroalloc_report_render(const char* json_path, const char* html_path);
+
 /** Number of devices the library drives (starting it if needed); -1 if it cannot start. */
 int zeroalloc_device_count(void);
 

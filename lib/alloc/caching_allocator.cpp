@@ -1,5 +1,6 @@
 #include "alloc/caching_allocator.hpp"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "alloc/heap.hpp"
@@ -71,7 +72,17 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
-  throw_out_of_memory(rounded_bytes, cls);
+  try {
+    throw_out_of_memory(rounded_bytes, cls);
+  } catch (const out_of_memory& failure) {
+    out_of_memory_observer observer;
+    {
+      std::lock_guard lock(settings_mutex_);
+      observer = out_of_memory_observer_;
+    }
+    if (observer) observer(failure.what());
+    throw;
+  }
 }
 
 std::uint64_t caching_allocator::release_all_cached() {
@@ -150,6 +161,27 @@ void caching_allocator::set_limit(std::uint64_t bytes, std::string source) {
   limiter_.set_limit_bytes(bytes);
   std::lock_guard lock(settings_mutex_);
   limit_source_ = std::move(source);
+}
+
+void caching_allocator::set_out_of_memory_observer(out_of_memory_observer observer) {
+  std::lock_guard lock(settings_mutex_);
+  out_of_memory_observer_ = std::move(observer);
+}
+
+std::vector<caching_allocator::allocation_record> caching_allocator::largest_allocations(
+    std::size_t count) const {
+  std::vector<allocation_record> records;
+  for (const auto& each : heaps_) {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> live;
+    each->list_allocations(live);
+    for (auto [address, bytes] : live) records.push_back({address, bytes, each->cls()});
+  }
+  const std::size_t kept = std::min(count, records.size());
+  std::partial_sort(
+      records.begin(), records.begin() + static_cast<long>(kept), records.end(),
+      [](const allocation_record& a, const allocation_record& b) { return a.bytes > b.bytes; });
+  records.resize(kept);
+  return records;
 }
 
 void caching_allocator::set_pressure_handler(pressure_handler handler) {

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "alloc/allocation_class.hpp"
 #include "alloc/allocator_stats.hpp"
@@ -96,6 +97,20 @@ class caching_allocator {
   void reset_peak_stats();
   /// Largest free block of a class: the biggest request it could serve without new memory.
   [[nodiscard]] std::size_t largest_free_block(allocation_class cls) const;
+  /// A live allocation, for reports.
+  struct allocation_record {
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    allocation_class cls = allocation_class::other;
+  };
+  /// The `count` largest live allocations, largest first.
+  [[nodiscard]] std::vector<allocation_record> largest_allocations(std::size_t count) const;
+
+  /// Called (without locks held) when an allocation is about to fail out of memory, with
+  /// the message it will fail with; reports hook in here. Optional.
+  using out_of_memory_observer = std::function<void(const std::string& message)>;
+  void set_out_of_memory_observer(out_of_memory_observer observer);
+
   /// Every segment with its blocks, as JSON (the format of zeroalloc_snapshot_json).
   [[nodiscard]] std::string snapshot_json() const;
   /// Statistics as a JSON object (the format of zeroalloc_stats_json).
@@ -126,6 +141,7 @@ class caching_allocator {
   mutable std::mutex settings_mutex_;
   std::string limit_source_;
   pressure_handler pressure_handler_;
+  out_of_memory_observer out_of_memory_observer_;
 };
 
 }  // namespace zeroalloc

@@ -580,6 +580,15 @@ void heap::append_snapshot(std::string& out, const char*& separator) const {
   }
 }
 
+void heap::list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>& into) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& owned : segments_) {
+    for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
+      if (piece->allocated) into.emplace_back(piece->address, piece->bytes);
+    }
+  }
+}
+
 heap_counts heap::counts() const {
   std::lock_guard lock(mutex_);
   return counts_;

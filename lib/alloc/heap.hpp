@@ -95,6 +95,8 @@ class heap {
   /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,
   /// after `separator` for the first) in the shape of PyTorch's memory snapshot.
   void append_snapshot(std::string& out, const char*& separator) const;
+  /// Appends (address, bytes) of every live allocation.
+  void list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>& into) const;
   /// The heap's counts (Note [Statistics cost] in allocator_stats.hpp).
   [[nodiscard]] heap_counts counts() const;
   [[nodiscard]] allocation_class cls() const { return class_; }

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/options.hpp"
+#include "profile/report.hpp"
 #include "zeroalloc/zeroalloc.h"
 
 #define ZA_EXPORT extern "C" __attribute__((visibility("default")))
@@ -229,6 +232,35 @@ ZA_EXPORT int zeroalloc_options_json(char* buffer, size_t length) {
       separator = ",";
     }
     return copy_out(text + "]}", buffer, length);
+  });
+}
+
+ZA_EXPORT int zeroalloc_report_write(const char* reason) {
+  return guarded("zeroalloc_report_write", -1, [&] {
+    zeroalloc::reporter* active = runtime::get().memory_reporter();
+    if (active == nullptr) {
+      ZA_THROW(zeroalloc::invalid_argument,
+               "no report was asked for: set ZEROALLOC_REPORT=path/prefix before the start");
+    }
+    if (auto failure = active->write(reason != nullptr ? reason : "request")) {
+      ZA_THROW(zeroalloc::error, *failure);
+    }
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_report_render(const char* json_path, const char* html_path) {
+  return guarded("zeroalloc_report_render", -1, [&] {
+    ZA_REQUIRE(json_path != nullptr && html_path != nullptr, "both paths are needed");
+    std::ifstream in(json_path);
+    if (!in) ZA_THROW(zeroalloc::invalid_argument, "cannot read the report ", json_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    std::ofstream out(html_path, std::ios::trunc);
+    out << zeroalloc::reporter::render_html(text.str());
+    out.close();
+    if (!out) ZA_THROW(zeroalloc::invalid_argument, "cannot write the page ", html_path);
+    return 0;
   });
 }
 

@@ -1,6 +1,7 @@
 #include "capi/runtime.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/errors.hpp"
 #include "core/log.hpp"
@@ -9,6 +10,8 @@
 namespace zeroalloc {
 
 namespace {
+
+reporter* g_exit_reporter = nullptr;
 
 // The outcome of the one start-up attempt: a runtime, or the reason there is none.
 struct startup {
@@ -19,6 +22,28 @@ struct startup {
 }  // namespace
 
 runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
+  if (!parsed.report_prefix.empty()) {
+    reporter::settings_list shown;
+    for (const option_spec& spec : option_table()) {
+      const char* value = std::getenv(std::string(spec.name).c_str());
+      shown.emplace_back(
+          std::string(spec.name),
+          value != nullptr
+              ? std::string(value)
+              : detail::concat(spec.default_value.empty() ? "(unset)" : spec.default_value,
+                               " (default)"));
+    }
+    reporter_ = std::make_unique<reporter>(
+        parsed.report_prefix, [this] { return started_allocators(); }, std::move(shown));
+    reporter_->start();
+    // The runtime is never destroyed, so the exit report runs while everything it reads is
+    // alive. (Not through runtime::get(): its static may already be destroyed by then.)
+    g_exit_reporter = reporter_.get();
+    std::atexit([] {
+      g_exit_reporter->stop();
+      g_exit_reporter->write("exit");
+    });
+  }
   log().info("zeroalloc started: {} {} device(s), chunk size {}", registry_.count(),
              registry_.kind(), format_bytes(parsed.chunk_bytes));
 }
@@ -60,6 +85,10 @@ caching_allocator& runtime::allocator(int ordinal) {
   }
   owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
   caching_allocator* created = owned_allocators_.back().get();
+  if (reporter_) {
+    created->set_out_of_memory_observer(
+        [this](const std::string& message) { reporter_->write("out of memory: " + message); });
+  }
   allocators_[ordinal].store(created, std::memory_order_release);
   log().info("device {}: {}, limit {}", ordinal, opened.name(),
              format_bytes(created->limit_bytes()));

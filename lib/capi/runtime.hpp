@@ -13,6 +13,7 @@
 #include "alloc/caching_allocator.hpp"
 #include "core/options.hpp"
 #include "device/device_registry.hpp"
+#include "profile/report.hpp"
 
 namespace zeroalloc {
 
@@ -37,6 +38,8 @@ class runtime {
   std::vector<caching_allocator*> started_allocators();
 
   [[nodiscard]] const options& settings() const { return options_; }
+  /// The memory reporter (ZEROALLOC_REPORT), or nullptr when no report was asked for.
+  [[nodiscard]] reporter* memory_reporter() { return reporter_.get(); }
 
  private:
   explicit runtime(const options& parsed);
@@ -48,6 +51,7 @@ class runtime {
   std::array<std::atomic<caching_allocator*>, kMaxDevices> allocators_{};
   std::vector<std::unique_ptr<device>> devices_;
   std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
+  std::unique_ptr<reporter> reporter_;
 };
 
 }  // namespace zeroalloc

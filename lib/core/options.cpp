@@ -37,6 +37,9 @@ const std::vector<option_spec> kTable = {
      "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
     {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
      "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
+    {"ZEROALLOC_REPORT", option_kind::text, "", "",
+     "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
+     "allocation fails out of memory, and on SIGUSR1, with a summary in the log."},
     {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
      "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
      "driver."},
@@ -239,6 +242,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       if (!known) reject(name, value, form);
     } else if (spec.kind == option_kind::text) {
       if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);
+      if (name == "ZEROALLOC_REPORT") parsed.report_prefix = std::string(value);
     }
   }
   return parsed;

@@ -57,6 +57,7 @@ struct options {
   std::size_t chunk_bytes = 0;         ///< ZEROALLOC_CHUNK_SIZE
   std::string log_level = "warn";      ///< ZEROALLOC_LOG_LEVEL
   std::string log_file;                ///< ZEROALLOC_LOG_FILE
+  std::string report_prefix;           ///< ZEROALLOC_REPORT
   std::uint64_t sim_memory_bytes = 0;  ///< ZEROALLOC_SIM_MEMORY
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
 

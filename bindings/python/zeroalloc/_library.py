@@ -69,6 +69,10 @@ def library() -> ctypes.CDLL:
             "zeroalloc_snapshot_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],
                                         ctypes.c_int),
             "zeroalloc_device_count": ([], ctypes.c_int),
+            "zeroalloc_report_write": ([ctypes.c_char_p], ctypes.c_int),
+            "zeroalloc_report_render": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
+            "zeroalloc_build_info": ([], ctypes.c_char_p),
+            "zeroalloc_options_json": ([ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
             "zeroalloc_last_error": ([], ctypes.c_char_p),
         }
         for name, (arguments, result) in signatures.items():

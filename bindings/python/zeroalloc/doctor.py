@@ -42,7 +42,6 @@ def _library_checks(checks: list[Check]) -> dict | None:
         checks.append(Check("libzeroalloc.so", FAIL, str(failure),
                             "build it (scripts/demo.sh) or set ZEROALLOC_LIBRARY"))
         return None
-    lib.zeroalloc_build_info.restype = ctypes.c_char_p
     build = json.loads(lib.zeroalloc_build_info().decode())
     checks.append(Check("libzeroalloc.so", PASS,
                         f"{library_path()} (version {build['version']}, built for CUDA "
@@ -54,8 +53,6 @@ def _option_checks(checks: list[Check]) -> None:
     from zeroalloc._library import library
 
     lib = library()
-    lib.zeroalloc_options_json.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
-    lib.zeroalloc_options_json.restype = ctypes.c_int
     length = lib.zeroalloc_options_json(None, 0)
     buffer = ctypes.create_string_buffer(length + 1)
     lib.zeroalloc_options_json(buffer, length + 1)

@@ -1,0 +1,56 @@
+"""python -m zeroalloc report prefix.json: prints a report's summary and rebuilds its page
+(prefix.html) from the JSON, with the same template the library writes it with."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from zeroalloc._library import ZeroallocError, last_error, library
+from zeroalloc._stats import _format_bytes
+
+
+def summary(report: dict) -> str:
+    lines = [f"zeroalloc report written {report['time']} because of: {report['reason']} "
+             f"(process {report['pid']}, zeroalloc {report['version']})"]
+    for device in report["devices"]:
+        stats = device["stats"]
+        total = stats["total"]
+        peak_allocated = total["allocated_bytes"]["peak"]
+        peak_reserved = total["reserved_bytes"]["peak"]
+        ratio = f"{peak_reserved / peak_allocated:.3f}" if peak_allocated else "-"
+        lines.append(f"device {device['device']} ({stats['device_name']}): peak allocated "
+                     f"{_format_bytes(peak_allocated)}, peak reserved "
+                     f"{_format_bytes(peak_reserved)} (ratio {ratio}), limit "
+                     f"{_format_bytes(stats['limit_bytes'])}; {total['allocations']} "
+                     f"allocations, {total['retries']} retries, {total['failures']} failures")
+        for name, figures in stats["classes"].items():
+            if figures["allocations"]:
+                lines.append(f"  {name:<16} peak allocated "
+                             f"{_format_bytes(figures['allocated_bytes']['peak']):>12}, "
+                             f"peak reserved {_format_bytes(figures['reserved_bytes']['peak']):>12}")
+        for allocation in device["largest_allocations"][:5]:
+            lines.append(f"  live: {_format_bytes(allocation['size'])} ({allocation['class']}) "
+                         f"at {allocation['address']:#x}")
+    samples = len(report["timeline"]["t_ms"])
+    lines.append(f"timeline: {samples} samples")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m zeroalloc report prefix.json", file=sys.stderr)
+        return 2
+    json_path = Path(argv[0])
+    try:
+        report = json.loads(json_path.read_text())
+    except (OSError, ValueError) as failure:
+        print(f"cannot read the report {json_path}: {failure}", file=sys.stderr)
+        return 1
+    print(summary(report))
+    html_path = json_path.with_suffix(".html")
+    if library().zeroalloc_report_render(str(json_path).encode(), str(html_path).encode()) != 0:
+        raise ZeroallocError(last_error())
+    print(f"page: {html_path}")
+    return 0

@@ -1,0 +1,261 @@
+#include "profile/report.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+
+#include "alloc/caching_allocator.hpp"
+#include "core/errors.hpp"
+#include "core/json.hpp"
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+
+extern const char* const kReportTemplate;  // report_template.cpp, generated from the .html
+
+namespace {
+
+constexpr std::size_t kMaxSamples = 4096;
+constexpr std::uint64_t kSignalWake = 1;
+constexpr std::uint64_t kStopWake = 2;
+
+// The eventfd the SIGUSR1 handler writes to: a handler may only do async-signal-safe work.
+std::atomic<int> g_signal_fd{-1};
+
+void on_sigusr1(int) {
+  const int fd = g_signal_fd.load(std::memory_order_relaxed);
+  if (fd >= 0) {
+    const std::uint64_t value = kSignalWake;
+    [[maybe_unused]] const ssize_t written = ::write(fd, &value, sizeof value);
+  }
+}
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string timestamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return text;
+}
+
+// Writes `text` to `path` through a temporary file and a rename, so a reader never sees a
+// half-written report and a failed write leaves the previous one intact.
+std::optional<std::string> write_file(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".tmp";
+  std::FILE* file = std::fopen(temporary.c_str(), "w");
+  if (file == nullptr) return detail::concat(path, ": ", std::strerror(errno));
+  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+  const int saved_errno = errno;
+  if (std::fclose(file) != 0 || !written) {
+    std::remove(temporary.c_str());
+    return detail::concat(path, ": ", std::strerror(written ? errno : saved_errno));
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return detail::concat(path, ": ", std::strerror(errno));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+reporter::reporter(std::string prefix, allocator_list allocators, settings_list settings,
+                   unsigned sample_interval_ms)
+    : prefix_(std::move(prefix)),
+      allocators_(std::move(allocators)),
+      settings_(std::move(settings)),
+      interval_ms_(sample_interval_ms),
+      started_ms_(now_ms()) {}
+
+reporter::~reporter() { stop(); }
+
+void reporter::start() {
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    log().warn(
+        "report: no eventfd ({}): the timeline is not sampled and SIGUSR1 writes no "
+        "report; reports at exit and on out-of-memory still come",
+        std::strerror(errno));
+    return;
+  }
+  struct sigaction current {};
+  if (sigaction(SIGUSR1, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    g_signal_fd.store(wake_fd_);
+    struct sigaction handler {};
+    handler.sa_handler = on_sigusr1;
+    sigemptyset(&handler.sa_mask);
+    handler.sa_flags = SA_RESTART;
+    sigaction(SIGUSR1, &handler, nullptr);
+  } else {
+    log().warn(
+        "report: the program handles SIGUSR1 itself, so SIGUSR1 writes no zeroalloc "
+        "report; reports at exit and on out-of-memory still come");
+  }
+  sampler_ = std::thread([this] { sample_loop(); });
+}
+
+void reporter::stop() {
+  if (stopping_.exchange(true)) return;
+  if (wake_fd_ >= 0) {
+    const std::uint64_t value = kStopWake;
+    [[maybe_unused]] const ssize_t written = ::write(wake_fd_, &value, sizeof value);
+  }
+  if (sampler_.joinable()) sampler_.join();
+}
+
+void reporter::sample_loop() {
+  take_sample();
+  while (!stopping_.load()) {
+    pollfd waiting{wake_fd_, POLLIN, 0};
+    const int ready = ::poll(&waiting, 1, static_cast<int>(interval_ms_));
+    if (ready > 0) {
+      std::uint64_t value = 0;
+      if (::read(wake_fd_, &value, sizeof value) == sizeof value && (value & kSignalWake) != 0 &&
+          !stopping_.load()) {
+        write("SIGUSR1");
+      }
+      continue;
+    }
+    take_sample();
+  }
+}
+
+void reporter::take_sample() {
+  const std::vector<caching_allocator*> allocators = allocators_();
+  std::lock_guard lock(mutex_);
+  if (times_ms_.size() >= kMaxSamples) {
+    // Keep every other sample and sample half as often: the timeline covers the whole run
+    // in bounded memory.
+    auto thin = [](auto& values) {
+      for (std::size_t i = 0; 2 * i < values.size(); ++i) values[i] = values[2 * i];
+      values.resize((values.size() + 1) / 2);
+    };
+    thin(times_ms_);
+    for (auto& [ordinal, series] : samples_) thin(series);
+    interval_ms_ *= 2;
+  }
+  times_ms_.push_back(static_cast<std::uint64_t>(now_ms() - started_ms_));
+  for (caching_allocator* each : allocators) {
+    const int ordinal = each->backing().ordinal();
+    auto found = std::find_if(samples_.begin(), samples_.end(),
+                              [&](const auto& entry) { return entry.first == ordinal; });
+    if (found == samples_.end()) {
+      samples_.emplace_back(ordinal, std::vector<std::pair<std::int64_t, std::int64_t>>(
+                                         times_ms_.size() - 1, {0, 0}));
+      found = std::prev(samples_.end());
+    }
+    const stats_snapshot figures = each->stats();
+    found->second.emplace_back(figures.total.allocated_bytes.current,
+                               figures.total.reserved_bytes.current);
+  }
+}
+
+std::string reporter::build_json(const std::string& reason) const {
+  std::string out = detail::concat(
+      "{\"version\":", json_quote(ZEROALLOC_VERSION), ",\"reason\":", json_quote(reason),
+      ",\"time\":", json_quote(timestamp()), ",\"pid\":", ::getpid(), ",\"settings\":{");
+  const char* separator = "";
+  for (const auto& [name, value] : settings_) {
+    out += detail::concat(separator, json_quote(name), ":", json_quote(value));
+    separator = ",";
+  }
+  out += "},\"devices\":[";
+  separator = "";
+  for (caching_allocator* each : allocators_()) {
+    out += detail::concat(separator, "{\"device\":", each->backing().ordinal(),
+                          ",\"stats\":", each->stats_json(), ",\"largest_allocations\":[");
+    const char* inner = "";
+    for (const auto& record : each->largest_allocations(20)) {
+      out += detail::concat(inner, "{\"address\":", record.address, ",\"size\":", record.bytes,
+                            ",\"class\":", json_quote(class_name(record.cls)), "}");
+      inner = ",";
+    }
+    out += "]}";
+    separator = ",";
+  }
+  out += "],\"timeline\":{";
+  std::lock_guard lock(mutex_);
+  out += detail::concat("\"interval_ms\":", interval_ms_, ",\"t_ms\":[");
+  for (std::size_t i = 0; i < times_ms_.size(); ++i)
+    out += detail::concat(i ? "," : "", times_ms_[i]);
+  out += "],\"devices\":{";
+  separator = "";
+  for (const auto& [ordinal, series] : samples_) {
+    std::string allocated;
+    std::string reserved;
+    for (std::size_t i = 0; i < series.size(); ++i) {
+      allocated += detail::concat(i ? "," : "", series[i].first);
+      reserved += detail::concat(i ? "," : "", series[i].second);
+    }
+    out += detail::concat(separator, "\"", ordinal, "\":{\"allocated\":[", allocated,
+                          "],\"reserved\":[", reserved, "]}");
+    separator = ",";
+  }
+  return out + "}}}";
+}
+
+std::string reporter::render_html(std::string_view report_json) {
+  // Inline the JSON in a script element: "</" must not close it early.
+  std::string safe;
+  safe.reserve(report_json.size());
+  for (std::size_t i = 0; i < report_json.size(); ++i) {
+    safe += report_json[i];
+    if (report_json[i] == '<' && i + 1 < report_json.size() && report_json[i + 1] == '/')
+      safe += '\\';
+  }
+  std::string page = kReportTemplate;
+  const std::string_view marker = "/*ZEROALLOC_REPORT_JSON*/";
+  const std::size_t at = page.find(marker);
+  if (at != std::string::npos) page.replace(at, marker.size(), safe);
+  return page;
+}
+
+std::optional<std::string> reporter::write(const std::string& reason) {
+  try {
+    take_sample();  // the report ends at the moment it is written
+    const std::string json = build_json(reason);
+    std::lock_guard lock(mutex_);  // one writer at a time
+    std::optional<std::string> failure = write_file(prefix_ + ".json", json);
+    if (!failure) failure = write_file(prefix_ + ".html", render_html(json));
+    if (failure) {
+      const std::string message = detail::concat(
+          "report: cannot write ", *failure,
+          ". Set ZEROALLOC_REPORT to a path prefix in a writable directory; training goes on.");
+      log().warn("{}", message);
+      return message;
+    }
+    for (caching_allocator* each : allocators_()) {
+      const stats_snapshot figures = each->stats();
+      log().warn(
+          "report ({}): {}: peak allocated {}, peak reserved {}, {} allocations, {} "
+          "retries, {} failures; written to {}.json and {}.html",
+          reason, each->backing().name(),
+          format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.peak)),
+          format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.peak)),
+          figures.total.allocations, figures.total.retries, figures.total.failures, prefix_,
+          prefix_);
+    }
+    return std::nullopt;
+  } catch (const std::exception& failure) {
+    log().warn("report: writing it failed: {}", failure.what());
+    return std::string(failure.what());
+  }
+}
+
+}  // namespace zeroalloc

@@ -1,0 +1,124 @@
+"""Memory reports (ZEROALLOC_REPORT): written at exit, on SIGUSR1 and on out-of-memory,
+readable JSON and a self-contained page that headless Chromium draws; an unwritable path
+warns and changes nothing else. Runs on the simulated device."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+if not (ROOT / "build" / "libzeroalloc.so").exists() and "ZEROALLOC_LIBRARY" not in os.environ:
+    pytest.skip("skipped: build/libzeroalloc.so is not built", allow_module_level=True)
+
+PROGRAM_PRELUDE = """
+    import os, signal, sys, time
+    import zeroalloc
+    lib = zeroalloc.library()
+"""
+
+
+def run_program(body: str, **environment) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim", **environment}
+    code = textwrap.dedent(PROGRAM_PRELUDE) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_report_at_exit_holds_figures_timeline_and_largest_allocations(tmp_path):
+    prefix = tmp_path / "run"
+    result = run_program("""
+        kept = lib.zeroalloc_malloc(48 << 20, 0, None)
+        for _ in range(100):
+            lib.zeroalloc_free(lib.zeroalloc_malloc(1 << 20, 0, None), 0, 0, None)
+        time.sleep(0.5)  # a few timeline samples
+    """, ZEROALLOC_REPORT=str(prefix))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["reason"] == "exit"
+    assert report["settings"]["ZEROALLOC_REPORT"] == str(prefix)
+    device = report["devices"][0]
+    assert device["stats"]["total"]["allocations"] == 101
+    assert device["largest_allocations"][0]["size"] == 48 << 20
+    assert device["largest_allocations"][0]["class"] == "other"
+    timeline = report["timeline"]
+    assert len(timeline["t_ms"]) >= 2
+    assert max(timeline["devices"]["0"]["allocated"]) >= 48 << 20
+    page = (tmp_path / "run.html").read_text()
+    assert '"reason":"exit"' in page and "<script" in page and "http" not in page.split("<script")[1]
+    assert "report (exit)" in result.stderr and "peak allocated 49.00 MiB" in result.stderr
+
+
+def test_sigusr1_writes_a_report_while_the_program_runs(tmp_path):
+    result = run_program(f"""
+        kept = lib.zeroalloc_malloc(8 << 20, 0, None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        path = {str(tmp_path / 'live.json')!r}
+        for _ in range(100):
+            if os.path.exists(path):
+                break
+            time.sleep(0.05)
+        import json
+        print(json.load(open(path))["reason"])
+    """, ZEROALLOC_REPORT=str(tmp_path / "live"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "SIGUSR1"
+
+
+def test_out_of_memory_writes_a_report_naming_the_failure(tmp_path):
+    result = run_program("""
+        assert not lib.zeroalloc_malloc(100 << 20, 0, None)
+        os._exit(0)  # no exit report: the one on disk is the out-of-memory one
+    """, ZEROALLOC_REPORT=str(tmp_path / "oom"), ZEROALLOC_MEMORY_LIMIT="64MiB")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "oom.json").read_text())
+    assert report["reason"].startswith("out of memory: out of memory on simulated device 0")
+    assert "ZEROALLOC_MEMORY_LIMIT=64MiB" in report["reason"]
+
+
+def test_unwritable_report_path_warns_and_the_program_goes_on():
+    result = run_program("""
+        pointer = lib.zeroalloc_malloc(1 << 20, 0, None)
+        assert pointer
+        print("still running")
+    """, ZEROALLOC_REPORT="/nonexistent/directory/run")
+    assert result.returncode == 0, result.stderr
+    assert "still running" in result.stdout
+    assert "report: cannot write /nonexistent/directory/run.json" in result.stderr
+    assert "Set ZEROALLOC_REPORT to a path prefix in a writable directory" in result.stderr
+
+
+def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
+    run_program("kept = lib.zeroalloc_malloc(3 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    (tmp_path / "r.html").unlink()
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "report", str(tmp_path / "r.json")],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "because of: exit" in result.stdout
+    assert "live: 3.00 MiB (other)" in result.stdout
+    assert (tmp_path / "r.html").exists()
+
+
+def test_page_draws_its_plot_in_headless_chromium(tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("skipped: chromium is not installed (apt-get install chromium)")
+    run_program("""
+        kept = lib.zeroalloc_malloc(16 << 20, 0, None)
+        time.sleep(0.5)
+    """, ZEROALLOC_REPORT=str(tmp_path / "page"))
+    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                             "--dump-dom", (tmp_path / "page.html").as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    drawn = re.search(r'data-points-drawn="(\d+)"', result.stdout)
+    assert drawn, "the page's script did not run:\n" + result.stdout[-2000:] + result.stderr[-2000:]
+    assert int(drawn.group(1)) >= 2
+    assert '<polyline' in result.stdout and 'data-series="reserved"' in result.stdout
