@@ -30,6 +30,10 @@ build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_repor
 step "torch.empty + del through zeroalloc vs native"
 python3 bench/python/torch_empty_bench.py --rounds 4 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
 
+step "training step time with libzeroalloc.so preloaded vs without"
+python3 bench/python/preload_overhead_bench.py --library build/libzeroalloc.so --steps 200 2>&1 \
+  | tee "$out/preload_overhead.txt" | tail -2
+
 step "training trace: zeroalloc vs PyTorch native, same trace"
 build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null
 build/demo/zeroalloc-demo --trace "$out/trace.txt" 2>&1 | tee "$out/demo.txt" | tail -12
@@ -65,6 +69,9 @@ for name in ("replay_native", "replay_expandable"):
 for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_empty.txt").exists() else []:
     if re.match(r"^\s*[0-9.]+ [KMG]?i?B ", line):
         rows.append(("torch.empty+del", line.strip()))
+for line in (out / "preload_overhead.txt").read_text().splitlines() if (out / "preload_overhead.txt").exists() else []:
+    if line.startswith("step time:"):
+        rows.append(("preload overhead", line[len("step time: "):]))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
 rows.append(("ctest", m.group(1) if m else "missing"))
