@@ -30,10 +30,9 @@ using zeroalloc::runtime;
 // A fixed buffer: building a std::string could throw inside a noexcept function, and a
 // thread_local std::string is destroyed before the static destructors that may still free.
 thread_local char t_last_error[1024];
-// Read on every zeroalloc_malloc: initial-exec TLS is a plain segment-relative load instead
-// of a __tls_get_addr call; four bytes fit in the static TLS that glibc keeps for dlopen.
-__attribute__((tls_model("initial-exec"))) thread_local allocation_class t_class =
-    allocation_class::other;
+// Global-dynamic TLS, on purpose: PyTorch dlopens this library, and initial-exec TLS would
+// then need static TLS space that a process full of libraries may no longer have.
+thread_local allocation_class t_class = allocation_class::other;
 
 void set_error(const char* function, const char* message) noexcept {
   std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", function, message);
