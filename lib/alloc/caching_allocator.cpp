@@ -163,6 +163,28 @@ void caching_allocator::set_limit(std::uint64_t bytes, std::string source) {
   limit_source_ = std::move(source);
 }
 
+// Note [Fork]: a child of fork() has only the forking thread. A lock that another thread
+// held at that moment would stay locked in the child forever, so that the child's first
+// free (a DataLoader worker dropping a tensor, say) would hang. The runtime registers
+// pthread_atfork handlers that take every lock before fork() and release them after it, in
+// the order the allocator nests them: the reclaim lock, the heaps', then the arena's (a
+// heap calls the arena while holding its own lock; release_all_cached takes heaps one at a
+// time under the reclaim lock). The device and its streams are not usable in a child;
+// freeing and re-allocating cached memory is.
+void caching_allocator::prepare_fork() {
+  reclaim_mutex_.lock();
+  settings_mutex_.lock();
+  for (auto& each : heaps_) each->lock_for_fork();
+  arena_.lock_for_fork();
+}
+
+void caching_allocator::after_fork() {
+  arena_.unlock_after_fork();
+  for (auto it = heaps_.rbegin(); it != heaps_.rend(); ++it) (*it)->unlock_after_fork();
+  settings_mutex_.unlock();
+  reclaim_mutex_.unlock();
+}
+
 void caching_allocator::set_out_of_memory_observer(out_of_memory_observer observer) {
   std::lock_guard lock(settings_mutex_);
   out_of_memory_observer_ = std::move(observer);

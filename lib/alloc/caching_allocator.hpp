@@ -118,6 +118,11 @@ class caching_allocator {
 
   [[nodiscard]] device& backing() { return device_; }
 
+  /// Around fork(): take every lock of this allocator, in the one order the allocator
+  /// itself takes them, and give them back in parent and child (Note [Fork]).
+  void prepare_fork();
+  void after_fork();
+
  private:
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
   /// The heap whose address region holds `address`, or nullptr.

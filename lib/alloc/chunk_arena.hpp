@@ -55,6 +55,8 @@ class chunk_arena {
   std::uint64_t release_pool();
 
   [[nodiscard]] std::uint64_t pooled_bytes() const;
+  void lock_for_fork() const { mutex_.lock(); }
+  void unlock_after_fork() const { mutex_.unlock(); }
   [[nodiscard]] std::size_t chunk_bytes() const { return chunk_bytes_; }
   [[nodiscard]] std::size_t granularity() const { return granularity_; }
   [[nodiscard]] device& backing() { return device_; }

@@ -97,6 +97,9 @@ class heap {
   void append_snapshot(std::string& out, const char*& separator) const;
   /// Appends (address, bytes) of every live allocation.
   void list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>& into) const;
+  /// Takes and gives back the heap's lock around fork() (Note [Fork] in caching_allocator.cpp).
+  void lock_for_fork() const { mutex_.lock(); }
+  void unlock_after_fork() const { mutex_.unlock(); }
   /// The heap's counts (Note [Statistics cost] in allocator_stats.hpp).
   [[nodiscard]] heap_counts counts() const;
   [[nodiscard]] allocation_class cls() const { return class_; }

@@ -1,5 +1,8 @@
 #include "capi/runtime.hpp"
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -12,6 +15,8 @@ namespace zeroalloc {
 namespace {
 
 reporter* g_exit_reporter = nullptr;
+runtime* g_forking_runtime = nullptr;
+pid_t g_reporting_process = 0;
 
 // The outcome of the one start-up attempt: a runtime, or the reason there is none.
 struct startup {
@@ -22,6 +27,10 @@ struct startup {
 }  // namespace
 
 runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
+  // Note [Fork] in alloc/caching_allocator.cpp. The runtime lives for the whole process.
+  g_forking_runtime = this;
+  pthread_atfork([] { g_forking_runtime->prepare_fork(); }, [] { g_forking_runtime->after_fork(); },
+                 [] { g_forking_runtime->after_fork(); });
   if (!parsed.report_prefix.empty()) {
     reporter::settings_list shown;
     for (const option_spec& spec : option_table()) {
@@ -38,8 +47,12 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
     reporter_->start();
     // The runtime is never destroyed, so the exit report runs while everything it reads is
     // alive. (Not through runtime::get(): its static may already be destroyed by then.)
+    // A forked child that exits must neither join the parent's sampler thread (it does not
+    // exist there) nor overwrite the parent's report.
     g_exit_reporter = reporter_.get();
+    g_reporting_process = ::getpid();
     std::atexit([] {
+      if (::getpid() != g_reporting_process) return;
       g_exit_reporter->stop();
       g_exit_reporter->write("exit");
     });
@@ -101,6 +114,16 @@ caching_allocator* runtime::owner_of(const void* pointer) {
     if (candidate != nullptr && candidate->owns(pointer)) return candidate;
   }
   return nullptr;
+}
+
+void runtime::prepare_fork() {
+  create_mutex_.lock();
+  for (caching_allocator* each : started_allocators()) each->prepare_fork();
+}
+
+void runtime::after_fork() {
+  for (caching_allocator* each : started_allocators()) each->after_fork();
+  create_mutex_.unlock();
 }
 
 bool runtime::deallocate(void* pointer) {

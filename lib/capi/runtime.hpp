@@ -38,6 +38,9 @@ class runtime {
   std::vector<caching_allocator*> started_allocators();
 
   [[nodiscard]] const options& settings() const { return options_; }
+  /// pthread_atfork handlers (Note [Fork] in alloc/caching_allocator.cpp).
+  void prepare_fork();
+  void after_fork();
   /// The memory reporter (ZEROALLOC_REPORT), or nullptr when no report was asked for.
   [[nodiscard]] reporter* memory_reporter() { return reporter_.get(); }
 

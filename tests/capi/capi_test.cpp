@@ -1,10 +1,16 @@
 // The C ABI as PyTorch and users call it: defined answers for odd input, no exceptions,
 // readable errors, and the statistics in JSON. Runs on the device ZEROALLOC_DEVICE names.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "zeroalloc/zeroalloc.h"
@@ -131,6 +137,53 @@ TEST_F(CApiTest, StreamsOfTheDeviceCanBeCreatedAndUsed) {
   zeroalloc_record_stream(pointer, nullptr);
   zeroalloc_free(pointer, 4096, 0, stream);
   zeroalloc_stream_destroy(0, stream);
+}
+
+// Note [Fork]: a child forked while other threads allocate can still free and allocate
+// (a DataLoader worker dropping a tensor); no lock is left held in it.
+TEST_F(CApiTest, AChildForkedWhileOtherThreadsAllocateDoesNotHang) {
+  if (std::getenv("ZEROALLOC_DEVICE") == nullptr ||
+      std::string(std::getenv("ZEROALLOC_DEVICE")) != "sim") {
+    GTEST_SKIP() << "skipped: a CUDA context does not survive fork";
+  }
+  void* shared = zeroalloc_malloc(1 << 20, 0, nullptr);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> busy;
+  for (int i = 0; i < 4; ++i) {
+    busy.emplace_back([&stop, i] {
+      while (!stop.load()) {
+        void* pointer = zeroalloc_malloc(4096 << (i % 3), 0, nullptr);
+        zeroalloc_free(pointer, 0, 0, nullptr);
+      }
+    });
+  }
+  int hung = 0;
+  for (int round = 0; round < 50; ++round) {
+    const pid_t child = fork();
+    if (child == 0) {
+      zeroalloc_free(shared, 0, 0, nullptr);
+      void* pointer = zeroalloc_malloc(8192, 0, nullptr);
+      zeroalloc_free(pointer, 0, 0, nullptr);
+      _exit(pointer != nullptr ? 0 : 3);
+    }
+    int status = 0;
+    pid_t done = 0;
+    for (int waited_ms = 0; waited_ms < 5000 && done == 0; waited_ms += 5) {
+      done = waitpid(child, &status, WNOHANG);
+      if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (done == 0) {
+      ++hung;
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+    } else {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    }
+  }
+  stop = true;
+  for (auto& each : busy) each.join();
+  EXPECT_EQ(hung, 0) << "children hung on a lock held at fork";
+  zeroalloc_free(shared, 0, 0, nullptr);
 }
 
 // A malformed variable stops the library from starting: every allocation fails and says
