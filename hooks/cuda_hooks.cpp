@@ -48,12 +48,23 @@ bool interception_active() {
   return active;
 }
 
+// Stands in for a real function that cannot be found (the library was dlopened, so
+// RTLD_NEXT sees only its own dependencies): the call fails with an error code instead of
+// jumping to null.
+template <typename Function>
+struct missing_function;
+template <typename... Arguments>
+struct missing_function<int (*)(Arguments...)> {
+  static int call(Arguments...) { return 999; }  // cudaErrorUnknown, CUDA_ERROR_UNKNOWN
+};
+
 // The next definition of `name` after this library (the real runtime or driver function).
 template <typename Function>
 Function real(const char* name, std::atomic<void*>& cache) {
   void* found = cache.load(std::memory_order_acquire);
   if (found == nullptr) {
     found = dlsym(RTLD_NEXT, name);
+    if (found == nullptr) found = reinterpret_cast<void*>(&missing_function<Function>::call);
     cache.store(found, std::memory_order_release);
   }
   return reinterpret_cast<Function>(found);
@@ -90,7 +101,11 @@ int driver_current_device() {
 // default stream: its streams are the library's own.
 void* served_stream(void* stream, bool per_thread) {
   if (stream != nullptr || !per_thread) return stream;
-  return zeroalloc::runtime::get().simulated() ? nullptr : kPerThreadStream;
+  try {
+    return zeroalloc::runtime::get().simulated() ? nullptr : kPerThreadStream;
+  } catch (...) {  // the library could not start: the allocation itself will say why
+    return kPerThreadStream;
+  }
 }
 
 int serve_allocation(void** pointer, std::size_t size, int device, void* stream) {

@@ -6,8 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -237,7 +235,7 @@ ZA_EXPORT int zeroalloc_options_json(char* buffer, size_t length) {
 ZA_EXPORT int zeroalloc_report_write(const char* reason) {
   return guarded("zeroalloc_report_write", -1, [&] {
     zeroalloc::reporter* active = runtime::get().memory_reporter();
-    if (active == nullptr) {
+    if (active == nullptr || !runtime::get().reporting_process()) {
       ZA_THROW(zeroalloc::invalid_argument,
                "no report was asked for: set ZEROALLOC_REPORT=path/prefix before the start");
     }
@@ -251,14 +249,9 @@ ZA_EXPORT int zeroalloc_report_write(const char* reason) {
 ZA_EXPORT int zeroalloc_report_render(const char* json_path, const char* html_path) {
   return guarded("zeroalloc_report_render", -1, [&] {
     ZA_REQUIRE(json_path != nullptr && html_path != nullptr, "both paths are needed");
-    std::ifstream in(json_path);
-    if (!in) ZA_THROW(zeroalloc::invalid_argument, "cannot read the report ", json_path);
-    std::stringstream text;
-    text << in.rdbuf();
-    std::ofstream out(html_path, std::ios::trunc);
-    out << zeroalloc::reporter::render_html(text.str());
-    out.close();
-    if (!out) ZA_THROW(zeroalloc::invalid_argument, "cannot write the page ", html_path);
+    if (auto failure = zeroalloc::reporter::render_file(json_path, html_path)) {
+      ZA_THROW(zeroalloc::invalid_argument, *failure);
+    }
     return 0;
   });
 }

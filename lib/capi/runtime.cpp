@@ -27,10 +27,6 @@ struct startup {
 }  // namespace
 
 runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
-  // Note [Fork] in alloc/caching_allocator.cpp. The runtime lives for the whole process.
-  g_forking_runtime = this;
-  pthread_atfork([] { g_forking_runtime->prepare_fork(); }, [] { g_forking_runtime->after_fork(); },
-                 [] { g_forking_runtime->after_fork(); });
   if (!parsed.report_prefix.empty()) {
     reporter::settings_list shown;
     for (const option_spec& spec : option_table()) {
@@ -42,8 +38,11 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
               : detail::concat(spec.default_value.empty() ? "(unset)" : spec.default_value,
                                " (default)"));
     }
+    // Under torchrun every rank inherits the variable: each writes its own files.
+    std::string prefix = parsed.report_prefix;
+    if (const char* rank = std::getenv("RANK")) prefix += std::string(".rank") + rank;
     reporter_ = std::make_unique<reporter>(
-        parsed.report_prefix, [this] { return started_allocators(); }, std::move(shown));
+        prefix, [this] { return started_allocators(); }, std::move(shown));
     reporter_->start();
     // The runtime is never destroyed, so the exit report runs while everything it reads is
     // alive. (Not through runtime::get(): its static may already be destroyed by then.)
@@ -57,12 +56,18 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
       g_exit_reporter->write("exit");
     });
   }
+  // Note [Fork] in alloc/caching_allocator.cpp. Last, so that a constructor that throws
+  // leaves no handler behind; the runtime then lives for the whole process.
+  g_forking_runtime = this;
+  pthread_atfork([] { g_forking_runtime->prepare_fork(); }, [] { g_forking_runtime->after_fork(); },
+                 [] { g_forking_runtime->after_fork(); });
   log().info("zeroalloc started: {} {} device(s), chunk size {}", registry_.count(),
              registry_.kind(), format_bytes(parsed.chunk_bytes));
 }
 
 runtime& runtime::get() {
-  static startup outcome = [] {
+  // Leaked: static destructors of other libraries may still allocate after ours would run.
+  static startup& outcome = *new startup([] {
     startup attempt;
     try {
       const options parsed = options::from_environment();
@@ -73,7 +78,7 @@ runtime& runtime::get() {
       log().error("{}", attempt.failure);
     }
     return attempt;
-  }();
+  }());
   if (outcome.started == nullptr) throw config_error(outcome.failure);
   return *outcome.started;
 }
@@ -99,8 +104,9 @@ caching_allocator& runtime::allocator(int ordinal) {
   owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
   caching_allocator* created = owned_allocators_.back().get();
   if (reporter_) {
-    created->set_out_of_memory_observer(
-        [this](const std::string& message) { reporter_->write("out of memory: " + message); });
+    created->set_out_of_memory_observer([this](const std::string& message) {
+      if (reporting_process()) reporter_->out_of_memory(message);
+    });
   }
   allocators_[ordinal].store(created, std::memory_order_release);
   log().info("device {}: {}, limit {}", ordinal, opened.name(),
@@ -115,6 +121,8 @@ caching_allocator* runtime::owner_of(const void* pointer) {
   }
   return nullptr;
 }
+
+bool runtime::reporting_process() const { return ::getpid() == g_reporting_process; }
 
 void runtime::prepare_fork() {
   create_mutex_.lock();

@@ -41,6 +41,9 @@ class runtime {
   /// pthread_atfork handlers (Note [Fork] in alloc/caching_allocator.cpp).
   void prepare_fork();
   void after_fork();
+  /// False in a child forked from the process that started the reporter: a child writes
+  /// no report (it would overwrite its parent's).
+  [[nodiscard]] bool reporting_process() const;
   /// The memory reporter (ZEROALLOC_REPORT), or nullptr when no report was asked for.
   [[nodiscard]] reporter* memory_reporter() { return reporter_.get(); }
 

@@ -25,16 +25,17 @@ extern const char* const kReportTemplate;  // report_template.cpp, generated fro
 namespace {
 
 constexpr std::size_t kMaxSamples = 4096;
-constexpr std::uint64_t kSignalWake = 1;
-constexpr std::uint64_t kStopWake = 2;
+constexpr std::uint64_t kWake = 1;  // SIGUSR1 or stop(); g_signal_pending tells which
 
 // The eventfd the SIGUSR1 handler writes to: a handler may only do async-signal-safe work.
 std::atomic<int> g_signal_fd{-1};
+std::atomic<bool> g_signal_pending{false};
 
 void on_sigusr1(int) {
+  g_signal_pending.store(true, std::memory_order_relaxed);
   const int fd = g_signal_fd.load(std::memory_order_relaxed);
   if (fd >= 0) {
-    const std::uint64_t value = kSignalWake;
+    const std::uint64_t value = kWake;
     [[maybe_unused]] const ssize_t written = ::write(fd, &value, sizeof value);
   }
 }
@@ -57,7 +58,8 @@ std::string timestamp() {
 // Writes `text` to `path` through a temporary file and a rename, so a reader never sees a
 // half-written report and a failed write leaves the previous one intact.
 std::optional<std::string> write_file(const std::string& path, const std::string& text) {
-  const std::string temporary = path + ".tmp";
+  // Per process: ranks that share a prefix must not write into one another's temporary.
+  const std::string temporary = detail::concat(path, ".tmp.", ::getpid());
   std::FILE* file = std::fopen(temporary.c_str(), "w");
   if (file == nullptr) return detail::concat(path, ": ", std::strerror(errno));
   const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
@@ -113,7 +115,7 @@ void reporter::start() {
 void reporter::stop() {
   if (stopping_.exchange(true)) return;
   if (wake_fd_ >= 0) {
-    const std::uint64_t value = kStopWake;
+    const std::uint64_t value = kWake;
     [[maybe_unused]] const ssize_t written = ::write(wake_fd_, &value, sizeof value);
   }
   if (sampler_.joinable()) sampler_.join();
@@ -123,13 +125,11 @@ void reporter::sample_loop() {
   take_sample();
   while (!stopping_.load()) {
     pollfd waiting{wake_fd_, POLLIN, 0};
-    const int ready = ::poll(&waiting, 1, static_cast<int>(interval_ms_));
+    const int ready = ::poll(&waiting, 1, static_cast<int>(interval_ms_.load()));
     if (ready > 0) {
       std::uint64_t value = 0;
-      if (::read(wake_fd_, &value, sizeof value) == sizeof value && (value & kSignalWake) != 0 &&
-          !stopping_.load()) {
-        write("SIGUSR1");
-      }
+      [[maybe_unused]] const ssize_t drained = ::read(wake_fd_, &value, sizeof value);
+      if (g_signal_pending.exchange(false) && !stopping_.load()) write("SIGUSR1");
       continue;
     }
     take_sample();
@@ -137,8 +137,8 @@ void reporter::sample_loop() {
 }
 
 void reporter::take_sample() {
-  const std::vector<caching_allocator*> allocators = allocators_();
   std::lock_guard lock(mutex_);
+  const std::vector<caching_allocator*> allocators = allocators_();
   if (times_ms_.size() >= kMaxSamples) {
     // Keep every other sample and sample half as often: the timeline covers the whole run
     // in bounded memory.
@@ -148,7 +148,7 @@ void reporter::take_sample() {
     };
     thin(times_ms_);
     for (auto& [ordinal, series] : samples_) thin(series);
-    interval_ms_ *= 2;
+    interval_ms_.store(interval_ms_.load() * 2);
   }
   times_ms_.push_back(static_cast<std::uint64_t>(now_ms() - started_ms_));
   for (caching_allocator* each : allocators) {
@@ -189,9 +189,11 @@ std::string reporter::build_json(const std::string& reason) const {
     out += "]}";
     separator = ",";
   }
-  out += "],\"timeline\":{";
   std::lock_guard lock(mutex_);
-  out += detail::concat("\"interval_ms\":", interval_ms_, ",\"t_ms\":[");
+  out += detail::concat(
+      "],\"last_out_of_memory\":", last_out_of_memory_.empty() ? "null" : last_out_of_memory_,
+      ",\"timeline\":{");
+  out += detail::concat("\"interval_ms\":", interval_ms_.load(), ",\"t_ms\":[");
   for (std::size_t i = 0; i < times_ms_.size(); ++i)
     out += detail::concat(i ? "," : "", times_ms_[i]);
   out += "],\"devices\":{";
@@ -210,6 +212,22 @@ std::string reporter::build_json(const std::string& reason) const {
   return out + "}}}";
 }
 
+std::optional<std::string> reporter::render_file(const std::string& json_path,
+                                                 const std::string& html_path) {
+  std::FILE* file = std::fopen(json_path.c_str(), "r");
+  if (file == nullptr) return detail::concat("cannot read ", json_path, ": ", std::strerror(errno));
+  std::string json;
+  char chunk[65536];
+  for (std::size_t got; (got = std::fread(chunk, 1, sizeof chunk, file)) > 0;)
+    json.append(chunk, got);
+  const bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed || json.find('{') == std::string::npos) {
+    return detail::concat(json_path, " is not a zeroalloc report (empty or unreadable)");
+  }
+  return write_file(html_path, render_html(json));
+}
+
 std::string reporter::render_html(std::string_view report_json) {
   // Inline the JSON in a script element: "</" must not close it early.
   std::string safe;
@@ -226,13 +244,32 @@ std::string reporter::render_html(std::string_view report_json) {
   return page;
 }
 
+void reporter::out_of_memory(const std::string& message) {
+  {
+    std::lock_guard lock(mutex_);
+    last_out_of_memory_ = detail::concat("{\"time\":", json_quote(timestamp()),
+                                         ",\"message\":", json_quote(message), "}");
+    // Frameworks probe (cuDNN tries workspace sizes until one fits): one report per
+    // burst of failures, not one per failure.
+    const std::int64_t now = now_ms();
+    if (last_out_of_memory_report_ms_ != 0 && now - last_out_of_memory_report_ms_ < 10'000) return;
+    last_out_of_memory_report_ms_ = now;
+  }
+  write_to(prefix_ + ".oom", "out of memory: " + message);
+}
+
 std::optional<std::string> reporter::write(const std::string& reason) {
+  return write_to(prefix_, reason);
+}
+
+std::optional<std::string> reporter::write_to(const std::string& prefix,
+                                              const std::string& reason) {
   try {
     take_sample();  // the report ends at the moment it is written
     const std::string json = build_json(reason);
     std::lock_guard lock(mutex_);  // one writer at a time
-    std::optional<std::string> failure = write_file(prefix_ + ".json", json);
-    if (!failure) failure = write_file(prefix_ + ".html", render_html(json));
+    std::optional<std::string> failure = write_file(prefix + ".json", json);
+    if (!failure) failure = write_file(prefix + ".html", render_html(json));
     if (failure) {
       const std::string message = detail::concat(
           "report: cannot write ", *failure,

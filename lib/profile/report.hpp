@@ -43,21 +43,30 @@ class reporter {
   /// the failure (naming the path and what to do) when a file could not be written; the
   /// program goes on either way.
   std::optional<std::string> write(const std::string& reason);
+  /// An allocation is failing out of memory with `message`: writes prefix.oom.json and
+  /// prefix.oom.html (at most one pair per 10 s), and later reports carry the message.
+  void out_of_memory(const std::string& message);
 
   [[nodiscard]] const std::string& prefix() const { return prefix_; }
   /// The report as JSON.
   [[nodiscard]] std::string build_json(const std::string& reason) const;
   /// The page for a report's JSON: the embedded template with the JSON inlined.
   static std::string render_html(std::string_view report_json);
+  /// Renders the page of the report at `json_path` into `html_path`; the failure, if any.
+  static std::optional<std::string> render_file(const std::string& json_path,
+                                                const std::string& html_path);
 
  private:
+  std::optional<std::string> write_to(const std::string& prefix, const std::string& reason);
   void sample_loop();
   void take_sample();
 
   const std::string prefix_;
   const allocator_list allocators_;
   const settings_list settings_;
-  unsigned interval_ms_;
+  std::atomic<unsigned> interval_ms_;
+  std::string last_out_of_memory_;  // JSON object, or empty
+  std::int64_t last_out_of_memory_report_ms_ = 0;
   mutable std::mutex mutex_;  // timeline and writes
   std::vector<std::uint64_t> times_ms_;
   // device ordinal -> (allocated, reserved) samples, aligned with times_ms_

@@ -72,15 +72,28 @@ def test_sigusr1_writes_a_report_while_the_program_runs(tmp_path):
     assert result.stdout.strip() == "SIGUSR1"
 
 
-def test_out_of_memory_writes_a_report_naming_the_failure(tmp_path):
+def test_out_of_memory_writes_its_own_report_and_later_reports_keep_the_message(tmp_path):
     result = run_program("""
+        kept = lib.zeroalloc_malloc(40 << 20, 0, None)
         assert not lib.zeroalloc_malloc(100 << 20, 0, None)
-        os._exit(0)  # no exit report: the one on disk is the out-of-memory one
-    """, ZEROALLOC_REPORT=str(tmp_path / "oom"), ZEROALLOC_MEMORY_LIMIT="64MiB")
+    """, ZEROALLOC_REPORT=str(tmp_path / "run"), ZEROALLOC_MEMORY_LIMIT="64MiB")
     assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "oom.json").read_text())
-    assert report["reason"].startswith("out of memory: out of memory on simulated device 0")
-    assert "ZEROALLOC_MEMORY_LIMIT=64MiB" in report["reason"]
+    at_failure = json.loads((tmp_path / "run.oom.json").read_text())
+    assert at_failure["reason"].startswith("out of memory: out of memory on simulated device 0")
+    assert "ZEROALLOC_MEMORY_LIMIT=64MiB" in at_failure["reason"]
+    assert at_failure["devices"][0]["largest_allocations"][0]["size"] == 40 << 20
+    at_exit = json.loads((tmp_path / "run.json").read_text())
+    assert at_exit["reason"] == "exit"
+    assert "tried to allocate 100.00 MiB" in at_exit["last_out_of_memory"]["message"]
+
+
+def test_each_rank_writes_its_own_report(tmp_path):
+    for rank in ("0", "1"):
+        result = run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)",
+                             ZEROALLOC_REPORT=str(tmp_path / "run"), RANK=rank)
+        assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "run.rank0.json").read_text())["reason"] == "exit"
+    assert json.loads((tmp_path / "run.rank1.json").read_text())["reason"] == "exit"
 
 
 def test_unwritable_report_path_warns_and_the_program_goes_on():

@@ -24,12 +24,15 @@ def device_count() -> int:
 def raw_stats(device: int = 0) -> dict:
     """The library's statistics of `device`, as zeroalloc_stats_json writes them."""
     lib = library()
+    # A counter can gain a digit between the sizing call and the copy: retry until it fits.
     length = lib.zeroalloc_stats_json(device, None, 0)
-    if length < 0:
-        raise ZeroallocError(last_error())
-    buffer = ctypes.create_string_buffer(length + 1)
-    lib.zeroalloc_stats_json(device, buffer, length + 1)
-    return json.loads(buffer.value.decode())
+    while length >= 0:
+        buffer = ctypes.create_string_buffer(length + 256)
+        needed = lib.zeroalloc_stats_json(device, buffer, len(buffer))
+        if 0 <= needed < len(buffer):
+            return json.loads(buffer.value.decode())
+        length = needed
+    raise ZeroallocError(last_error())
 
 
 def memory_stats(device: int = 0) -> dict:

@@ -108,7 +108,8 @@ def _driver_checks(checks: list[Check], build: dict | None) -> tuple[ctypes.CDLL
 
 
 def _runtime_check(checks: list[Check], build: dict | None) -> None:
-    runtime = _load(["libcudart.so.13", "libcudart.so", ctypes.util.find_library("cudart") or ""])
+    runtime = _load([name for name in ("libcudart.so.13", "libcudart.so",
+                                       ctypes.util.find_library("cudart")) if name])
     if runtime is None:
         checks.append(Check("CUDA runtime", WARN, "libcudart not found on the library path",
                             "only needed by CUDA programs; PyTorch ships its own"))
