@@ -178,7 +178,8 @@ ZA_EXPORT int zeroalloc_snapshot_json(int device, char* buffer, size_t length) {
     }
     std::string text = "{\"devices\":[";
     for (std::size_t i = 0; i < chosen.size(); ++i) {
-      text += (i == 0 ? "" : ",") + chosen[i]->snapshot_json();
+      if (i > 0) text += ',';
+      text += chosen[i]->snapshot_json();
     }
     return copy_out(text + "]}", buffer, length);
   });
