@@ -16,8 +16,8 @@ run_suite() {  # build-dir extra-cmake-args...
   (cd "$dir" && ctest -LE gpu --output-on-failure -j1)
 }
 
-echo "== tests on the simulated device"
-run_suite build
+echo "== tests on the simulated device (Release, as scripts/demo.sh builds)"
+run_suite build -DCMAKE_BUILD_TYPE=Release
 echo "== the Python package (tests needing PyTorch and a GPU skip themselves here)"
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest 2>/dev/null \
   || apt-get install -y -qq python3-pytest
