@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from pathlib import Path
 
@@ -85,6 +86,20 @@ def library() -> ctypes.CDLL:
 
 def last_error() -> str:
     return (library().zeroalloc_last_error() or b"").decode(errors="replace")
+
+
+def read_json(function, *arguments) -> dict:
+    """Calls a C ABI function of the (arguments..., buffer, length) -> length-needed protocol
+    and parses its JSON. The text can grow between the sizing call and the copy (a counter
+    gains a digit, a segment is mapped): retry until it fits."""
+    length = function(*arguments, None, 0)
+    while length >= 0:
+        buffer = ctypes.create_string_buffer(length + 4096)
+        needed = function(*arguments, buffer, len(buffer))
+        if 0 <= needed < len(buffer):
+            return json.loads(buffer.value.decode())
+        length = needed
+    raise ZeroallocError(last_error())
 
 
 def function_address(name: str) -> int:

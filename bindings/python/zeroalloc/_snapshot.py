@@ -4,25 +4,10 @@ PyTorch's own snapshot, so this is what users get instead."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import pickle
 
-from zeroalloc._library import ZeroallocError, last_error, library
-
-
-def _snapshot_json(device: int) -> dict:
-    lib = library()
-    # The snapshot can grow between the sizing call and the copy: retry until it fits.
-    length = lib.zeroalloc_snapshot_json(device, None, 0)
-    while length >= 0:
-        buffer = ctypes.create_string_buffer(length + 4096)
-        needed = lib.zeroalloc_snapshot_json(device, buffer, len(buffer))
-        if 0 <= needed < len(buffer):
-            return json.loads(buffer.value.decode())
-        length = needed
-    raise ZeroallocError(last_error())
+from zeroalloc._library import ZeroallocError, library, read_json
 
 
 def snapshot(device: int | None = None) -> dict:
@@ -30,7 +15,7 @@ def snapshot(device: int | None = None) -> dict:
     them: {"segments": [...], "device_traces": [[]...]}. `device` None: every device
     started so far. Each segment also says its zeroalloc allocation class. Allocation
     traces (stack frames, history) are not recorded: "frames" are empty."""
-    raw = _snapshot_json(-1 if device is None else device)
+    raw = read_json(library().zeroalloc_snapshot_json, -1 if device is None else device)
     segments = []
     devices_seen = [0]
     for each in raw["devices"]:

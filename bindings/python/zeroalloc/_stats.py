@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 from typing import Iterator
 
-from zeroalloc._library import ZeroallocError, last_error, library
+from zeroalloc._library import ZeroallocError, last_error, library, read_json
 
 #: Allocation classes, in the order of the C ABI's zeroalloc_class.
 CLASSES = ("other", "parameter", "gradient", "optimizer_state")
@@ -23,16 +21,7 @@ def device_count() -> int:
 
 def raw_stats(device: int = 0) -> dict:
     """The library's statistics of `device`, as zeroalloc_stats_json writes them."""
-    lib = library()
-    # A counter can gain a digit between the sizing call and the copy: retry until it fits.
-    length = lib.zeroalloc_stats_json(device, None, 0)
-    while length >= 0:
-        buffer = ctypes.create_string_buffer(length + 256)
-        needed = lib.zeroalloc_stats_json(device, buffer, len(buffer))
-        if 0 <= needed < len(buffer):
-            return json.loads(buffer.value.decode())
-        length = needed
-    raise ZeroallocError(last_error())
+    return read_json(library().zeroalloc_stats_json, device)
 
 
 def memory_stats(device: int = 0) -> dict:
