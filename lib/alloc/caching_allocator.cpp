@@ -72,17 +72,14 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
-  try {
-    throw_out_of_memory(rounded_bytes, cls);
-  } catch (const out_of_memory& failure) {
-    out_of_memory_observer observer;
-    {
-      std::lock_guard lock(settings_mutex_);
-      observer = out_of_memory_observer_;
-    }
-    if (observer) observer(failure.what());
-    throw;
+  const std::string message = out_of_memory_message(rounded_bytes, cls);
+  out_of_memory_observer observer;
+  {
+    std::lock_guard lock(settings_mutex_);
+    observer = out_of_memory_observer_;
   }
+  if (observer) observer(message);
+  throw out_of_memory(message);
 }
 
 std::uint64_t caching_allocator::release_all_cached() {
@@ -96,7 +93,8 @@ std::uint64_t caching_allocator::release_all_cached() {
 // Note [Out-of-memory message]: say what was asked for, what the device has, what zeroalloc
 // holds and why it could not use it, which limit applied and which variable sets it, so the
 // user can act without reading code.
-void caching_allocator::throw_out_of_memory(std::size_t bytes, allocation_class cls) {
+std::string caching_allocator::out_of_memory_message(std::size_t bytes,
+                                                     allocation_class cls) const {
   const memory_info info = device_.query_memory();
   const std::int64_t reserved = stats_.total.reserved_bytes.current();
   const std::int64_t allocated = stats_.total.allocated_bytes.current();
@@ -109,19 +107,20 @@ void caching_allocator::throw_out_of_memory(std::size_t bytes, allocation_class 
       source.empty() ? detail::concat(format_bytes(limiter_.limit_bytes()),
                                       " (the whole device; set ZEROALLOC_MEMORY_LIMIT to lower it)")
                      : detail::concat(format_bytes(limiter_.limit_bytes()), ", set by ", source);
-  ZA_THROW(out_of_memory, "out of memory on ", device_.name(), ": tried to allocate ",
-           format_bytes(bytes), " (", class_name(cls), "); the device has ",
-           format_bytes(info.free_bytes), " free of ", format_bytes(info.total_bytes),
-           "; zeroalloc holds ", format_bytes(static_cast<std::uint64_t>(reserved)), " of which ",
-           format_bytes(static_cast<std::uint64_t>(allocated)), " is allocated and ",
-           format_bytes(static_cast<std::uint64_t>(reserved - allocated)),
-           " is cached but free (the largest free block is ",
-           format_bytes(std::max({largest_free_block(allocation_class::other),
-                                  largest_free_block(allocation_class::parameter),
-                                  largest_free_block(allocation_class::gradient),
-                                  largest_free_block(allocation_class::optimizer_state)})),
-           "); offloaded: 0 B; limit in force: ", limit_text,
-           ". Free tensors you no longer need, lower the batch size, or raise the limit.");
+  std::size_t largest_free = 0;
+  for (allocation_class each : kAllocationClasses) {
+    largest_free = std::max(largest_free, largest_free_block(each));
+  }
+  return detail::concat(
+      "out of memory on ", device_.name(), ": tried to allocate ", format_bytes(bytes), " (",
+      class_name(cls), "); the device has ", format_bytes(info.free_bytes), " free of ",
+      format_bytes(info.total_bytes), "; zeroalloc holds ",
+      format_bytes(static_cast<std::uint64_t>(reserved)), " of which ",
+      format_bytes(static_cast<std::uint64_t>(allocated)), " is allocated and ",
+      format_bytes(static_cast<std::uint64_t>(reserved - allocated)),
+      " is cached but free (the largest free block is ", format_bytes(largest_free),
+      "); offloaded: 0 B; limit in force: ", limit_text,
+      ". Free tensors you no longer need, lower the batch size, or raise the limit.");
 }
 
 heap* caching_allocator::heap_at(std::uintptr_t address) const {

@@ -130,7 +130,7 @@ class caching_allocator {
   void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
                                 stream_handle stream, allocation_class cls);
   std::uint64_t release_all_cached();
-  [[noreturn]] void throw_out_of_memory(std::size_t bytes, allocation_class cls);
+  [[nodiscard]] std::string out_of_memory_message(std::size_t bytes, allocation_class cls) const;
 
   device& device_;
   memory_limiter limiter_;

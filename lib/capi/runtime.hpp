@@ -37,7 +37,6 @@ class runtime {
   /// Allocators created so far (for empty_cache over all devices).
   std::vector<caching_allocator*> started_allocators();
 
-  [[nodiscard]] const options& settings() const { return options_; }
   /// pthread_atfork handlers (Note [Fork] in alloc/caching_allocator.cpp).
   void prepare_fork();
   void after_fork();

@@ -47,7 +47,6 @@ class reporter {
   /// prefix.oom.html (at most one pair per 10 s), and later reports carry the message.
   void out_of_memory(const std::string& message);
 
-  [[nodiscard]] const std::string& prefix() const { return prefix_; }
   /// The report as JSON.
   [[nodiscard]] std::string build_json(const std::string& reason) const;
   /// The page for a report's JSON: the embedded template with the JSON inlined.
