@@ -1,27 +1,49 @@
 // LD_PRELOAD interposers: with `LD_PRELOAD=libzeroalloc.so`, the CUDA runtime's and the
 // driver's allocation calls are served by zeroalloc, including where programs and libraries
 // fetch the driver's entry points through cuGetProcAddress or cudaGetDriverEntryPoint
-// (PyTorch reaches cuMem* that way; cuBLAS and NCCL use cuGetProcAddress).
+// (PyTorch reaches cuMem* that way; cuBLAS and NCCL use cuGetProcAddress) or through dlsym
+// on a library's handle (ctypes, Numba, JAX load libcuda so).
 //
 // Note [Hook safety]: a hook never throws (everything below the C ABI is caught), never
 // logs, and does not allocate on the lookup path (string compares only). The real functions
-// are found once with dlsym(RTLD_NEXT) and cached. Hooks are inert (they forward every call)
+// are found once and cached: from the real lookup when a program fetched the hook through
+// cuGetProcAddress, cudaGetDriverEntryPoint or dlsym (the library may have been dlopened
+// with RTLD_LOCAL), else with dlsym(RTLD_NEXT). Hooks are inert (they forward every call)
 // unless the library was preloaded, and when ZEROALLOC_DISABLE=1: the same libzeroalloc.so
 // also serves as PyTorch's pluggable allocator, loaded with dlopen, where it must not touch
-// the program's own CUDA calls. Calls not served here (the VMM cuMem* family, IPC, managed
-// memory) never reach this file: they go to the real driver directly.
+// the program's own CUDA calls. Calls not served (the VMM cuMem* family, IPC, managed
+// memory, frees of memory zeroalloc does not own) go to the real functions and are counted
+// (core/passthrough.hpp).
 #include <dlfcn.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
 #include "capi/runtime.hpp"
+#include "core/passthrough.hpp"
 #include "zeroalloc/zeroalloc.h"
 
 #define ZA_HOOK extern "C" __attribute__((visibility("default")))
+
+// Every interposed symbol: X(name). Served ones are answered by zeroalloc; pass-through ones
+// are counted and forwarded.
+#define ZA_SERVED_SYMBOLS(X)                                                                    \
+  X(cudaMalloc) X(cudaFree) X(cudaMallocAsync) X(cudaMallocAsync_ptsz) X(cudaFreeAsync)          \
+  X(cudaFreeAsync_ptsz) X(cudaMallocFromPoolAsync) X(cudaMallocFromPoolAsync_ptsz)               \
+  X(cudaMemGetInfo) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)  \
+  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)                \
+  X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint) X(cudaGetDriverEntryPoint_ptsz)              \
+  X(cudaGetDriverEntryPointByVersion) X(cudaGetDriverEntryPointByVersion_ptsz)
+#define ZA_PASSTHROUGH_SYMBOLS(X)                                                               \
+  X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                     \
+  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged)           \
+  X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cudaIpcGetMemHandle)    \
+  X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle)
 
 namespace {
 
@@ -34,6 +56,18 @@ constexpr unsigned long long kPerThreadDefaultStream =
 void* const kPerThreadStream = reinterpret_cast<void*>(0x2);  // CU_STREAM_PER_THREAD
 
 using device_pointer = unsigned long long;  // CUdeviceptr
+using vmm_handle = unsigned long long;      // CUmemGenericAllocationHandle
+struct ipc_handle {                          // CUipcMemHandle and cudaIpcMemHandle_t
+  char reserved[64];
+};
+
+// The real definition of each interposed symbol, once known.
+namespace real_of {
+#define ZA_DECLARE_CACHE(name) std::atomic<void*> name{nullptr};
+ZA_SERVED_SYMBOLS(ZA_DECLARE_CACHE)
+ZA_PASSTHROUGH_SYMBOLS(ZA_DECLARE_CACHE)
+#undef ZA_DECLARE_CACHE
+}  // namespace real_of
 
 bool interception_active() {
   static const bool active = [] {
@@ -58,19 +92,52 @@ struct missing_function<int (*)(Arguments...)> {
   static int call(Arguments...) { return 999; }  // cudaErrorUnknown, CUDA_ERROR_UNKNOWN
 };
 
-// The next definition of `name` after this library (the real runtime or driver function).
+using dlsym_function = void* (*)(void*, const char*);
+
+}  // namespace
+
+// glibc's dlsym, found once; the dlsym trampoline below jumps to it.
+extern "C" {
+__attribute__((visibility("hidden"))) void* zeroalloc_real_dlsym = nullptr;
+}
+
+namespace {
+
+dlsym_function real_dlsym() {
+  void* known = __atomic_load_n(&zeroalloc_real_dlsym, __ATOMIC_ACQUIRE);
+  if (known == nullptr) {
+    // The next dlsym after this library: glibc's (2.34 moved it into libc), or another
+    // interposer's, which then sees our lookups as it would see any library's.
+    known = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (known == nullptr) known = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    if (known == nullptr) {
+      static const char message[] =
+          "zeroalloc: glibc's dlsym was not found; LD_PRELOAD=libzeroalloc.so needs glibc\n";
+      [[maybe_unused]] const auto written = ::write(2, message, sizeof message - 1);
+      std::abort();
+    }
+    __atomic_store_n(&zeroalloc_real_dlsym, known, __ATOMIC_RELEASE);
+  }
+  return reinterpret_cast<dlsym_function>(known);
+}
+
+// The real definition of `name`: the one a lookup stashed, else the next after this library.
 template <typename Function>
 Function real(const char* name, std::atomic<void*>& cache) {
   void* found = cache.load(std::memory_order_acquire);
   if (found == nullptr) {
-    found = dlsym(RTLD_NEXT, name);
+    found = real_dlsym()(RTLD_NEXT, name);
     if (found == nullptr) found = reinterpret_cast<void*>(&missing_function<Function>::call);
     cache.store(found, std::memory_order_release);
   }
   return reinterpret_cast<Function>(found);
 }
 
-#define ZA_REAL(type, name)                   \
+// The real function behind an interposed symbol.
+#define ZA_REAL(type, name) real<type>(#name, real_of::name)
+
+// The real function behind a symbol that is not interposed.
+#define ZA_REAL_UNHOOKED(type, name)          \
   ([]() -> type {                             \
     static std::atomic<void*> cache{nullptr}; \
     return real<type>(#name, cache);          \
@@ -80,7 +147,7 @@ Function real(const char* name, std::atomic<void*>& cache) {
 int runtime_current_device() {
   using get_device = int (*)(int*);
   int device = 0;
-  if (auto function = ZA_REAL(get_device, cudaGetDevice);
+  if (auto function = ZA_REAL_UNHOOKED(get_device, cudaGetDevice);
       function != nullptr && function(&device) == 0) {
     return device;
   }
@@ -90,7 +157,7 @@ int runtime_current_device() {
 int driver_current_device() {
   using ctx_get_device = int (*)(int*);
   int device = 0;
-  if (auto function = ZA_REAL(ctx_get_device, cuCtxGetDevice);
+  if (auto function = ZA_REAL_UNHOOKED(ctx_get_device, cuCtxGetDevice);
       function != nullptr && function(&device) == 0) {
     return device;
   }
@@ -157,11 +224,12 @@ ZA_HOOK int cudaMalloc(void** pointer, std::size_t size) {
 }
 
 ZA_HOOK int cudaFree(void* pointer) {
-  // cudaFree(NULL) is the idiom that creates the context: always the real one.
-  if (!interception_active() || pointer == nullptr || !serve_free(pointer, nullptr, false)) {
-    return ZA_REAL(int (*)(void*), cudaFree)(pointer);
+  // cudaFree(NULL) is the idiom that creates the context: it always reaches the real one.
+  if (interception_active() && pointer != nullptr) {
+    if (serve_free(pointer, nullptr, false)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(void*), cudaFree)(pointer);
 }
 
 ZA_HOOK int cudaMallocAsync(void** pointer, std::size_t size, void* stream) {
@@ -197,19 +265,19 @@ ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void*
 }
 
 ZA_HOOK int cudaFreeAsync(void* pointer, void* stream) {
-  if (!interception_active() || pointer == nullptr ||
-      !serve_free(pointer, served_stream(stream, false), true)) {
-    return ZA_REAL(int (*)(void*, void*), cudaFreeAsync)(pointer, stream);
+  if (interception_active() && pointer != nullptr) {
+    if (serve_free(pointer, served_stream(stream, false), true)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(void*, void*), cudaFreeAsync)(pointer, stream);
 }
 
 ZA_HOOK int cudaFreeAsync_ptsz(void* pointer, void* stream) {
-  if (!interception_active() || pointer == nullptr ||
-      !serve_free(pointer, served_stream(stream, true), true)) {
-    return ZA_REAL(int (*)(void*, void*), cudaFreeAsync_ptsz)(pointer, stream);
+  if (interception_active() && pointer != nullptr) {
+    if (serve_free(pointer, served_stream(stream, true), true)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(void*, void*), cudaFreeAsync_ptsz)(pointer, stream);
 }
 
 ZA_HOOK int cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
@@ -230,10 +298,11 @@ ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
 
 ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
   auto* address = reinterpret_cast<void*>(pointer);
-  if (!interception_active() || address == nullptr || !serve_free(address, nullptr, false)) {
-    return ZA_REAL(int (*)(device_pointer), cuMemFree_v2)(pointer);
+  if (interception_active() && address != nullptr) {
+    if (serve_free(address, nullptr, false)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(device_pointer), cuMemFree_v2)(pointer);
 }
 
 ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* stream) {
@@ -256,20 +325,20 @@ ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void
 
 ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
-  if (!interception_active() || address == nullptr ||
-      !serve_free(address, served_stream(stream, false), true)) {
-    return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync)(pointer, stream);
+  if (interception_active() && address != nullptr) {
+    if (serve_free(address, served_stream(stream, false), true)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync)(pointer, stream);
 }
 
 ZA_HOOK int cuMemFreeAsync_ptsz(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
-  if (!interception_active() || address == nullptr ||
-      !serve_free(address, served_stream(stream, true), true)) {
-    return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync_ptsz)(pointer, stream);
+  if (interception_active() && address != nullptr) {
+    if (serve_free(address, served_stream(stream, true), true)) return kSuccess;
+    zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
-  return kSuccess;
+  return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync_ptsz)(pointer, stream);
 }
 
 ZA_HOOK int cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total_bytes) {
@@ -279,125 +348,350 @@ ZA_HOOK int cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total_bytes) {
   return serve_memory_info(free_bytes, total_bytes, driver_current_device());
 }
 
+// ---- Calls passed through, counted --------------------------------------------------------
+
+namespace {
+
+// Counts the call and forwards it to the real function.
+#define ZA_PASS_THROUGH(type, name, call, bytes, ...)                            \
+  do {                                                                           \
+    if (interception_active()) {                                                 \
+      zeroalloc::count_passthrough(zeroalloc::passthrough_call::call, (bytes)); \
+    }                                                                            \
+    return ZA_REAL(type, name)(__VA_ARGS__);                                     \
+  } while (false)
+
+}  // namespace
+
+ZA_HOOK int cuMemCreate(vmm_handle* handle, std::size_t size, const void* properties,
+                        unsigned long long flags) {
+  ZA_PASS_THROUGH(int (*)(vmm_handle*, std::size_t, const void*, unsigned long long), cuMemCreate,
+                  cu_mem_create, size, handle, size, properties, flags);
+}
+
+ZA_HOOK int cuMemRelease(vmm_handle handle) {
+  ZA_PASS_THROUGH(int (*)(vmm_handle), cuMemRelease, cu_mem_release, 0, handle);
+}
+
+ZA_HOOK int cuMemMap(device_pointer address, std::size_t size, std::size_t offset,
+                     vmm_handle handle, unsigned long long flags) {
+  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t, std::size_t, vmm_handle, unsigned long long),
+                  cuMemMap, cu_mem_map, size, address, size, offset, handle, flags);
+}
+
+ZA_HOOK int cuMemUnmap(device_pointer address, std::size_t size) {
+  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t), cuMemUnmap, cu_mem_unmap, size, address,
+                  size);
+}
+
+ZA_HOOK int cuMemSetAccess(device_pointer address, std::size_t size, const void* descriptors,
+                           std::size_t count) {
+  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t, const void*, std::size_t), cuMemSetAccess,
+                  cu_mem_set_access, size, address, size, descriptors, count);
+}
+
+ZA_HOOK int cuMemAddressReserve(device_pointer* address, std::size_t size, std::size_t alignment,
+                                device_pointer wanted, unsigned long long flags) {
+  ZA_PASS_THROUGH(
+      int (*)(device_pointer*, std::size_t, std::size_t, device_pointer, unsigned long long),
+      cuMemAddressReserve, cu_mem_address_reserve, size, address, size, alignment, wanted, flags);
+}
+
+ZA_HOOK int cuMemAddressFree(device_pointer address, std::size_t size) {
+  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t), cuMemAddressFree, cu_mem_address_free,
+                  size, address, size);
+}
+
+ZA_HOOK int cuMemAllocManaged(device_pointer* address, std::size_t size, unsigned int flags) {
+  ZA_PASS_THROUGH(int (*)(device_pointer*, std::size_t, unsigned int), cuMemAllocManaged,
+                  cu_mem_alloc_managed, size, address, size, flags);
+}
+
+ZA_HOOK int cudaMallocManaged(void** address, std::size_t size, unsigned int flags) {
+  ZA_PASS_THROUGH(int (*)(void**, std::size_t, unsigned int), cudaMallocManaged,
+                  cuda_malloc_managed, size, address, size, flags);
+}
+
+ZA_HOOK int cuIpcGetMemHandle(ipc_handle* handle, device_pointer address) {
+  ZA_PASS_THROUGH(int (*)(ipc_handle*, device_pointer), cuIpcGetMemHandle, cu_ipc_get_mem_handle,
+                  0, handle, address);
+}
+
+ZA_HOOK int cuIpcOpenMemHandle_v2(device_pointer* address, ipc_handle handle, unsigned int flags) {
+  ZA_PASS_THROUGH(int (*)(device_pointer*, ipc_handle, unsigned int), cuIpcOpenMemHandle_v2,
+                  cu_ipc_open_mem_handle, 0, address, handle, flags);
+}
+
+ZA_HOOK int cuIpcCloseMemHandle(device_pointer address) {
+  ZA_PASS_THROUGH(int (*)(device_pointer), cuIpcCloseMemHandle, cu_ipc_close_mem_handle, 0,
+                  address);
+}
+
+ZA_HOOK int cudaIpcGetMemHandle(ipc_handle* handle, void* address) {
+  ZA_PASS_THROUGH(int (*)(ipc_handle*, void*), cudaIpcGetMemHandle, cuda_ipc_get_mem_handle, 0,
+                  handle, address);
+}
+
+ZA_HOOK int cudaIpcOpenMemHandle(void** address, ipc_handle handle, unsigned int flags) {
+  ZA_PASS_THROUGH(int (*)(void**, ipc_handle, unsigned int), cudaIpcOpenMemHandle,
+                  cuda_ipc_open_mem_handle, 0, address, handle, flags);
+}
+
+ZA_HOOK int cudaIpcCloseMemHandle(void* address) {
+  ZA_PASS_THROUGH(int (*)(void*), cudaIpcCloseMemHandle, cuda_ipc_close_mem_handle, 0, address);
+}
+
 // ---- Entry-point lookups ----------------------------------------------------------------
 
 namespace {
 
-// The hook that serves driver symbol `symbol` (a base name, as cuGetProcAddress takes it),
-// or nullptr when zeroalloc does not serve it.
-void* served_driver_symbol(const char* symbol, int cuda_version, unsigned long long flags);
+// A symbol zeroalloc interposes: the hook that stands in for it, and where the real
+// function is kept.
+struct interposed_symbol {
+  const char* name;
+  void* hook;
+  std::atomic<void*>* real;
+  bool served;  // answered by zeroalloc; otherwise counted and passed through
+};
+
+// The hook for driver symbol `symbol` (a base name, as cuGetProcAddress takes it), in the
+// ABI that `cuda_version` and the per-thread-stream flag select; nullptr when zeroalloc
+// neither serves nor counts it.
+const interposed_symbol* interposed_driver_symbol(const char* symbol, int cuda_version,
+                                                  unsigned long long flags);
+
+// Takes the real function a lookup found for `symbol` and gives the caller zeroalloc's hook
+// instead. `found` says whether the real lookup succeeded; served symbols are answered
+// even when it did not (the simulated device needs no driver).
+bool substitute_hook(const char* symbol, void** function, int cuda_version,
+                     unsigned long long flags, bool found) {
+  if (!interception_active() || symbol == nullptr || function == nullptr) return false;
+  const interposed_symbol* hook = interposed_driver_symbol(symbol, cuda_version, flags);
+  if (hook == nullptr) return false;
+  if (found && *function != nullptr && *function != hook->hook) {
+    hook->real->store(*function, std::memory_order_release);
+  }
+  if (!found && !hook->served) return false;
+  *function = hook->hook;
+  return true;
+}
 
 }  // namespace
 
 ZA_HOOK int cuGetProcAddress_v2(const char* symbol, void** function, int cuda_version,
                                 unsigned long long flags, int* symbol_status) {
-  if (interception_active() && symbol != nullptr && function != nullptr) {
-    if (void* served = served_driver_symbol(symbol, cuda_version, flags)) {
-      *function = served;
-      if (symbol_status != nullptr) *symbol_status = 0;  // CU_GET_PROC_ADDRESS_SUCCESS
-      return kSuccess;
-    }
+  const int result = ZA_REAL(int (*)(const char*, void**, int, unsigned long long, int*),
+                             cuGetProcAddress_v2)(symbol, function, cuda_version, flags,
+                                                  symbol_status);
+  if (substitute_hook(symbol, function, cuda_version, flags, result == kSuccess)) {
+    if (symbol_status != nullptr) *symbol_status = 0;  // CU_GET_PROC_ADDRESS_SUCCESS
+    return kSuccess;
   }
-  return ZA_REAL(int (*)(const char*, void**, int, unsigned long long, int*), cuGetProcAddress_v2)(
-      symbol, function, cuda_version, flags, symbol_status);
+  return result;
 }
 
 ZA_HOOK int cuGetProcAddress(const char* symbol, void** function, int cuda_version,
                              unsigned long long flags) {
-  if (interception_active() && symbol != nullptr && function != nullptr) {
-    if (void* served = served_driver_symbol(symbol, cuda_version, flags)) {
-      *function = served;
-      return kSuccess;
-    }
-  }
-  return ZA_REAL(int (*)(const char*, void**, int, unsigned long long), cuGetProcAddress)(
-      symbol, function, cuda_version, flags);
+  const int result = ZA_REAL(int (*)(const char*, void**, int, unsigned long long),
+                             cuGetProcAddress)(symbol, function, cuda_version, flags);
+  if (substitute_hook(symbol, function, cuda_version, flags, result == kSuccess)) return kSuccess;
+  return result;
 }
-
-namespace {
 
 // cudaGetDriverEntryPoint's flags mean what cuGetProcAddress's do (cudaEnablePerThreadDefaultStream
-// == 2).
-int lookup_through_runtime(const char* symbol, void** function, int cuda_version,
-                           unsigned long long flags, int* status) {
-  if (!interception_active() || symbol == nullptr || function == nullptr) return -1;
-  void* served = served_driver_symbol(symbol, cuda_version, flags);
-  if (served == nullptr) return -1;
-  *function = served;
-  if (status != nullptr) *status = 0;  // cudaDriverEntryPointSuccess
-  return kSuccess;
-}
-
-}  // namespace
+// == 2); without a version it looks up the ABI of the runtime it comes with.
 
 ZA_HOOK int cudaGetDriverEntryPoint(const char* symbol, void** function, unsigned long long flags,
                                     int* status) {
-  if (lookup_through_runtime(symbol, function, 13000, flags, status) == kSuccess) return kSuccess;
-  return ZA_REAL(int (*)(const char*, void**, unsigned long long, int*), cudaGetDriverEntryPoint)(
-      symbol, function, flags, status);
+  const int result = ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
+                             cudaGetDriverEntryPoint)(symbol, function, flags, status);
+  if (substitute_hook(symbol, function, 13000, flags, result == kSuccess)) {
+    if (status != nullptr) *status = 0;  // cudaDriverEntryPointSuccess
+    return kSuccess;
+  }
+  return result;
 }
 
 ZA_HOOK int cudaGetDriverEntryPoint_ptsz(const char* symbol, void** function,
                                          unsigned long long flags, int* status) {
-  if (lookup_through_runtime(symbol, function, 13000, flags | kPerThreadDefaultStream, status) ==
-      kSuccess) {
+  const int result = ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
+                             cudaGetDriverEntryPoint_ptsz)(symbol, function, flags, status);
+  if (substitute_hook(symbol, function, 13000, flags | kPerThreadDefaultStream,
+                      result == kSuccess)) {
+    if (status != nullptr) *status = 0;
     return kSuccess;
   }
-  return ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
-                 cudaGetDriverEntryPoint_ptsz)(symbol, function, flags, status);
+  return result;
 }
 
 ZA_HOOK int cudaGetDriverEntryPointByVersion(const char* symbol, void** function,
                                              unsigned int cuda_version, unsigned long long flags,
                                              int* status) {
-  if (lookup_through_runtime(symbol, function, static_cast<int>(cuda_version), flags, status) ==
-      kSuccess) {
+  const int result =
+      ZA_REAL(int (*)(const char*, void**, unsigned int, unsigned long long, int*),
+              cudaGetDriverEntryPointByVersion)(symbol, function, cuda_version, flags, status);
+  if (substitute_hook(symbol, function, static_cast<int>(cuda_version), flags,
+                      result == kSuccess)) {
+    if (status != nullptr) *status = 0;
     return kSuccess;
   }
-  return ZA_REAL(int (*)(const char*, void**, unsigned int, unsigned long long, int*),
-                 cudaGetDriverEntryPointByVersion)(symbol, function, cuda_version, flags, status);
+  return result;
 }
 
 ZA_HOOK int cudaGetDriverEntryPointByVersion_ptsz(const char* symbol, void** function,
                                                   unsigned int cuda_version,
                                                   unsigned long long flags, int* status) {
-  if (lookup_through_runtime(symbol, function, static_cast<int>(cuda_version),
-                             flags | kPerThreadDefaultStream, status) == kSuccess) {
+  const int result =
+      ZA_REAL(int (*)(const char*, void**, unsigned int, unsigned long long, int*),
+              cudaGetDriverEntryPointByVersion_ptsz)(symbol, function, cuda_version, flags, status);
+  if (substitute_hook(symbol, function, static_cast<int>(cuda_version),
+                      flags | kPerThreadDefaultStream, result == kSuccess)) {
+    if (status != nullptr) *status = 0;
     return kSuccess;
   }
-  return ZA_REAL(int (*)(const char*, void**, unsigned int, unsigned long long, int*),
-                 cudaGetDriverEntryPointByVersion_ptsz)(symbol, function, cuda_version, flags,
-                                                        status);
+  return result;
 }
 
 namespace {
 
-void* served_driver_symbol(const char* symbol, int cuda_version, unsigned long long flags) {
+// Every interposed symbol by its exported name, for dlsym.
+#define ZA_SERVED_ENTRY(name) \
+  interposed_symbol{#name, reinterpret_cast<void*>(&::name), &real_of::name, true},
+#define ZA_PASSTHROUGH_ENTRY(name) \
+  interposed_symbol{#name, reinterpret_cast<void*>(&::name), &real_of::name, false},
+const interposed_symbol kInterposed[] = {
+    ZA_SERVED_SYMBOLS(ZA_SERVED_ENTRY) ZA_PASSTHROUGH_SYMBOLS(ZA_PASSTHROUGH_ENTRY)};
+#undef ZA_SERVED_ENTRY
+#undef ZA_PASSTHROUGH_ENTRY
+
+const interposed_symbol* by_name(const char* name) {
+  for (const interposed_symbol& each : kInterposed) {
+    if (std::strcmp(each.name, name) == 0) return &each;
+  }
+  return nullptr;
+}
+
+const interposed_symbol* interposed_driver_symbol(const char* symbol, int cuda_version,
+                                                  unsigned long long flags) {
   const bool per_thread = (flags & kPerThreadDefaultStream) != 0;
-  // cuMemAlloc, cuMemFree and cuMemGetInfo have had their _v2 ABI since CUDA 3.2.
-  if (std::strcmp(symbol, "cuMemAlloc") == 0 && cuda_version >= 3020) {
-    return reinterpret_cast<void*>(&cuMemAlloc_v2);
-  }
-  if (std::strcmp(symbol, "cuMemFree") == 0 && cuda_version >= 3020) {
-    return reinterpret_cast<void*>(&cuMemFree_v2);
-  }
-  if (std::strcmp(symbol, "cuMemGetInfo") == 0 && cuda_version >= 3020) {
-    return reinterpret_cast<void*>(&cuMemGetInfo_v2);
-  }
-  if (std::strcmp(symbol, "cuMemAllocAsync") == 0) {
-    return per_thread ? reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)
-                      : reinterpret_cast<void*>(&cuMemAllocAsync);
-  }
-  if (std::strcmp(symbol, "cuMemFreeAsync") == 0) {
-    return per_thread ? reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)
-                      : reinterpret_cast<void*>(&cuMemFreeAsync);
-  }
-  // Lookups through a fetched cuGetProcAddress stay intercepted.
-  if (std::strcmp(symbol, "cuGetProcAddress") == 0) {
-    return cuda_version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
-                                 : reinterpret_cast<void*>(&cuGetProcAddress);
+  // cuMemAlloc, cuMemFree and cuMemGetInfo have had their _v2 ABI since CUDA 3.2; the
+  // cuIpcOpenMemHandle we count is the _v2 of CUDA 11.
+  struct versioned {
+    const char* base;
+    int since;
+    const char* exported;
+    const char* exported_per_thread;
+  };
+  static constexpr versioned kDriverSymbols[] = {
+      {"cuMemAlloc", 3020, "cuMemAlloc_v2", nullptr},
+      {"cuMemFree", 3020, "cuMemFree_v2", nullptr},
+      {"cuMemGetInfo", 3020, "cuMemGetInfo_v2", nullptr},
+      {"cuMemAllocAsync", 0, "cuMemAllocAsync", "cuMemAllocAsync_ptsz"},
+      {"cuMemFreeAsync", 0, "cuMemFreeAsync", "cuMemFreeAsync_ptsz"},
+      // Lookups through a fetched cuGetProcAddress stay intercepted.
+      {"cuGetProcAddress", 12000, "cuGetProcAddress_v2", nullptr},
+      {"cuGetProcAddress", 0, "cuGetProcAddress", nullptr},
+      {"cuMemCreate", 0, "cuMemCreate", nullptr},
+      {"cuMemRelease", 0, "cuMemRelease", nullptr},
+      {"cuMemMap", 0, "cuMemMap", nullptr},
+      {"cuMemUnmap", 0, "cuMemUnmap", nullptr},
+      {"cuMemSetAccess", 0, "cuMemSetAccess", nullptr},
+      {"cuMemAddressReserve", 0, "cuMemAddressReserve", nullptr},
+      {"cuMemAddressFree", 0, "cuMemAddressFree", nullptr},
+      {"cuMemAllocManaged", 0, "cuMemAllocManaged", nullptr},
+      {"cuIpcGetMemHandle", 0, "cuIpcGetMemHandle", nullptr},
+      {"cuIpcOpenMemHandle", 11000, "cuIpcOpenMemHandle_v2", nullptr},
+      {"cuIpcCloseMemHandle", 0, "cuIpcCloseMemHandle", nullptr},
+  };
+  for (const versioned& each : kDriverSymbols) {
+    if (std::strcmp(each.base, symbol) != 0 || cuda_version < each.since) continue;
+    const char* exported =
+        per_thread && each.exported_per_thread != nullptr ? each.exported_per_thread
+                                                          : each.exported;
+    return by_name(exported);
   }
   return nullptr;
 }
 
 }  // namespace
+
+// ---- dlsym ------------------------------------------------------------------------------
+//
+// Note [dlsym]: programs that dlopen the runtime or the driver and look functions up on its
+// handle (ctypes, Numba, JAX) would bypass the hooks, so a preloaded zeroalloc answers
+// dlsym(handle, name) with its hook when `name` is interposed and the handle's library
+// defines it. Everything else must reach glibc's dlsym as if zeroalloc were not there: glibc
+// resolves RTLD_NEXT (and RTLD_DEFAULT's namespace) relative to its caller, found from the
+// return address, so a C++ wrapper that called it would make every RTLD_NEXT lookup of
+// every other interposer start after libzeroalloc instead of after that interposer. The
+// trampoline below therefore jumps to glibc's dlsym with the caller's return address in
+// place. Lookups from inside libzeroalloc (the driver table in device/cuda_driver.cpp) are
+// never answered with a hook. x86-64 only; elsewhere dlsym is not interposed.
+
+namespace {
+
+// Returned by the decision to mean "let glibc answer".
+void* const kForward = reinterpret_cast<void*>(~std::uintptr_t{0});
+
+bool called_from_zeroalloc(void* caller) {
+  static void* const own_base = [] {
+    Dl_info self{};
+    return dladdr(reinterpret_cast<void*>(&by_name), &self) != 0 ? self.dli_fbase : nullptr;
+  }();
+  Dl_info info{};
+  return dladdr(caller, &info) != 0 && info.dli_fbase == own_base;
+}
+
+}  // namespace
+
+// What dlsym(handle, name) returns, or kForward when glibc's dlsym should answer as usual.
+extern "C" __attribute__((visibility("hidden"))) void* zeroalloc_dlsym_decide(void* handle,
+                                                                               const char* name,
+                                                                               void* caller) {
+  const dlsym_function glibc_dlsym = real_dlsym();  // also sets zeroalloc_real_dlsym
+  if (!interception_active() || name == nullptr || handle == RTLD_NEXT ||
+      handle == RTLD_DEFAULT) {
+    return kForward;  // the global scope finds the preloaded hooks first anyway
+  }
+  const interposed_symbol* hook = by_name(name);
+  if (hook == nullptr || called_from_zeroalloc(caller)) return kForward;
+  void* found = glibc_dlsym(handle, name);  // an explicit handle: the caller does not matter
+  if (found == nullptr || found == hook->hook) return found;
+  hook->real->store(found, std::memory_order_release);
+  return hook->hook;
+}
+
+#if defined(__x86_64__)
+// dlsym(handle, name): keeps both arguments, asks zeroalloc_dlsym_decide (passing the
+// caller's return address), and either returns its answer or jumps to glibc's dlsym with
+// the original arguments and return address (Note [dlsym]).
+asm(R"(
+    .text
+    .globl dlsym
+    .type dlsym, @function
+    .p2align 4
+dlsym:
+    .cfi_startproc
+    pushq %rdi
+    .cfi_adjust_cfa_offset 8
+    pushq %rsi
+    .cfi_adjust_cfa_offset 8
+    movq 16(%rsp), %rdx
+    subq $8, %rsp
+    .cfi_adjust_cfa_offset 8
+    call zeroalloc_dlsym_decide
+    addq $8, %rsp
+    .cfi_adjust_cfa_offset -8
+    popq %rsi
+    .cfi_adjust_cfa_offset -8
+    popq %rdi
+    .cfi_adjust_cfa_offset -8
+    cmpq $-1, %rax
+    je 1f
+    ret
+1:
+    jmpq *zeroalloc_real_dlsym(%rip)
+    .cfi_endproc
+    .size dlsym, .-dlsym
+)");
+#endif

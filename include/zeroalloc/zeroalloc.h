@@ -105,6 +105,9 @@ void zeroalloc_reset_peak_stats(int device);
  * Writes the statistics of `device` as a JSON object into `buffer` (at most `length`
  * bytes, NUL-terminated when length > 0) and returns the length of the full text without
  * its NUL, so a caller can size the buffer with a first call of length 0.
+ * Its "passthrough" object counts, for the whole process, the CUDA calls a preloaded
+ * zeroalloc saw and left to CUDA (cuMemCreate, cudaMallocManaged, IPC, frees of memory it
+ * does not own): {"cuMemCreate":{"calls":N,"bytes":B},...}.
  * Returns -1 with zeroalloc_last_error() set when `device` is not valid.
  */
 int zeroalloc_stats_json(int device, char* buffer, size_t length);

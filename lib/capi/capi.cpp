@@ -11,6 +11,7 @@
 
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
+#include "core/passthrough.hpp"
 #include "core/errors.hpp"
 #include "core/json.hpp"
 #include "core/log.hpp"
@@ -164,7 +165,11 @@ int copy_out(const std::string& text, char* buffer, size_t length) {
 
 ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
   return guarded("zeroalloc_stats_json", -1, [&] {
-    return copy_out(runtime::get().allocator(device).stats_json(), buffer, length);
+    // The device's figures, and the process-wide counts of calls zeroalloc passed through.
+    std::string text = runtime::get().allocator(device).stats_json();
+    text.pop_back();  // the closing brace
+    text += ",\"passthrough\":" + zeroalloc::passthrough_json() + "}";
+    return copy_out(text, buffer, length);
   });
 }
 

@@ -16,6 +16,7 @@
 #include "core/errors.hpp"
 #include "core/json.hpp"
 #include "core/log.hpp"
+#include "core/passthrough.hpp"
 #include "core/units.hpp"
 
 namespace zeroalloc {
@@ -191,7 +192,7 @@ std::string reporter::build_json(const std::string& reason) const {
   }
   std::lock_guard lock(mutex_);
   out += detail::concat(
-      "],\"last_out_of_memory\":", last_out_of_memory_.empty() ? "null" : last_out_of_memory_,
+      "],\"passthrough\":", passthrough_json(), ",\"last_out_of_memory\":", last_out_of_memory_.empty() ? "null" : last_out_of_memory_,
       ",\"timeline\":{");
   out += detail::concat("\"interval_ms\":", interval_ms_.load(), ",\"t_ms\":[");
   for (std::size_t i = 0; i < times_ms_.size(); ++i)

@@ -31,6 +31,23 @@ long long total_count(const std::string& key) {
   return std::atoll(text.c_str() + at + key.size() + 3);
 }
 
+// Calls of `name` that zeroalloc counted and passed through (the "passthrough" object).
+long long passthrough(const std::string& name, const char* figure = "calls") {
+  const std::string text = stats();
+  const std::size_t section = text.find("\"passthrough\":");
+  const std::size_t entry = text.find("\"" + name + "\":{", section);
+  if (section == std::string::npos || entry == std::string::npos) return -1;
+  const std::string key = std::string("\"") + figure + "\":";
+  const std::size_t at = text.find(key, entry);
+  return std::atoll(text.c_str() + at + key.size());
+}
+
+// The file of the shared object that defines `address`.
+std::string defining_file(void* address) {
+  Dl_info info{};
+  return dladdr(address, &info) != 0 && info.dli_fname != nullptr ? info.dli_fname : "";
+}
+
 bool simulated() { return stats().find("\"simulated\":true") != std::string::npos; }
 
 void expect_writable(void* pointer, std::size_t bytes) {
@@ -142,6 +159,104 @@ TEST_F(PreloadTest, CuGetProcAddressServesThePerThreadStreamVariants) {
   ASSERT_EQ(reinterpret_cast<alloc_async>(alloc_function)(&address, 4096, nullptr), 0);
   EXPECT_EQ(total_count("allocations"), before + 1);
   EXPECT_EQ(reinterpret_cast<free_async>(free_function)(address, nullptr), 0);
+}
+
+TEST_F(PreloadTest, DlsymOnTheRuntimesHandleFindsTheHook) {
+  // A program that dlopens the runtime and looks cudaMalloc up on its handle (ctypes does).
+  const std::string runtime_file = defining_file(reinterpret_cast<void*>(&cudaGetDeviceCount));
+  ASSERT_NE(runtime_file.find("libcudart"), std::string::npos) << runtime_file;
+  void* runtime = dlopen(runtime_file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(runtime, nullptr) << dlerror();
+  using malloc_function = cudaError_t (*)(void**, std::size_t);
+  using free_function = cudaError_t (*)(void*);
+  auto found_malloc = reinterpret_cast<malloc_function>(dlsym(runtime, "cudaMalloc"));
+  auto found_free = reinterpret_cast<free_function>(dlsym(runtime, "cudaFree"));
+  ASSERT_NE(found_malloc, nullptr);
+  EXPECT_NE(defining_file(reinterpret_cast<void*>(found_malloc)).find("libzeroalloc"),
+            std::string::npos);
+  const long long before = total_count("allocations");
+  void* pointer = nullptr;
+  ASSERT_EQ(found_malloc(&pointer, 1 << 20), cudaSuccess);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  expect_writable(pointer, 1 << 20);
+  EXPECT_EQ(found_free(pointer), cudaSuccess);
+  // Functions zeroalloc does not interpose come from the runtime itself.
+  EXPECT_EQ(dlsym(runtime, "cudaGetDeviceCount"), reinterpret_cast<void*>(&cudaGetDeviceCount));
+  dlclose(runtime);
+}
+
+TEST_F(PreloadTest, DlsymKeepsRtldNextRelativeToItsCaller) {
+  // From this program, the next dlsym is libzeroalloc's (preloaded); had zeroalloc's dlsym
+  // called glibc's from inside itself, "next" would start after libzeroalloc instead.
+  EXPECT_NE(defining_file(dlsym(RTLD_NEXT, "dlsym")).find("libzeroalloc"), std::string::npos);
+  EXPECT_NE(dlsym(RTLD_NEXT, "cudaGetDeviceCount"), nullptr);
+  // A library that does not define the symbol still has none.
+  void* math = dlopen("libm.so.6", RTLD_NOW);
+  ASSERT_NE(math, nullptr);
+  EXPECT_EQ(dlsym(math, "cudaMalloc"), nullptr);
+  EXPECT_EQ(dlsym(math, "zeroalloc_no_such_symbol"), nullptr);
+  EXPECT_NE(dlerror(), nullptr);  // and dlerror says why, as glibc's dlsym does
+  dlclose(math);
+}
+
+TEST_F(PreloadTest, ManagedMemoryAndForeignFreesPassThroughAndAreCounted) {
+  const long long calls = passthrough("cudaMallocManaged");
+  const long long bytes = passthrough("cudaMallocManaged", "bytes");
+  const long long allocations = total_count("allocations");
+  void* pointer = nullptr;
+  const cudaError_t result = cudaMallocManaged(&pointer, 1 << 20, cudaMemAttachGlobal);
+  EXPECT_EQ(passthrough("cudaMallocManaged"), calls + 1);
+  EXPECT_EQ(passthrough("cudaMallocManaged", "bytes"), bytes + (1 << 20));
+  EXPECT_EQ(total_count("allocations"), allocations) << "managed memory is not zeroalloc's";
+  if (result != cudaSuccess) GTEST_SKIP() << "skipped the free: the runtime has no GPU here";
+  const long long foreign = passthrough("cudaFree_not_owned");
+  EXPECT_EQ(cudaFree(pointer), cudaSuccess);  // reaches the real cudaFree
+  EXPECT_EQ(passthrough("cudaFree_not_owned"), foreign + 1);
+}
+
+TEST_F(PreloadTest, VmmCallsFetchedThroughCuGetProcAddressAreCountedAndWork) {
+  using get_proc_address = int (*)(const char*, void**, int, unsigned long long, int*);
+  using address_reserve = int (*)(unsigned long long*, std::size_t, std::size_t,
+                                  unsigned long long, unsigned long long);
+  using address_free = int (*)(unsigned long long, std::size_t);
+  auto lookup = reinterpret_cast<get_proc_address>(dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
+  ASSERT_NE(lookup, nullptr);
+  void* reserve = nullptr;
+  void* release = nullptr;
+  if (lookup("cuMemAddressReserve", &reserve, 12000, 0, nullptr) != 0) {
+    GTEST_SKIP() << "skipped: no CUDA driver here to pass the call through to";
+  }
+  ASSERT_EQ(lookup("cuMemAddressFree", &release, 12000, 0, nullptr), 0);
+  EXPECT_NE(defining_file(reserve).find("libzeroalloc"), std::string::npos);
+  ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // a context for the driver calls
+  const long long calls = passthrough("cuMemAddressReserve");
+  unsigned long long address = 0;
+  ASSERT_EQ(reinterpret_cast<address_reserve>(reserve)(&address, 64 << 20, 0, 0, 0), 0);
+  EXPECT_NE(address, 0u);
+  EXPECT_EQ(passthrough("cuMemAddressReserve"), calls + 1);
+  EXPECT_EQ(passthrough("cuMemAddressReserve", "bytes") >= (64 << 20), true);
+  EXPECT_EQ(reinterpret_cast<address_free>(release)(address, 64 << 20), 0);
+  EXPECT_GE(passthrough("cuMemAddressFree"), 1);
+}
+
+TEST_F(PreloadTest, DlsymOnTheDriversHandleServesCuMemAlloc) {
+  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver == nullptr) GTEST_SKIP() << "skipped: no CUDA driver (libcuda.so.1) here";
+  using mem_alloc = int (*)(unsigned long long*, std::size_t);
+  using mem_free = int (*)(unsigned long long);
+  auto found_alloc = reinterpret_cast<mem_alloc>(dlsym(driver, "cuMemAlloc_v2"));
+  auto found_free = reinterpret_cast<mem_free>(dlsym(driver, "cuMemFree_v2"));
+  ASSERT_NE(found_alloc, nullptr);
+  EXPECT_NE(defining_file(reinterpret_cast<void*>(found_alloc)).find("libzeroalloc"),
+            std::string::npos);
+  ASSERT_EQ(cudaFree(nullptr), cudaSuccess);
+  const long long before = total_count("allocations");
+  unsigned long long address = 0;
+  ASSERT_EQ(found_alloc(&address, 2 << 20), 0);
+  EXPECT_EQ(total_count("allocations"), before + 1);
+  expect_writable(reinterpret_cast<void*>(address), 2 << 20);
+  EXPECT_EQ(found_free(address), 0);
+  dlclose(driver);
 }
 
 // With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.

@@ -51,6 +51,9 @@ def memory_stats(device: int = 0) -> dict:
     for key in ("limit_bytes", "held_bytes", "pooled_bytes", "limit_source", "device_name",
                 "simulated"):
         flat[f"zeroalloc.{key}"] = raw[key]
+    for call, figures in raw.get("passthrough", {}).items():
+        flat[f"zeroalloc.passthrough.{call}.calls"] = figures["calls"]
+        flat[f"zeroalloc.passthrough.{call}.bytes"] = figures["bytes"]
     return flat
 
 
@@ -97,7 +100,14 @@ def memory_summary(device: int = 0) -> str:
     footer = (f"retries after releasing cache: {total['retries']}; out-of-memory failures: "
               f"{total['failures']}; segments mapped {total['segments_mapped']}, unmapped "
               f"{total['segments_unmapped']}, moved to another class {total['segments_donated']}")
-    return "\n".join([*header, rule, line(columns), rule, *map(line, rows), rule, footer])
+    passed = [f"{call} {figures['calls']}" + (f" ({_format_bytes(figures['bytes'])})"
+                                              if figures["bytes"] else "")
+              for call, figures in raw.get("passthrough", {}).items() if figures["calls"]]
+    lines = [*header, rule, line(columns), rule, *map(line, rows), rule, footer]
+    if passed:
+        lines.append("CUDA calls passed through (memory zeroalloc does not manage): " +
+                     ", ".join(passed))
+    return "\n".join(lines)
 
 
 def empty_cache() -> None:
