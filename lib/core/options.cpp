@@ -43,6 +43,15 @@ const std::vector<option_spec> kTable = {
     {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
      "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
      "driver."},
+    {"ZEROALLOC_TORCH", option_kind::choice, "native", "native|zeroalloc",
+     "Which allocator PyTorch uses when the Python package's start-up hook is active "
+     "(libzeroalloc.so preloaded, or this variable set): native keeps PyTorch's caching "
+     "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
+     "torch is imported, as zeroalloc.torch.install() does."},
+    {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
+     "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
+     "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
+     "itself is not part of this release."},
     {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
      "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
      "in the build tree."},

@@ -164,3 +164,32 @@ def test_doctor_fails_on_a_malformed_variable_and_names_it():
     assert result.returncode == 1
     assert "ZEROALLOC_CHUNK_SIZE='3MiB' is not valid" in result.stdout
     assert "multiple of 2MiB" in result.stdout
+
+
+def _tmpfs_directory():
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if fields[2] == "tmpfs" and os.access(fields[1], os.W_OK):
+                return fields[1]
+    return None
+
+
+def test_doctor_checks_o_direct_on_each_nvme_path(tmp_path):
+    directories = [str(tmp_path), "/nonexistent/nvme0"]
+    tmpfs = _tmpfs_directory()
+    if tmpfs is not None:
+        directories.append(tmpfs)
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE),
+                                 "ZEROALLOC_NVME_PATH": ":".join(directories)},
+                            capture_output=True, text=True)
+    lines = result.stdout.splitlines()
+    row = next(line for line in lines if line.startswith(f"NVMe path {tmp_path}"))
+    assert "O_DIRECT works" in row, result.stdout  # ext4 here; tmpfs since Linux 6.6 too
+    assert any("/nonexistent/nvme0 does not exist" in line for line in lines), result.stdout
+    if tmpfs is not None:  # memory, not a drive: accepted with a warning, or refused
+        tmpfs_row = next(line for line in lines if line.startswith(f"NVMe path {tmpfs} "))
+        assert ("WARN" in tmpfs_row and "on tmpfs" in tmpfs_row) or "FAIL" in tmpfs_row
+    assert result.returncode == 1  # a configured path that cannot serve the tier fails
+    assert not list(tmp_path.iterdir()), "the probe file was left behind"

@@ -6,6 +6,7 @@ bit for bit."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,15 +25,22 @@ if not LIBRARY.is_file():
     pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
 
 
-def train(preload: bool, expandable: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("ZEROALLOC_LIBRARY", None)
+def train(preload: bool, expandable: bool, site_dir: Path | None = None,
+          **environment) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_DEVICE"] = "cuda"  # whatever the calling environment says
     env["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{expandable}"
+    env.update(environment)
     if preload:
         env["LD_PRELOAD"] = str(LIBRARY)
-    result = subprocess.run([sys.executable, str(SCRIPT), "--allocator", "native", "--steps",
-                             str(STEPS)], env=env, capture_output=True, text=True, timeout=600)
+    arguments = [str(SCRIPT), "--allocator", "native", "--steps", str(STEPS)]
+    command = [sys.executable, *arguments]
+    if site_dir is not None:  # as if the package were installed: its .pth runs at start-up
+        command = [sys.executable, "-c",
+                   "import runpy, site, sys; site.addsitedir(sys.argv[1]); "
+                   "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+                   str(site_dir), *arguments]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
 
@@ -63,3 +71,21 @@ def test_unmodified_script_trains_identically_under_preload(expandable):
         # PyTorch maps its expandable segments itself, through the driver's VMM calls: they
         # reach the driver unchanged and the statistics count them.
         assert created["calls"] > 0 and created["bytes"] >= 20 << 20
+
+
+def test_environment_alone_makes_zeroalloc_pytorchs_allocator(tmp_path):
+    """ZEROALLOC_TORCH=zeroalloc with the package installed (its start-up hook in
+    site-packages) and the library preloaded: the unmodified script's tensors come straight
+    from zeroalloc, with the same losses."""
+    shutil.copy(ROOT / "bindings" / "python" / "zeroalloc-startup.pth", tmp_path)
+    shutil.copytree(ROOT / "bindings" / "python" / "zeroalloc", tmp_path / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    plain = train(preload=False, expandable=False)
+    swapped = train(preload=True, expandable=False, site_dir=tmp_path, ZEROALLOC_TORCH="zeroalloc")
+    assert losses(swapped) == losses(plain)
+    stats_lines = [line for line in swapped.stdout.splitlines() if line.startswith("stats ")]
+    total = json.loads(stats_lines[0][len("stats "):])["total"]
+    print(f"ZEROALLOC_TORCH=zeroalloc: {total['allocations']} allocations served directly")
+    # PyTorch's caching allocator would have asked for a few large segments; zeroalloc
+    # serving every tensor sees thousands of allocations.
+    assert total["allocations"] > 20 * STEPS

@@ -26,8 +26,22 @@ def _candidates() -> list[Path]:
     return found
 
 
+def preloaded_library() -> Path | None:
+    """The libzeroalloc.so in LD_PRELOAD, if this process preloads one."""
+    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        path = Path(entry)
+        if path.name.startswith("libzeroalloc") and path.is_file():
+            return path
+    return None
+
+
 def library_path() -> Path:
-    """The libzeroalloc.so this package uses. Raises ZeroallocError naming where it looked."""
+    """The libzeroalloc.so this package uses: the preloaded one when the process preloads it
+    (one library, one allocator per process), else ZEROALLOC_LIBRARY, next to the package,
+    or the build tree. Raises ZeroallocError naming where it looked."""
+    preloaded = preloaded_library()
+    if preloaded is not None:
+        return preloaded
     candidates = _candidates()
     if os.environ.get("ZEROALLOC_LIBRARY"):
         explicit = candidates[0]

@@ -192,6 +192,84 @@ def _system_checks(checks: list[Check]) -> None:
                         + (f": {', '.join(os.path.basename(node) for node in nodes)}" if nodes else "")))
 
 
+def _direct_io_problem(directory: str) -> str | None:
+    """Writes, reads back and removes one 4 KiB block with O_DIRECT in `directory`; None when
+    that works, else what went wrong."""
+    import mmap
+    import tempfile
+
+    if not os.path.isdir(directory):
+        return "does not exist or is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable by this user"
+    block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    block.write(b"zeroalloc" * 455)
+    descriptor, path = tempfile.mkstemp(prefix=".zeroalloc-doctor-", dir=directory)
+    os.close(descriptor)
+    try:
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_DIRECT)
+        except OSError as error:
+            return f"refuses O_DIRECT ({error.strerror}): tmpfs and some network file systems do"
+        try:
+            os.write(descriptor, block)
+            back = mmap.mmap(-1, 4096)
+            os.lseek(descriptor, 0, os.SEEK_SET)
+            os.readv(descriptor, [back])
+            if back[:] != block[:]:
+                return "an O_DIRECT write did not read back the same bytes"
+        except OSError as error:
+            return f"O_DIRECT write or read failed ({error.strerror})"
+        finally:
+            os.close(descriptor)
+    finally:
+        os.unlink(path)
+    return None
+
+
+def _file_system_type(directory: str) -> str:
+    """The type of the file system `directory` is on, from /proc/mounts (longest match)."""
+    path = os.path.realpath(directory)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1]
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _nvme_checks(checks: list[Check]) -> None:
+    setting = os.environ.get("ZEROALLOC_NVME_PATH", "")
+    directories = [entry for entry in setting.split(":") if entry]
+    if not directories:
+        checks.append(Check("NVMe paths", PASS, "ZEROALLOC_NVME_PATH not set: no NVMe tier "
+                            "configured"))
+        return
+    for directory in directories:
+        problem = _direct_io_problem(directory)
+        if problem is None:
+            stats = os.statvfs(directory)
+            free_gib = stats.f_bavail * stats.f_frsize / 2**30
+            kind = _file_system_type(directory)
+            finding = f"O_DIRECT works on {kind}; {free_gib:.1f} GiB free"
+            if kind in ("tmpfs", "ramfs"):
+                checks.append(Check(f"NVMe path {directory}", WARN, finding,
+                                    "this directory is in host memory, not on a drive: "
+                                    "offloading there spends RAM the host tier could use"))
+            else:
+                checks.append(Check(f"NVMe path {directory}", PASS, finding))
+        else:
+            checks.append(Check(f"NVMe path {directory}", FAIL, f"{directory} {problem}",
+                                "point ZEROALLOC_NVME_PATH at directories on local NVMe "
+                                "drives (ext4 or xfs), separated by ':'"))
+
+
 def _nccl_check(checks: list[Check], build: dict | None) -> None:
     nccl = _load(["libnccl.so.2", "libnccl.so"])
     if nccl is None:
@@ -233,6 +311,7 @@ def run_checks() -> list[Check]:
     _runtime_check(checks, build)
     _gpu_checks(checks, driver, count)
     _system_checks(checks)
+    _nvme_checks(checks)
     _nccl_check(checks, build)
     _torch_check(checks)
     return checks

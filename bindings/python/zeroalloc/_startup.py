@@ -1,0 +1,69 @@
+"""The start-up hook: ``zeroalloc-startup.pth`` (installed into site-packages with the
+package) imports this module when Python starts in a process that preloads libzeroalloc.so
+or sets ZEROALLOC_TORCH, so that environment variables alone switch an unmodified script:
+
+    ZEROALLOC_TORCH=zeroalloc python train.py
+    LD_PRELOAD=libzeroalloc.so ZEROALLOC_REPORT=/tmp/run python train.py
+
+Nothing happens until ``torch`` is imported; then what the environment asks for is done
+before the script can touch CUDA. A failure here never stops Python from starting: it is
+reported on standard error with what to do.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+#: Values of ZEROALLOC_TORCH, as the library's options table accepts them.
+TORCH_CHOICES = ("native", "zeroalloc")
+
+
+def torch_allocator_choice() -> str:
+    """ZEROALLOC_TORCH, checked: "native" (the default) or "zeroalloc"."""
+    value = os.environ.get("ZEROALLOC_TORCH", "native").strip().lower()
+    if value not in TORCH_CHOICES:
+        from zeroalloc._library import ZeroallocError
+        raise ZeroallocError(
+            f"ZEROALLOC_TORCH={os.environ['ZEROALLOC_TORCH']!r} is not valid: use one of "
+            f"{'|'.join(TORCH_CHOICES)} (native keeps PyTorch's allocator on top of zeroalloc; "
+            "zeroalloc makes zeroalloc PyTorch's allocator)")
+    return value
+
+
+def on_torch_imported(torch_module) -> None:
+    """Runs right after ``import torch`` has finished, before the script continues."""
+    if torch_allocator_choice() == "zeroalloc":
+        import zeroalloc.torch as zt
+        zt.install()
+
+
+class _TorchImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch`` is about to be imported, it wraps the loader that
+    the other finders chose so that on_torch_imported runs once torch's module has executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once, and never in the way of the lookup below
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            on_torch_imported(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+try:
+    torch_allocator_choice()  # a bad value is said at start-up, not deep inside torch
+    sys.meta_path.insert(0, _TorchImportWatcher())
+except Exception as error:  # the start-up hook must never keep Python from starting
+    print(f"zeroalloc: the start-up hook did nothing: {error} "
+          "(set ZEROALLOC_DISABLE=1 to silence it)", file=sys.stderr)

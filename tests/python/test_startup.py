@@ -1,0 +1,129 @@
+"""The start-up hook (zeroalloc-startup.pth): installed into site-packages, it lets
+environment variables alone switch an unmodified script to zeroalloc. Here a stand-in
+`torch` records what is done to it, so the test needs neither PyTorch nor a GPU; the real
+thing runs on the GPU machine in test_preload_torch.py."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
+
+if not LIBRARY.is_file():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+
+# A stand-in for torch with the pluggable-allocator API that zeroalloc.torch.install() uses.
+FAKE_TORCH = textwrap.dedent('''
+    import types
+    calls = []
+
+    class _Hooks:
+        def __getattr__(self, name):
+            return lambda address: calls.append((name, address))
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc, free):
+            calls.append(("CUDAPluggableAllocator", path, alloc, free))
+            self._hooks = _Hooks()
+        def allocator(self):
+            return self._hooks
+
+    def change_current_allocator(allocator):
+        calls.append(("change_current_allocator",))
+
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: False,
+        memory=types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
+                                     change_current_allocator=change_current_allocator))
+''')
+
+PROGRAM = textwrap.dedent('''
+    import site, sys
+    site.addsitedir(sys.argv[1])  # what Python does for site-packages at start-up
+    started = "zeroalloc._startup" in sys.modules
+    import torch
+    print("startup", started)
+    for call in torch.calls:
+        print("call", *call)
+''')
+
+
+@pytest.fixture(scope="module")
+def site_dir(tmp_path_factory):
+    """A site directory as pip leaves it: the .pth file and the package, plus fake torch."""
+    root = tmp_path_factory.mktemp("site")
+    shutil.copy(PACKAGE / "zeroalloc-startup.pth", root)
+    shutil.copytree(PACKAGE / "zeroalloc", root / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "torch").mkdir()
+    (root / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    return root
+
+
+def run(site_dir, **environment):
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("ZEROALLOC_") and key != "LD_PRELOAD"}
+    env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_DEVICE": "sim", **environment})
+    result = subprocess.run([sys.executable, "-c", PROGRAM, str(site_dir)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_zeroalloc_torch_makes_zeroalloc_pytorchs_allocator_at_import(site_dir):
+    result = run(site_dir, ZEROALLOC_TORCH="zeroalloc")
+    lines = result.stdout.splitlines()
+    assert "startup True" in lines
+    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_malloc zeroalloc_free" in lines
+    setters = sorted(line.split()[1] for line in lines if line.startswith("call set_"))
+    assert setters == ["set_init_fn", "set_memory_fraction_fn", "set_record_stream_fn",
+                       "set_reset_fn"]
+    assert all(int(line.split()[2]) != 0 for line in lines if line.startswith("call set_"))
+    assert lines[-1] == "call change_current_allocator"
+
+
+def test_preloaded_library_is_the_one_pytorch_gets(site_dir):
+    result = run(site_dir, ZEROALLOC_TORCH="zeroalloc", LD_PRELOAD=str(LIBRARY),
+                 ZEROALLOC_LIBRARY="/nonexistent/libzeroalloc.so")
+    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_malloc zeroalloc_free" in \
+        result.stdout.splitlines()
+
+
+def test_preload_alone_keeps_pytorchs_allocator_on_top(site_dir):
+    result = run(site_dir, LD_PRELOAD=str(LIBRARY))
+    assert "startup True" in result.stdout.splitlines()
+    assert "change_current_allocator" not in result.stdout
+
+
+def test_nothing_happens_without_preload_or_variable(site_dir):
+    result = run(site_dir)
+    assert "startup False" in result.stdout.splitlines()
+    assert "call" not in result.stdout
+
+
+def test_disable_turns_the_hook_off(site_dir):
+    result = run(site_dir, ZEROALLOC_TORCH="zeroalloc", ZEROALLOC_DISABLE="1")
+    assert "startup False" in result.stdout.splitlines()
+    assert "change_current_allocator" not in result.stdout
+
+
+def test_a_bad_value_is_named_and_python_still_starts(site_dir):
+    result = run(site_dir, ZEROALLOC_TORCH="zeroaloc")
+    assert "ZEROALLOC_TORCH='zeroaloc' is not valid: use one of native|zeroalloc" in result.stderr
+    assert "change_current_allocator" not in result.stdout
+
+
+def test_the_built_package_puts_the_hook_at_the_top_of_site_packages(tmp_path):
+    pytest.importorskip("setuptools", reason="skipped: setuptools is not installed")
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                   cwd=PACKAGE, check=True, capture_output=True)
+    assert (tmp_path / "zeroalloc-startup.pth").read_text() == \
+        (PACKAGE / "zeroalloc-startup.pth").read_text()
+    assert (tmp_path / "zeroalloc" / "_startup.py").is_file()
