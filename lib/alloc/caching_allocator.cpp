@@ -290,6 +290,33 @@ void append_figures(std::string& out, const class_figures& figures) {
 
 }  // namespace
 
+void caching_allocator::list_chunks(std::vector<chunk_info>& into) const {
+  for (const auto& each : heaps_) each->list_chunks(into);
+}
+
+bool caching_allocator::chunks_of_allocation(const void* pointer,
+                                             std::vector<chunk_info>& into) const {
+  heap* owner = heap_at(reinterpret_cast<std::uintptr_t>(pointer));
+  return owner != nullptr &&
+         owner->chunks_of_allocation(reinterpret_cast<std::uintptr_t>(pointer), into);
+}
+
+bool caching_allocator::pin_chunk(std::uintptr_t address, chunk_info& into) {
+  heap* owner = heap_at(address);
+  return owner != nullptr && owner->pin_chunk(address, into);
+}
+
+physical_handle caching_allocator::replace_pinned_chunk(std::uintptr_t address,
+                                                        physical_handle replacement) {
+  heap* owner = heap_at(address);
+  ZA_REQUIRE(owner != nullptr, "no chunk of this allocator at ", address);
+  return owner->replace_pinned_chunk(address, replacement);
+}
+
+void caching_allocator::unpin_chunk(std::uintptr_t address) {
+  if (heap* owner = heap_at(address)) owner->unpin_chunk(address);
+}
+
 std::string caching_allocator::snapshot_json() const {
   std::string out = detail::concat("{\"device\":", device_.ordinal(), ",\"segments\":[");
   const char* separator = "";

@@ -118,6 +118,17 @@ class caching_allocator {
 
   [[nodiscard]] device& backing() { return device_; }
 
+  // What the offload engine (lib/tier) works with: chunks of live segments, pinned while
+  // they move (Note [Pinned chunks] in heap.cpp), and device chunks from the arena.
+  /// Appends the chunks of every segment that holds live allocations.
+  void list_chunks(std::vector<chunk_info>& into) const;
+  /// Appends the chunks the live allocation at `pointer` spans; false when there is none.
+  bool chunks_of_allocation(const void* pointer, std::vector<chunk_info>& into) const;
+  bool pin_chunk(std::uintptr_t address, chunk_info& into);
+  physical_handle replace_pinned_chunk(std::uintptr_t address, physical_handle replacement);
+  void unpin_chunk(std::uintptr_t address);
+  [[nodiscard]] chunk_arena& arena() { return arena_; }
+
   /// Around fork(): take every lock of this allocator, in the one order the allocator
   /// itself takes them, and give them back in parent and child (Note [Fork]).
   void prepare_fork();

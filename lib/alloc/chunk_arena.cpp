@@ -118,15 +118,36 @@ void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
 }
 
 void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {
-  std::lock_guard lock(mutex_);
-  std::size_t offset = 0;
-  for (const physical_handle& handle : chunks) {
-    device_.unmap(address + offset, handle.bytes);
-    offset += handle.bytes;
-    pool_[handle.bytes].push_back(handle);
-    pooled_bytes_ += handle.bytes;
+  std::vector<physical_handle> on_host;
+  {
+    std::lock_guard lock(mutex_);
+    std::size_t offset = 0;
+    for (const physical_handle& handle : chunks) {
+      device_.unmap(address + offset, handle.bytes);
+      offset += handle.bytes;
+      if (handle.location == memory_location::host) {
+        on_host.push_back(handle);
+        continue;
+      }
+      pool_[handle.bytes].push_back(handle);
+      pooled_bytes_ += handle.bytes;
+    }
+    chunks.clear();
   }
-  chunks.clear();
+  for (const physical_handle& handle : on_host) {
+    if (host_chunk_sink_) host_chunk_sink_(handle);
+  }
+}
+
+physical_handle chunk_arena::take_chunk(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  return obtain_chunk(bytes);
+}
+
+void chunk_arena::return_chunk(physical_handle chunk) {
+  std::lock_guard lock(mutex_);
+  pool_[chunk.bytes].push_back(chunk);
+  pooled_bytes_ += chunk.bytes;
 }
 
 std::uint64_t chunk_arena::release_pool() {

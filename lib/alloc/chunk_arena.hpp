@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -23,6 +24,14 @@
 #include "device/device.hpp"
 
 namespace zeroalloc {
+
+/// A physical chunk of a segment, as the offload engine sees it.
+struct chunk_info {
+  std::uintptr_t address = 0;  ///< where it is mapped; never changes while its segment lives
+  physical_handle handle;      ///< what backs it now: a device- or a host-located handle
+  int allocation_class = 0;    ///< the class of its segment (allocation_class as int)
+  std::vector<stream_handle> streams;  ///< streams its segment's blocks were used on
+};
 
 class chunk_arena {
  public:
@@ -47,9 +56,22 @@ class chunk_arena {
   /// Keeps chunks that are not mapped by their new owner in the pool.
   void keep_in_pool(std::vector<physical_handle>& chunks);
 
-  /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool.
+  /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool; a chunk
+  /// the offload engine moved to host memory goes to the host chunk sink instead.
   /// The caller guarantees that no queued work still touches the range.
   void decommit(std::uintptr_t address, std::vector<physical_handle>& chunks);
+
+  /// A device chunk of `bytes` for the offload engine to copy into: from the pool, else
+  /// created within the limit; invalid when neither is possible.
+  physical_handle take_chunk(std::size_t bytes);
+  /// Gives the offload engine's device chunk (one that take_chunk returned, or one it moved
+  /// out of an allocation) to the pool.
+  void return_chunk(physical_handle chunk);
+
+  /// Where host-located chunks go when their segment is unmapped (the offload engine's
+  /// host pool). Called with no lock of the arena held. Set once, before use.
+  using host_chunk_sink = std::function<void(physical_handle)>;
+  void set_host_chunk_sink(host_chunk_sink sink) { host_chunk_sink_ = std::move(sink); }
 
   /// Releases every pooled chunk to the device; returns the bytes released.
   std::uint64_t release_pool();
@@ -73,6 +95,7 @@ class chunk_arena {
   std::map<std::size_t, std::vector<physical_handle>> pool_;  // bytes -> idle handles
   std::uint64_t pooled_bytes_ = 0;
   std::vector<std::pair<std::uintptr_t, std::size_t>> regions_;
+  host_chunk_sink host_chunk_sink_;
 };
 
 }  // namespace zeroalloc

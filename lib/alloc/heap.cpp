@@ -175,11 +175,14 @@ bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_ha
 
 std::vector<stream_handle> heap::streams_of(const segment& owner) const {
   std::vector<stream_handle> streams;
-  for (const block* piece = owner.first; piece != nullptr; piece = piece->next) {
-    if (piece->stream != kDetachedStream &&
-        std::find(streams.begin(), streams.end(), piece->stream) == streams.end()) {
-      streams.push_back(piece->stream);
+  auto add = [&](stream_handle stream) {
+    if (stream != kDetachedStream && std::find(streams.begin(), streams.end(), stream) == streams.end()) {
+      streams.push_back(stream);
     }
+  };
+  for (const block* piece = owner.first; piece != nullptr; piece = piece->next) {
+    add(piece->stream);
+    for (stream_handle other : piece->other_streams) add(other);  // record_stream's
   }
   return streams;
 }
@@ -189,8 +192,16 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
   auto chosen = segments_.end();
   for (auto it = segments_.begin(); it != segments_.end(); ++it) {
     const segment& candidate = **it;
-    if (candidate.busy_blocks != 0 || candidate.bytes < least_bytes || candidate.bytes > most_bytes)
+    if (candidate.busy_blocks != 0 || candidate.pinned_chunks != 0 ||
+        candidate.bytes < least_bytes || candidate.bytes > most_bytes) {
       continue;
+    }
+    // Host memory behind another class's fresh allocation would be a slow surprise.
+    if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(), [](const auto& chunk) {
+          return chunk.location == memory_location::host;
+        })) {
+      continue;
+    }
     if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
   }
   if (chosen == segments_.end()) return false;
@@ -509,8 +520,9 @@ std::uint64_t heap::release_free_segments() {
   process_pending(true);
   retire_donated(true);
   std::uint64_t released = 0;
-  auto unused = std::stable_partition(segments_.begin(), segments_.end(),
-                                      [](const auto& owned) { return owned->busy_blocks != 0; });
+  auto unused = std::stable_partition(segments_.begin(), segments_.end(), [](const auto& owned) {
+    return owned->busy_blocks != 0 || owned->pinned_chunks != 0;
+  });
   for (auto it = unused; it != segments_.end(); ++it) {
     segment& idle = **it;
     // Work queued before the frees may still touch the segment: unmap only after it ran.
@@ -629,6 +641,97 @@ event_handle heap::obtain_event() {
   event_handle event = device_.create_event();
   all_events_.push_back(event);
   return event;
+}
+
+}  // namespace zeroalloc
+
+namespace zeroalloc {
+
+// Note [Pinned chunks]: the offload engine moves a chunk in steps that outlive one lock
+// hold (copy on a copy stream, wait for the copy's event, remap). Pinning keeps the chunk's
+// segment in place meanwhile: a pinned segment is neither unmapped by
+// release_free_segments nor donated to another class, even if its last block is freed. A
+// segment with host-located chunks is never donated either: its memory is slow.
+
+void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into) const {
+  std::uintptr_t address = owner.address;
+  const std::vector<stream_handle> streams = streams_of(owner);
+  for (const physical_handle& chunk : owner.chunks) {
+    into.push_back({address, chunk, static_cast<int>(class_), streams});
+    address += chunk.bytes;
+  }
+}
+
+void heap::list_chunks(std::vector<chunk_info>& into) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& owned : segments_) {
+    if (owned->busy_blocks != 0) append_chunks(*owned, into);
+  }
+}
+
+bool heap::chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>& into) const {
+  std::lock_guard lock(mutex_);
+  const block* found = live_.find(pointer);
+  if (found == nullptr) return false;
+  std::vector<chunk_info> all;
+  append_chunks(*found->owner, all);
+  for (chunk_info& chunk : all) {
+    const bool overlaps = chunk.address < found->address + found->bytes &&
+                          found->address < chunk.address + chunk.handle.bytes;
+    if (overlaps) into.push_back(std::move(chunk));
+  }
+  return true;
+}
+
+std::pair<segment*, std::size_t> heap::chunk_at(std::uintptr_t address) const {
+  for (const auto& owned : segments_) {
+    if (address < owned->address || address >= owned->address + owned->bytes) continue;
+    std::uintptr_t start = owned->address;
+    for (std::size_t i = 0; i < owned->chunks.size(); ++i) {
+      if (start == address) return {owned.get(), i};
+      start += owned->chunks[i].bytes;
+    }
+    return {nullptr, 0};
+  }
+  return {nullptr, 0};
+}
+
+bool heap::pin_chunk(std::uintptr_t address, chunk_info& into) {
+  std::lock_guard lock(mutex_);
+  auto [owner, index] = chunk_at(address);
+  if (owner == nullptr) return false;
+  if (std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end()) return false;
+  pinned_.push_back(address);
+  ++owner->pinned_chunks;
+  into = {address, owner->chunks[index], static_cast<int>(class_), streams_of(*owner)};
+  return true;
+}
+
+physical_handle heap::replace_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
+  std::lock_guard lock(mutex_);
+  auto [owner, index] = chunk_at(address);
+  ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes,
+             "no pinned chunk of ", replacement.bytes, " bytes at ", address);
+  const physical_handle previous = owner->chunks[index];
+  device_.unmap(address, previous.bytes);
+  try {
+    device_.map(address, replacement);
+  } catch (...) {
+    device_.map(address, previous);  // the bytes stay where they were
+    throw;
+  }
+  owner->chunks[index] = replacement;
+  --owner->pinned_chunks;
+  std::erase(pinned_, address);
+  return previous;
+}
+
+void heap::unpin_chunk(std::uintptr_t address) {
+  std::lock_guard lock(mutex_);
+  auto [owner, index] = chunk_at(address);
+  (void)index;
+  if (owner == nullptr || std::erase(pinned_, address) == 0) return;
+  --owner->pinned_chunks;
 }
 
 }  // namespace zeroalloc

@@ -45,7 +45,8 @@ struct segment {
   std::uintptr_t address = 0;
   std::size_t bytes = 0;
   std::vector<physical_handle> chunks;
-  std::size_t busy_blocks = 0;  // allocated or pending
+  std::size_t busy_blocks = 0;    // allocated or pending
+  std::size_t pinned_chunks = 0;  // chunks the offload engine is moving (Note [Pinned chunks])
   block* first = nullptr;
 };
 
@@ -92,6 +93,21 @@ class heap {
   /// appended to `into`, and its old addresses are unmapped once that work has run.
   bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                   donated_memory& into);
+  // The offload engine's view (Note [Pinned chunks] in heap.cpp).
+  /// Appends the chunks of every segment that holds live allocations.
+  void list_chunks(std::vector<chunk_info>& into) const;
+  /// Appends the chunks that the live allocation starting at `pointer` spans; false when
+  /// there is no such allocation.
+  bool chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>& into) const;
+  /// Pins the chunk mapped at `address` so that its segment is neither unmapped nor given
+  /// to another class until unpin_chunk or replace_pinned_chunk; fills `into`. False when no
+  /// chunk starts there, or it is pinned already.
+  bool pin_chunk(std::uintptr_t address, chunk_info& into);
+  /// Maps `replacement` at the pinned chunk's address instead of its handle (which it
+  /// returns) and unpins it. No queued work may touch the chunk (the engine fences it).
+  physical_handle replace_pinned_chunk(std::uintptr_t address, physical_handle replacement);
+  void unpin_chunk(std::uintptr_t address);
+
   /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,
   /// after `separator` for the first) in the shape of PyTorch's memory snapshot.
   void append_snapshot(std::string& out, const char*& separator) const;
@@ -131,6 +147,9 @@ class heap {
   void return_addresses(std::uintptr_t address, std::size_t bytes);
   std::vector<stream_handle> streams_of(const segment& owner) const;
   void process_pending(bool wait);
+  /// The segment and chunk index of the chunk mapped at `address`, or {nullptr, 0}.
+  std::pair<segment*, std::size_t> chunk_at(std::uintptr_t address) const;
+  void append_chunks(const segment& owner, std::vector<chunk_info>& into) const;
   block* new_block();
   void recycle_block(block* unused);
   event_handle obtain_event();
@@ -166,6 +185,7 @@ class heap {
   };
   std::vector<retiring_range> retiring_;
   std::vector<heap*> donors_;
+  std::vector<std::uintptr_t> pinned_;  // chunk addresses (Note [Pinned chunks])
 };
 
 }  // namespace zeroalloc

@@ -29,6 +29,18 @@ const std::vector<option_spec> kTable = {
     {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
      "Size of the physical memory chunks that back large allocations and that later tiers "
      "move as a unit; a multiple of the device's 2 MiB granularity."},
+    {"ZEROALLOC_OFFLOAD", option_kind::choice, "none", "none|host",
+     "host: when the device runs short, chunks of parameters, gradients and optimizer states "
+     "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
+     "back before they are needed; the host pool is created in the background at start-up. "
+     "none: everything stays on the device."},
+    {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_share, "0.5", "",
+     "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
+     "of the memory of the GPU's NUMA node (0.5, 50%). Never all of it: the host must keep "
+     "memory for itself."},
+    {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
+     "1 checksums every chunk the offload engine moves, before and after, and stops with an "
+     "error naming the chunk when the bytes changed in transit (for tests and bug hunts)."},
     {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
      "Least severe message that is logged."},
     {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
@@ -99,7 +111,10 @@ std::string_view accepted_form(const option_spec& spec) {
     case option_kind::byte_size:
       return "a byte size such as 512MiB, 80GB or 1048576";
     case option_kind::byte_size_or_share:
-      return "a byte size such as 512MiB or 80GB, or a share of the device such as 0.9 or 90%";
+      return spec.name == "ZEROALLOC_HOST_LIMIT"
+                 ? "a byte size such as 64GiB, or a share of the host's memory such as 0.5 or 50%"
+                 : "a byte size such as 512MiB or 80GB, or a share of the device such as 0.9 "
+                   "or 90%";
     case option_kind::boolean:
       return "1 or 0 (also true/false, yes/no, on/off)";
     case option_kind::count:
@@ -200,6 +215,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       if (!found) reject(name, value, std::string("one of ") + std::string(form));
       if (name == "ZEROALLOC_DEVICE") parsed.device = word;
       if (name == "ZEROALLOC_LOG_LEVEL") parsed.log_level = word;
+      if (name == "ZEROALLOC_OFFLOAD") parsed.offload = word;
     } else if (spec.kind == option_kind::byte_size) {
       const std::optional<std::uint64_t> bytes = parse_byte_size(value);
       if (!bytes || *bytes == 0) reject(name, value, form);
@@ -224,9 +240,8 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
                  trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
         const std::optional<double> share = parse_decimal(trimmed);
         if (!share || *share <= 0 || *share > 1) {
-          reject(
-              name, value,
-              "a share of the device between 0 and 1 (such as 0.9), or a byte size such as 80GB");
+          reject(name, value,
+                 "a share between 0 and 1 (such as 0.9), or a byte size such as 80GB");
         }
         limit.share = *share;
       } else {
@@ -234,7 +249,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
         if (!bytes || *bytes == 0) reject(name, value, form);
         limit.bytes = *bytes;
       }
-      parsed.limit = limit;
+      (name == "ZEROALLOC_HOST_LIMIT" ? parsed.host_limit : parsed.limit) = limit;
     } else if (spec.kind == option_kind::count) {
       const std::string_view trimmed = trim(value);
       int number = 0;
@@ -249,6 +264,8 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       const bool known = word == "1" || word == "0" || word == "true" || word == "false" ||
                          word == "yes" || word == "no" || word == "on" || word == "off";
       if (!known) reject(name, value, form);
+      const bool on = word == "1" || word == "true" || word == "yes" || word == "on";
+      if (name == "ZEROALLOC_VERIFY") parsed.verify = on;
     } else if (spec.kind == option_kind::text) {
       if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);
       if (name == "ZEROALLOC_REPORT") parsed.report_prefix = std::string(value);

@@ -60,6 +60,9 @@ struct options {
   std::string report_prefix;           ///< ZEROALLOC_REPORT
   std::uint64_t sim_memory_bytes = 0;  ///< ZEROALLOC_SIM_MEMORY
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
+  std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
+  memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the NUMA node)
+  bool verify = false;                 ///< ZEROALLOC_VERIFY
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

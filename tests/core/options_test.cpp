@@ -68,6 +68,24 @@ TEST(Options, MemoryLimitAsBytesOrShare) {
   EXPECT_EQ(parse_with({{"ZEROALLOC_MEMORY_LIMIT", "1GiB"}}).limit.resolve(8ull << 30), 1ull << 30);
 }
 
+TEST(Options, OffloadSettings) {
+  const options defaults = parse_with({});
+  EXPECT_EQ(defaults.offload, "none");
+  EXPECT_DOUBLE_EQ(*defaults.host_limit.share, 0.5);  // never all of the host's memory
+  EXPECT_FALSE(defaults.verify);
+  EXPECT_FALSE(defaults.limit.is_set()) << "the host limit must not leak into the device's";
+  const options chosen = parse_with({{"ZEROALLOC_OFFLOAD", "host"},
+                                     {"ZEROALLOC_HOST_LIMIT", "24GiB"},
+                                     {"ZEROALLOC_VERIFY", "on"}});
+  EXPECT_EQ(chosen.offload, "host");
+  EXPECT_EQ(*chosen.host_limit.bytes, 24ull << 30);
+  EXPECT_TRUE(chosen.verify);
+  const std::string message = error_of({{"ZEROALLOC_HOST_LIMIT", "lots"}});
+  EXPECT_NE(message.find("ZEROALLOC_HOST_LIMIT='lots' is not valid"), std::string::npos);
+  EXPECT_NE(message.find("share of the host's memory"), std::string::npos) << message;
+  EXPECT_NE(error_of({{"ZEROALLOC_OFFLOAD", "nvme"}}).find("one of none|host"), std::string::npos);
+}
+
 TEST(Options, BadValuesNameTheVariableTheValueAndTheForm) {
   const std::string garbage = error_of({{"ZEROALLOC_MEMORY_LIMIT", "lots"}});
   EXPECT_NE(garbage.find("ZEROALLOC_MEMORY_LIMIT='lots' is not valid"), std::string::npos)

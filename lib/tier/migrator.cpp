@@ -1,0 +1,338 @@
+#include "tier/migrator.hpp"
+
+#include <chrono>
+#include <cstdlib>
+
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+namespace {
+
+constexpr std::size_t kStagingSlots = 8;  // fetches whose copies may be in flight at once
+
+std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
+  std::uint64_t hash = 0xcbf29ce484222325ull;
+  for (std::uint64_t word : words) {
+    hash ^= word;
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
+}  // namespace
+
+migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
+    : allocator_(allocator), device_(allocator.backing()), pool_(pool), verify_(verify) {
+  out_stream_ = device_.create_stream();
+  in_stream_ = device_.create_stream();
+  staging_slot_bytes_ = allocator_.arena().chunk_bytes();
+  staging_region_ = device_.reserve_addresses(staging_slot_bytes_ * kStagingSlots,
+                                              allocator_.arena().granularity());
+  for (std::size_t i = kStagingSlots; i-- > 0;) {
+    free_slots_.push_back(staging_region_ + i * staging_slot_bytes_);
+  }
+  allocator_.arena().set_host_chunk_sink([this](physical_handle handle) {
+    return_host_chunk(handle);
+  });
+  worker_ = std::thread([this] { worker(); });
+}
+
+migrator::~migrator() {
+  // Chunks on the host come home: the host pool may go away after this, the allocations
+  // may not.
+  try {
+    drain();
+    std::vector<std::uintptr_t> away;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& [address, chunk] : on_host_) away.push_back(address);
+    }
+    std::size_t stranded = 0;
+    for (std::uintptr_t address : away) {
+      if (!fetch_async(address)) ++stranded;
+    }
+    drain();
+    if (stranded != 0) {
+      log().warn("offload: {} chunks stay in host memory: no device memory to bring them back",
+                 stranded);
+    }
+  } catch (const std::exception& failure) {
+    log().error("offload: finishing the migrations in flight failed: {}", failure.what());
+  }
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  worker_.join();
+  allocator_.arena().set_host_chunk_sink(nullptr);
+  try {
+    for (event_handle event : spare_events_) device_.destroy_event(event);
+    device_.destroy_stream(out_stream_);
+    device_.destroy_stream(in_stream_);
+    device_.free_addresses(staging_region_, staging_slot_bytes_ * kStagingSlots);
+  } catch (const std::exception& failure) {
+    log().error("offload: releasing the migrator's streams failed: {}", failure.what());
+  }
+}
+
+void migrator::fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream) {
+  for (stream_handle stream : chunk.streams) {
+    event_handle fence;
+    {
+      std::lock_guard lock(mutex_);
+      if (spare_events_.empty()) {
+        fence = nullptr;
+      } else {
+        fence = spare_events_.back();
+        spare_events_.pop_back();
+      }
+    }
+    if (fence == nullptr) fence = device_.create_event();
+    device_.record_event(fence, stream);
+    device_.stream_wait_event(copy_stream, fence);
+    std::lock_guard lock(mutex_);
+    spare_events_.push_back(fence);  // a recorded event may be re-recorded once waited on
+  }
+}
+
+std::uint64_t migrator::checksum_of(std::uintptr_t address, std::size_t bytes,
+                                    stream_handle stream) {
+  std::vector<std::uint64_t> words(bytes / sizeof(std::uint64_t));
+  device_.copy_async(words.data(), reinterpret_cast<const void*>(address), bytes, stream);
+  device_.synchronize_stream(stream);
+  return fnv1a(words);
+}
+
+bool migrator::evict_async(std::uintptr_t address) {
+  chunk_info chunk;
+  if (!allocator_.pin_chunk(address, chunk)) return false;
+  if (chunk.handle.location != memory_location::device) {
+    allocator_.unpin_chunk(address);
+    return false;
+  }
+  transfer moving;
+  moving.chunk = chunk;
+  moving.to_host = true;
+  moving.device_chunk = chunk.handle;
+  try {
+    moving.host = pool_.acquire(chunk.handle.bytes);
+    moving.copied = device_.create_event();
+    fence_behind_chunk_streams(chunk, out_stream_);
+    if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, out_stream_);
+    device_.copy_async(reinterpret_cast<void*>(moving.host.staging_address),
+                       reinterpret_cast<const void*>(address), chunk.handle.bytes, out_stream_);
+    device_.record_event(moving.copied, out_stream_);
+  } catch (...) {
+    if (moving.host.valid()) pool_.release(moving.host);
+    if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+    allocator_.unpin_chunk(address);
+    throw;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    moving_[address] = residency::moving_to_host;
+    in_flight_.push_back(std::move(moving));
+  }
+  changed_.notify_all();
+  return true;
+}
+
+bool migrator::fetch_async(std::uintptr_t address) {
+  host_chunk host;
+  {
+    std::lock_guard lock(mutex_);
+    auto found = on_host_.find(address);
+    if (found == on_host_.end() || moving_.contains(address)) return false;
+    host = found->second;
+  }
+  chunk_info chunk;
+  if (!allocator_.pin_chunk(address, chunk)) return false;
+  if (chunk.handle.value != host.handle.value) {  // remapped behind our back: not ours
+    allocator_.unpin_chunk(address);
+    return false;
+  }
+  transfer moving;
+  moving.chunk = chunk;
+  moving.to_host = false;
+  moving.host = host;
+  moving.device_chunk = allocator_.arena().take_chunk(chunk.handle.bytes);
+  if (!moving.device_chunk.valid()) {
+    allocator_.unpin_chunk(address);
+    return false;
+  }
+  try {
+    moving.staging = take_staging_slot();
+    device_.map(moving.staging, moving.device_chunk);
+    moving.copied = device_.create_event();
+    fence_behind_chunk_streams(chunk, in_stream_);
+    if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, in_stream_);
+    device_.copy_async(reinterpret_cast<void*>(moving.staging),
+                       reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
+                       in_stream_);
+    device_.record_event(moving.copied, in_stream_);
+  } catch (...) {
+    if (moving.staging != 0) {
+      try {
+        device_.unmap(moving.staging, moving.device_chunk.bytes);
+      } catch (...) {  // it was not mapped
+      }
+      return_staging_slot(moving.staging);
+    }
+    if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+    allocator_.arena().return_chunk(moving.device_chunk);
+    allocator_.unpin_chunk(address);
+    throw;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    moving_[address] = residency::moving_to_device;
+    in_flight_.push_back(std::move(moving));
+  }
+  changed_.notify_all();
+  return true;
+}
+
+void migrator::finish(transfer& done) {
+  const std::uintptr_t address = done.chunk.address;
+  const std::size_t bytes = done.chunk.handle.bytes;
+  stream_handle stream = done.to_host ? out_stream_ : in_stream_;
+  if (done.to_host) {
+    const physical_handle previous = allocator_.replace_pinned_chunk(address, done.host.handle);
+    allocator_.arena().return_chunk(previous);
+  } else {
+    const physical_handle previous = allocator_.replace_pinned_chunk(address, done.device_chunk);
+    (void)previous;  // the host chunk, given back below
+    device_.unmap(done.staging, bytes);
+  }
+  if (verify_) {
+    const std::uint64_t after = checksum_of(address, bytes, stream);
+    if (after != done.checksum) {
+      log().critical(
+          "ZEROALLOC_VERIFY: the chunk at {:#x} ({}, {}) changed while moving to the {}: "
+          "checksum {:#x} before, {:#x} after. Stopping before the damage spreads; please "
+          "report this with the log (ZEROALLOC_LOG_LEVEL=debug).",
+          address, class_name(static_cast<allocation_class>(done.chunk.allocation_class)),
+          format_bytes(bytes), done.to_host ? "host" : "device", done.checksum, after);
+      std::abort();
+    }
+  }
+  if (!done.to_host) {
+    return_staging_slot(done.staging);
+    pool_.release(done.host);
+  }
+  std::lock_guard lock(mutex_);
+  if (done.to_host) {
+    on_host_[address] = done.host;
+    host_owner_[done.host.handle.value] = address;
+    ++figures_.chunks_to_host;
+    figures_.bytes_to_host += bytes;
+    figures_.host_resident_bytes += bytes;
+  } else {
+    on_host_.erase(address);
+    host_owner_.erase(done.host.handle.value);
+    ++figures_.chunks_to_device;
+    figures_.bytes_to_device += bytes;
+    figures_.host_resident_bytes -= bytes;
+  }
+  if (verify_) ++figures_.verified_chunks;
+  spare_events_.push_back(done.copied);
+  moving_.erase(address);
+}
+
+void migrator::worker() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] { return stopping_ || !in_flight_.empty(); });
+    if (in_flight_.empty()) return;  // stopping, and nothing left
+    transfer& oldest = in_flight_.front();  // stays valid: the deque only grows at the back
+    lock.unlock();
+    try {
+      device_.synchronize_event(oldest.copied);
+      finish(oldest);
+    } catch (const std::exception& failure) {
+      // The chunk keeps its old backing (replace_pinned_chunk maps it back on failure).
+      log().error("offload: moving the chunk at {:#x} to the {} failed: {}",
+                  oldest.chunk.address, oldest.to_host ? "host" : "device", failure.what());
+      if (oldest.to_host) {
+        pool_.release(oldest.host);
+      } else {
+        try {
+          device_.unmap(oldest.staging, oldest.device_chunk.bytes);
+        } catch (...) {  // already unmapped
+        }
+        return_staging_slot(oldest.staging);
+        allocator_.arena().return_chunk(oldest.device_chunk);
+      }
+      allocator_.unpin_chunk(oldest.chunk.address);
+      std::lock_guard relock(mutex_);
+      moving_.erase(oldest.chunk.address);
+    }
+    lock.lock();
+    in_flight_.pop_front();
+    changed_.notify_all();
+  }
+}
+
+std::uint64_t migrator::wait_until_settled(std::uintptr_t address) {
+  std::unique_lock lock(mutex_);
+  if (!moving_.contains(address)) return 0;
+  const auto started = std::chrono::steady_clock::now();
+  changed_.wait(lock, [&] { return !moving_.contains(address); });
+  const auto waited = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                           started)
+          .count());
+  ++figures_.waits;
+  figures_.waited_ns += waited;
+  return waited;
+}
+
+void migrator::drain() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return in_flight_.empty(); });
+}
+
+residency migrator::where(std::uintptr_t address) const {
+  std::lock_guard lock(mutex_);
+  if (auto found = moving_.find(address); found != moving_.end()) return found->second;
+  return on_host_.contains(address) ? residency::host : residency::device;
+}
+
+migration_figures migrator::figures() const {
+  std::lock_guard lock(mutex_);
+  return figures_;
+}
+
+std::uintptr_t migrator::take_staging_slot() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return !free_slots_.empty(); });
+  const std::uintptr_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  return slot;
+}
+
+void migrator::return_staging_slot(std::uintptr_t address) {
+  {
+    std::lock_guard lock(mutex_);
+    free_slots_.push_back(address);
+  }
+  changed_.notify_all();
+}
+
+void migrator::return_host_chunk(physical_handle handle) {
+  host_chunk chunk;
+  {
+    std::lock_guard lock(mutex_);
+    auto owner = host_owner_.find(handle.value);
+    if (owner == host_owner_.end()) return;
+    chunk = on_host_.at(owner->second);
+    on_host_.erase(owner->second);
+    host_owner_.erase(owner);
+    figures_.host_resident_bytes -= handle.bytes;
+  }
+  pool_.release(chunk);
+}
+
+}  // namespace zeroalloc

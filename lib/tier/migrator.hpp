@@ -1,0 +1,118 @@
+// The migrator: moves chunks of live allocations between device and host memory without
+// changing their addresses (DESIGN.md, "The one idea").
+//
+// Note [Fault-free migration]: a chunk moves device -> host by copying its bytes into a
+// pinned host chunk on the out-stream, then remapping its addresses to the host chunk; host
+// -> device by mapping a device chunk at a staging address, copying in on the in-stream,
+// then remapping. At every moment the chunk's addresses are mapped, so a kernel that
+// touches it runs correctly (over PCIe while it is on the host). Ordering:
+//   - a copy starts after the work queued so far on every stream the chunk's blocks were
+//     used on (events recorded at the request; the copy stream waits on them, the host
+//     does not);
+//   - the remap happens on the migrator's own thread once the copy's event has completed,
+//     so no chunk is remapped while queued work may still touch it through the old backing;
+//   - the caller promises that no work is queued on the chunk between the request and the
+//     end of the migration (a use-begins hint calls wait_until_settled first), because
+//     such writes would land in the backing being left.
+// The two copy streams run at once: a fetch overlaps an eviction.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "alloc/caching_allocator.hpp"
+#include "tier/host_pool.hpp"
+
+namespace zeroalloc {
+
+/// Where a chunk's bytes are.
+enum class residency { device, host, moving_to_host, moving_to_device, unknown };
+
+/// Counters of the migrator, for statistics and reports.
+struct migration_figures {
+  std::uint64_t chunks_to_host = 0;
+  std::uint64_t chunks_to_device = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_to_device = 0;
+  std::uint64_t host_resident_bytes = 0;  ///< bytes of live chunks on the host now
+  std::uint64_t waits = 0;                ///< wait_until_settled calls that had to wait
+  std::uint64_t waited_ns = 0;            ///< time they waited
+  std::uint64_t verified_chunks = 0;      ///< ZEROALLOC_VERIFY checks passed
+};
+
+class migrator {
+ public:
+  /// `verify`: checksum every chunk before its copy and after its remap (ZEROALLOC_VERIFY).
+  migrator(caching_allocator& allocator, host_pool& pool, bool verify);
+  /// Finishes every migration in flight and brings host-resident chunks back to the device
+  /// where device memory allows (the host pool may be destroyed next).
+  ~migrator();
+  migrator(const migrator&) = delete;
+  migrator& operator=(const migrator&) = delete;
+
+  /// Starts moving the chunk mapped at `address` to host memory. False when it is not a
+  /// device-resident chunk of a live segment, or is moving already. Throws
+  /// host_memory_exhausted when the host tier is full.
+  bool evict_async(std::uintptr_t address);
+  /// Starts bringing the chunk back to the device. False when it is not on the host, or no
+  /// device memory is free within the limit (evict something first).
+  bool fetch_async(std::uintptr_t address);
+  /// Waits until no migration of the chunk at `address` is in flight; returns the
+  /// nanoseconds waited (0 when none was).
+  std::uint64_t wait_until_settled(std::uintptr_t address);
+  /// Waits until every migration in flight has finished.
+  void drain();
+
+  [[nodiscard]] residency where(std::uintptr_t address) const;
+  [[nodiscard]] migration_figures figures() const;
+  [[nodiscard]] caching_allocator& allocator() { return allocator_; }
+
+ private:
+  struct transfer {
+    chunk_info chunk;
+    bool to_host = true;
+    host_chunk host;                 // destination (to host) or source (to device)
+    physical_handle device_chunk;    // source (to host: the old backing) or destination
+    std::uintptr_t staging = 0;      // to device: where device_chunk is mapped for the copy
+    event_handle copied = nullptr;
+    std::uint64_t checksum = 0;      // ZEROALLOC_VERIFY: of the bytes before the copy
+  };
+
+  void fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream);
+  std::uint64_t checksum_of(std::uintptr_t address, std::size_t bytes, stream_handle stream);
+  void finish(transfer& done);
+  void worker();
+  std::uintptr_t take_staging_slot();
+  void return_staging_slot(std::uintptr_t address);
+  void return_host_chunk(physical_handle handle);  // the arena's sink
+
+  caching_allocator& allocator_;
+  device& device_;
+  host_pool& pool_;
+  const bool verify_;
+  stream_handle out_stream_ = nullptr;
+  stream_handle in_stream_ = nullptr;
+  std::vector<event_handle> spare_events_;
+
+  std::uintptr_t staging_region_ = 0;
+  std::size_t staging_slot_bytes_ = 0;
+  std::vector<std::uintptr_t> free_slots_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<transfer> in_flight_;  // in request order; the worker finishes them in order
+  std::unordered_map<std::uintptr_t, residency> moving_;         // chunk address -> direction
+  std::unordered_map<std::uintptr_t, host_chunk> on_host_;       // chunk address -> host chunk
+  std::unordered_map<std::uint64_t, std::uintptr_t> host_owner_;  // host handle -> address
+  migration_figures figures_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace zeroalloc

@@ -1,0 +1,79 @@
+// The host tier's pinned memory: reused, created in the background, and bounded by
+// ZEROALLOC_HOST_LIMIT with an error that says so. Over every device.
+#include "tier/host_pool.hpp"
+
+#include <gtest/gtest.h>
+
+#include "support/test_device.hpp"
+
+namespace zeroalloc {
+namespace {
+
+using testing::read_back;
+
+class HostPoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, 1 * GiB); }
+  std::unique_ptr<device> device_;
+};
+
+TEST_F(HostPoolTest, ChunksAreUsableAtTheirStagingAddressAndReused) {
+  host_pool pool(*device_, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
+  host_chunk chunk = pool.acquire(8 * MiB);
+  ASSERT_TRUE(chunk.valid());
+  EXPECT_EQ(chunk.handle.location, memory_location::host);
+  EXPECT_EQ(chunk.handle.bytes, 8 * MiB);
+  auto* staging = reinterpret_cast<void*>(chunk.staging_address);
+  device_->fill_async(staging, 0x3C, 8 * MiB, nullptr);
+  EXPECT_EQ(read_back(*device_, staging, 8 * MiB), std::vector<std::uint8_t>(8 * MiB, 0x3C));
+  EXPECT_EQ(pool.figures().in_use_bytes, 8 * MiB);
+  pool.release(chunk);
+  EXPECT_EQ(pool.figures().in_use_bytes, 0u);
+  const host_chunk again = pool.acquire(8 * MiB);
+  EXPECT_EQ(again.handle.value, chunk.handle.value) << "an idle chunk must be reused";
+  EXPECT_EQ(pool.figures().created_on_demand, 1u);
+  EXPECT_EQ(pool.figures().peak_in_use_bytes, 8 * MiB);
+  pool.release(again);
+}
+
+TEST_F(HostPoolTest, RunningOutNamesTheLimitAndItsVariable) {
+  host_pool pool(*device_, 16 * MiB, "ZEROALLOC_HOST_LIMIT=16MiB");
+  const host_chunk first = pool.acquire(8 * MiB);
+  const host_chunk second = pool.acquire(8 * MiB);
+  try {
+    pool.acquire(8 * MiB);
+    FAIL() << "a third chunk exceeds the limit";
+  } catch (const host_memory_exhausted& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("16.00 MiB"), std::string::npos) << message;
+    EXPECT_NE(message.find("ZEROALLOC_HOST_LIMIT"), std::string::npos) << message;
+  }
+  EXPECT_EQ(pool.figures().created_bytes, 16 * MiB) << "the limit was exceeded";
+  pool.release(first);
+  pool.release(second);
+}
+
+TEST_F(HostPoolTest, PrefillCreatesChunksInTheBackgroundUpToTheLimit) {
+  host_pool pool(*device_, 24 * MiB, "ZEROALLOC_HOST_LIMIT=24MiB");
+  pool.start_prefill(8 * MiB, 1 * GiB);  // asks for more than the limit allows
+  pool.wait_for_prefill();
+  EXPECT_EQ(pool.figures().created_bytes, 24 * MiB);
+  std::vector<host_chunk> taken;
+  for (int i = 0; i < 3; ++i) taken.push_back(pool.acquire(8 * MiB));
+  EXPECT_EQ(pool.figures().created_on_demand, 0u) << "the training path waited for creation";
+  EXPECT_THROW(pool.acquire(8 * MiB), host_memory_exhausted);
+  for (const host_chunk& chunk : taken) pool.release(chunk);
+}
+
+TEST_F(HostPoolTest, IdleChunksOfAnotherSizeMakeRoomUnderTheLimit) {
+  host_pool pool(*device_, 16 * MiB, "ZEROALLOC_HOST_LIMIT=16MiB");
+  pool.release(pool.acquire(8 * MiB));
+  pool.release(pool.acquire(6 * MiB));
+  const host_chunk large = pool.acquire(16 * MiB);  // only fits once the idle ones are gone
+  EXPECT_EQ(large.handle.bytes, 16 * MiB);
+  EXPECT_EQ(pool.figures().created_bytes, 16 * MiB);
+  pool.release(large);
+}
+
+}  // namespace
+}  // namespace zeroalloc

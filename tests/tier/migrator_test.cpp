@@ -1,0 +1,258 @@
+// Fault-free migration, over every device: a chunk's bytes survive the trip to the host and
+// back at the same address; work queued before a migration is fenced in front of its copy;
+// a kernel can write a host-resident chunk; the device memory an eviction frees serves
+// other allocations; a freed host-resident allocation returns its host chunk.
+#include "tier/migrator.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "support/test_device.hpp"
+
+namespace zeroalloc {
+namespace {
+
+using testing::read_back;
+
+constexpr std::size_t kChunkBytes = 8 * MiB;
+
+class MigratorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, 1 * GiB);
+    allocator_settings settings;
+    settings.chunk_bytes = kChunkBytes;
+    allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+    pool_ = std::make_unique<host_pool>(*device_, 256 * MiB, "ZEROALLOC_HOST_LIMIT=256MiB");
+  }
+  void TearDown() override {
+    if (allocator_) allocator_->empty_cache();  // cached segments give their host chunks back
+    migrator_.reset();
+    allocator_.reset();
+    pool_.reset();
+  }
+  migrator& start(bool verify = false) {
+    migrator_ = std::make_unique<migrator>(*allocator_, *pool_, verify);
+    return *migrator_;
+  }
+
+  // Random bytes written to `pointer` through the device.
+  std::vector<std::uint8_t> write_random(void* pointer, std::size_t bytes, unsigned seed) {
+    std::vector<std::uint8_t> pattern(bytes);
+    std::mt19937_64 random(seed);
+    for (std::size_t i = 0; i < bytes; i += 8) {
+      const std::uint64_t word = random();
+      std::memcpy(pattern.data() + i, &word, std::min<std::size_t>(8, bytes - i));
+    }
+    device_->copy_async(pointer, pattern.data(), bytes, nullptr);
+    device_->synchronize_stream(nullptr);
+    return pattern;
+  }
+
+  std::vector<chunk_info> chunks_of(void* pointer) {
+    std::vector<chunk_info> chunks;
+    EXPECT_TRUE(allocator_->chunks_of_allocation(pointer, chunks));
+    return chunks;
+  }
+
+  std::unique_ptr<device> device_;
+  std::unique_ptr<caching_allocator> allocator_;
+  std::unique_ptr<host_pool> pool_;
+  std::unique_ptr<migrator> migrator_;
+};
+
+TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
+  migrator& engine = start();
+  constexpr std::size_t kBytes = 20 * MiB;  // chunks of 8, 8 and 4 MiB
+  void* pointer = allocator_->allocate(kBytes, nullptr, allocation_class::optimizer_state);
+  const std::vector<std::uint8_t> written = write_random(pointer, kBytes, 1);
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  ASSERT_EQ(chunks.size(), 3u);
+  const std::uint64_t held_before = allocator_->held_bytes();
+
+  for (const chunk_info& chunk : chunks) ASSERT_TRUE(engine.evict_async(chunk.address));
+  engine.drain();
+  for (const chunk_info& chunk : chunks) EXPECT_EQ(engine.where(chunk.address), residency::host);
+  EXPECT_EQ(engine.figures().host_resident_bytes, kBytes);
+  EXPECT_EQ(engine.figures().bytes_to_host, kBytes);
+  EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed on the host";
+  EXPECT_EQ(allocator_->arena().pooled_bytes(), kBytes) << "device chunks were not freed";
+  EXPECT_EQ(allocator_->held_bytes(), held_before);  // pooled, still charged until reused
+
+  for (const chunk_info& chunk : chunks) ASSERT_TRUE(engine.fetch_async(chunk.address));
+  engine.drain();
+  for (const chunk_info& chunk : chunks) EXPECT_EQ(engine.where(chunk.address), residency::device);
+  EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed coming back";
+  EXPECT_EQ(engine.figures().host_resident_bytes, 0u);
+  EXPECT_EQ(pool_->figures().in_use_bytes, 0u);
+  allocator_->deallocate(pointer);
+}
+
+TEST_F(MigratorTest, AKernelWritesAHostResidentChunkAndTheWriteComesBack) {
+  migrator& engine = start();
+  void* pointer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  device_->fill_async(pointer, 0x11, kChunkBytes, nullptr);
+  const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
+  ASSERT_TRUE(engine.evict_async(chunk));
+  engine.wait_until_settled(chunk);
+  ASSERT_EQ(engine.where(chunk), residency::host);
+  device_->fill_async(pointer, 0x7E, kChunkBytes / 2, nullptr);  // device work on host memory
+  EXPECT_EQ(read_back(*device_, pointer, 4), std::vector<std::uint8_t>(4, 0x7E));
+  ASSERT_TRUE(engine.fetch_async(chunk));
+  engine.wait_until_settled(chunk);
+  std::vector<std::uint8_t> expected(kChunkBytes, 0x11);
+  std::fill_n(expected.begin(), kChunkBytes / 2, 0x7E);
+  EXPECT_EQ(read_back(*device_, pointer, kChunkBytes), expected);
+  allocator_->deallocate(pointer);
+}
+
+TEST_F(MigratorTest, TheCopyWaitsForWorkQueuedBeforeTheEviction) {
+  migrator& engine = start();
+  stream_handle compute = device_->create_stream();
+  void* pointer = allocator_->allocate(kChunkBytes, compute, allocation_class::optimizer_state);
+  device_->fill_async(pointer, 0x01, kChunkBytes, compute);
+  // A slow "kernel", then the write the eviction must not miss; nothing waits on the host.
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); },
+                               compute);
+  device_->fill_async(pointer, 0x5A, kChunkBytes, compute);
+  const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
+  ASSERT_TRUE(engine.evict_async(chunk));
+  engine.drain();
+  EXPECT_EQ(read_back(*device_, pointer, kChunkBytes, compute),
+            std::vector<std::uint8_t>(kChunkBytes, 0x5A));
+  allocator_->deallocate(pointer);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
+TEST_F(MigratorTest, DeviceMemoryAnEvictionFreesServesOtherAllocationsWithinTheLimit) {
+  allocator_->set_limit(48 * MiB, "ZEROALLOC_MEMORY_LIMIT=48MiB");
+  migrator& engine = start();
+  void* states = allocator_->allocate(32 * MiB, nullptr, allocation_class::optimizer_state);
+  const std::vector<std::uint8_t> written = write_random(states, 32 * MiB, 2);
+  EXPECT_THROW(allocator_->allocate(32 * MiB, nullptr, allocation_class::other), out_of_memory);
+  for (const chunk_info& chunk : chunks_of(states)) ASSERT_TRUE(engine.evict_async(chunk.address));
+  engine.drain();
+  void* activations = allocator_->allocate(48 * MiB, nullptr, allocation_class::other);
+  ASSERT_NE(activations, nullptr);
+  EXPECT_LE(allocator_->held_bytes(), 48 * MiB);
+  device_->fill_async(activations, 0xEE, 48 * MiB, nullptr);
+  EXPECT_EQ(read_back(*device_, states, 32 * MiB), written) << "the offloaded bytes were hit";
+  // No device memory left to bring them back: the fetch says no rather than break the limit.
+  EXPECT_FALSE(engine.fetch_async(chunks_of(states).at(0).address));
+  allocator_->deallocate(activations);
+  allocator_->deallocate(states);
+}
+
+TEST_F(MigratorTest, AFreedHostResidentAllocationGivesItsHostChunkBack) {
+  migrator& engine = start();
+  void* pointer = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
+  for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
+  engine.drain();
+  EXPECT_EQ(pool_->figures().in_use_bytes, 16 * MiB);
+  allocator_->deallocate(pointer);
+  allocator_->empty_cache();
+  EXPECT_EQ(pool_->figures().in_use_bytes, 0u);
+  EXPECT_EQ(engine.figures().host_resident_bytes, 0u);
+}
+
+TEST_F(MigratorTest, AChunkMovingOrMovedCannotBeStartedTwice) {
+  migrator& engine = start();
+  void* pointer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
+  ASSERT_TRUE(engine.evict_async(chunk));
+  EXPECT_FALSE(engine.evict_async(chunk));
+  engine.drain();
+  EXPECT_FALSE(engine.evict_async(chunk)) << "it is on the host already";
+  EXPECT_FALSE(engine.evict_async(chunk + 4096)) << "not the start of a chunk";
+  ASSERT_TRUE(engine.fetch_async(chunk));
+  engine.drain();
+  EXPECT_FALSE(engine.fetch_async(chunk)) << "it is on the device already";
+  allocator_->deallocate(pointer);
+}
+
+TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
+  migrator& engine = start(/*verify=*/true);
+  void* pointer = allocator_->allocate(24 * MiB, nullptr, allocation_class::optimizer_state);
+  write_random(pointer, 24 * MiB, 3);
+  for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
+  engine.drain();
+  for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.fetch_async(chunk.address));
+  engine.drain();
+  EXPECT_EQ(engine.figures().verified_chunks, 6u);
+  allocator_->deallocate(pointer);
+}
+
+// Random evictions and fetches racing with "kernels" on several streams. A kernel is a
+// delay then a fill of one allocation with a fresh value, enqueued on the allocation's
+// stream or on another stream after record_stream; before enqueueing one, the test waits
+// for the allocation's migrations to settle (what a use-begins hint does). Every
+// allocation must hold its last value at the end, wherever its chunks are.
+TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryByte) {
+  migrator& engine = start();
+  constexpr int kStreams = 3;
+  constexpr int kAllocations = 8;
+  constexpr int kRounds = 300;
+  std::vector<stream_handle> streams;
+  for (int i = 0; i < kStreams; ++i) streams.push_back(device_->create_stream());
+  std::mt19937 random(7);
+  struct tracked {
+    void* pointer;
+    std::size_t bytes;
+    std::uint8_t value;
+  };
+  std::vector<tracked> allocations;
+  const std::size_t sizes[] = {8 * MiB, 12 * MiB, 16 * MiB, 20 * MiB};
+  for (int i = 0; i < kAllocations; ++i) {
+    const std::size_t bytes = sizes[i % 4];
+    stream_handle stream = streams[i % kStreams];
+    void* pointer = allocator_->allocate(bytes, stream, allocation_class::optimizer_state);
+    device_->fill_async(pointer, 0, bytes, stream);
+    allocations.push_back({pointer, bytes, 0});
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    tracked& chosen = allocations[random() % kAllocations];
+    const std::vector<chunk_info> chunks = chunks_of(chosen.pointer);
+    switch (random() % 3) {
+      case 0: {  // a kernel
+        for (const chunk_info& chunk : chunks) engine.wait_until_settled(chunk.address);
+        stream_handle stream = streams[random() % kStreams];
+        allocator_->record_stream(chosen.pointer, stream);
+        const int delay_us = static_cast<int>(random() % 300);
+        device_->host_function_async(
+            [delay_us] { std::this_thread::sleep_for(std::chrono::microseconds(delay_us)); },
+            stream);
+        chosen.value = static_cast<std::uint8_t>(round + 1);
+        device_->fill_async(chosen.pointer, chosen.value, chosen.bytes, stream);
+        break;
+      }
+      case 1:
+        for (const chunk_info& chunk : chunks) engine.evict_async(chunk.address);
+        break;
+      default:
+        for (const chunk_info& chunk : chunks) engine.fetch_async(chunk.address);
+        break;
+    }
+  }
+  engine.drain();
+  for (stream_handle stream : streams) device_->synchronize_stream(stream);
+  const migration_figures figures = engine.figures();
+  EXPECT_GT(figures.chunks_to_host, 20u);
+  EXPECT_GT(figures.chunks_to_device, 20u);
+  for (const tracked& each : allocations) {
+    EXPECT_EQ(read_back(*device_, each.pointer, each.bytes),
+              std::vector<std::uint8_t>(each.bytes, each.value));
+    allocator_->deallocate(each.pointer);
+  }
+  for (stream_handle stream : streams) {
+    allocator_->forget_stream(stream);
+    device_->destroy_stream(stream);
+  }
+}
+
+}  // namespace
+}  // namespace zeroalloc
