@@ -116,11 +116,14 @@ TEST_F(MigratorTest, TheCopyWaitsForWorkQueuedBeforeTheEviction) {
   void* pointer = allocator_->allocate(kChunkBytes, compute, allocation_class::optimizer_state);
   device_->fill_async(pointer, 0x01, kChunkBytes, compute);
   // A slow "kernel", then the write the eviction must not miss; nothing waits on the host.
-  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); },
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
                                compute);
   device_->fill_async(pointer, 0x5A, kChunkBytes, compute);
   const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
   ASSERT_TRUE(engine.evict_async(chunk));
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_EQ(engine.where(chunk), residency::moving_to_host)
+      << "the chunk moved while work queued before the eviction had not run";
   engine.drain();
   EXPECT_EQ(read_back(*device_, pointer, kChunkBytes, compute),
             std::vector<std::uint8_t>(kChunkBytes, 0x5A));
