@@ -65,7 +65,10 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
     std::lock_guard lock(settings_mutex_);
     handler = pressure_handler_;
   }
-  if (handler && handler(rounded_bytes) > 0) {
+  // The handler frees device memory for a whole new segment, a few times if it must (the
+  // chunks it frees need not match the sizes the segment needs).
+  const std::size_t segment_bytes = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
+  for (int round = 0; handler && round < 4 && handler(segment_bytes) > 0; ++round) {
     if (void* pointer =
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream))
       return pointer;

@@ -85,6 +85,8 @@ class heap {
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
   [[nodiscard]] std::size_t largest_free_block() const;
+  /// Bytes of the segment this heap maps for a request of `rounded_bytes`.
+  [[nodiscard]] std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
   /// The heaps (this one included) whose fully free segments may back this heap's new
   /// segments. Set once, before use.
   void set_donors(std::vector<heap*> donors) { donors_ = std::move(donors); }
@@ -136,7 +138,6 @@ class heap {
   block* find_fit(free_index& index, std::size_t bytes);
   block* take_from_other_stream(std::size_t bytes, stream_handle stream);
   block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);
-  std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
   void release_block(block* freed);
   void coalesce_freed();
   void merge_free_neighbours(block* freed);

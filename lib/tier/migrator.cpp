@@ -105,7 +105,7 @@ std::uint64_t migrator::checksum_of(std::uintptr_t address, std::size_t bytes,
   return fnv1a(words);
 }
 
-bool migrator::evict_async(std::uintptr_t address) {
+bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handle>* after) {
   chunk_info chunk;
   if (!allocator_.pin_chunk(address, chunk)) return false;
   if (chunk.handle.location != memory_location::device) {
@@ -119,7 +119,11 @@ bool migrator::evict_async(std::uintptr_t address) {
   try {
     moving.host = pool_.acquire(chunk.handle.bytes);
     moving.copied = device_.create_event();
-    fence_behind_chunk_streams(chunk, out_stream_);
+    if (after != nullptr) {
+      for (event_handle fence : *after) device_.stream_wait_event(out_stream_, fence);
+    } else {
+      fence_behind_chunk_streams(chunk, out_stream_);
+    }
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, out_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.host.staging_address),
                        reinterpret_cast<const void*>(address), chunk.handle.bytes, out_stream_);
@@ -139,7 +143,7 @@ bool migrator::evict_async(std::uintptr_t address) {
   return true;
 }
 
-bool migrator::fetch_async(std::uintptr_t address) {
+bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
   host_chunk host;
   {
     std::lock_guard lock(mutex_);
@@ -166,7 +170,7 @@ bool migrator::fetch_async(std::uintptr_t address) {
     moving.staging = take_staging_slot();
     device_.map(moving.staging, moving.device_chunk);
     moving.copied = device_.create_event();
-    fence_behind_chunk_streams(chunk, in_stream_);
+    if (!chunk_idle) fence_behind_chunk_streams(chunk, in_stream_);
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, in_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.staging),
                        reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,

@@ -56,13 +56,17 @@ class migrator {
   migrator(const migrator&) = delete;
   migrator& operator=(const migrator&) = delete;
 
-  /// Starts moving the chunk mapped at `address` to host memory. False when it is not a
+  /// Starts moving the chunk mapped at `address` to host memory. Its copy waits for
+  /// `after` (events recorded after the chunk's last use) when given, else for everything
+  /// queued so far on the streams the chunk's blocks were used on. False when it is not a
   /// device-resident chunk of a live segment, or is moving already. Throws
   /// host_memory_exhausted when the host tier is full.
-  bool evict_async(std::uintptr_t address);
-  /// Starts bringing the chunk back to the device. False when it is not on the host, or no
-  /// device memory is free within the limit (evict something first).
-  bool fetch_async(std::uintptr_t address);
+  bool evict_async(std::uintptr_t address, const std::vector<event_handle>* after = nullptr);
+  /// Starts bringing the chunk back to the device. Its copy waits for the work queued on
+  /// the chunk's streams unless `chunk_idle` says that none of it touches the chunk (the
+  /// engine knows from hints). False when it is not on the host, or no device memory is
+  /// free within the limit (evict something first).
+  bool fetch_async(std::uintptr_t address, bool chunk_idle = false);
   /// Waits until no migration of the chunk at `address` is in flight; returns the
   /// nanoseconds waited (0 when none was).
   std::uint64_t wait_until_settled(std::uintptr_t address);

@@ -1,0 +1,312 @@
+#include "tier/offload_engine.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "core/log.hpp"
+#include "core/units.hpp"
+
+namespace zeroalloc {
+namespace {
+
+constexpr std::uint64_t kNeverUsed = std::numeric_limits<std::uint64_t>::max();
+
+std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - start)
+                                        .count());
+}
+
+}  // namespace
+
+offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
+                               offload_settings settings)
+    : allocator_(allocator),
+      device_(allocator.backing()),
+      migrator_(allocator, pool, verify),
+      settings_(settings) {
+  prefetcher_ = std::thread([this] { prefetch_worker(); });
+}
+
+offload_engine::~offload_engine() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wishes_changed_.notify_all();
+  prefetcher_.join();
+  migrator_.drain();  // no copy may still wait on the events below
+  for (auto& [address, state] : chunks_) {
+    if (state.released != nullptr) device_.destroy_event(state.released);
+  }
+}
+
+bool offload_engine::start_eviction(std::uintptr_t victim) {
+  auto state = chunks_.find(victim);
+  if (state != chunks_.end() && state->second.released != nullptr) {
+    const std::vector<event_handle> after{state->second.released};
+    return migrator_.evict_async(victim, &after);
+  }
+  return migrator_.evict_async(victim);
+}
+
+std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
+  std::vector<chunk_info> chunks;
+  allocator_.chunks_of_allocation(pointer, chunks);
+  return chunks;
+}
+
+std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
+  auto found = positions_.find(address);
+  if (found == positions_.end() || found->second.empty()) return kNeverUsed;
+  for (std::size_t position : found->second) {
+    if (position > cursor_) return position - cursor_;
+  }
+  return found->second.front() + learned_order_.size() - cursor_;  // in the next step
+}
+
+std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
+                                                           std::uint64_t sooner_than) {
+  std::vector<chunk_info> all;
+  allocator_.list_chunks(all);
+  struct candidate {
+    std::uintptr_t address;
+    std::size_t bytes;
+    std::uint64_t distance;
+    std::uint64_t last_use;
+  };
+  std::vector<candidate> candidates;
+  for (const chunk_info& chunk : all) {
+    if (chunk.allocation_class == static_cast<int>(allocation_class::other)) continue;
+    if (chunk.handle.location != memory_location::device) continue;
+    auto state = chunks_.find(chunk.address);
+    if (state != chunks_.end() && state->second.open_uses > 0) continue;
+    if (migrator_.where(chunk.address) != residency::device) continue;
+    const std::uint64_t distance = next_use_distance(chunk.address);
+    if (distance <= sooner_than) continue;
+    candidates.push_back({chunk.address, chunk.handle.bytes, distance,
+                          state == chunks_.end() ? 0 : state->second.last_use});
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
+    if (a.distance != b.distance) return a.distance > b.distance;  // farthest next use first
+    return a.last_use < b.last_use;                                // then least recently used
+  });
+  std::vector<std::uintptr_t> victims;
+  std::size_t freed = 0;
+  for (const candidate& each : candidates) {
+    if (freed >= bytes) break;
+    victims.push_back(each.address);
+    freed += each.bytes;
+  }
+  return victims;
+}
+
+void offload_engine::use_begins(const void* pointer, stream_handle stream) {
+  (void)stream;  // the chunk is settled on the host's side before the caller enqueues work
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  if (chunks.empty()) return;
+  {
+    std::lock_guard lock(mutex_);
+    ++tick_;
+    for (const chunk_info& chunk : chunks) {
+      chunk_state& state = chunks_[chunk.address];
+      ++state.open_uses;
+      state.last_use = tick_;
+      state.bytes = chunk.handle.bytes;
+      state.allocation_class = chunk.allocation_class;
+      state.hinted = true;
+      if (recorded_.emplace(chunk.address, true).second) recording_.push_back(chunk.address);
+      if (auto found = positions_.find(chunk.address); found != positions_.end()) {
+        for (std::size_t position : found->second) {
+          if (position >= cursor_) {
+            cursor_ = position;
+            break;
+          }
+        }
+      }
+    }
+    figures_.uses += chunks.size();
+    // What the learned order says comes next, nearest first, up to the prefetch distance.
+    wishes_.clear();
+    std::uint64_t ahead = 0;
+    for (std::size_t position = cursor_ + 1;
+         position < learned_order_.size() && ahead < settings_.prefetch_bytes; ++position) {
+      const std::uintptr_t next = learned_order_[position];
+      auto state = chunks_.find(next);
+      ahead += state != chunks_.end() ? state->second.bytes : 0;
+      const residency where = migrator_.where(next);
+      if (where == residency::host || where == residency::moving_to_host) wishes_.push_back(next);
+    }
+  }
+  wishes_changed_.notify_all();
+
+  for (const chunk_info& chunk : chunks) {
+    residency where = migrator_.where(chunk.address);
+    if (where == residency::device) {
+      std::lock_guard lock(mutex_);
+      ++figures_.hits;
+      continue;
+    }
+    const auto started = std::chrono::steady_clock::now();
+    migrator_.wait_until_settled(chunk.address);
+    if (migrator_.where(chunk.address) == residency::host) {
+      // A miss: bring it now. If no room can be made it stays on the host, where kernels
+      // still reach it (slowly).
+      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/true);
+    }
+    std::lock_guard lock(mutex_);
+    figures_.waited_ns += nanoseconds_since(started);
+    if (migrator_.where(chunk.address) != residency::device) {
+      chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+    }
+  }
+}
+
+void offload_engine::use_ends(const void* pointer, stream_handle stream) {
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  std::lock_guard lock(mutex_);
+  for (const chunk_info& chunk : chunks) {
+    chunk_state& state = chunks_[chunk.address];
+    if (state.open_uses > 0) --state.open_uses;
+    if (state.released == nullptr) state.released = device_.create_event();
+    // An eviction already waiting on the previous recording keeps its point (events are
+    // captured when waited on); later evictions wait for this use.
+    device_.record_event(state.released, stream);
+  }
+}
+
+void offload_engine::step_boundary() {
+  std::lock_guard lock(mutex_);
+  learned_order_ = std::move(recording_);
+  recording_.clear();
+  recorded_.clear();
+  positions_.clear();
+  for (std::size_t i = 0; i < learned_order_.size(); ++i) {
+    positions_[learned_order_[i]].push_back(i);
+  }
+  cursor_ = 0;
+  ++figures_.steps;
+  figures_.learned_order_chunks = learned_order_.size();
+}
+
+bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait) {
+  bool idle = false;
+  {
+    // Only hints can say that no queued work touches a host-resident chunk.
+    std::lock_guard lock(mutex_);
+    auto state = chunks_.find(address);
+    idle = state != chunks_.end() && state->second.hinted && !state->second.used_on_host &&
+           !learned_order_.empty();
+  }
+  bool started = false;
+  for (int attempt = 0; attempt < 4 && !started; ++attempt) {
+    if (migrator_.fetch_async(address, idle)) {
+      started = true;
+      std::lock_guard lock(mutex_);
+      chunks_[address].used_on_host = false;  // the fetch waited for those uses
+      break;
+    }
+    const residency where = migrator_.where(address);
+    if (where == residency::device) return true;
+    if (where != residency::host) {  // moving: let it land, then look again
+      migrator_.wait_until_settled(address);
+      continue;
+    }
+    // On the host, and no device memory within the limit: make room from chunks needed
+    // later than this one.
+    std::vector<std::uintptr_t> evicted;
+    {
+      std::lock_guard lock(mutex_);
+      for (std::uintptr_t victim : choose_victims(bytes, next_use_distance(address))) {
+        auto state = chunks_.find(victim);
+        if (state != chunks_.end() && state->second.open_uses > 0) continue;
+        try {
+          if (start_eviction(victim)) evicted.push_back(victim);
+        } catch (const host_memory_exhausted& full) {
+          log().warn("offload: {}", full.what());
+          break;
+        }
+      }
+      figures_.evictions += evicted.size();
+    }
+    if (evicted.empty()) return false;
+    for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
+  }
+  if (started && wait) migrator_.wait_until_settled(address);
+  return started;
+}
+
+void offload_engine::prefetch_worker() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    wishes_changed_.wait(lock, [&] { return stopping_ || !wishes_.empty(); });
+    if (stopping_) return;
+    const std::uintptr_t next = wishes_.front();
+    wishes_.pop_front();
+    auto state = chunks_.find(next);
+    const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
+    lock.unlock();
+    bool started = false;
+    try {
+      started = bytes != 0 && bring_back(next, bytes, /*wait=*/false);
+    } catch (const std::exception& failure) {
+      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
+    }
+    lock.lock();
+    if (started) ++figures_.prefetches;
+  }
+}
+
+std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
+  std::vector<std::uintptr_t> evicted;
+  std::uint64_t bytes = 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (std::uintptr_t victim : choose_victims(bytes_needed, 0)) {
+      try {
+        if (!start_eviction(victim)) continue;
+      } catch (const host_memory_exhausted& full) {
+        log().warn("offload: cannot make room on the device: {}", full.what());
+        break;
+      }
+      evicted.push_back(victim);
+      bytes += chunks_.count(victim) != 0 ? chunks_[victim].bytes : 0;
+    }
+    figures_.pressure_evictions += evicted.size();
+  }
+  for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
+  if (!evicted.empty()) {
+    log().debug("offload: moved {} chunks to the host to serve an allocation of {}",
+                evicted.size(), format_bytes(bytes_needed));
+  }
+  return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
+}
+
+bool offload_engine::evict(const void* pointer, bool wait) {
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  if (chunks.empty()) return false;
+  for (const chunk_info& chunk : chunks) migrator_.evict_async(chunk.address);
+  if (wait) {
+    for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);
+  }
+  return true;
+}
+
+bool offload_engine::fetch(const void* pointer, bool wait) {
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  if (chunks.empty()) return false;
+  for (const chunk_info& chunk : chunks) {
+    if (migrator_.where(chunk.address) != residency::device) {
+      bring_back(chunk.address, chunk.handle.bytes, wait);
+    }
+  }
+  return true;
+}
+
+offload_figures offload_engine::figures() const {
+  std::lock_guard lock(mutex_);
+  return figures_;
+}
+
+}  // namespace zeroalloc

@@ -1,0 +1,145 @@
+// The offload engine over every device: allocations that do not fit succeed because idle
+// states move to the host; a training loop with hints keeps every byte, learns its order
+// and finds most chunks already on the device when it needs them.
+#include "tier/offload_engine.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "support/test_device.hpp"
+
+namespace zeroalloc {
+namespace {
+
+using testing::read_back;
+
+constexpr std::size_t kChunkBytes = 8 * MiB;
+
+class OffloadEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, 1 * GiB);
+    allocator_settings settings;
+    settings.chunk_bytes = kChunkBytes;
+    allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+    pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
+  }
+  void TearDown() override {
+    if (allocator_) {
+      allocator_->set_pressure_handler(nullptr);
+      allocator_->empty_cache();
+    }
+    engine_.reset();
+    allocator_.reset();
+    pool_.reset();
+  }
+  offload_engine& start(std::uint64_t limit_bytes, std::uint64_t prefetch_bytes) {
+    allocator_->set_limit(limit_bytes, "ZEROALLOC_MEMORY_LIMIT (test)");
+    offload_settings settings;
+    settings.prefetch_bytes = prefetch_bytes;
+    engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
+    allocator_->set_pressure_handler(
+        [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
+    return *engine_;
+  }
+  bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
+    return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
+  }
+
+  std::unique_ptr<device> device_;
+  std::unique_ptr<caching_allocator> allocator_;
+  std::unique_ptr<host_pool> pool_;
+  std::unique_ptr<offload_engine> engine_;
+};
+
+TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
+  offload_engine& engine = start(48 * MiB, 0);
+  std::vector<void*> states;
+  for (int i = 0; i < 6; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(i + 1), kChunkBytes, nullptr);
+  }
+  void* activations = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  ASSERT_NE(activations, nullptr);
+  EXPECT_LE(allocator_->held_bytes(), 48 * MiB) << "the device limit was broken";
+  EXPECT_GE(engine.figures().pressure_evictions, 2u);
+  const std::uint64_t on_host = engine.mover().figures().host_resident_bytes;
+  EXPECT_GE(on_host, 16 * MiB);  // at least what the activations needed, and not everything
+  EXPECT_LT(on_host, 48 * MiB);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE(holds(states[i], static_cast<std::uint8_t>(i + 1), kChunkBytes)) << i;
+  }
+  // Activations are never evicted: with every state on the host, nothing more can go.
+  EXPECT_THROW(allocator_->allocate(48 * MiB, nullptr, allocation_class::other), out_of_memory);
+  allocator_->deallocate(activations);
+  for (void* state : states) allocator_->deallocate(state);
+}
+
+TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
+  offload_engine& engine = start(256 * MiB, 0);
+  void* pointer = allocator_->allocate(20 * MiB, nullptr, allocation_class::parameter);
+  device_->fill_async(pointer, 0x42, 20 * MiB, nullptr);
+  ASSERT_TRUE(engine.evict(pointer, /*wait=*/true));
+  EXPECT_EQ(engine.mover().figures().host_resident_bytes, 20 * MiB);
+  EXPECT_TRUE(holds(pointer, 0x42, 20 * MiB));
+  ASSERT_TRUE(engine.fetch(pointer, /*wait=*/true));
+  EXPECT_EQ(engine.mover().figures().host_resident_bytes, 0u);
+  EXPECT_TRUE(holds(pointer, 0x42, 20 * MiB));
+  int not_allocated = 0;
+  EXPECT_FALSE(engine.evict(&not_allocated, true));
+  allocator_->deallocate(pointer);
+}
+
+// Ten layers of parameters, twice what the device may hold, used in order every step with
+// hints, on a stream whose "kernels" take a millisecond. From the second step on the engine
+// knows the order and fetches ahead.
+TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongTheOrder) {
+  offload_engine& engine = start(48 * MiB, 2 * kChunkBytes);
+  stream_handle compute = device_->create_stream();
+  constexpr int kLayers = 10;
+  constexpr int kSteps = 6;
+  std::vector<void*> layers;
+  for (int i = 0; i < kLayers; ++i) {
+    layers.push_back(allocator_->allocate(kChunkBytes, compute, allocation_class::parameter));
+    device_->fill_async(layers.back(), 0, kChunkBytes, compute);
+  }
+  offload_figures after_first_steps{};
+  for (int step = 0; step < kSteps; ++step) {
+    for (int i = 0; i < kLayers; ++i) {
+      engine.use_begins(layers[i], compute);
+      device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); },
+                                   compute);
+      device_->fill_async(layers[i], static_cast<std::uint8_t>(step * kLayers + i + 1),
+                          kChunkBytes, compute);
+      engine.use_ends(layers[i], compute);
+    }
+    engine.step_boundary();
+    if (step == 1) after_first_steps = engine.figures();
+  }
+  device_->synchronize_stream(compute);
+  engine.mover().drain();
+  for (int i = 0; i < kLayers; ++i) {
+    EXPECT_TRUE(holds(layers[i], static_cast<std::uint8_t>((kSteps - 1) * kLayers + i + 1),
+                      kChunkBytes))
+        << "layer " << i;
+  }
+  const offload_figures figures = engine.figures();
+  EXPECT_EQ(figures.learned_order_chunks, static_cast<std::uint64_t>(kLayers));
+  EXPECT_LE(allocator_->held_bytes(), 48 * MiB);
+  const double uses = static_cast<double>(figures.uses - after_first_steps.uses);
+  const double hit_rate = static_cast<double>(figures.hits - after_first_steps.hits) / uses;
+  std::printf("steps 3-%d: %.0f uses, hit rate %.2f, %llu prefetches, waited %.1f ms\n", kSteps,
+              uses, hit_rate, static_cast<unsigned long long>(figures.prefetches),
+              static_cast<double>(figures.waited_ns - after_first_steps.waited_ns) / 1e6);
+  EXPECT_GT(figures.prefetches, 0u);
+  EXPECT_GE(hit_rate, 0.4) << "the learned order did not bring chunks back ahead of use";
+  for (void* layer : layers) allocator_->deallocate(layer);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
+}  // namespace
+}  // namespace zeroalloc
