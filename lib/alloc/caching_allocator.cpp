@@ -316,6 +316,13 @@ physical_handle caching_allocator::replace_pinned_chunk(std::uintptr_t address,
   return owner->replace_pinned_chunk(address, replacement);
 }
 
+physical_handle caching_allocator::remap_pinned_chunk(std::uintptr_t address,
+                                                      physical_handle replacement) {
+  heap* owner = heap_at(address);
+  ZA_REQUIRE(owner != nullptr, "no chunk of this allocator at ", address);
+  return owner->remap_pinned_chunk(address, replacement);
+}
+
 void caching_allocator::unpin_chunk(std::uintptr_t address) {
   if (heap* owner = heap_at(address)) owner->unpin_chunk(address);
 }

@@ -707,10 +707,11 @@ bool heap::pin_chunk(std::uintptr_t address, chunk_info& into) {
   return true;
 }
 
-physical_handle heap::replace_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
+physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
   std::lock_guard lock(mutex_);
   auto [owner, index] = chunk_at(address);
-  ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes,
+  ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes &&
+                 std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end(),
              "no pinned chunk of ", replacement.bytes, " bytes at ", address);
   const physical_handle previous = owner->chunks[index];
   device_.unmap(address, previous.bytes);
@@ -721,8 +722,12 @@ physical_handle heap::replace_pinned_chunk(std::uintptr_t address, physical_hand
     throw;
   }
   owner->chunks[index] = replacement;
-  --owner->pinned_chunks;
-  std::erase(pinned_, address);
+  return previous;
+}
+
+physical_handle heap::replace_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
+  const physical_handle previous = remap_pinned_chunk(address, replacement);
+  unpin_chunk(address);
   return previous;
 }
 

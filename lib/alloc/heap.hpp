@@ -108,6 +108,8 @@ class heap {
   /// Maps `replacement` at the pinned chunk's address instead of its handle (which it
   /// returns) and unpins it. No queued work may touch the chunk (the engine fences it).
   physical_handle replace_pinned_chunk(std::uintptr_t address, physical_handle replacement);
+  /// As replace_pinned_chunk, but the chunk stays pinned.
+  physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   void unpin_chunk(std::uintptr_t address);
 
   /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,

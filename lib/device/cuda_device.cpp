@@ -304,6 +304,21 @@ event_handle cuda_device::create_event() {
   return event;
 }
 
+event_handle cuda_device::create_timing_event() {
+  const auto scope = enter_context();
+  CUevent event = nullptr;
+  check(driver_.pfn_cuEventCreate(&event, CU_EVENT_DEFAULT), "cuEventCreate", ordinal_);
+  return event;
+}
+
+float cuda_device::elapsed_ms(event_handle start, event_handle end) {
+  const auto scope = enter_context();
+  float milliseconds = 0;
+  check(driver_.pfn_cuEventElapsedTime(&milliseconds, as_event(start), as_event(end)),
+        "cuEventElapsedTime", ordinal_);
+  return milliseconds;
+}
+
 void cuda_device::destroy_event(event_handle event) {
   if (event == nullptr) return;
   const auto scope = enter_context();

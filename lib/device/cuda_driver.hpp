@@ -70,6 +70,7 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuEventRecord, 2000)                  \
   X(cuEventQuery, 2000)                   \
   X(cuEventSynchronize, 2000)             \
+  X(cuEventElapsedTime, 2000)             \
   X(cuMemcpyAsync, 4000)                  \
   X(cuMemsetD8Async, 3020)                \
   X(cuLaunchHostFunc, 10000)              \

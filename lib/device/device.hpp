@@ -80,6 +80,11 @@ class device {
   /// True once the work before the last record_event has completed (or never recorded).
   [[nodiscard]] virtual bool event_completed(event_handle event) = 0;
   virtual void synchronize_event(event_handle event) = 0;
+  /// An event that also keeps when its recorded point was reached, for elapsed_ms.
+  virtual event_handle create_timing_event() = 0;
+  /// Milliseconds from the point `start` recorded to the point `end` recorded; both are
+  /// timing events whose recordings have completed.
+  [[nodiscard]] virtual float elapsed_ms(event_handle start, event_handle end) = 0;
   /// Work enqueued on `stream` after this call waits for the event's recorded point.
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;
   virtual void synchronize_stream(stream_handle stream) = 0;

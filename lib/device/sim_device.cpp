@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -29,11 +30,13 @@ struct sim_recording {
   std::mutex mutex;
   std::condition_variable reached_signal;
   bool reached = false;
+  std::chrono::steady_clock::time_point reached_at;
 
   void mark_reached() {
     {
       std::lock_guard lock(mutex);
       reached = true;
+      reached_at = std::chrono::steady_clock::now();
     }
     reached_signal.notify_all();
   }
@@ -282,6 +285,19 @@ void sim_device::destroy_stream(stream_handle stream) {
 event_handle sim_device::create_event() { return new sim_event(); }
 
 void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event*>(event); }
+
+event_handle sim_device::create_timing_event() { return create_event(); }
+
+float sim_device::elapsed_ms(event_handle start, event_handle end) {
+  const std::shared_ptr<sim_recording> from = state_of(start).current();
+  const std::shared_ptr<sim_recording> to = state_of(end).current();
+  ZA_REQUIRE(from != nullptr && to != nullptr && from->is_reached() && to->is_reached(),
+             "elapsed_ms needs two completed recordings");
+  std::lock_guard lock_from(from->mutex);
+  const auto started = from->reached_at;
+  std::lock_guard lock_to(to->mutex);
+  return std::chrono::duration<float, std::milli>(to->reached_at - started).count();
+}
 
 void sim_device::record_event(event_handle event, stream_handle stream) {
   auto recording = std::make_shared<sim_recording>();

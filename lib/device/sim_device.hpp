@@ -46,6 +46,8 @@ class sim_device final : public device {
   stream_handle create_stream() override;
   void destroy_stream(stream_handle stream) override;
   event_handle create_event() override;
+  event_handle create_timing_event() override;
+  [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;
   void destroy_event(event_handle event) override;
   void record_event(event_handle event, stream_handle stream) override;
   [[nodiscard]] bool event_completed(event_handle event) override;

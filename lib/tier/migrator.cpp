@@ -137,6 +137,7 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
   {
     std::lock_guard lock(mutex_);
     moving_[address] = residency::moving_to_host;
+    bytes_leaving_device_ += chunk.handle.bytes;
     in_flight_.push_back(std::move(moving));
   }
   changed_.notify_all();
@@ -165,6 +166,34 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
   if (!moving.device_chunk.valid()) {
     allocator_.unpin_chunk(address);
     return false;
+  }
+  if (chunk_idle) {
+    // Nothing queued touches the chunk: map the device chunk now and let its bytes arrive
+    // in stream order (Note [Fault-free migration]); users wait on the copy's event.
+    try {
+      moving.copied = device_.create_event();
+      if (verify_) {
+        moving.checksum = checksum_of(host.staging_address, chunk.handle.bytes, in_stream_);
+      }
+      allocator_.remap_pinned_chunk(address, moving.device_chunk);
+      moving.remapped_early = true;
+      device_.copy_async(reinterpret_cast<void*>(address),
+                         reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
+                         in_stream_);
+      device_.record_event(moving.copied, in_stream_);
+    } catch (...) {
+      if (moving.remapped_early) allocator_.remap_pinned_chunk(address, host.handle);
+      if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+      allocator_.arena().return_chunk(moving.device_chunk);
+      allocator_.unpin_chunk(address);
+      throw;
+    }
+    std::lock_guard lock(mutex_);
+    moving_[address] = residency::moving_to_device;
+    arriving_[address] = moving.copied;
+    in_flight_.push_back(std::move(moving));
+    changed_.notify_all();
+    return true;
   }
   try {
     moving.staging = take_staging_slot();
@@ -205,6 +234,8 @@ void migrator::finish(transfer& done) {
   if (done.to_host) {
     const physical_handle previous = allocator_.replace_pinned_chunk(address, done.host.handle);
     allocator_.arena().return_chunk(previous);
+  } else if (done.remapped_early) {
+    allocator_.unpin_chunk(address);
   } else {
     const physical_handle previous = allocator_.replace_pinned_chunk(address, done.device_chunk);
     (void)previous;  // the host chunk, given back below
@@ -223,11 +254,12 @@ void migrator::finish(transfer& done) {
     }
   }
   if (!done.to_host) {
-    return_staging_slot(done.staging);
+    if (!done.remapped_early) return_staging_slot(done.staging);
     pool_.release(done.host);
   }
   std::lock_guard lock(mutex_);
   if (done.to_host) {
+    bytes_leaving_device_ -= bytes;
     on_host_[address] = done.host;
     host_owner_[done.host.handle.value] = address;
     ++figures_.chunks_to_host;
@@ -243,6 +275,7 @@ void migrator::finish(transfer& done) {
   if (verify_) ++figures_.verified_chunks;
   spare_events_.push_back(done.copied);
   moving_.erase(address);
+  arriving_.erase(address);
 }
 
 void migrator::worker() {
@@ -261,6 +294,14 @@ void migrator::worker() {
                   oldest.chunk.address, oldest.to_host ? "host" : "device", failure.what());
       if (oldest.to_host) {
         pool_.release(oldest.host);
+      } else if (oldest.remapped_early) {
+        try {  // the bytes are still in the host chunk: map it back
+          allocator_.remap_pinned_chunk(oldest.chunk.address, oldest.host.handle);
+          allocator_.arena().return_chunk(oldest.device_chunk);
+        } catch (const std::exception& again) {
+          log().critical("offload: the chunk at {:#x} could not be mapped back to its host "
+                         "copy: {}", oldest.chunk.address, again.what());
+        }
       } else {
         try {
           device_.unmap(oldest.staging, oldest.device_chunk.bytes);
@@ -271,12 +312,22 @@ void migrator::worker() {
       }
       allocator_.unpin_chunk(oldest.chunk.address);
       std::lock_guard relock(mutex_);
+      if (oldest.to_host) bytes_leaving_device_ -= oldest.chunk.handle.bytes;
       moving_.erase(oldest.chunk.address);
+      arriving_.erase(oldest.chunk.address);
     }
     lock.lock();
     in_flight_.pop_front();
     changed_.notify_all();
   }
+}
+
+bool migrator::order_after_arrival(std::uintptr_t address, stream_handle stream) {
+  std::lock_guard lock(mutex_);  // held: the event is not recycled while waited on
+  auto arriving = arriving_.find(address);
+  if (arriving == arriving_.end()) return false;
+  device_.stream_wait_event(stream, arriving->second);
+  return true;
 }
 
 std::uint64_t migrator::wait_until_settled(std::uintptr_t address) {
@@ -302,6 +353,11 @@ residency migrator::where(std::uintptr_t address) const {
   std::lock_guard lock(mutex_);
   if (auto found = moving_.find(address); found != moving_.end()) return found->second;
   return on_host_.contains(address) ? residency::host : residency::device;
+}
+
+std::uint64_t migrator::bytes_leaving_device() const {
+  std::lock_guard lock(mutex_);
+  return bytes_leaving_device_;
 }
 
 migration_figures migrator::figures() const {

@@ -64,9 +64,14 @@ class migrator {
   bool evict_async(std::uintptr_t address, const std::vector<event_handle>* after = nullptr);
   /// Starts bringing the chunk back to the device. Its copy waits for the work queued on
   /// the chunk's streams unless `chunk_idle` says that none of it touches the chunk (the
-  /// engine knows from hints). False when it is not on the host, or no device memory is
-  /// free within the limit (evict something first).
+  /// engine knows from hints); an idle chunk is remapped to its device chunk at once and
+  /// its bytes arrive behind an event (order_after_arrival). False when it is not on the
+  /// host, or no device memory is free within the limit (evict something first).
   bool fetch_async(std::uintptr_t address, bool chunk_idle = false);
+  /// For a chunk fetched as idle (mapped on the device at once, its bytes still arriving):
+  /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
+  /// other chunk. No host thread waits.
+  bool order_after_arrival(std::uintptr_t address, stream_handle stream);
   /// Waits until no migration of the chunk at `address` is in flight; returns the
   /// nanoseconds waited (0 when none was).
   std::uint64_t wait_until_settled(std::uintptr_t address);
@@ -74,6 +79,8 @@ class migrator {
   void drain();
 
   [[nodiscard]] residency where(std::uintptr_t address) const;
+  /// Bytes of evictions in flight: device memory about to be freed.
+  [[nodiscard]] std::uint64_t bytes_leaving_device() const;
   [[nodiscard]] migration_figures figures() const;
   [[nodiscard]] caching_allocator& allocator() { return allocator_; }
 
@@ -86,6 +93,7 @@ class migrator {
     std::uintptr_t staging = 0;      // to device: where device_chunk is mapped for the copy
     event_handle copied = nullptr;
     std::uint64_t checksum = 0;      // ZEROALLOC_VERIFY: of the bytes before the copy
+    bool remapped_early = false;     // to device, idle: mapped before the copy
   };
 
   void fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream);
@@ -112,9 +120,11 @@ class migrator {
   std::condition_variable changed_;
   std::deque<transfer> in_flight_;  // in request order; the worker finishes them in order
   std::unordered_map<std::uintptr_t, residency> moving_;         // chunk address -> direction
+  std::unordered_map<std::uintptr_t, event_handle> arriving_;    // remapped early: copy event
   std::unordered_map<std::uintptr_t, host_chunk> on_host_;       // chunk address -> host chunk
   std::unordered_map<std::uint64_t, std::uintptr_t> host_owner_;  // host handle -> address
   migration_figures figures_;
+  std::uint64_t bytes_leaving_device_ = 0;
   bool stopping_ = false;
   std::thread worker_;
 };

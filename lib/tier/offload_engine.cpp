@@ -37,9 +37,11 @@ offload_engine::~offload_engine() {
   wishes_changed_.notify_all();
   prefetcher_.join();
   migrator_.drain();  // no copy may still wait on the events below
+  collect_waits(/*all=*/true);
   for (auto& [address, state] : chunks_) {
     if (state.released != nullptr) device_.destroy_event(state.released);
   }
+  for (event_handle event : spare_timing_events_) device_.destroy_event(event);
 }
 
 bool offload_engine::start_eviction(std::uintptr_t victim) {
@@ -61,13 +63,20 @@ std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
   auto found = positions_.find(address);
   if (found == positions_.end() || found->second.empty()) return kNeverUsed;
   for (std::size_t position : found->second) {
-    if (position > cursor_) return position - cursor_;
+    if (position >= cursor_) return position - cursor_;  // 0: the use in progress
   }
   return found->second.front() + learned_order_.size() - cursor_;  // in the next step
 }
 
+// Note [Two timelines]: hints arrive in host time, and the host runs ahead of the device.
+// The chunk whose next use is farthest from the host's cursor is the one the host used
+// last, whose use the device has not even run yet: evicting it would make every fetch
+// wait for the device to catch up. So evictions that make room ahead of need (headroom,
+// prefetch) take only chunks whose use-ends fence has passed, farthest next use first;
+// only the allocation-failure path, which must succeed, takes the others too.
 std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
-                                                           std::uint64_t sooner_than) {
+                                                           std::uint64_t sooner_than,
+                                                           bool only_released) {
   std::vector<chunk_info> all;
   allocator_.list_chunks(all);
   struct candidate {
@@ -85,6 +94,10 @@ std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
     if (migrator_.where(chunk.address) != residency::device) continue;
     const std::uint64_t distance = next_use_distance(chunk.address);
     if (distance <= sooner_than) continue;
+    if (only_released && state != chunks_.end() && state->second.released != nullptr &&
+        !device_.event_completed(state->second.released)) {
+      continue;
+    }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
                           state == chunks_.end() ? 0 : state->second.last_use});
   }
@@ -103,7 +116,6 @@ std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
 }
 
 void offload_engine::use_begins(const void* pointer, stream_handle stream) {
-  (void)stream;  // the chunk is settled on the host's side before the caller enqueues work
   const std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return;
   {
@@ -137,29 +149,87 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
       ahead += state != chunks_.end() ? state->second.bytes : 0;
       const residency where = migrator_.where(next);
       if (where == residency::host || where == residency::moving_to_host) wishes_.push_back(next);
+      window_positions_ = position - cursor_;
     }
   }
   wishes_changed_.notify_all();
 
+  std::uint64_t resident = 0;
   for (const chunk_info& chunk : chunks) {
-    residency where = migrator_.where(chunk.address);
+    const residency where = migrator_.where(chunk.address);
     if (where == residency::device) {
-      std::lock_guard lock(mutex_);
-      ++figures_.hits;
+      ++resident;
+      continue;
+    }
+    if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream)) {
+      std::lock_guard lock(mutex_);  // prefetched, still arriving: the stream waits, not us
+      ++figures_.arriving;
       continue;
     }
     const auto started = std::chrono::steady_clock::now();
-    migrator_.wait_until_settled(chunk.address);
+    if (where != residency::host) migrator_.wait_until_settled(chunk.address);
     if (migrator_.where(chunk.address) == residency::host) {
       // A miss: bring it now. If no room can be made it stays on the host, where kernels
       // still reach it (slowly).
-      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/true);
+      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true);
+    }
+    if (!wait_for_arrival(chunk.address, stream)) {
+      migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
     }
     std::lock_guard lock(mutex_);
     figures_.waited_ns += nanoseconds_since(started);
-    if (migrator_.where(chunk.address) != residency::device) {
+    if (migrator_.where(chunk.address) == residency::host) {
       chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+      ++figures_.used_on_host;
     }
+  }
+  std::lock_guard lock(mutex_);
+  figures_.resident += resident;
+  figures_.hits += resident;  // arrivals count once their device-side wait is known
+  collect_waits(false);
+}
+
+event_handle offload_engine::timing_event() {
+  if (spare_timing_events_.empty()) return device_.create_timing_event();
+  event_handle event = spare_timing_events_.back();
+  spare_timing_events_.pop_back();
+  return event;
+}
+
+bool offload_engine::wait_for_arrival(std::uintptr_t address, stream_handle stream) {
+  event_handle before;
+  event_handle after;
+  {
+    std::lock_guard lock(mutex_);
+    before = timing_event();
+    after = timing_event();
+  }
+  device_.record_event(before, stream);
+  const bool arriving = migrator_.order_after_arrival(address, stream);
+  std::lock_guard lock(mutex_);
+  if (!arriving) {
+    spare_timing_events_.push_back(before);  // recorded, never read: reusable
+    spare_timing_events_.push_back(after);
+    return false;
+  }
+  device_.record_event(after, stream);
+  pending_waits_.push_back({before, after});
+  return true;
+}
+
+void offload_engine::collect_waits(bool all) {
+  // A wait of under 20 us is the stream noticing that the bytes had already arrived.
+  constexpr float kHitThresholdMs = 0.02F;
+  while (!pending_waits_.empty()) {
+    const timed_wait& oldest = pending_waits_.front();
+    if (all) device_.synchronize_event(oldest.after);
+    if (!device_.event_completed(oldest.after)) break;
+    const float waited_ms = std::max(0.0F, device_.elapsed_ms(oldest.before, oldest.after));
+    figures_.device_waited_ns += static_cast<std::uint64_t>(waited_ms * 1e6F);
+    if (waited_ms < kHitThresholdMs) ++figures_.hits;
+    spare_timing_events_.push_back(oldest.before);
+    spare_timing_events_.push_back(oldest.after);
+    pending_waits_.pop_front();
   }
 }
 
@@ -173,6 +243,26 @@ void offload_engine::use_ends(const void* pointer, stream_handle stream) {
     // An eviction already waiting on the previous recording keeps its point (events are
     // captured when waited on); later evictions wait for this use.
     device_.record_event(state.released, stream);
+  }
+  if (!learned_order_.empty()) keep_headroom();
+}
+
+void offload_engine::keep_headroom() {
+  const std::uint64_t limit = allocator_.limit_bytes();
+  const std::uint64_t held = allocator_.held_bytes();
+  const std::uint64_t free_now = (limit > held ? limit - held : 0) +
+                                 allocator_.arena().pooled_bytes() +
+                                 migrator_.bytes_leaving_device();
+  if (free_now >= settings_.prefetch_bytes) return;
+  for (std::uintptr_t victim :
+       choose_victims(settings_.prefetch_bytes - free_now, window_positions_,
+                      /*only_released=*/true)) {
+    try {
+      if (start_eviction(victim)) ++figures_.evictions;
+    } catch (const host_memory_exhausted& full) {
+      log().warn("offload: {}", full.what());
+      return;
+    }
   }
 }
 
@@ -190,7 +280,8 @@ void offload_engine::step_boundary() {
   figures_.learned_order_chunks = learned_order_.size();
 }
 
-bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait) {
+bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait,
+                                bool urgent) {
   bool idle = false;
   {
     // Only hints can say that no queued work touches a host-resident chunk.
@@ -218,7 +309,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     std::vector<std::uintptr_t> evicted;
     {
       std::lock_guard lock(mutex_);
-      for (std::uintptr_t victim : choose_victims(bytes, next_use_distance(address))) {
+      for (std::uintptr_t victim : choose_victims(bytes, next_use_distance(address), /*only_released=*/!urgent)) {
         auto state = chunks_.find(victim);
         if (state != chunks_.end() && state->second.open_uses > 0) continue;
         try {
@@ -249,7 +340,7 @@ void offload_engine::prefetch_worker() {
     lock.unlock();
     bool started = false;
     try {
-      started = bytes != 0 && bring_back(next, bytes, /*wait=*/false);
+      started = bytes != 0 && bring_back(next, bytes, /*wait=*/false, /*urgent=*/false);
     } catch (const std::exception& failure) {
       log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
     }
@@ -263,7 +354,7 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   std::uint64_t bytes = 0;
   {
     std::lock_guard lock(mutex_);
-    for (std::uintptr_t victim : choose_victims(bytes_needed, 0)) {
+    for (std::uintptr_t victim : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
       try {
         if (!start_eviction(victim)) continue;
       } catch (const host_memory_exhausted& full) {
@@ -298,14 +389,15 @@ bool offload_engine::fetch(const void* pointer, bool wait) {
   if (chunks.empty()) return false;
   for (const chunk_info& chunk : chunks) {
     if (migrator_.where(chunk.address) != residency::device) {
-      bring_back(chunk.address, chunk.handle.bytes, wait);
+      bring_back(chunk.address, chunk.handle.bytes, wait, /*urgent=*/true);
     }
   }
   return true;
 }
 
-offload_figures offload_engine::figures() const {
+offload_figures offload_engine::figures() {
   std::lock_guard lock(mutex_);
+  collect_waits(/*all=*/true);
   return figures_;
 }
 

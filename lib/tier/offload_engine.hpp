@@ -37,11 +37,17 @@ struct offload_settings {
 /// The engine's counters, for statistics and reports.
 struct offload_figures {
   std::uint64_t uses = 0;           ///< use-begins hints (per chunk)
-  std::uint64_t hits = 0;           ///< ... that found the chunk on the device
+  std::uint64_t hits = 0;           ///< ... whose bytes were on the device when the device
+                                    ///<     reached the use (the prefetch hit rate's numerator)
+  std::uint64_t resident = 0;       ///< ... that found the chunk on the device, in host time
+  std::uint64_t arriving = 0;       ///< ... that found it prefetched, bytes still arriving
+                                    ///<     (the stream waits for them; the host does not)
+  std::uint64_t used_on_host = 0;   ///< ... that left the chunk on the host (no room)
+  std::uint64_t device_waited_ns = 0;  ///< time streams waited for fetched bytes
   std::uint64_t prefetches = 0;     ///< fetches started ahead of need
   std::uint64_t evictions = 0;      ///< evictions the policy chose
   std::uint64_t pressure_evictions = 0;  ///< ... on the allocation-failure path
-  std::uint64_t waited_ns = 0;      ///< time use-begins hints waited for a chunk
+  std::uint64_t waited_ns = 0;      ///< time use-begins hints (the host) waited for room
   std::uint64_t steps = 0;          ///< step boundaries seen
   std::uint64_t learned_order_chunks = 0;  ///< length of the order in use
 };
@@ -73,7 +79,8 @@ class offload_engine {
   bool evict(const void* pointer, bool wait);
   bool fetch(const void* pointer, bool wait);
 
-  [[nodiscard]] offload_figures figures() const;
+  /// The figures, once the device-side waits recorded so far have completed.
+  [[nodiscard]] offload_figures figures();
   [[nodiscard]] migrator& mover() { return migrator_; }
 
  private:
@@ -92,14 +99,26 @@ class offload_engine {
   /// chunks not in the order come last. Caller holds mutex_.
   std::uint64_t next_use_distance(std::uintptr_t address) const;
   /// Picks idle device-resident chunks to evict, farthest next use first, until `bytes`;
-  /// never one whose next use comes sooner than `sooner_than`.
-  std::vector<std::uintptr_t> choose_victims(std::size_t bytes, std::uint64_t sooner_than);
+  /// never one whose next use comes sooner than `sooner_than`. With `only_released`, only
+  /// chunks whose last use has already run on the device (Note [Two timelines]).
+  std::vector<std::uintptr_t> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
+                                             bool only_released);
   /// Starts evicting `victim` behind its last use-ends fence when it has one. Caller holds
   /// mutex_.
   bool start_eviction(std::uintptr_t victim);
+  /// Starts evicting idle chunks needed after the prefetch window until the device has
+  /// room for that window (Note [Prefetch]); never waits. Caller holds mutex_.
+  void keep_headroom();
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
-  bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait);
+  /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
+  bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent);
   void prefetch_worker();
+  /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
+  /// False when the chunk is not arriving. Caller does not hold mutex_.
+  bool wait_for_arrival(std::uintptr_t address, stream_handle stream);
+  /// Accounts the device-side waits whose events have completed. Caller holds mutex_.
+  void collect_waits(bool all);
+  event_handle timing_event();  // caller holds mutex_
 
   caching_allocator& allocator_;
   device& device_;
@@ -114,9 +133,16 @@ class offload_engine {
   std::vector<std::uintptr_t> learned_order_;
   std::unordered_map<std::uintptr_t, std::vector<std::size_t>> positions_;  // in learned_order_
   std::size_t cursor_ = 0;
+  std::size_t window_positions_ = 0;  // how many positions past the cursor the window spans
   std::uint64_t tick_ = 0;
   std::deque<std::uintptr_t> wishes_;  // chunks to prefetch, nearest first
   offload_figures figures_;
+  struct timed_wait {
+    event_handle before;
+    event_handle after;
+  };
+  std::deque<timed_wait> pending_waits_;
+  std::vector<event_handle> spare_timing_events_;
   bool stopping_ = false;
   std::thread prefetcher_;
 };

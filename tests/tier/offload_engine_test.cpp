@@ -93,27 +93,32 @@ TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
   allocator_->deallocate(pointer);
 }
 
-// Ten layers of parameters, twice what the device may hold, used in order every step with
-// hints, on a stream whose "kernels" take a millisecond. From the second step on the engine
-// knows the order and fetches ahead.
+// Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
+// with hints, on a stream whose "kernels" take 3 ms (the simulated device copies at a few
+// GB/s, so a layer's compute covers its fetch and an eviction). From the second step on the
+// engine knows the order and fetches ahead.
 TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongTheOrder) {
-  offload_engine& engine = start(48 * MiB, 2 * kChunkBytes);
+  constexpr std::size_t kLayerBytes = 2 * MiB;  // one chunk each (ZEROALLOC_CHUNK_SIZE=2MiB)
+  allocator_settings settings;
+  settings.chunk_bytes = kLayerBytes;
+  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  offload_engine& engine = start(24 * MiB, 3 * kLayerBytes);
   stream_handle compute = device_->create_stream();
-  constexpr int kLayers = 10;
+  constexpr int kLayers = 20;
   constexpr int kSteps = 6;
   std::vector<void*> layers;
   for (int i = 0; i < kLayers; ++i) {
-    layers.push_back(allocator_->allocate(kChunkBytes, compute, allocation_class::parameter));
-    device_->fill_async(layers.back(), 0, kChunkBytes, compute);
+    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
+    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
   }
   offload_figures after_first_steps{};
   for (int step = 0; step < kSteps; ++step) {
     for (int i = 0; i < kLayers; ++i) {
       engine.use_begins(layers[i], compute);
-      device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); },
+      device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(3)); },
                                    compute);
       device_->fill_async(layers[i], static_cast<std::uint8_t>(step * kLayers + i + 1),
-                          kChunkBytes, compute);
+                          kLayerBytes, compute);
       engine.use_ends(layers[i], compute);
     }
     engine.step_boundary();
@@ -123,19 +128,28 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   engine.mover().drain();
   for (int i = 0; i < kLayers; ++i) {
     EXPECT_TRUE(holds(layers[i], static_cast<std::uint8_t>((kSteps - 1) * kLayers + i + 1),
-                      kChunkBytes))
+                      kLayerBytes))
         << "layer " << i;
   }
   const offload_figures figures = engine.figures();
   EXPECT_EQ(figures.learned_order_chunks, static_cast<std::uint64_t>(kLayers));
-  EXPECT_LE(allocator_->held_bytes(), 48 * MiB);
+  EXPECT_LE(allocator_->held_bytes(), 24 * MiB);
   const double uses = static_cast<double>(figures.uses - after_first_steps.uses);
   const double hit_rate = static_cast<double>(figures.hits - after_first_steps.hits) / uses;
-  std::printf("steps 3-%d: %.0f uses, hit rate %.2f, %llu prefetches, waited %.1f ms\n", kSteps,
-              uses, hit_rate, static_cast<unsigned long long>(figures.prefetches),
+  std::printf("steps 3-%d: %.0f uses, prefetch hit rate %.2f (resident %llu, arriving %llu, "
+              "left on the host %llu), %llu prefetches, device waited %.1f ms, host waited "
+              "%.1f ms\n",
+              kSteps, uses, hit_rate,
+              static_cast<unsigned long long>(figures.resident - after_first_steps.resident),
+              static_cast<unsigned long long>(figures.arriving - after_first_steps.arriving),
+              static_cast<unsigned long long>(figures.used_on_host - after_first_steps.used_on_host),
+              static_cast<unsigned long long>(figures.prefetches),
+              static_cast<double>(figures.device_waited_ns - after_first_steps.device_waited_ns) /
+                  1e6,
               static_cast<double>(figures.waited_ns - after_first_steps.waited_ns) / 1e6);
   EXPECT_GT(figures.prefetches, 0u);
-  EXPECT_GE(hit_rate, 0.4) << "the learned order did not bring chunks back ahead of use";
+  EXPECT_GE(hit_rate, 0.8)  // 0.93-0.96 on an idle machine; the 95% target is the benchmark's
+      << "the learned order did not bring chunks back ahead of use";
   for (void* layer : layers) allocator_->deallocate(layer);
   allocator_->forget_stream(compute);
   device_->destroy_stream(compute);
