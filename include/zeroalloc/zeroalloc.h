@@ -170,6 +170,44 @@ int zeroalloc_device_count(void);
  */
 const char* zeroalloc_last_error(void);
 
+/* ---- Offload (ZEROALLOC_OFFLOAD=host) ------------------------------------------------- */
+
+/** Where an allocation's bytes are (zeroalloc_residency). */
+typedef enum zeroalloc_residency_kind {
+  ZEROALLOC_ON_DEVICE = 0, /**< every chunk in device memory */
+  ZEROALLOC_ON_HOST = 1,   /**< every chunk in pinned host memory (kernels still reach it) */
+  ZEROALLOC_SPLIT = 2,     /**< some chunks on each */
+  ZEROALLOC_MOVING = 3     /**< a chunk is moving */
+} zeroalloc_residency_kind;
+
+/**
+ * Hint: the allocation starting at `pointer` is about to be used by work enqueued on
+ * `stream`. On return its bytes are on the device or arriving in `stream`'s order, and what
+ * the learned access order says comes next is being fetched. Ignored for memory zeroalloc
+ * does not offload. Never fails; errors go to the log.
+ */
+void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream);
+
+/** Hint: the work enqueued on `stream` so far is the allocation's last use for now. */
+void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream);
+
+/** Hint: a training step ended; the access order recorded during it becomes the learned one. */
+void zeroalloc_step_boundary(void);
+
+/**
+ * Moves the allocation starting at `pointer` to pinned host memory (its address stays the
+ * same; kernels still reach it, over PCIe), waiting for the move when `wait` is non-zero.
+ * 0 on success; -1 with zeroalloc_last_error() set when offload is off, `pointer` is not a
+ * live allocation, or the host tier is full (ZEROALLOC_HOST_LIMIT).
+ */
+int zeroalloc_offload(const void* pointer, int wait);
+
+/** Brings the allocation back to device memory; as zeroalloc_offload. */
+int zeroalloc_fetch(const void* pointer, int wait);
+
+/** A zeroalloc_residency_kind, or -1 with zeroalloc_last_error() set. */
+int zeroalloc_residency(const void* pointer);
+
 #ifdef __cplusplus
 }
 #endif

@@ -168,7 +168,8 @@ ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
     // The device's figures, and the process-wide counts of calls zeroalloc passed through.
     std::string text = runtime::get().allocator(device).stats_json();
     text.pop_back();  // the closing brace
-    text += ",\"passthrough\":" + zeroalloc::passthrough_json() + "}";
+    text += ",\"passthrough\":" + zeroalloc::passthrough_json();
+    text += ",\"offload\":" + runtime::get().offload_json(device) + "}";
     return copy_out(text, buffer, length);
   });
 }
@@ -267,3 +268,90 @@ ZA_EXPORT int zeroalloc_device_count(void) {
 }
 
 ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error; }
+
+// ---- Offload -----------------------------------------------------------------------------
+
+namespace {
+
+zeroalloc::offload_engine& engine_for(const void* pointer) {
+  runtime& started = runtime::get();
+  if (!started.offload_enabled()) {
+    ZA_THROW(zeroalloc::config_error,
+             "offload is off: set ZEROALLOC_OFFLOAD=host before the program starts");
+  }
+  zeroalloc::offload_engine* engine = started.engine_of(pointer);
+  if (engine == nullptr) {
+    ZA_THROW(zeroalloc::invalid_argument, "pointer ", pointer,
+             " is not memory zeroalloc allocated");
+  }
+  return *engine;
+}
+
+}  // namespace
+
+ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_begins", [&] {
+    if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
+      engine->use_begins(pointer, stream);
+    }
+  });
+}
+
+ZA_EXPORT void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_ends", [&] {
+    if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
+      engine->use_ends(pointer, stream);
+    }
+  });
+}
+
+ZA_EXPORT void zeroalloc_step_boundary(void) {
+  guarded_void("zeroalloc_step_boundary", [&] {
+    runtime& started = runtime::get();
+    for (zeroalloc::caching_allocator* each : started.started_allocators()) {
+      if (auto* engine = started.engine(each->backing().ordinal())) engine->step_boundary();
+    }
+  });
+}
+
+ZA_EXPORT int zeroalloc_offload(const void* pointer, int wait) {
+  return guarded("zeroalloc_offload", -1, [&] {
+    ZA_REQUIRE(engine_for(pointer).evict(pointer, wait != 0), "pointer ", pointer,
+               " is not the start of a live allocation");
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_fetch(const void* pointer, int wait) {
+  return guarded("zeroalloc_fetch", -1, [&] {
+    ZA_REQUIRE(engine_for(pointer).fetch(pointer, wait != 0), "pointer ", pointer,
+               " is not the start of a live allocation");
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_residency(const void* pointer) {
+  return guarded("zeroalloc_residency", -1, [&] {
+    runtime& started = runtime::get();
+    zeroalloc::caching_allocator* owner = started.owner_of(pointer);
+    std::vector<zeroalloc::chunk_info> chunks;
+    ZA_REQUIRE(owner != nullptr && owner->chunks_of_allocation(pointer, chunks), "pointer ",
+               pointer, " is not the start of a live allocation");
+    zeroalloc::offload_engine* engine = started.engine_of(pointer);
+    int device_chunks = 0;
+    int host_chunks = 0;
+    for (const zeroalloc::chunk_info& chunk : chunks) {
+      const zeroalloc::residency where =
+          engine != nullptr ? engine->mover().where(chunk.address) : zeroalloc::residency::device;
+      if (where == zeroalloc::residency::device) {
+        ++device_chunks;
+      } else if (where == zeroalloc::residency::host) {
+        ++host_chunks;
+      } else {
+        return static_cast<int>(ZEROALLOC_MOVING);
+      }
+    }
+    if (host_chunks == 0) return static_cast<int>(ZEROALLOC_ON_DEVICE);
+    return static_cast<int>(device_chunks == 0 ? ZEROALLOC_ON_HOST : ZEROALLOC_SPLIT);
+  });
+}

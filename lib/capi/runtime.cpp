@@ -1,5 +1,6 @@
 #include "capi/runtime.hpp"
 
+#include <numa.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -108,10 +109,114 @@ caching_allocator& runtime::allocator(int ordinal) {
       if (reporting_process()) reporter_->out_of_memory(message);
     });
   }
+  if (offload_enabled()) start_offload(ordinal, *created);
   allocators_[ordinal].store(created, std::memory_order_release);
   log().info("device {}: {}, limit {}", ordinal, opened.name(),
              format_bytes(created->limit_bytes()));
   return *created;
+}
+
+namespace {
+
+// Memory of the host NUMA node `node` (libnuma), or of the whole host without NUMA.
+std::uint64_t host_node_bytes(int node) {
+  if (numa_available() >= 0 && node >= 0 && node <= numa_max_node()) {
+    const long long bytes = numa_node_size64(node, nullptr);
+    if (bytes > 0) return static_cast<std::uint64_t>(bytes);
+  }
+  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace
+
+namespace {
+
+runtime* g_offloading_runtime = nullptr;
+pid_t g_offloading_process = 0;
+
+}  // namespace
+
+void runtime::stop_background_work() {
+  std::lock_guard lock(create_mutex_);
+  for (const auto& pool : owned_host_pools_) pool->stop_prefill();
+}
+
+void runtime::start_offload(int ordinal, caching_allocator& allocator) {
+  if (g_offloading_runtime == nullptr) {
+    // Pinned-memory creation must not run on into exit, past the logger it writes to; a
+    // forked child has no such thread to stop.
+    g_offloading_runtime = this;
+    g_offloading_process = ::getpid();
+    std::atexit([] {
+      if (::getpid() == g_offloading_process) g_offloading_runtime->stop_background_work();
+    });
+  }
+  device& backing = allocator.backing();
+  const int node = backing.host_numa_node();
+  const std::uint64_t node_bytes = host_node_bytes(node);
+  const std::uint64_t limit = options_.host_limit.resolve(node_bytes);
+  const std::string source = detail::concat(
+      "ZEROALLOC_HOST_LIMIT=", options_.host_limit.text.empty() ? "0.5" : options_.host_limit.text,
+      " of NUMA node ", node, "'s ", format_bytes(node_bytes));
+  owned_host_pools_.push_back(std::make_unique<host_pool>(backing, limit, source));
+  host_pool* pool = owned_host_pools_.back().get();
+  // Pinned memory takes about 0.25 s per GiB to create: in the background, from now.
+  pool->start_prefill(allocator.arena().chunk_bytes(), limit);
+  offload_settings settings;
+  settings.prefetch_bytes = options_.prefetch_bytes;
+  owned_engines_.push_back(
+      std::make_unique<offload_engine>(allocator, *pool, options_.verify, settings));
+  offload_engine* engine = owned_engines_.back().get();
+  allocator.set_pressure_handler(
+      [engine](std::size_t bytes) { return engine->relieve_pressure(bytes); });
+  host_pools_[ordinal].store(pool, std::memory_order_release);
+  engines_[ordinal].store(engine, std::memory_order_release);
+  log().info("device {}: offload to host memory on, up to {} ({})", ordinal, format_bytes(limit),
+             source);
+}
+
+offload_engine* runtime::engine(int ordinal) {
+  allocator(ordinal);  // creates the engine with the allocator
+  return engines_[ordinal].load(std::memory_order_acquire);
+}
+
+host_pool* runtime::host_tier(int ordinal) {
+  allocator(ordinal);
+  return host_pools_[ordinal].load(std::memory_order_acquire);
+}
+
+std::string runtime::offload_json(int ordinal) {
+  offload_engine* engine = this->engine(ordinal);
+  host_pool* pool = host_tier(ordinal);
+  if (engine == nullptr || pool == nullptr) return "null";
+  const offload_figures uses = engine->figures();
+  const migration_figures moved = engine->mover().figures();
+  const host_pool_figures host = pool->figures();
+  const double hit_rate =
+      uses.uses == 0 ? 1.0 : static_cast<double>(uses.hits) / static_cast<double>(uses.uses);
+  return detail::concat(
+      "{\"host_limit_bytes\":", host.limit_bytes, ",\"host_created_bytes\":", host.created_bytes,
+      ",\"host_in_use_bytes\":", host.in_use_bytes,
+      ",\"host_peak_in_use_bytes\":", host.peak_in_use_bytes,
+      ",\"host_chunks_created_on_demand\":", host.created_on_demand,
+      ",\"host_resident_bytes\":", moved.host_resident_bytes,
+      ",\"bytes_to_host\":", moved.bytes_to_host, ",\"bytes_to_device\":", moved.bytes_to_device,
+      ",\"chunks_to_host\":", moved.chunks_to_host,
+      ",\"chunks_to_device\":", moved.chunks_to_device,
+      ",\"verified_chunks\":", moved.verified_chunks, ",\"uses\":", uses.uses,
+      ",\"prefetch_hits\":", uses.hits, ",\"prefetch_hit_rate\":", hit_rate,
+      ",\"prefetches\":", uses.prefetches, ",\"evictions\":", uses.evictions,
+      ",\"pressure_evictions\":", uses.pressure_evictions,
+      ",\"device_waited_ns\":", uses.device_waited_ns, ",\"host_waited_ns\":", uses.waited_ns,
+      ",\"steps\":", uses.steps, ",\"learned_order_chunks\":", uses.learned_order_chunks, "}");
+}
+
+offload_engine* runtime::engine_of(const void* pointer) {
+  caching_allocator* owner = owner_of(pointer);
+  if (owner == nullptr) return nullptr;
+  const int ordinal = owner->backing().ordinal();
+  return ordinal < kMaxDevices ? engines_[ordinal].load(std::memory_order_acquire) : nullptr;
 }
 
 caching_allocator* runtime::owner_of(const void* pointer) {

@@ -14,6 +14,7 @@
 #include "core/options.hpp"
 #include "device/device_registry.hpp"
 #include "profile/report.hpp"
+#include "tier/offload_engine.hpp"
 
 namespace zeroalloc {
 
@@ -36,6 +37,19 @@ class runtime {
   bool deallocate(void* pointer);
   /// Allocators created so far (for empty_cache over all devices).
   std::vector<caching_allocator*> started_allocators();
+  /// The offload engine of the device whose allocator owns `pointer`; nullptr when there is
+  /// none or offload is off (ZEROALLOC_OFFLOAD=none).
+  offload_engine* engine_of(const void* pointer);
+  /// The offload engine of `ordinal` (creating its allocator), or nullptr when offload is off.
+  offload_engine* engine(int ordinal);
+  /// The host pool of `ordinal`, or nullptr.
+  host_pool* host_tier(int ordinal);
+  /// The offload figures of `ordinal` as a JSON object, or "null" when offload is off.
+  std::string offload_json(int ordinal);
+  /// Stops the host tiers' background creation of pinned memory (at exit).
+  void stop_background_work();
+  /// True when ZEROALLOC_OFFLOAD asks for a host tier.
+  [[nodiscard]] bool offload_enabled() const { return options_.offload == "host"; }
 
   /// pthread_atfork handlers (Note [Fork] in alloc/caching_allocator.cpp).
   void prepare_fork();
@@ -56,6 +70,11 @@ class runtime {
   std::array<std::atomic<caching_allocator*>, kMaxDevices> allocators_{};
   std::vector<std::unique_ptr<device>> devices_;
   std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
+  void start_offload(int ordinal, caching_allocator& allocator);
+  std::array<std::atomic<offload_engine*>, kMaxDevices> engines_{};
+  std::array<std::atomic<host_pool*>, kMaxDevices> host_pools_{};
+  std::vector<std::unique_ptr<host_pool>> owned_host_pools_;
+  std::vector<std::unique_ptr<offload_engine>> owned_engines_;
   std::unique_ptr<reporter> reporter_;
 };
 

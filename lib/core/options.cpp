@@ -38,6 +38,9 @@ const std::vector<option_spec> kTable = {
      "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
      "of the memory of the GPU's NUMA node (0.5, 50%). Never all of it: the host must keep "
      "memory for itself."},
+    {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
+     "How far ahead along the learned access order the offload engine brings chunks back to "
+     "the device, in bytes; it keeps that much device memory free for them."},
     {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
      "1 checksums every chunk the offload engine moves, before and after, and stops with an "
      "error naming the chunk when the bytes changed in transit (for tests and bug hunts)."},
@@ -227,6 +230,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
         parsed.chunk_bytes = *bytes;
       }
       if (name == "ZEROALLOC_SIM_MEMORY") parsed.sim_memory_bytes = *bytes;
+      if (name == "ZEROALLOC_PREFETCH_BYTES") parsed.prefetch_bytes = *bytes;
     } else if (spec.kind == option_kind::byte_size_or_share) {
       const std::string_view trimmed = trim(value);
       memory_limit limit;

@@ -63,6 +63,7 @@ struct options {
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
   memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the NUMA node)
   bool verify = false;                 ///< ZEROALLOC_VERIFY
+  std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

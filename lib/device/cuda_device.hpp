@@ -72,6 +72,7 @@ class cuda_device final : public device {
   /// Ignores nullptr (the default stream cannot be destroyed).
   void destroy_stream(stream_handle stream) override;
   /// Events without timing, the cheapest kind to record and query.
+  [[nodiscard]] int host_numa_node() const override { return host_numa_node_; }
   event_handle create_event() override;
   event_handle create_timing_event() override;
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;

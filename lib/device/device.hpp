@@ -55,6 +55,8 @@ class device {
   /// Granularity of physical allocations and mappings (2 MiB on current GPUs).
   [[nodiscard]] virtual std::size_t granularity() const = 0;
   [[nodiscard]] virtual memory_info query_memory() const = 0;
+  /// The host NUMA node nearest the device, where memory_location::host handles live.
+  [[nodiscard]] virtual int host_numa_node() const = 0;
 
   // Physical memory. `bytes` is a multiple of granularity().
   virtual physical_handle create_physical(std::size_t bytes, memory_location location) = 0;

@@ -45,6 +45,7 @@ class sim_device final : public device {
 
   stream_handle create_stream() override;
   void destroy_stream(stream_handle stream) override;
+  [[nodiscard]] int host_numa_node() const override { return 0; }
   event_handle create_event() override;
   event_handle create_timing_event() override;
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;

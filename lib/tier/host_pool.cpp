@@ -23,11 +23,7 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
 }
 
 host_pool::~host_pool() {
-  {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
-  }
-  if (prefill_thread_.joinable()) prefill_thread_.join();
+  stop_prefill();
   try {
     for (auto& [bytes, chunks] : idle_) {
       for (const host_chunk& chunk : chunks) destroy(chunk);
@@ -43,6 +39,14 @@ void host_pool::start_prefill(std::size_t chunk_bytes, std::uint64_t bytes) {
   if (prefilling_ || prefill_thread_.joinable()) return;
   prefilling_ = true;
   prefill_thread_ = std::thread([this, chunk_bytes, bytes] { prefill(chunk_bytes, bytes); });
+}
+
+void host_pool::stop_prefill() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  if (prefill_thread_.joinable()) prefill_thread_.join();
 }
 
 void host_pool::wait_for_prefill() {

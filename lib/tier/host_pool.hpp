@@ -61,8 +61,11 @@ class host_pool {
   /// Creates chunks of `chunk_bytes` on a background thread until `bytes` (at most the
   /// limit) are held, logging progress. Returns at once.
   void start_prefill(std::size_t chunk_bytes, std::uint64_t bytes);
-  /// Waits for the background creation to finish (tests, and shutdown).
+  /// Waits for the background creation to finish (tests).
   void wait_for_prefill();
+  /// Stops the background creation and waits for its thread (at exit: it must not outlive
+  /// the logger). Chunks made so far stay usable.
+  void stop_prefill();
 
   /// A chunk of exactly `bytes`: an idle one, else one the prefill is about to finish,
   /// else a new one (counted in created_on_demand), after releasing idle chunks of other

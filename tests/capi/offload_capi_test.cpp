@@ -1,0 +1,75 @@
+// The offload part of the C ABI, as a program sees it with ZEROALLOC_OFFLOAD=host (CTest sets
+// it, with a 256 MiB host limit and 8 MiB chunks): an allocation moves to the host and back
+// at the same address, the statistics say where the bytes went, hints are accepted, and bad
+// calls fail with a message.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "zeroalloc/zeroalloc.h"
+
+namespace {
+
+constexpr std::size_t kMiB = 1 << 20;
+
+std::string stats() {
+  std::vector<char> buffer(static_cast<std::size_t>(zeroalloc_stats_json(0, nullptr, 0)) + 1);
+  zeroalloc_stats_json(0, buffer.data(), buffer.size());
+  return buffer.data();
+}
+
+long long offload_figure(const std::string& key) {
+  const std::string text = stats();
+  const std::size_t section = text.find("\"offload\":{");
+  const std::size_t at = text.find("\"" + key + "\":", section);
+  if (section == std::string::npos || at == std::string::npos) return -1;
+  return std::atoll(text.c_str() + at + key.size() + 3);
+}
+
+TEST(OffloadCapi, AnAllocationMovesToTheHostAndBackAtTheSameAddress) {
+  void* pointer = zeroalloc_malloc_class(24 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_DEVICE);
+  ASSERT_EQ(zeroalloc_offload(pointer, /*wait=*/1), 0) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_HOST);
+  EXPECT_EQ(offload_figure("host_resident_bytes"), static_cast<long long>(24 * kMiB));
+  EXPECT_EQ(offload_figure("bytes_to_host"), static_cast<long long>(24 * kMiB));
+  EXPECT_EQ(offload_figure("host_limit_bytes"), static_cast<long long>(256 * kMiB));
+  ASSERT_EQ(zeroalloc_fetch(pointer, 1), 0) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_DEVICE);
+  EXPECT_EQ(offload_figure("host_resident_bytes"), 0);
+  zeroalloc_free(pointer, 24 * kMiB, 0, nullptr);
+}
+
+TEST(OffloadCapi, HintsAreAcceptedForAnyPointer) {
+  void* pointer = zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
+  ASSERT_NE(pointer, nullptr);
+  const long long uses = offload_figure("uses");
+  zeroalloc_use_begins(pointer, nullptr);
+  zeroalloc_use_ends(pointer, nullptr);
+  zeroalloc_step_boundary();
+  EXPECT_EQ(offload_figure("uses"), uses + 1);
+  EXPECT_GE(offload_figure("steps"), 1);
+  int on_the_stack = 0;
+  zeroalloc_use_begins(&on_the_stack, nullptr);  // not zeroalloc's: ignored, no crash
+  zeroalloc_use_ends(&on_the_stack, nullptr);
+  zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
+}
+
+TEST(OffloadCapi, BadCallsFailWithAMessage) {
+  int on_the_stack = 0;
+  EXPECT_EQ(zeroalloc_offload(&on_the_stack, 1), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("is not memory zeroalloc allocated"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_residency(&on_the_stack), -1);
+  void* pointer = zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
+  EXPECT_EQ(zeroalloc_offload(static_cast<char*>(pointer) + 512, 1), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("not the start of a live allocation"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
+}
+
+}  // namespace
