@@ -27,6 +27,9 @@ step "caching_allocator_bench"
 build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
+step "migration throughput: the migrator vs cudaMemcpyAsync"
+build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -6
+
 step "torch.empty + del through zeroalloc vs native"
 python3 bench/python/torch_empty_bench.py --rounds 4 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
 
@@ -72,6 +75,9 @@ for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_
 for line in (out / "preload_overhead.txt").read_text().splitlines() if (out / "preload_overhead.txt").exists() else []:
     if line.startswith("step time:"):
         rows.append(("preload overhead", line[len("step time: "):]))
+for line in (out / "migration.txt").read_text().splitlines() if (out / "migration.txt").exists() else []:
+    if re.match(r"^(device -> host|host -> device|both at once)", line):
+        rows.append(("migration GB/s (ours, memcpy, ratio)", line.strip()))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
 rows.append(("ctest", m.group(1) if m else "missing"))
