@@ -35,9 +35,8 @@ class MigratorTest : public ::testing::Test {
     allocator_.reset();
     pool_.reset();
   }
-  migrator& start(bool verify = false) {
+  void start(bool verify = false) {
     migrator_ = std::make_unique<migrator>(*allocator_, *pool_, verify);
-    return *migrator_;
   }
 
   // Random bytes written to `pointer` through the device.
@@ -66,7 +65,8 @@ class MigratorTest : public ::testing::Test {
 };
 
 TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   constexpr std::size_t kBytes = 20 * MiB;  // chunks of 8, 8 and 4 MiB
   void* pointer = allocator_->allocate(kBytes, nullptr, allocation_class::optimizer_state);
   const std::vector<std::uint8_t> written = write_random(pointer, kBytes, 1);
@@ -93,7 +93,8 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
 }
 
 TEST_F(MigratorTest, AKernelWritesAHostResidentChunkAndTheWriteComesBack) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   void* pointer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
   device_->fill_async(pointer, 0x11, kChunkBytes, nullptr);
   const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
@@ -111,7 +112,8 @@ TEST_F(MigratorTest, AKernelWritesAHostResidentChunkAndTheWriteComesBack) {
 }
 
 TEST_F(MigratorTest, TheCopyWaitsForWorkQueuedBeforeTheEviction) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   stream_handle compute = device_->create_stream();
   void* pointer = allocator_->allocate(kChunkBytes, compute, allocation_class::optimizer_state);
   device_->fill_async(pointer, 0x01, kChunkBytes, compute);
@@ -134,7 +136,8 @@ TEST_F(MigratorTest, TheCopyWaitsForWorkQueuedBeforeTheEviction) {
 
 TEST_F(MigratorTest, DeviceMemoryAnEvictionFreesServesOtherAllocationsWithinTheLimit) {
   allocator_->set_limit(48 * MiB, "ZEROALLOC_MEMORY_LIMIT=48MiB");
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   void* states = allocator_->allocate(32 * MiB, nullptr, allocation_class::optimizer_state);
   const std::vector<std::uint8_t> written = write_random(states, 32 * MiB, 2);
   EXPECT_THROW(allocator_->allocate(32 * MiB, nullptr, allocation_class::other), out_of_memory);
@@ -152,7 +155,8 @@ TEST_F(MigratorTest, DeviceMemoryAnEvictionFreesServesOtherAllocationsWithinTheL
 }
 
 TEST_F(MigratorTest, AFreedHostResidentAllocationGivesItsHostChunkBack) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   void* pointer = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
   for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
   engine.drain();
@@ -164,7 +168,8 @@ TEST_F(MigratorTest, AFreedHostResidentAllocationGivesItsHostChunkBack) {
 }
 
 TEST_F(MigratorTest, AChunkMovingOrMovedCannotBeStartedTwice) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   void* pointer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
   const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
   ASSERT_TRUE(engine.evict_async(chunk));
@@ -179,7 +184,8 @@ TEST_F(MigratorTest, AChunkMovingOrMovedCannotBeStartedTwice) {
 }
 
 TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
-  migrator& engine = start(/*verify=*/true);
+  start(/*verify=*/true);
+  migrator& engine = *migrator_;
   void* pointer = allocator_->allocate(24 * MiB, nullptr, allocation_class::optimizer_state);
   write_random(pointer, 24 * MiB, 3);
   for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
@@ -196,7 +202,8 @@ TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
 // for the allocation's migrations to settle (what a use-begins hint does). Every
 // allocation must hold its last value at the end, wherever its chunks are.
 TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryByte) {
-  migrator& engine = start();
+  start();
+  migrator& engine = *migrator_;
   constexpr int kStreams = 3;
   constexpr int kAllocations = 8;
   constexpr int kRounds = 300;

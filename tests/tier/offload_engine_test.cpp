@@ -36,14 +36,13 @@ class OffloadEngineTest : public ::testing::Test {
     allocator_.reset();
     pool_.reset();
   }
-  offload_engine& start(std::uint64_t limit_bytes, std::uint64_t prefetch_bytes) {
+  void start(std::uint64_t limit_bytes, std::uint64_t prefetch_bytes) {
     allocator_->set_limit(limit_bytes, "ZEROALLOC_MEMORY_LIMIT (test)");
     offload_settings settings;
     settings.prefetch_bytes = prefetch_bytes;
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
     allocator_->set_pressure_handler(
         [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
-    return *engine_;
   }
   bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
     return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
@@ -56,7 +55,8 @@ class OffloadEngineTest : public ::testing::Test {
 };
 
 TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
-  offload_engine& engine = start(48 * MiB, 0);
+  start(48 * MiB, 0);
+  offload_engine& engine = *engine_;
   std::vector<void*> states;
   for (int i = 0; i < 6; ++i) {
     states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
@@ -79,7 +79,8 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
 }
 
 TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
-  offload_engine& engine = start(256 * MiB, 0);
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
   void* pointer = allocator_->allocate(20 * MiB, nullptr, allocation_class::parameter);
   device_->fill_async(pointer, 0x42, 20 * MiB, nullptr);
   ASSERT_TRUE(engine.evict(pointer, /*wait=*/true));
@@ -102,7 +103,8 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   allocator_settings settings;
   settings.chunk_bytes = kLayerBytes;
   allocator_ = std::make_unique<caching_allocator>(*device_, settings);
-  offload_engine& engine = start(24 * MiB, 3 * kLayerBytes);
+  start(24 * MiB, 3 * kLayerBytes);
+  offload_engine& engine = *engine_;
   stream_handle compute = device_->create_stream();
   constexpr int kLayers = 20;
   constexpr int kSteps = 6;
