@@ -168,6 +168,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
     return false;
   }
   if (chunk_idle) {
+    std::uint64_t early_remap_ns = 0;
     // Nothing queued touches the chunk: map the device chunk now and let its bytes arrive
     // in stream order (Note [Fault-free migration]); users wait on the copy's event.
     try {
@@ -175,8 +176,13 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
       if (verify_) {
         moving.checksum = checksum_of(host.staging_address, chunk.handle.bytes, in_stream_);
       }
+      const auto remap_started = std::chrono::steady_clock::now();
       allocator_.remap_pinned_chunk(address, moving.device_chunk);
       moving.remapped_early = true;
+      early_remap_ns = static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                               remap_started)
+              .count());
       device_.copy_async(reinterpret_cast<void*>(address),
                          reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                          in_stream_);
@@ -189,6 +195,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
       throw;
     }
     std::lock_guard lock(mutex_);
+    figures_.remap_ns += early_remap_ns;
     moving_[address] = residency::moving_to_device;
     arriving_[address] = moving.copied;
     in_flight_.push_back(std::move(moving));
@@ -231,6 +238,7 @@ void migrator::finish(transfer& done) {
   const std::uintptr_t address = done.chunk.address;
   const std::size_t bytes = done.chunk.handle.bytes;
   stream_handle stream = done.to_host ? out_stream_ : in_stream_;
+  const auto remap_started = std::chrono::steady_clock::now();
   if (done.to_host) {
     const physical_handle previous = allocator_.replace_pinned_chunk(address, done.host.handle);
     allocator_.arena().return_chunk(previous);
@@ -257,7 +265,12 @@ void migrator::finish(transfer& done) {
     if (!done.remapped_early) return_staging_slot(done.staging);
     pool_.release(done.host);
   }
+  const auto remap_ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                           remap_started)
+          .count());
   std::lock_guard lock(mutex_);
+  figures_.remap_ns += remap_ns;
   if (done.to_host) {
     bytes_leaving_device_ -= bytes;
     on_host_[address] = done.host;

@@ -44,6 +44,7 @@ struct migration_figures {
   std::uint64_t waits = 0;                ///< wait_until_settled calls that had to wait
   std::uint64_t waited_ns = 0;            ///< time they waited
   std::uint64_t verified_chunks = 0;      ///< ZEROALLOC_VERIFY checks passed
+  std::uint64_t remap_ns = 0;             ///< time spent remapping chunks (all threads)
 };
 
 class migrator {
