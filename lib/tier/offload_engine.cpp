@@ -276,6 +276,9 @@ void offload_engine::step_boundary() {
     positions_[learned_order_[i]].push_back(i);
   }
   cursor_ = 0;
+  // A step ends with nothing in use: hints that never closed (parameters without gradients
+  // get no after-backward hint) must not pin their chunks on the device for good.
+  for (auto& [address, state] : chunks_) state.open_uses = 0;
   ++figures_.steps;
   figures_.learned_order_chunks = learned_order_.size();
 }

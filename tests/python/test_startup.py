@@ -47,6 +47,7 @@ FAKE_TORCH = textwrap.dedent('''
 PROGRAM = textwrap.dedent('''
     import site, sys
     site.addsitedir(sys.argv[1])  # what Python does for site-packages at start-up
+    sys.path.insert(0, sys.argv[2])  # the stand-in torch, ahead of any real one
     started = "zeroalloc._startup" in sys.modules
     import torch
     print("startup", started)
@@ -62,8 +63,8 @@ def site_dir(tmp_path_factory):
     shutil.copy(PACKAGE / "zeroalloc-startup.pth", root)
     shutil.copytree(PACKAGE / "zeroalloc", root / "zeroalloc",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "torch").mkdir()
-    (root / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    (root / "fake" / "torch").mkdir(parents=True)
+    (root / "fake" / "torch" / "__init__.py").write_text(FAKE_TORCH)
     return root
 
 
@@ -71,7 +72,8 @@ def run(site_dir, **environment):
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("ZEROALLOC_") and key != "LD_PRELOAD"}
     env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_DEVICE": "sim", **environment})
-    result = subprocess.run([sys.executable, "-c", PROGRAM, str(site_dir)], env=env,
+    result = subprocess.run([sys.executable, "-c", PROGRAM, str(site_dir), str(site_dir / "fake")],
+                            env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result

@@ -37,6 +37,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--allocator", choices=("native", "zeroalloc"), required=True)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--offload", choices=("off", "hooks", "every-step"), default="off",
+                        help="hooks: zeroalloc.torch.offload(model, optimizer); every-step: "
+                             "also move every parameter and optimizer state to the host "
+                             "after each step (needs ZEROALLOC_OFFLOAD=host)")
     parser.add_argument("--library", default=default_library(),
                         help="path of libzeroalloc.so (default: $ZEROALLOC_LIBRARY or "
                              "<repo>/build/libzeroalloc.so)")
@@ -185,6 +189,20 @@ def main() -> int:
     model, loss_of = build_model(torch)
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    zt = None
+    if args.offload != "off":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+        os.environ["ZEROALLOC_LIBRARY"] = library_path  # the library this process runs on
+        import zeroalloc.torch as zt
+        zt.offload(model, optimizer)
+
+    def offload_everything():
+        for parameter in model.parameters():
+            zt.offload_tensor(parameter, wait=False)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.is_cuda:
+                    zt.offload_tensor(value, wait=False)
 
     generator = torch.Generator(device="cpu").manual_seed(1234)
     compute_stream = torch.cuda.current_stream(device)
@@ -214,6 +232,8 @@ def main() -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.offload == "every-step":
+            offload_everything()
         del batch
 
         last_loss = loss.item()

@@ -89,6 +89,12 @@ def library() -> ctypes.CDLL:
             "zeroalloc_build_info": ([], ctypes.c_char_p),
             "zeroalloc_options_json": ([ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
             "zeroalloc_last_error": ([], ctypes.c_char_p),
+            "zeroalloc_use_begins": ([ctypes.c_void_p, c_stream], None),
+            "zeroalloc_use_ends": ([ctypes.c_void_p, c_stream], None),
+            "zeroalloc_step_boundary": ([], None),
+            "zeroalloc_offload": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
+            "zeroalloc_fetch": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
+            "zeroalloc_residency": ([ctypes.c_void_p], ctypes.c_int),
         }
         for name, (arguments, result) in signatures.items():
             function = getattr(handle, name)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
+import contextlib
+from typing import Iterable
+
+from zeroalloc import _offload
 from zeroalloc._library import ZeroallocError, function_address, library_path
+from zeroalloc._stats import allocation_class, raw_stats
 
 _allocator = None
 
@@ -49,3 +54,161 @@ def mem_pool() -> "torch.cuda.MemPool":
     """A torch.cuda.MemPool whose segments come from zeroalloc:
     ``with torch.cuda.use_mem_pool(zt.mem_pool()): ...``"""
     return torch.cuda.MemPool(_pluggable_allocator().allocator())
+
+
+# ---- Offload ---------------------------------------------------------------------------------
+
+def offload_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
+    """Moves the tensor's storage to pinned host memory; its address, and every view of it,
+    stay valid (kernels reach it over PCIe until it comes back)."""
+    _offload.offload_pointer(tensor.untyped_storage().data_ptr(), wait)
+
+
+def fetch_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
+    """Brings the tensor's storage back to device memory."""
+    _offload.fetch_pointer(tensor.untyped_storage().data_ptr(), wait)
+
+
+def residency(tensor: "torch.Tensor") -> str:
+    """Where the tensor's storage is: "device", "host", "split" or "moving"."""
+    return _offload.residency_of(tensor.untyped_storage().data_ptr())
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _begin(tensors: Iterable["torch.Tensor"]) -> None:
+    stream = _stream()
+    for tensor in tensors:
+        _offload.use_begins(tensor.untyped_storage().data_ptr(), stream)
+
+
+def _end(tensors: Iterable["torch.Tensor"]) -> None:
+    stream = _stream()
+    for tensor in tensors:
+        _offload.use_ends(tensor.untyped_storage().data_ptr(), stream)
+
+
+def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
+    with allocation_class(name):
+        moved = torch.empty_like(tensor)
+    moved.copy_(tensor)
+    return moved
+
+
+class OffloadHandle:
+    """What offload() installed; remove() takes the hooks out again."""
+
+    def __init__(self, hooks: list, optimizer, original_step):
+        self._hooks = hooks
+        self._optimizer = optimizer
+        self._original_step = original_step
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._optimizer is not None:
+            self._optimizer.step = self._original_step
+            self._optimizer = None
+
+
+def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
+            window_bytes: int = 1 << 30) -> OffloadHandle:
+    """Lets zeroalloc page the model's parameters and the optimizer's states between device
+    and pinned host memory: two lines in a training script, after ``install()``::
+
+        zt.install()
+        ...
+        zt.offload(model, optimizer)
+
+    Parameters (and states that already exist) move into their own allocation classes;
+    module hooks tell the engine when each module's parameters are used, so it learns the
+    order of a step and fetches ahead; the optimizer steps in windows of about
+    `window_bytes` of parameters and states, so that only one window must be on the device at
+    a time (PyTorch's foreach and fused optimizers would touch every state at once).
+    Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
+    if raw_stats(0).get("offload") is None:
+        raise ZeroallocError(
+            "zeroalloc.torch.offload() needs the offload engine: set ZEROALLOC_OFFLOAD=host "
+            "in the environment before the process starts (and zeroalloc as PyTorch's "
+            "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.is_cuda:
+                parameter.data = _move_into_class(parameter.data, "parameter")
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for key, value in list(state.items()):
+                    if torch.is_tensor(value) and value.is_cuda:
+                        state[key] = _move_into_class(value, "optimizer_state")
+    hooks = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.is_cuda]
+        if not own:
+            continue
+        hooks.append(module.register_forward_pre_hook(
+            lambda _module, _inputs, own=own: _begin(own)))
+
+        def after_forward(_module, _inputs, output, own=own):
+            _end(own)
+            # Backward of this module begins when the gradient of its output arrives.
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for each in outputs:
+                if torch.is_tensor(each) and each.requires_grad:
+                    each.register_hook(lambda grad, own=own: (_begin(own), grad)[1])
+                    break
+        hooks.append(module.register_forward_hook(after_forward))
+        for parameter in own:
+            if parameter.requires_grad:
+                hooks.append(parameter.register_post_accumulate_grad_hook(
+                    lambda p: _end((p,))))
+    original_step = optimizer.step if optimizer is not None else None
+    if optimizer is not None:
+        optimizer.step = _windowed_step(optimizer, original_step, window_bytes)
+    return OffloadHandle(hooks, optimizer, original_step)
+
+
+def _windowed_step(optimizer, original_step, window_bytes: int):
+    def state_tensors(parameter):
+        return [v for v in optimizer.state.get(parameter, {}).values()
+                if torch.is_tensor(v) and v.is_cuda and v.dim() > 0]
+
+    def windows():
+        current, size = [], 0
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is None:
+                    continue
+                cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
+                if current and size + cost > window_bytes:
+                    yield current
+                    current, size = [], 0
+                current.append(parameter)
+                size += cost
+        if current:
+            yield current
+
+    def step(closure=None, **kwargs):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        saved = [group["params"] for group in optimizer.param_groups]
+        try:
+            for window in windows():
+                chosen = set(window)
+                tensors = [*window, *(t for p in window for t in state_tensors(p))]
+                _begin(tensors)
+                for group, params in zip(optimizer.param_groups, saved):
+                    group["params"] = [p for p in params if p in chosen]
+                with allocation_class("optimizer_state"):
+                    original_step(**kwargs)
+                _end([*window, *(t for p in window for t in state_tensors(p))])
+        finally:
+            for group, params in zip(optimizer.param_groups, saved):
+                group["params"] = params
+        _offload.step_boundary()
+        return None
+
+    return step

@@ -1,0 +1,42 @@
+"""Moving allocations between device and host memory by hand, and the hints the offload
+engine learns its access order from. Needs ZEROALLOC_OFFLOAD=host; pointers are the start of
+zeroalloc allocations (a tensor's data_ptr() when zeroalloc is PyTorch's allocator)."""
+
+from __future__ import annotations
+
+from zeroalloc._library import ZeroallocError, last_error, library
+
+#: zeroalloc_residency's answers.
+RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving"}
+
+
+def offload_pointer(pointer: int, wait: bool = True) -> None:
+    """Moves the allocation at `pointer` to pinned host memory (same address)."""
+    if library().zeroalloc_offload(pointer, int(wait)) != 0:
+        raise ZeroallocError(last_error())
+
+
+def fetch_pointer(pointer: int, wait: bool = True) -> None:
+    """Brings the allocation at `pointer` back to device memory."""
+    if library().zeroalloc_fetch(pointer, int(wait)) != 0:
+        raise ZeroallocError(last_error())
+
+
+def residency_of(pointer: int) -> str:
+    """"device", "host", "split" or "moving"."""
+    answer = library().zeroalloc_residency(pointer)
+    if answer < 0:
+        raise ZeroallocError(last_error())
+    return RESIDENCY[answer]
+
+
+def use_begins(pointer: int, stream: int = 0) -> None:
+    library().zeroalloc_use_begins(pointer, stream or None)
+
+
+def use_ends(pointer: int, stream: int = 0) -> None:
+    library().zeroalloc_use_ends(pointer, stream or None)
+
+
+def step_boundary() -> None:
+    library().zeroalloc_step_boundary()

@@ -1,0 +1,141 @@
+"""Offload with PyTorch on the GPU (ZEROALLOC_OFFLOAD=host): kernels read and write a tensor
+whose memory is on the host; a training run whose parameters and optimizer states go to the
+host after every step computes the same losses, bit for bit, as one that keeps them on the
+device; state_dict saving and loading round-trip while everything is offloaded.
+
+    python3 -m pytest -s tests/python/test_offload_torch.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+SCRIPT = Path(__file__).with_name("train_small_transformer.py")
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so")).resolve()
+STEPS = 30
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("skipped: no CUDA GPU", allow_module_level=True)
+if not LIBRARY.is_file():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+
+
+def environment(**extra):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
+    env.update({"ZEROALLOC_DEVICE": "cuda", "ZEROALLOC_OFFLOAD": "host",
+                "ZEROALLOC_HOST_LIMIT": "16GiB", "ZEROALLOC_LIBRARY": str(LIBRARY),
+                "PYTHONPATH": str(PACKAGE)})
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, **extra) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment(**extra),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_kernels_read_and_write_a_host_resident_tensor():
+    out = run_python("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        zt.install()
+        n = 16 << 20  # 64 MiB of float32
+        with zeroalloc.allocation_class("parameter"):
+            x = torch.arange(n, device="cuda", dtype=torch.float32)
+        expected = torch.arange(n, device="cuda", dtype=torch.float32)
+        zt.offload_tensor(x)
+        assert zt.residency(x) == "host", zt.residency(x)
+        doubled = x * 2                 # a kernel reading pinned host memory
+        x.add_(1)                       # a kernel writing it
+        x[:1000].mul_(3)                # and a view of it
+        torch.cuda.synchronize()
+        assert zt.residency(x) == "host"
+        assert torch.equal(doubled, expected * 2)
+        zt.fetch_tensor(x)
+        assert zt.residency(x) == "device"
+        want = expected + 1
+        want[:1000] *= 3
+        assert torch.equal(x, want)
+        stats = zeroalloc.raw_stats()["offload"]
+        print("moved", stats["bytes_to_host"], stats["bytes_to_device"])
+    """)
+    moved = out.split("moved")[1].split()
+    assert int(moved[0]) >= 64 << 20 and int(moved[1]) >= 64 << 20
+
+
+def test_state_dict_round_trip_while_offloaded(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    run_python(f"""
+        import torch, zeroalloc.torch as zt
+        zt.install()
+        torch.manual_seed(0)
+        def make():
+            return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                       torch.nn.Linear(4096, 1024)).cuda()
+        model = make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        optimizer.step()
+        zt.offload(model, optimizer)
+        reference = {{k: v.detach().clone() for k, v in model.state_dict().items()}}
+        moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+        for p in model.parameters():
+            zt.offload_tensor(p)
+        for s in optimizer.state.values():
+            zt.offload_tensor(s["exp_avg"]); zt.offload_tensor(s["exp_avg_sq"])
+        assert all(zt.residency(p) == "host" for p in model.parameters())
+        torch.save({{"model": model.state_dict(), "optimizer": optimizer.state_dict()}},
+                   "{path}")
+        loaded = torch.load("{path}")
+        fresh = make()
+        fresh.load_state_dict(loaded["model"])
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(value, reference[key]), key
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        fresh_optimizer.load_state_dict(loaded["optimizer"])
+        for got, want in zip([s["exp_avg"] for s in fresh_optimizer.state.values()], moments):
+            assert torch.equal(got, want)
+        # Loading into the offloaded model writes through to host memory.
+        model.load_state_dict({{k: v + 1 for k, v in reference.items()}})
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, reference[key] + 1), key
+        print("round trip ok")
+    """)
+
+
+def train(offload: str) -> list:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--allocator", "zeroalloc", "--steps", str(STEPS),
+         "--library", str(LIBRARY), "--offload", offload],
+        env=environment(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    stats = [line for line in result.stdout.splitlines() if line.startswith("stats ")]
+    return ([line for line in result.stdout.splitlines() if line.startswith("loss ")],
+            json.loads(stats[0][len("stats "):]) if stats else {})
+
+
+def test_losses_with_everything_offloaded_after_each_step_equal_the_device_run():
+    on_device, _ = train("off")
+    hooked, hooked_stats = train("hooks")
+    offloaded, stats = train("every-step")
+    assert len(on_device) == STEPS
+    assert hooked == on_device, "offload hooks changed the numbers"
+    assert offloaded == on_device, "offloading changed the numbers"
+    figures = stats["offload"]
+    print(f"every-step offload over {STEPS} steps: {figures['bytes_to_host'] >> 20} MiB to "
+          f"the host, {figures['bytes_to_device'] >> 20} MiB back; uses {figures['uses']}, "
+          f"prefetch hit rate {figures['prefetch_hit_rate']:.2f}, device waited "
+          f"{figures['device_waited_ns'] / 1e6:.1f} ms, host waited "
+          f"{figures['host_waited_ns'] / 1e6:.1f} ms")
+    assert figures["bytes_to_host"] > 0 and figures["bytes_to_device"] > 0
+    assert figures["steps"] == STEPS
+    assert hooked_stats["offload"]["uses"] > 0
