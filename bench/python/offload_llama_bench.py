@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Training a Llama-style model with zeroalloc's offload against PyTorch alone and against
+FSDP2 with CPUOffloadPolicy, side by side in one run.
+
+Each configuration runs in its own process (the allocator swap is one per process):
+  native   PyTorch's own allocator, everything on the GPU
+  zeroalloc  zeroalloc as PyTorch's allocator (zt.install), nothing offloaded
+  offload  zeroalloc with ZEROALLOC_OFFLOAD=host, zt.offload(model, optimizer), and a
+           ZEROALLOC_MEMORY_LIMIT below what the native run needed, so that most optimizer
+           states must live on the host
+  fsdp2    torch.distributed.fsdp.fully_shard with CPUOffloadPolicy (one rank)
+The model is a transformers LlamaForCausalLM with random weights (1.3B parameters by
+default), batch 4 x 1024 tokens, bf16 autocast, AdamW. Prints a table, then one JSON line.
+
+    python3 bench/python/offload_llama_bench.py [--steps 10] [--modes native,zeroalloc,offload,fsdp2]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--library", default=str(ROOT / "build" / "libzeroalloc.so"))
+    parser.add_argument("--modes", default="native,zeroalloc,offload,fsdp2")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--fsdp2-steps", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5504)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--states-on-host", type=float, default=0.75,
+                        help="offload mode: the limit leaves room for all but this share of "
+                             "the optimizer states")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def build(args, torch, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, vocab_size=args.vocab,
+                         max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def worker(args) -> int:
+    mode = args.worker
+    import torch
+    zt = zeroalloc = None
+    if mode in ("zeroalloc", "offload"):
+        sys.path.insert(0, str(PACKAGE))
+        import zeroalloc
+        import zeroalloc.torch as zt
+        zt.install()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    if mode == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        model = build(args, torch, "cpu")
+        for layer in model.model.layers:
+            fully_shard(layer, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+    else:
+        model = build(args, torch, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if mode == "offload":
+        zt.offload(model, optimizer)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    steps = args.fsdp2_steps if mode == "fsdp2" else args.steps
+    warmup = 1 if mode == "fsdp2" else args.warmup
+    times = []
+    loss = None
+    for index in range(warmup + steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - started)
+    result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
+              "steps_s": times, "loss": float(loss)}
+    result["tokens_per_s"] = args.batch * args.seq / result["step_s"]
+    if mode == "native":
+        result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        result["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    if zeroalloc is not None:
+        stats = zeroalloc.raw_stats(0)
+        result["peak_allocated"] = stats["total"]["allocated_bytes"]["peak"]
+        result["peak_reserved"] = stats["total"]["reserved_bytes"]["peak"]
+        result["limit_bytes"] = stats["limit_bytes"]
+        result["offload"] = stats.get("offload")
+    print("result " + json.dumps(result), flush=True)
+    if mode == "fsdp2":
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
+    env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
+    env["ZEROALLOC_DEVICE"] = "cuda"
+    if mode == "offload":
+        env["ZEROALLOC_OFFLOAD"] = "host"
+        env["ZEROALLOC_HOST_LIMIT"] = "32GiB"
+        env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
+    if mode == "fsdp2":
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
+    command = [sys.executable, __file__, "--worker", mode]
+    for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
+                 "vocab", "batch", "seq"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
+          flush=True)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
+    if result.returncode != 0 or not lines:
+        print(f"{mode} failed (exit {result.returncode}):\n{result.stderr[-3000:]}", flush=True)
+        return {"mode": mode, "error": result.stderr[-500:]}
+    return json.loads(lines[-1][len("result "):])
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    modes = args.modes.split(",")
+    results = {}
+    if "native" in modes or "offload" in modes:
+        results["native"] = run_mode(args, "native")
+    if "zeroalloc" in modes:
+        results["zeroalloc"] = run_mode(args, "zeroalloc")
+    if "offload" in modes and "peak_reserved" in results.get("native", {}):
+        native = results["native"]
+        states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
+        limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
+        results["offload"] = run_mode(args, "offload", limit)
+    if "fsdp2" in modes:
+        results["fsdp2"] = run_mode(args, "fsdp2")
+    native_step = results.get("native", {}).get("step_s")
+    fsdp_tokens = results.get("fsdp2", {}).get("tokens_per_s")
+    print(f"\n{'mode':10} {'step s':>8} {'tokens/s':>10} {'vs native':>10} {'vs fsdp2':>9}  notes")
+    for mode, result in results.items():
+        if "error" in result:
+            print(f"{mode:10} failed")
+            continue
+        notes = ""
+        if result.get("offload"):
+            figures = result["offload"]
+            notes = (f"limit {result['limit_bytes'] / 2**30:.1f} GiB; host holds "
+                     f"{figures['host_resident_bytes'] / 2**30:.1f} GiB; moved "
+                     f"{figures['bytes_to_host'] / 2**30:.1f} GiB out, "
+                     f"{figures['bytes_to_device'] / 2**30:.1f} GiB in; hit rate "
+                     f"{figures['prefetch_hit_rate']:.3f}; device waited "
+                     f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
+        elif "peak_allocated" in result:
+            notes = f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB"
+        vs_native = result["step_s"] / native_step if native_step else float("nan")
+        vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else float("nan")
+        print(f"{mode:10} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
+              f"{vs_native:10.3f} {vs_fsdp:9.2f}  {notes}")
+    print(json.dumps({"bench": "offload_llama", "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
