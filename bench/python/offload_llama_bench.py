@@ -92,6 +92,8 @@ def worker(args) -> int:
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=tokens, labels=tokens).loss
+        if zeroalloc is not None and zeroalloc._library.last_error():
+            print(f"zeroalloc last error: {zeroalloc._library.last_error()}", file=sys.stderr)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -131,6 +133,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
     if mode == "offload":
+        env["ZEROALLOC_LOG_LEVEL"] = os.environ.get("ZEROALLOC_LOG_LEVEL", "info")
         env["ZEROALLOC_OFFLOAD"] = "host"
         env["ZEROALLOC_HOST_LIMIT"] = "32GiB"
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
@@ -145,7 +148,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     if result.returncode != 0 or not lines:
-        print(f"{mode} failed (exit {result.returncode}):\n{result.stderr[-3000:]}", flush=True)
+        ours = [line for line in result.stderr.splitlines() if "zeroalloc" in line]
+        print(f"{mode} failed (exit {result.returncode}):\n" + "\n".join(ours[-25:]) +
+              "\n" + result.stderr[-1500:], flush=True)
         return {"mode": mode, "error": result.stderr[-500:]}
     return json.loads(lines[-1][len("result "):])
 
