@@ -626,7 +626,8 @@ const interposed_symbol* interposed_driver_symbol(const char* symbol, int cuda_v
 // every other interposer start after libzeroalloc instead of after that interposer. The
 // trampoline below therefore jumps to glibc's dlsym with the caller's return address in
 // place. Lookups from inside libzeroalloc (the driver table in device/cuda_driver.cpp) are
-// never answered with a hook. x86-64 only; elsewhere dlsym is not interposed.
+// never answered with a hook. x86-64 only, and not in sanitizer builds; elsewhere dlsym is
+// not interposed.
 
 namespace {
 
@@ -661,7 +662,9 @@ extern "C" __attribute__((visibility("hidden"))) void* zeroalloc_dlsym_decide(vo
   return hook->hook;
 }
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// Not in sanitizer builds: their runtimes resolve their interceptors with dlsym before any
+// instrumented code may run, and would land here. (Those builds are never preloaded.)
 // dlsym(handle, name): keeps both arguments, asks zeroalloc_dlsym_decide (passing the
 // caller's return address), and either returns its answer or jumps to glibc's dlsym with
 // the original arguments and return address (Note [dlsym]).
