@@ -62,6 +62,15 @@ void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_stream_t stream
                              zeroalloc_class allocation_class);
 
 /**
+ * zeroalloc_malloc for PyTorch's CUDAPluggableAllocator, the one function of this header that
+ * throws: when the allocation fails it throws a C++ std::runtime_error carrying
+ * zeroalloc_last_error(), which PyTorch raises as a RuntimeError at the failing allocation
+ * (PyTorch does not check the pointer its allocator returns). zeroalloc.torch uses it; C
+ * callers use zeroalloc_malloc.
+ */
+void* zeroalloc_torch_malloc(ssize_t size, int device, zeroalloc_stream_t stream);
+
+/**
  * Frees memory from zeroalloc_malloc. The memory is reused on its allocation stream at
  * once (stream order makes that safe) and on other streams only once the work enqueued
  * on its streams so far has completed. `size`, `device` and `stream` are accepted for

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -82,7 +83,22 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
 }
 
 ZA_EXPORT void* zeroalloc_malloc(ssize_t size, int device, zeroalloc_stream_t stream) {
-  return zeroalloc_malloc_class(size, device, stream, static_cast<zeroalloc_class>(t_class));
+  void* pointer =
+      zeroalloc_malloc_class(size, device, stream, static_cast<zeroalloc_class>(t_class));
+  if (pointer == nullptr && size > 0) {
+    // Callers such as PyTorch's pluggable allocator may not check; the log always says why.
+    zeroalloc::log().error("{}", t_last_error);
+  }
+  return pointer;
+}
+
+ZA_EXPORT void* zeroalloc_torch_malloc(ssize_t size, int device, zeroalloc_stream_t stream) {
+  void* pointer = zeroalloc_malloc(size, device, stream);
+  // PyTorch's pluggable allocator uses whatever pointer it gets: a null one becomes a tensor
+  // without memory and a puzzling error much later. An exception becomes a RuntimeError
+  // with zeroalloc's message, at the allocation that failed.
+  if (pointer == nullptr && size > 0) throw std::runtime_error(t_last_error);
+  return pointer;
 }
 
 ZA_EXPORT void zeroalloc_free(void* ptr, ssize_t /*size*/, int /*device*/,

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -206,6 +207,24 @@ TEST(CApiConfiguration, MalformedVariablesStopTheStartAndAreNamed) {
   expect_refusal("ZEROALLOC_DEVICE", "", "ZEROALLOC_DEVICE is set but empty");
   expect_refusal("ZEROALLOC_MEMROY_LIMIT", "1GB",
                  "ZEROALLOC_MEMROY_LIMIT is not a zeroalloc variable");
+}
+
+}  // namespace
+
+namespace {
+
+TEST(CapiTorchEntryPoint, AFailedAllocationThrowsWithTheOutOfMemoryMessage) {
+  const ssize_t too_much = static_cast<ssize_t>(1) << 50;  // a PiB: beyond any device
+  EXPECT_EQ(zeroalloc_malloc(too_much, 0, nullptr), nullptr);  // C callers get null
+  try {
+    zeroalloc_torch_malloc(too_much, 0, nullptr);
+    FAIL() << "zeroalloc_torch_malloc returned instead of throwing";
+  } catch (const std::runtime_error& error) {
+    EXPECT_NE(std::string(error.what()).find("out of memory"), std::string::npos) << error.what();
+  }
+  void* fine = zeroalloc_torch_malloc(4096, 0, nullptr);
+  EXPECT_NE(fine, nullptr);
+  zeroalloc_free(fine, 4096, 0, nullptr);
 }
 
 }  // namespace

@@ -83,7 +83,7 @@ def test_zeroalloc_torch_makes_zeroalloc_pytorchs_allocator_at_import(site_dir):
     result = run(site_dir, ZEROALLOC_TORCH="zeroalloc")
     lines = result.stdout.splitlines()
     assert "startup True" in lines
-    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_malloc zeroalloc_free" in lines
+    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_torch_malloc zeroalloc_free" in lines
     setters = sorted(line.split()[1] for line in lines if line.startswith("call set_"))
     assert setters == ["set_init_fn", "set_memory_fraction_fn", "set_record_stream_fn",
                        "set_reset_fn"]
@@ -94,7 +94,7 @@ def test_zeroalloc_torch_makes_zeroalloc_pytorchs_allocator_at_import(site_dir):
 def test_preloaded_library_is_the_one_pytorch_gets(site_dir):
     result = run(site_dir, ZEROALLOC_TORCH="zeroalloc", LD_PRELOAD=str(LIBRARY),
                  ZEROALLOC_LIBRARY="/nonexistent/libzeroalloc.so")
-    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_malloc zeroalloc_free" in \
+    assert f"call CUDAPluggableAllocator {LIBRARY} zeroalloc_torch_malloc zeroalloc_free" in \
         result.stdout.splitlines()
 
 

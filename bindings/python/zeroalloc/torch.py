@@ -24,7 +24,7 @@ def _pluggable_allocator():
     global _allocator
     if _allocator is None:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            str(library_path()), "zeroalloc_malloc", "zeroalloc_free")
+            str(library_path()), "zeroalloc_torch_malloc", "zeroalloc_free")
         hooks = allocator.allocator()
         hooks.set_init_fn(function_address("zeroalloc_init"))
         hooks.set_reset_fn(function_address("zeroalloc_empty_cache"))
