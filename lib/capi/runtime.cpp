@@ -156,6 +156,11 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   const int node = backing.host_numa_node();
   const std::uint64_t node_bytes = host_node_bytes(node);
   const std::uint64_t limit = options_.host_limit.resolve(node_bytes);
+  if (options_.host_limit.bytes && *options_.host_limit.bytes > node_bytes) {
+    log().warn("ZEROALLOC_HOST_LIMIT={} is more than NUMA node {} (the one nearest {}) has: the "
+               "host tier holds at most {}",
+               options_.host_limit.text, node, backing.name(), format_bytes(node_bytes));
+  }
   const std::string source = detail::concat(
       "ZEROALLOC_HOST_LIMIT=", options_.host_limit.text.empty() ? "0.5" : options_.host_limit.text,
       " of NUMA node ", node, "'s ", format_bytes(node_bytes));

@@ -50,9 +50,15 @@ def losses(result):
 
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["expandable-off", "expandable-on"])
-def test_unmodified_script_trains_identically_under_preload(expandable):
+def test_unmodified_script_trains_identically_under_preload(expandable, tmp_path):
     plain = train(preload=False, expandable=expandable)
-    preloaded = train(preload=True, expandable=expandable)
+    preloaded = train(preload=True, expandable=expandable,
+                      ZEROALLOC_REPORT=str(tmp_path / "run"))
+    report = json.loads((tmp_path / "run.json").read_text())  # written at exit
+    assert report["reason"] == "exit" and (tmp_path / "run.html").is_file()
+    assert report["devices"][0]["stats"]["total"]["allocations"] >= \
+        json.loads([line for line in preloaded.stdout.splitlines()
+                    if line.startswith("stats ")][0][len("stats "):])["total"]["allocations"]
     assert len(losses(plain)) == STEPS
     assert losses(preloaded) == losses(plain)
     stats_lines = [line for line in preloaded.stdout.splitlines() if line.startswith("stats ")]
