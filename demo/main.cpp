@@ -34,6 +34,7 @@ struct options {
   int device = 0;
   std::string emit_trace_path;
   std::string trace_path;
+  bool offload = false;
 };
 
 void print_usage(std::FILE* out) {
@@ -62,6 +63,10 @@ void print_usage(std::FILE* out) {
       "trace:\n"
       "  --emit-trace PATH   write the trace to PATH and exit (no device needed)\n"
       "  --trace PATH        replay the trace in PATH instead of generating one\n"
+      "offload:\n"
+      "  --offload           replay a second time under a limit that leaves room for only a\n"
+      "                      quarter of the optimizer states, with ZEROALLOC_OFFLOAD=host:\n"
+      "                      the rest moves to host memory when the device runs short\n"
       "device:\n"
       "  --device N          device index (0)\n"
       "  --help\n"
@@ -91,6 +96,10 @@ bool parse_options(int argc, char** argv, options& parsed) {
     }
     if (name == "--keep-grads") {
       parsed.shape.gradients_set_to_none = false;
+      continue;
+    }
+    if (name == "--offload") {
+      parsed.offload = true;
       continue;
     }
     if (i + 1 >= argc) {
@@ -253,6 +262,64 @@ void print_classes(const replay_result& result) {
   row("total", result.final_stats.total);
 }
 
+// A figure of the "offload" object of zeroalloc_stats_json, or -1.
+double offload_figure(int device, const char* key) {
+  std::string text(4096, '\0');
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const int length = zeroalloc_stats_json(device, text.data(), text.size());
+    if (length < 0) return -1;
+    if (static_cast<std::size_t>(length) < text.size()) break;
+    text.assign(static_cast<std::size_t>(length) + 4096, '\0');
+  }
+  const std::size_t section = text.find("\"offload\":{");
+  const std::string quoted = std::string("\"") + key + "\":";
+  const std::size_t at = text.find(quoted, section);
+  if (section == std::string::npos || at == std::string::npos) return -1;
+  return std::strtod(text.c_str() + at + quoted.size(), nullptr);
+}
+
+// The second replay of --offload: a limit that holds the trace's peak minus three quarters
+// of its optimizer states, so that they must go to host memory for the rest to fit.
+int replay_with_offload(const options& parsed, const std::vector<trace_event>& events,
+                        const std::vector<int>& sequence_lengths, const replay_result& first) {
+  if (offload_figure(parsed.device, "host_limit_bytes") < 0) {
+    std::fprintf(stderr, "zeroalloc-demo: --offload: the offload engine is off (%s)\n",
+                 std::getenv("ZEROALLOC_OFFLOAD") != nullptr
+                     ? "ZEROALLOC_OFFLOAD is set to something other than host"
+                     : "ZEROALLOC_OFFLOAD was not set before the library started");
+    return exit_failure;
+  }
+  const allocator_figures& total = first.final_stats.total;
+  const std::uint64_t states =
+      first.final_stats.by_class[ZEROALLOC_CLASS_OPTIMIZER_STATE].reserved_peak_bytes;
+  const std::uint64_t limit = total.reserved_peak_bytes - states / 4 * 3;
+  zeroalloc_empty_cache();
+  zeroalloc_set_memory_fraction(
+      static_cast<double>(limit) / static_cast<double>(first.limit_bytes), parsed.device);
+  std::printf(
+      "\nagain with offload to host memory (ZEROALLOC_OFFLOAD=host), under a limit of %s: the "
+      "peak reserved above minus three quarters of the optimizer states\n",
+      format_bytes(limit).c_str());
+  std::fflush(stdout);
+  const replay_result second = replay_through_zeroalloc(events, parsed.device);
+  print_steps(second, sequence_lengths);
+  if (!second.error.empty()) {
+    std::fprintf(stderr, "\nzeroalloc-demo: replay with offload stopped: %s\n",
+                 second.error.c_str());
+    return exit_failure;
+  }
+  print_classes(second);
+  const double moved_out = offload_figure(parsed.device, "bytes_to_host");
+  const double evictions = offload_figure(parsed.device, "pressure_evictions");
+  const double host_peak = offload_figure(parsed.device, "host_peak_in_use_bytes");
+  std::printf("\noffload: %.0f chunks moved to host memory when allocations would have failed "
+              "(%s in all, at most %s on the host at once); every allocation of the trace "
+              "succeeded under the limit\n",
+              evictions, format_bytes(static_cast<std::uint64_t>(moved_out)).c_str(),
+              format_bytes(static_cast<std::uint64_t>(host_peak)).c_str());
+  return moved_out > 0 ? 0 : exit_failure;
+}
+
 int run(const options& parsed) {
   std::vector<trace_event> events;
   std::string description;
@@ -343,6 +410,7 @@ int run(const options& parsed) {
     std::printf("note: the library's statistics lacked %zu figures (shown as 0), e.g. %s\n",
                 result.missing_statistics.size(), result.missing_statistics.front().c_str());
   }
+  if (parsed.offload) return replay_with_offload(parsed, events, sequence_lengths, result);
   return 0;
 }
 
@@ -351,6 +419,8 @@ int run(const options& parsed) {
 int main(int argc, char** argv) {
   options parsed;
   if (!parse_options(argc, argv, parsed)) return exit_usage;
+  // The library reads its settings when it starts, at the first call below.
+  if (parsed.offload) setenv("ZEROALLOC_OFFLOAD", "host", /*overwrite=*/0);
   try {
     return run(parsed);
   } catch (const std::exception& error) {

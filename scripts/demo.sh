@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROALLOC_BUILD_TESTS=OFF -DZEROALLOC_BUILD_BENCH=OFF >/dev/null
 ninja -C build -j"${JOBS:-2}" zeroalloc-demo
-exec build/demo/zeroalloc-demo "$@"
+exec build/demo/zeroalloc-demo --offload "$@"

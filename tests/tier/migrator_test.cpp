@@ -214,7 +214,9 @@ TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryB
     void* pointer;
     std::size_t bytes;
     std::uint8_t value;
+    stream_handle last_stream;  // where its latest kernel runs
   };
+  std::vector<event_handle> events;
   std::vector<tracked> allocations;
   const std::size_t sizes[] = {8 * MiB, 12 * MiB, 16 * MiB, 20 * MiB};
   for (int i = 0; i < kAllocations; ++i) {
@@ -222,7 +224,7 @@ TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryB
     stream_handle stream = streams[i % kStreams];
     void* pointer = allocator_->allocate(bytes, stream, allocation_class::optimizer_state);
     device_->fill_async(pointer, 0, bytes, stream);
-    allocations.push_back({pointer, bytes, 0});
+    allocations.push_back({pointer, bytes, 0, stream});
   }
   for (int round = 0; round < kRounds; ++round) {
     tracked& chosen = allocations[random() % kAllocations];
@@ -232,6 +234,12 @@ TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryB
         for (const chunk_info& chunk : chunks) engine.wait_until_settled(chunk.address);
         stream_handle stream = streams[random() % kStreams];
         allocator_->record_stream(chosen.pointer, stream);
+        if (stream != chosen.last_stream) {  // as a correct program does: kernels on one
+          events.push_back(device_->create_event());  // buffer are ordered across streams
+          device_->record_event(events.back(), chosen.last_stream);
+          device_->stream_wait_event(stream, events.back());
+          chosen.last_stream = stream;
+        }
         const int delay_us = static_cast<int>(random() % 300);
         device_->host_function_async(
             [delay_us] { std::this_thread::sleep_for(std::chrono::microseconds(delay_us)); },
@@ -262,6 +270,7 @@ TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryB
     allocator_->forget_stream(stream);
     device_->destroy_stream(stream);
   }
+  for (event_handle event : events) device_->destroy_event(event);
 }
 
 }  // namespace
