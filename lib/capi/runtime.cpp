@@ -42,8 +42,17 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
     // Under torchrun every rank inherits the variable: each writes its own files.
     std::string prefix = parsed.report_prefix;
     if (const char* rank = std::getenv("RANK")) prefix += std::string(".rank") + rank;
+    reporter::tier_probe tiers;
+    if (parsed.offload == "host") {
+      tiers.offload_json = [this](int ordinal) { return offload_json(ordinal); };
+      tiers.host_resident_bytes = [this](int ordinal) -> std::uint64_t {
+        offload_engine* engine =
+            ordinal < kMaxDevices ? engines_[ordinal].load(std::memory_order_acquire) : nullptr;
+        return engine != nullptr ? engine->mover().figures().host_resident_bytes : 0;
+      };
+    }
     reporter_ = std::make_unique<reporter>(
-        prefix, [this] { return started_allocators(); }, std::move(shown));
+        prefix, [this] { return started_allocators(); }, std::move(shown), 200, std::move(tiers));
     reporter_->start();
     // The runtime is never destroyed, so the exit report runs while everything it reads is
     // alive. (Not through runtime::get(): its static may already be destroyed by then.)

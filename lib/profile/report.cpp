@@ -79,11 +79,12 @@ std::optional<std::string> write_file(const std::string& path, const std::string
 }  // namespace
 
 reporter::reporter(std::string prefix, allocator_list allocators, settings_list settings,
-                   unsigned sample_interval_ms)
+                   unsigned sample_interval_ms, tier_probe tiers)
     : prefix_(std::move(prefix)),
       allocators_(std::move(allocators)),
       settings_(std::move(settings)),
       interval_ms_(sample_interval_ms),
+      tiers_(std::move(tiers)),
       started_ms_(now_ms()) {}
 
 reporter::~reporter() { stop(); }
@@ -157,13 +158,18 @@ void reporter::take_sample() {
     auto found = std::find_if(samples_.begin(), samples_.end(),
                               [&](const auto& entry) { return entry.first == ordinal; });
     if (found == samples_.end()) {
-      samples_.emplace_back(ordinal, std::vector<std::pair<std::int64_t, std::int64_t>>(
-                                         times_ms_.size() - 1, {0, 0}));
+      samples_.emplace_back(ordinal, std::vector<sample>(times_ms_.size() - 1));
       found = std::prev(samples_.end());
     }
     const stats_snapshot figures = each->stats();
-    found->second.emplace_back(figures.total.allocated_bytes.current,
-                               figures.total.reserved_bytes.current);
+    sample taken;
+    taken.allocated = figures.total.allocated_bytes.current;
+    taken.reserved = figures.total.reserved_bytes.current;
+    taken.device = static_cast<std::int64_t>(each->held_bytes());
+    if (tiers_.host_resident_bytes) {
+      taken.host = static_cast<std::int64_t>(tiers_.host_resident_bytes(ordinal));
+    }
+    found->second.push_back(taken);
   }
 }
 
@@ -179,8 +185,10 @@ std::string reporter::build_json(const std::string& reason) const {
   out += "},\"devices\":[";
   separator = "";
   for (caching_allocator* each : allocators_()) {
-    out += detail::concat(separator, "{\"device\":", each->backing().ordinal(),
-                          ",\"stats\":", each->stats_json(), ",\"largest_allocations\":[");
+    const int ordinal = each->backing().ordinal();
+    out += detail::concat(separator, "{\"device\":", ordinal, ",\"stats\":", each->stats_json(),
+                          ",\"offload\":", tiers_.offload_json ? tiers_.offload_json(ordinal) : "null",
+                          ",\"largest_allocations\":[");
     const char* inner = "";
     for (const auto& record : each->largest_allocations(20)) {
       out += detail::concat(inner, "{\"address\":", record.address, ",\"size\":", record.bytes,
@@ -202,12 +210,23 @@ std::string reporter::build_json(const std::string& reason) const {
   for (const auto& [ordinal, series] : samples_) {
     std::string allocated;
     std::string reserved;
+    std::string device;
+    std::string host;
+    bool offloaded = false;
     for (std::size_t i = 0; i < series.size(); ++i) {
-      allocated += detail::concat(i ? "," : "", series[i].first);
-      reserved += detail::concat(i ? "," : "", series[i].second);
+      const char* comma = i ? "," : "";
+      allocated += detail::concat(comma, series[i].allocated);
+      reserved += detail::concat(comma, series[i].reserved);
+      device += detail::concat(comma, series[i].device);
+      host += detail::concat(comma, series[i].host);
+      offloaded = offloaded || series[i].host != 0;
     }
+    // "device": physical device memory held; "host": bytes offloaded to host memory, shown
+    // when anything was.
     out += detail::concat(separator, "\"", ordinal, "\":{\"allocated\":[", allocated,
-                          "],\"reserved\":[", reserved, "]}");
+                          "],\"reserved\":[", reserved, "],\"device\":[", device, "]");
+    if (offloaded) out += detail::concat(",\"host\":[", host, "]");
+    out += "}";
     separator = ",";
   }
   return out + "}}}";

@@ -26,9 +26,16 @@ class reporter {
   using allocator_list = std::function<std::vector<caching_allocator*>()>;
   /// Variable name and value of every setting the report shows.
   using settings_list = std::vector<std::pair<std::string, std::string>>;
+  /// The offload tiers of a device, when there are any (Note [Host budget]).
+  struct tier_probe {
+    /// The device's offload figures as a JSON object, or "null".
+    std::function<std::string(int ordinal)> offload_json;
+    /// Bytes of the device's allocations that are in host memory now.
+    std::function<std::uint64_t(int ordinal)> host_resident_bytes;
+  };
 
   reporter(std::string prefix, allocator_list allocators, settings_list settings,
-           unsigned sample_interval_ms = 200);
+           unsigned sample_interval_ms = 200, tier_probe tiers = {});
   ~reporter();
   reporter(const reporter&) = delete;
   reporter& operator=(const reporter&) = delete;
@@ -68,8 +75,15 @@ class reporter {
   std::int64_t last_out_of_memory_report_ms_ = 0;
   mutable std::mutex mutex_;  // timeline and writes
   std::vector<std::uint64_t> times_ms_;
-  // device ordinal -> (allocated, reserved) samples, aligned with times_ms_
-  std::vector<std::pair<int, std::vector<std::pair<std::int64_t, std::int64_t>>>> samples_;
+  struct sample {
+    std::int64_t allocated = 0;
+    std::int64_t reserved = 0;
+    std::int64_t device = 0;  // physical device memory held
+    std::int64_t host = 0;    // bytes offloaded to host memory
+  };
+  // device ordinal -> samples, aligned with times_ms_
+  std::vector<std::pair<int, std::vector<sample>>> samples_;
+  const tier_probe tiers_;
   std::int64_t started_ms_ = 0;
   std::atomic<bool> stopping_{false};
   int wake_fd_ = -1;  // eventfd: SIGUSR1 and stop() wake the sampler

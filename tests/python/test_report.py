@@ -18,6 +18,10 @@ PACKAGE = ROOT / "bindings" / "python"
 if not (ROOT / "build" / "libzeroalloc.so").exists() and "ZEROALLOC_LIBRARY" not in os.environ:
     pytest.skip("skipped: build/libzeroalloc.so is not built", allow_module_level=True)
 
+# The offload engine with a small host tier, for reports that show it.
+OFFLOAD = {"ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "256MiB",
+           "ZEROALLOC_CHUNK_SIZE": "8MiB"}
+
 PROGRAM_PRELUDE = """
     import os, signal, sys, time
     import zeroalloc
@@ -125,9 +129,13 @@ def test_page_draws_its_plot_in_headless_chromium(tmp_path):
     if browser is None:
         pytest.skip("skipped: chromium is not installed (apt-get install chromium)")
     run_program("""
+        import ctypes
         kept = lib.zeroalloc_malloc(16 << 20, 0, None)
+        state = lib.zeroalloc_malloc_class(16 << 20, 0, None, 3)   # an optimizer state
+        lib.zeroalloc_offload.argtypes = (ctypes.c_void_p, ctypes.c_int)
+        lib.zeroalloc_offload(state, 1)
         time.sleep(0.5)
-    """, ZEROALLOC_REPORT=str(tmp_path / "page"))
+    """, ZEROALLOC_REPORT=str(tmp_path / "page"), **OFFLOAD)
     result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
                              "--dump-dom", (tmp_path / "page.html").as_uri()],
                             capture_output=True, text=True, timeout=120)
@@ -135,3 +143,41 @@ def test_page_draws_its_plot_in_headless_chromium(tmp_path):
     assert drawn, "the page's script did not run:\n" + result.stdout[-2000:] + result.stderr[-2000:]
     assert int(drawn.group(1)) >= 2
     assert '<polyline' in result.stdout and 'data-series="reserved"' in result.stdout
+    assert 'data-series="host"' in result.stdout  # the host tier, drawn
+    assert "offload to host memory: 16.00 MiB moved out" in result.stdout
+
+
+def test_reports_show_the_bytes_offloaded_to_host_memory(tmp_path):
+    prefix = tmp_path / "tiers"
+    result = run_program("""
+        import ctypes
+        kept = lib.zeroalloc_malloc_class(32 << 20, 0, None, 1)   # a parameter
+        lib.zeroalloc_offload.argtypes = (ctypes.c_void_p, ctypes.c_int)
+        assert lib.zeroalloc_offload(kept, 1) == 0, zeroalloc._library.last_error()
+        time.sleep(0.6)                                           # sampled on the host
+    """, ZEROALLOC_REPORT=str(prefix), **OFFLOAD)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "tiers.json").read_text())
+    offload = report["devices"][0]["offload"]
+    assert offload["bytes_to_host"] == 32 << 20
+    assert offload["host_resident_bytes"] == 32 << 20
+    assert offload["host_limit_bytes"] == 256 << 20
+    series = report["timeline"]["devices"]["0"]
+    assert max(series["host"]) == 32 << 20, "the timeline misses the host tier"
+    assert min(series["device"]) >= 0 and max(series["device"]) >= 32 << 20
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                              str(tmp_path / "tiers.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True)
+    assert "offload: 32.00 MiB to the host" in summary.stdout, summary.stdout
+    page = (tmp_path / "tiers.html").read_text()
+    assert "offloaded to host memory" in page
+
+
+def test_without_offload_the_timeline_has_no_host_series(tmp_path):
+    run_program("kept = lib.zeroalloc_malloc(4 << 20, 0, None)",
+                ZEROALLOC_REPORT=str(tmp_path / "plain"))
+    report = json.loads((tmp_path / "plain.json").read_text())
+    assert report["devices"][0]["offload"] is None
+    assert "host" not in report["timeline"]["devices"]["0"]
+    assert "device" in report["timeline"]["devices"]["0"]

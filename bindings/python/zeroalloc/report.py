@@ -30,6 +30,14 @@ def summary(report: dict) -> str:
                 lines.append(f"  {name:<16} peak allocated "
                              f"{_format_bytes(figures['allocated_bytes']['peak']):>12}, "
                              f"peak reserved {_format_bytes(figures['reserved_bytes']['peak']):>12}")
+        offload = device.get("offload")
+        if offload:
+            lines.append(f"  offload: {_format_bytes(offload['bytes_to_host'])} to the host, "
+                         f"{_format_bytes(offload['bytes_to_device'])} back; "
+                         f"{_format_bytes(offload['host_resident_bytes'])} on the host now "
+                         f"(host limit {_format_bytes(offload['host_limit_bytes'])}); prefetch "
+                         f"hit rate {offload['prefetch_hit_rate']:.1%}; device waited "
+                         f"{offload['device_waited_ns'] / 1e6:.1f} ms for fetches")
         for allocation in device["largest_allocations"][:5]:
             lines.append(f"  live: {_format_bytes(allocation['size'])} ({allocation['class']}) "
                          f"at {allocation['address']:#x}")
