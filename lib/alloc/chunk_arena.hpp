@@ -31,6 +31,7 @@ struct chunk_info {
   physical_handle handle;      ///< what backs it now: a device- or a host-located handle
   int allocation_class = 0;    ///< the class of its segment (allocation_class as int)
   std::vector<stream_handle> streams;  ///< streams its segment's blocks were used on
+  bool holds_live_blocks = false;      ///< an allocated (or pending-free) block overlaps it
 };
 
 class chunk_arena {

@@ -656,9 +656,18 @@ namespace zeroalloc {
 void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into) const {
   std::uintptr_t address = owner.address;
   const std::vector<stream_handle> streams = streams_of(owner);
+  const block* piece = owner.first;
   for (const physical_handle& chunk : owner.chunks) {
-    into.push_back({address, chunk, static_cast<int>(class_), streams});
-    address += chunk.bytes;
+    const std::uintptr_t end = address + chunk.bytes;
+    bool live = false;
+    // Blocks are in address order: skip those before the chunk, look at those inside it.
+    while (piece != nullptr && piece->address + piece->bytes <= address) piece = piece->next;
+    for (const block* inside = piece; inside != nullptr && inside->address < end;
+         inside = inside->next) {
+      live = live || inside->allocated || inside->pending;
+    }
+    into.push_back({address, chunk, static_cast<int>(class_), streams, live});
+    address = end;
   }
 }
 
@@ -703,7 +712,9 @@ bool heap::pin_chunk(std::uintptr_t address, chunk_info& into) {
   if (std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end()) return false;
   pinned_.push_back(address);
   ++owner->pinned_chunks;
-  into = {address, owner->chunks[index], static_cast<int>(class_), streams_of(*owner)};
+  std::vector<chunk_info> all;
+  append_chunks(*owner, all);
+  into = all.at(index);
   return true;
 }
 

@@ -62,8 +62,12 @@ std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
 std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
   auto found = positions_.find(address);
   if (found == positions_.end() || found->second.empty()) return kNeverUsed;
+  auto state = chunks_.find(address);
+  const bool in_use = state != chunks_.end() && state->second.open_uses > 0;
   for (std::size_t position : found->second) {
-    if (position >= cursor_) return position - cursor_;  // 0: the use in progress
+    if (position > cursor_ || (position == cursor_ && in_use)) {
+      return position - cursor_;  // 0: the use in progress
+    }
   }
   return found->second.front() + learned_order_.size() - cursor_;  // in the next step
 }
@@ -89,6 +93,8 @@ std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
   for (const chunk_info& chunk : all) {
     if (chunk.allocation_class == static_cast<int>(allocation_class::other)) continue;
     if (chunk.handle.location != memory_location::device) continue;
+    // Free space gains nothing on the host, and whatever is allocated there next would be.
+    if (!chunk.holds_live_blocks) continue;
     auto state = chunks_.find(chunk.address);
     if (state != chunks_.end() && state->second.open_uses > 0) continue;
     if (migrator_.where(chunk.address) != residency::device) continue;

@@ -94,6 +94,59 @@ TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
   allocator_->deallocate(pointer);
 }
 
+// The policy on a recorded order: after a step that used A, B, C, D in that order, and a
+// new step that has used A and B, the chunk needed last is B (next step), then A; C and D,
+// needed next, stay. The allocation-failure path evicts in that order.
+TEST_F(OffloadEngineTest, PressureEvictsTheChunkWhoseNextUseIsFarthestInTheLearnedOrder) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle stream = nullptr;
+  std::vector<void*> layers;  // A, B, C, D: one 8 MiB chunk each
+  for (int i = 0; i < 4; ++i) {
+    layers.push_back(allocator_->allocate(kChunkBytes, stream, allocation_class::parameter));
+  }
+  auto use = [&](int i) {
+    engine.use_begins(layers[i], stream);
+    engine.use_ends(layers[i], stream);
+  };
+  for (int i = 0; i < 4; ++i) use(i);
+  engine.step_boundary();  // learned: A B C D
+  device_->synchronize_stream(stream);
+  auto on_host = [&](int i) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(layers[i], chunks);
+    return engine.mover().where(chunks.at(0).address) == residency::host;
+  };
+  use(0);
+  use(1);  // cursor at B: next uses C (1 away), D (2), A (next step: 3), B itself (4)
+  ASSERT_GT(engine.relieve_pressure(kChunkBytes), 0u);
+  EXPECT_TRUE(on_host(1)) << "B, just used, is needed last";
+  EXPECT_FALSE(on_host(0) || on_host(2) || on_host(3));
+  ASSERT_GT(engine.relieve_pressure(kChunkBytes), 0u);
+  EXPECT_TRUE(on_host(0)) << "then A, used before B";
+  EXPECT_FALSE(on_host(2) || on_host(3)) << "C and D come next: they stay";
+  for (void* layer : layers) allocator_->deallocate(layer);
+}
+
+TEST_F(OffloadEngineTest, BeforeAnyOrderIsKnownTheLeastRecentlyUsedChunkGoesFirst) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  std::vector<void*> states;
+  for (int i = 0; i < 3; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+  }
+  for (int i : {2, 0, 1}) {  // used last to first: 1, then 0, then 2 is the oldest
+    engine.use_begins(states[i], nullptr);
+    engine.use_ends(states[i], nullptr);
+  }
+  device_->synchronize_stream(nullptr);
+  ASSERT_GT(engine.relieve_pressure(kChunkBytes), 0u);
+  std::vector<chunk_info> chunks;
+  allocator_->chunks_of_allocation(states[2], chunks);
+  EXPECT_EQ(engine.mover().where(chunks.at(0).address), residency::host);
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
 // with hints, on a stream whose "kernels" take 3 ms (the simulated device copies at a few
 // GB/s, so a layer's compute covers its fetch and an eviction). From the second step on the
