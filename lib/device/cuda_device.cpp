@@ -1,5 +1,7 @@
 #include "device/cuda_device.hpp"
 
+#include <mutex>
+
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
@@ -262,8 +264,8 @@ void cuda_device::free_addresses(std::uintptr_t address, std::size_t bytes) {
 
 void cuda_device::map(std::uintptr_t address, physical_handle handle) {
   const auto scope = enter_context();
-  check_range(driver_.pfn_cuMemMap(address, handle.bytes, 0, handle.value, 0), "cuMemMap", ordinal_,
-              address, handle.bytes);
+  check_range(driver_.pfn_cuMemMap(address, handle.bytes, handle.offset, handle.value, 0),
+              "cuMemMap", ordinal_, address, handle.bytes);
   // A mapping is inaccessible until access is granted. A host-located handle is granted to
   // the GPU too (location DEVICE): that is what lets a kernel read an offloaded chunk.
   CUmemAccessDesc access{};
@@ -302,6 +304,34 @@ event_handle cuda_device::create_event() {
   CUevent event = nullptr;
   check(driver_.pfn_cuEventCreate(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate", ordinal_);
   return event;
+}
+
+bool cuda_device::maps_slices() {
+  // Asked once, by trying: map the second granule of a two-granule host allocation.
+  static std::once_flag asked;
+  static bool answer = false;
+  std::call_once(asked, [&] {
+    physical_handle whole;
+    std::uintptr_t address = 0;
+    try {
+      whole = create_physical(2 * granularity(), memory_location::host);
+      address = reserve_addresses(granularity(), granularity());
+      physical_handle slice = whole;
+      slice.offset = granularity();
+      slice.bytes = granularity();
+      map(address, slice);
+      unmap(address, granularity());
+      answer = true;
+    } catch (const device_error&) {
+      answer = false;
+    }
+    try {
+      if (address != 0) free_addresses(address, granularity());
+      if (whole.valid()) release_physical(whole);
+    } catch (const device_error&) {  // nothing to lose: the probe's own memory
+    }
+  });
+  return answer;
 }
 
 event_handle cuda_device::create_timing_event() {

@@ -28,11 +28,13 @@ enum class memory_location {
   host,    ///< pinned host memory on the GPU's NUMA node, mappable into the GPU's address space
 };
 
-/// A physical memory allocation that can be mapped at reserved addresses.
+/// A physical memory allocation that can be mapped at reserved addresses, or a slice of one:
+/// `bytes` from `offset` (the host pool hands out slices of large pinned allocations).
 struct physical_handle {
   std::uint64_t value = 0;  ///< CUmemGenericAllocationHandle, or the sim's handle id
   std::size_t bytes = 0;
   memory_location location = memory_location::device;
+  std::size_t offset = 0;  ///< where the slice starts in the allocation; 0 for a whole one
   [[nodiscard]] bool valid() const { return value != 0; }
 };
 
@@ -65,9 +67,12 @@ class device {
   // Virtual address space. Reserved ranges are inaccessible until mapped.
   virtual std::uintptr_t reserve_addresses(std::size_t bytes, std::size_t alignment) = 0;
   virtual void free_addresses(std::uintptr_t address, std::size_t bytes) = 0;
-  /// Maps all of `handle` at `address` (reserved, unmapped) and grants the device
-  /// read-write access to it. The bytes behind the address are the handle's.
+  /// Maps `handle` (its `bytes` from `offset`) at `address` (reserved, unmapped) and grants
+  /// the device read-write access to it. The bytes behind the address are the handle's.
   virtual void map(std::uintptr_t address, physical_handle handle) = 0;
+  /// True when map() takes slices (a non-zero offset, or fewer bytes than the allocation);
+  /// older drivers map only whole allocations.
+  [[nodiscard]] virtual bool maps_slices() = 0;
   /// Unmaps `bytes` at `address`; the range stays reserved. Work still queued that touches
   /// the range must have completed: unmap does not order itself against streams.
   virtual void unmap(std::uintptr_t address, std::size_t bytes) = 0;

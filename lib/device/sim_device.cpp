@@ -228,7 +228,11 @@ void sim_device::map(std::uintptr_t address, physical_handle handle) {
   auto record = handles_.find(handle.value);
   if (record == handles_.end() || record->second.released)
     throw_errno("map (unknown handle)", EINVAL);
-  const std::size_t bytes = record->second.bytes;
+  const std::size_t bytes = handle.bytes == 0 ? record->second.bytes : handle.bytes;
+  if (handle.offset % kGranularity != 0 || bytes % kGranularity != 0 ||
+      handle.offset + bytes > record->second.bytes) {
+    throw_errno("map (slice beyond its allocation)", EINVAL);
+  }
   auto reservation = reservations_.upper_bound(address);
   if (reservation == reservations_.begin() || address % kGranularity != 0) {
     throw_errno("map (address not reserved)", EINVAL);
@@ -243,7 +247,8 @@ void sim_device::map(std::uintptr_t address, physical_handle handle) {
       next != mappings_.begin() && std::prev(next)->first + std::prev(next)->second.bytes > address;
   if (overlaps_next || overlaps_previous) throw_errno("map (range already mapped)", EBUSY);
   void* mapped = ::mmap(reinterpret_cast<void*>(address), bytes, PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_FIXED, record->second.memfd, 0);
+                        MAP_SHARED | MAP_FIXED, record->second.memfd,
+                        static_cast<off_t>(handle.offset));
   if (mapped == MAP_FAILED) throw_errno("map (mmap)", errno);
   mappings_[address] = mapping_record{bytes, handle.value};
   ++record->second.mappings;
@@ -287,6 +292,8 @@ event_handle sim_device::create_event() { return new sim_event(); }
 void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event*>(event); }
 
 event_handle sim_device::create_timing_event() { return create_event(); }
+
+bool sim_device::maps_slices() { return true; }
 
 float sim_device::elapsed_ms(event_handle start, event_handle end) {
   const std::shared_ptr<sim_recording> from = state_of(start).current();

@@ -48,6 +48,7 @@ class sim_device final : public device {
   [[nodiscard]] int host_numa_node() const override { return 0; }
   event_handle create_event() override;
   event_handle create_timing_event() override;
+  [[nodiscard]] bool maps_slices() override;
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;
   void destroy_event(event_handle event) override;
   void record_event(event_handle event, stream_handle stream) override;

@@ -7,14 +7,24 @@
 #include "core/units.hpp"
 
 namespace zeroalloc {
+namespace {
+
+constexpr std::size_t kLargestSlabBytes = std::size_t{1} << 30;
+
+}  // namespace
 
 host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string limit_source)
-    : device_(backing), limit_bytes_(limit_bytes), limit_source_(std::move(limit_source)) {
-  // Staging addresses for every chunk the limit allows, with room for chunks of mixed sizes
-  // to fragment the range: address space costs nothing.
+    : device_(backing),
+      limit_bytes_(limit_bytes),
+      limit_source_(std::move(limit_source)),
+      slices_(limit_bytes != 0 && backing.maps_slices()) {
   const std::size_t granularity = device_.granularity();
-  staging_region_bytes_ =
-      static_cast<std::size_t>((limit_bytes_ + granularity - 1) / granularity * granularity) * 2;
+  slab_bytes_ = slices_ ? std::min<std::size_t>(kLargestSlabBytes,
+                                                limit_bytes_ / granularity * granularity)
+                        : 0;
+  // Staging addresses for everything the limit allows, with room for slabs of mixed sizes
+  // to fragment the range: address space costs nothing.
+  staging_region_bytes_ = round_up(static_cast<std::size_t>(limit_bytes_), granularity) * 2;
   if (staging_region_bytes_ != 0) {
     staging_region_ = device_.reserve_addresses(staging_region_bytes_, granularity);
     free_staging_.emplace(staging_region_, staging_region_bytes_);
@@ -25,20 +35,53 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
 host_pool::~host_pool() {
   stop_prefill();
   try {
-    for (auto& [bytes, chunks] : idle_) {
-      for (const host_chunk& chunk : chunks) destroy(chunk);
-    }
+    for (const auto& each : slabs_) destroy_slab(*each);
     if (staging_region_ != 0) device_.free_addresses(staging_region_, staging_region_bytes_);
   } catch (const std::exception& failure) {
     log().error("releasing the host pool failed: {}", failure.what());
   }
 }
 
+std::size_t host_pool::new_slab_bytes(std::size_t at_least) const {
+  if (!slices_) return at_least;
+  // A whole slab when the budget allows, else what is left of it (enough for this chunk).
+  const std::uint64_t left = limit_bytes_ - std::min(limit_bytes_, reserved_bytes_);
+  const std::size_t granularity = device_.granularity();
+  const std::size_t fits = static_cast<std::size_t>(left) / granularity * granularity;
+  return std::max(at_least, std::min(slab_bytes_, fits));
+}
+
+std::unique_ptr<host_pool::slab> host_pool::create_slab(std::size_t bytes) {
+  auto made = std::make_unique<slab>();
+  made->handle = device_.create_physical(bytes, memory_location::host);
+  try {
+    {
+      std::lock_guard lock(mutex_);
+      made->staging_address = take_staging(bytes);
+    }
+    device_.map(made->staging_address, made->handle);
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    if (made->staging_address != 0) return_staging(made->staging_address, bytes);
+    device_.release_physical(made->handle);
+    throw;
+  }
+  made->free.emplace(0, bytes);
+  made->free_bytes = bytes;
+  return made;
+}
+
+void host_pool::destroy_slab(const slab& gone) {
+  device_.unmap(gone.staging_address, gone.handle.bytes);
+  device_.release_physical(gone.handle);
+}
+
 void host_pool::start_prefill(std::size_t chunk_bytes, std::uint64_t bytes) {
   std::lock_guard lock(mutex_);
   if (prefilling_ || prefill_thread_.joinable()) return;
   prefilling_ = true;
-  prefill_thread_ = std::thread([this, chunk_bytes, bytes] { prefill(chunk_bytes, bytes); });
+  const std::size_t slab = slices_ ? slab_bytes_ : chunk_bytes;
+  prefill_thread_ = std::thread([this, slab, bytes] { prefill(slab, bytes); });
 }
 
 void host_pool::stop_prefill() {
@@ -54,40 +97,36 @@ void host_pool::wait_for_prefill() {
   created_.wait(lock, [&] { return !prefilling_; });
 }
 
-void host_pool::prefill(std::size_t chunk_bytes, std::uint64_t bytes) {
-  const std::uint64_t target = std::min(bytes, limit_bytes_) / chunk_bytes * chunk_bytes;
+void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
+  const std::uint64_t target = std::min(bytes, limit_bytes_);
   const auto started = std::chrono::steady_clock::now();
   log().info("host tier: creating {} of pinned host memory on {} in the background ({})",
              format_bytes(target), device_.name(), limit_source_);
   std::uint64_t made = 0;
   std::uint64_t next_report = target / 4;
   std::string failure;
-  while (true) {
+  while (slab_bytes != 0) {
+    std::size_t size = 0;
     {
       std::lock_guard lock(mutex_);
-      if (stopping_ || made >= target || reserved_bytes_ + chunk_bytes > limit_bytes_) break;
-      reserved_bytes_ += chunk_bytes;
+      size = slices_ ? new_slab_bytes(device_.granularity()) : slab_bytes;
+      if (stopping_ || made >= target || size == 0 || reserved_bytes_ + size > limit_bytes_) break;
+      reserved_bytes_ += size;
     }
-    host_chunk chunk;
+    std::unique_ptr<slab> made_slab;
     try {
-      chunk.handle = device_.create_physical(chunk_bytes, memory_location::host);
-      std::unique_lock lock(mutex_);
-      chunk.staging_address = take_staging(chunk_bytes);
-      lock.unlock();
-      device_.map(chunk.staging_address, chunk.handle);
+      made_slab = create_slab(size);
     } catch (const std::exception& error) {
-      if (chunk.handle.valid()) device_.release_physical(chunk.handle);
       std::lock_guard lock(mutex_);
-      if (chunk.staging_address != 0) return_staging(chunk.staging_address, chunk_bytes);
-      reserved_bytes_ -= chunk_bytes;
+      reserved_bytes_ -= size;
       failure = error.what();
       break;
     }
-    made += chunk_bytes;
+    made += size;
     {
       std::lock_guard lock(mutex_);
-      idle_[chunk_bytes].push_back(chunk);
-      figures_.created_bytes += chunk_bytes;
+      slabs_.push_back(std::move(made_slab));
+      figures_.created_bytes += size;
     }
     created_.notify_all();
     if (made >= next_report && made < target) {
@@ -112,72 +151,83 @@ void host_pool::prefill(std::size_t chunk_bytes, std::uint64_t bytes) {
   created_.notify_all();
 }
 
+host_chunk host_pool::take_slice_locked(std::size_t bytes) {
+  for (const auto& each : slabs_) {
+    slab& candidate = *each;
+    if (candidate.free_bytes < bytes) continue;
+    if (!slices_ && (candidate.handle.bytes != bytes || candidate.free_bytes != bytes)) continue;
+    for (auto range = candidate.free.begin(); range != candidate.free.end(); ++range) {
+      if (range->second < bytes) continue;
+      const std::size_t offset = range->first;
+      const std::size_t rest = range->second - bytes;
+      candidate.free.erase(range);
+      if (rest != 0) candidate.free.emplace(offset + bytes, rest);
+      candidate.free_bytes -= bytes;
+      host_chunk chunk;
+      chunk.handle = candidate.handle;
+      chunk.handle.offset = offset;
+      chunk.handle.bytes = bytes;
+      chunk.staging_address = candidate.staging_address + offset;
+      figures_.in_use_bytes += bytes;
+      figures_.peak_in_use_bytes = std::max(figures_.peak_in_use_bytes, figures_.in_use_bytes);
+      return chunk;
+    }
+  }
+  return {};
+}
+
 host_chunk host_pool::acquire(std::size_t bytes) {
   std::unique_lock lock(mutex_);
   while (true) {
-    auto idle = idle_.find(bytes);
-    if (idle != idle_.end() && !idle->second.empty()) {
-      host_chunk chunk = idle->second.back();
-      idle->second.pop_back();
-      figures_.in_use_bytes += bytes;
-      figures_.peak_in_use_bytes = std::max(figures_.peak_in_use_bytes, figures_.in_use_bytes);
-      return chunk;
-    }
-    // The prefill has claimed the budget for chunks it has not made yet: wait for them
+    if (host_chunk chunk = take_slice_locked(bytes); chunk.valid()) return chunk;
+    const std::size_t size = new_slab_bytes(bytes);
+    // The prefill has claimed the budget for slabs it has not made yet: wait for them
     // rather than creating more than the limit.
-    if (prefilling_ && reserved_bytes_ + bytes > limit_bytes_) {
+    if (prefilling_ && reserved_bytes_ + size > limit_bytes_) {
       created_.wait(lock);
       continue;
     }
-    if (reserved_bytes_ + bytes <= limit_bytes_) {
-      host_chunk chunk = create_locked(bytes, lock);
+    if (reserved_bytes_ + size <= limit_bytes_) {
+      reserved_bytes_ += size;
+      lock.unlock();
+      std::unique_ptr<slab> made;
+      try {
+        made = create_slab(size);
+      } catch (...) {
+        lock.lock();
+        reserved_bytes_ -= size;
+        throw;
+      }
+      lock.lock();
+      slabs_.push_back(std::move(made));
+      figures_.created_bytes += size;
       ++figures_.created_on_demand;
-      figures_.in_use_bytes += bytes;
-      figures_.peak_in_use_bytes = std::max(figures_.peak_in_use_bytes, figures_.in_use_bytes);
-      return chunk;
+      continue;
     }
-    if (!free_idle_of_other_sizes(bytes, lock)) throw_exhausted(bytes);
+    if (!release_free_slabs_locked(size, lock)) throw_exhausted(bytes);
   }
 }
 
-host_chunk host_pool::create_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
-  reserved_bytes_ += bytes;
-  host_chunk chunk;
-  try {
-    chunk.staging_address = take_staging(bytes);
-    lock.unlock();
-    chunk.handle = device_.create_physical(bytes, memory_location::host);
-    device_.map(chunk.staging_address, chunk.handle);
-    lock.lock();
-  } catch (...) {
-    if (chunk.handle.valid()) device_.release_physical(chunk.handle);
-    if (!lock.owns_lock()) lock.lock();
-    if (chunk.staging_address != 0) return_staging(chunk.staging_address, bytes);
-    reserved_bytes_ -= bytes;
-    throw;
-  }
-  figures_.created_bytes += bytes;
-  return chunk;
-}
-
-bool host_pool::free_idle_of_other_sizes(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
-  std::vector<host_chunk> victims;
+bool host_pool::release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
+  std::vector<std::unique_ptr<slab>> victims;
   std::uint64_t freed = 0;
-  for (auto& [size, chunks] : idle_) {
-    while (size != bytes && !chunks.empty() && reserved_bytes_ - freed + bytes > limit_bytes_) {
-      victims.push_back(chunks.back());
-      chunks.pop_back();
-      freed += size;
+  for (auto it = slabs_.begin(); it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
+    if ((*it)->free_bytes == (*it)->handle.bytes) {
+      freed += (*it)->handle.bytes;
+      victims.push_back(std::move(*it));
+      it = slabs_.erase(it);
+    } else {
+      ++it;
     }
   }
   if (reserved_bytes_ - freed + bytes > limit_bytes_) {  // not enough: keep them
-    for (const host_chunk& chunk : victims) idle_[chunk.handle.bytes].push_back(chunk);
+    for (auto& victim : victims) slabs_.push_back(std::move(victim));
     return false;
   }
   lock.unlock();
-  for (const host_chunk& chunk : victims) destroy(chunk);
+  for (const auto& victim : victims) destroy_slab(*victim);
   lock.lock();
-  for (const host_chunk& chunk : victims) return_staging(chunk.staging_address, chunk.handle.bytes);
+  for (const auto& victim : victims) return_staging(victim->staging_address, victim->handle.bytes);
   reserved_bytes_ -= freed;
   figures_.created_bytes -= freed;
   return true;
@@ -185,13 +235,29 @@ bool host_pool::free_idle_of_other_sizes(std::size_t bytes, std::unique_lock<std
 
 void host_pool::release(const host_chunk& chunk) {
   std::lock_guard lock(mutex_);
-  idle_[chunk.handle.bytes].push_back(chunk);
-  figures_.in_use_bytes -= chunk.handle.bytes;
-}
-
-void host_pool::destroy(const host_chunk& chunk) {
-  device_.unmap(chunk.staging_address, chunk.handle.bytes);
-  device_.release_physical(chunk.handle);
+  for (const auto& each : slabs_) {
+    slab& owner = *each;
+    if (owner.handle.value != chunk.handle.value) continue;
+    auto [inserted, fresh] = owner.free.emplace(chunk.handle.offset, chunk.handle.bytes);
+    (void)fresh;
+    auto after = std::next(inserted);
+    if (after != owner.free.end() && inserted->first + inserted->second == after->first) {
+      inserted->second += after->second;
+      owner.free.erase(after);
+    }
+    if (inserted != owner.free.begin()) {
+      auto before = std::prev(inserted);
+      if (before->first + before->second == inserted->first) {
+        before->second += inserted->second;
+        owner.free.erase(inserted);
+      }
+    }
+    owner.free_bytes += chunk.handle.bytes;
+    figures_.in_use_bytes -= chunk.handle.bytes;
+    return;
+  }
+  log().error("host tier: a chunk of {} came back that no slab owns; ignored",
+              format_bytes(chunk.handle.bytes));
 }
 
 std::uintptr_t host_pool::take_staging(std::size_t bytes) {
@@ -205,7 +271,7 @@ std::uintptr_t host_pool::take_staging(std::size_t bytes) {
   }
   ZA_THROW(host_memory_exhausted, "the host tier's staging addresses are exhausted (",
            format_bytes(staging_region_bytes_), " for ", limit_source_,
-           "): too many chunks of mixed sizes; report this with ZEROALLOC_LOG_LEVEL=debug");
+           "): too many slabs of mixed sizes; report this with ZEROALLOC_LOG_LEVEL=debug");
 }
 
 void host_pool::return_staging(std::uintptr_t address, std::size_t bytes) {

@@ -1,6 +1,5 @@
-// The host tier's memory: pinned host physical chunks (host-located VMM handles on the GPU's
-// NUMA node), each mapped once at a staging address of its own so that copies can reach it
-// while it backs no allocation.
+// The host tier's memory: pinned host physical memory (host-located VMM allocations on the
+// GPU's NUMA node), handed out as chunks that the migrator maps where an allocation lives.
 //
 // Note [Host budget]: pinned memory cannot be swapped, so a host that runs out of it does
 // not slow down, it kills the process (the OOM killer) or fails every later pinned
@@ -9,12 +8,20 @@
 // (creating pinned memory costs about 0.25 s per GiB, far too slow for the training path),
 // and reuses them forever. Running out is a clear error that names the variable, never a
 // host OOM kill.
+//
+// Note [Host slabs]: the chunks the engine moves come in many sizes (a segment's last chunk
+// is whatever remains of it), so the pool creates large slabs and hands out slices of them,
+// first fit, at 2 MiB granularity: any size is served from memory created at start-up. Each
+// slab is mapped once at a staging address, where copies reach a slice while it backs no
+// allocation. On a driver that maps only whole allocations (device::maps_slices), each slab
+// is exactly one chunk and only chunks of the same size reuse it.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -31,9 +38,10 @@ class host_memory_exhausted : public error {
   using error::error;
 };
 
-/// A pinned host chunk and the address where the pool keeps it mapped.
+/// A pinned host chunk (a slice of a slab) and the address where it can be reached while it
+/// backs no allocation.
 struct host_chunk {
-  physical_handle handle;
+  physical_handle handle;  ///< the slab's handle, with the slice's offset and bytes
   std::uintptr_t staging_address = 0;
   [[nodiscard]] bool valid() const { return handle.valid(); }
 };
@@ -44,7 +52,7 @@ struct host_pool_figures {
   std::uint64_t created_bytes = 0;  ///< pinned memory held (in use or idle)
   std::uint64_t in_use_bytes = 0;   ///< backing offloaded chunks now
   std::uint64_t peak_in_use_bytes = 0;
-  std::uint64_t created_on_demand = 0;  ///< chunks the training path had to wait for
+  std::uint64_t created_on_demand = 0;  ///< slabs the training path had to wait for
 };
 
 class host_pool {
@@ -52,52 +60,67 @@ class host_pool {
   /// `limit_source` names what set the limit ("ZEROALLOC_HOST_LIMIT=0.5 of NUMA node 0 ...")
   /// for messages.
   host_pool(device& backing, std::uint64_t limit_bytes, std::string limit_source);
-  /// Stops the background creation and releases every chunk. Chunks still acquired must
+  /// Stops the background creation and releases every slab. Chunks still acquired must
   /// have been released.
   ~host_pool();
   host_pool(const host_pool&) = delete;
   host_pool& operator=(const host_pool&) = delete;
 
-  /// Creates chunks of `chunk_bytes` on a background thread until `bytes` (at most the
-  /// limit) are held, logging progress. Returns at once.
+  /// Creates slabs on a background thread until `bytes` (at most the limit) are held,
+  /// logging progress. `chunk_bytes` is the size chunks usually have (the slab size where
+  /// slabs cannot be sliced). Returns at once.
   void start_prefill(std::size_t chunk_bytes, std::uint64_t bytes);
   /// Waits for the background creation to finish (tests).
   void wait_for_prefill();
   /// Stops the background creation and waits for its thread (at exit: it must not outlive
-  /// the logger). Chunks made so far stay usable.
+  /// the logger). Slabs made so far stay usable.
   void stop_prefill();
 
-  /// A chunk of exactly `bytes`: an idle one, else one the prefill is about to finish,
-  /// else a new one (counted in created_on_demand), after releasing idle chunks of other
-  /// sizes if the limit requires. Throws host_memory_exhausted when the limit is reached.
+  /// A chunk of exactly `bytes` (a multiple of the granularity): a free slice of a slab,
+  /// else a slice of a slab the prefill is about to finish, else of a new slab (counted in
+  /// created_on_demand), after releasing wholly free slabs if the limit requires. Throws
+  /// host_memory_exhausted when the limit is reached.
   host_chunk acquire(std::size_t bytes);
   /// Gives a chunk back for reuse. Nothing may still be queued that touches it.
   void release(const host_chunk& chunk);
 
   [[nodiscard]] host_pool_figures figures() const;
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }
+  /// Bytes of each slab (the whole limit when it is smaller).
+  [[nodiscard]] std::size_t slab_bytes() const { return slab_bytes_; }
 
  private:
-  host_chunk create_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
-  void destroy(const host_chunk& chunk);
+  struct slab {
+    physical_handle handle;                   // the whole allocation
+    std::uintptr_t staging_address = 0;       // where all of it is mapped
+    std::map<std::size_t, std::size_t> free;  // offset -> bytes, coalesced
+    std::size_t free_bytes = 0;
+  };
+
+  host_chunk take_slice_locked(std::size_t bytes);  // from an existing slab, or invalid
+  std::unique_ptr<slab> create_slab(std::size_t bytes);  // no lock held
+  void destroy_slab(const slab& gone);                    // no lock held
   std::uintptr_t take_staging(std::size_t bytes);
   void return_staging(std::uintptr_t address, std::size_t bytes);
-  bool free_idle_of_other_sizes(std::size_t bytes, std::unique_lock<std::mutex>& lock);
+  bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;
-  void prefill(std::size_t chunk_bytes, std::uint64_t bytes);
+  void prefill(std::size_t slab_bytes, std::uint64_t bytes);
+  std::size_t new_slab_bytes(std::size_t at_least) const;
 
   device& device_;
   const std::uint64_t limit_bytes_;
   const std::string limit_source_;
+  const bool slices_;  // device::maps_slices()
+  std::size_t slab_bytes_ = 0;
   std::uintptr_t staging_region_ = 0;
   std::size_t staging_region_bytes_ = 0;
 
   mutable std::mutex mutex_;
   std::condition_variable created_;
-  std::map<std::uintptr_t, std::size_t> free_staging_;          // unused staging ranges
-  std::map<std::size_t, std::vector<host_chunk>> idle_;          // bytes -> idle chunks
+  std::map<std::uintptr_t, std::size_t> free_staging_;  // unused staging ranges
+  std::vector<std::unique_ptr<slab>> slabs_;
   host_pool_figures figures_;
-  std::uint64_t reserved_bytes_ = 0;  // created, or being created by the prefill
+  std::uint64_t reserved_bytes_ = 0;  // created, or being created
   bool stopping_ = false;
   bool prefilling_ = false;
   std::thread prefill_thread_;

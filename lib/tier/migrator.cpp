@@ -154,7 +154,8 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
   }
   chunk_info chunk;
   if (!allocator_.pin_chunk(address, chunk)) return false;
-  if (chunk.handle.value != host.handle.value) {  // remapped behind our back: not ours
+  if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
+    // remapped behind our back: not ours
     allocator_.unpin_chunk(address);
     return false;
   }
@@ -274,13 +275,13 @@ void migrator::finish(transfer& done) {
   if (done.to_host) {
     bytes_leaving_device_ -= bytes;
     on_host_[address] = done.host;
-    host_owner_[done.host.handle.value] = address;
+    host_owner_[{done.host.handle.value, done.host.handle.offset}] = address;
     ++figures_.chunks_to_host;
     figures_.bytes_to_host += bytes;
     figures_.host_resident_bytes += bytes;
   } else {
     on_host_.erase(address);
-    host_owner_.erase(done.host.handle.value);
+    host_owner_.erase({done.host.handle.value, done.host.handle.offset});
     ++figures_.chunks_to_device;
     figures_.bytes_to_device += bytes;
     figures_.host_resident_bytes -= bytes;
@@ -398,7 +399,7 @@ void migrator::return_host_chunk(physical_handle handle) {
   host_chunk chunk;
   {
     std::lock_guard lock(mutex_);
-    auto owner = host_owner_.find(handle.value);
+    auto owner = host_owner_.find({handle.value, handle.offset});
     if (owner == host_owner_.end()) return;
     chunk = on_host_.at(owner->second);
     on_host_.erase(owner->second);

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -123,7 +124,8 @@ class migrator {
   std::unordered_map<std::uintptr_t, residency> moving_;         // chunk address -> direction
   std::unordered_map<std::uintptr_t, event_handle> arriving_;    // remapped early: copy event
   std::unordered_map<std::uintptr_t, host_chunk> on_host_;       // chunk address -> host chunk
-  std::unordered_map<std::uint64_t, std::uintptr_t> host_owner_;  // host handle -> address
+  // host slice (slab handle, offset) -> chunk address
+  std::map<std::pair<std::uint64_t, std::size_t>, std::uintptr_t> host_owner_;
   migration_figures figures_;
   std::uint64_t bytes_leaving_device_ = 0;
   bool stopping_ = false;

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -83,6 +85,31 @@ TEST_F(DeviceTest, HostLocatedMemoryIsMappableAndKeepsItsBytes) {
   device_->unmap(address, bytes);
   device_->release_physical(host);
   device_->free_addresses(address, bytes);
+}
+
+TEST_F(DeviceTest, ASliceOfAHostAllocationMapsItsOwnBytes) {
+  if (!device_->maps_slices()) GTEST_SKIP() << "skipped: this driver maps only whole allocations";
+  const std::size_t granule = device_->granularity();
+  const physical_handle whole = device_->create_physical(3 * granule, memory_location::host);
+  const std::uintptr_t everything = device_->reserve_addresses(3 * granule, granule);
+  const std::uintptr_t middle = device_->reserve_addresses(granule, granule);
+  device_->map(everything, whole);
+  device_->fill_async(reinterpret_cast<void*>(everything), 0x00, 3 * granule, nullptr);
+  physical_handle slice = whole;
+  slice.offset = granule;
+  slice.bytes = granule;
+  device_->map(middle, slice);
+  device_->fill_async(reinterpret_cast<void*>(middle), 0x77, granule, nullptr);
+  std::vector<std::uint8_t> expected(3 * granule, 0x00);
+  std::fill(expected.begin() + static_cast<std::ptrdiff_t>(granule),
+            expected.begin() + static_cast<std::ptrdiff_t>(2 * granule), 0x77);
+  EXPECT_EQ(read_back(*device_, reinterpret_cast<void*>(everything), 3 * granule), expected)
+      << "the slice's writes must land in its part of the allocation, and only there";
+  device_->unmap(middle, granule);
+  device_->unmap(everything, 3 * granule);
+  device_->release_physical(whole);
+  device_->free_addresses(middle, granule);
+  device_->free_addresses(everything, 3 * granule);
 }
 
 TEST_F(DeviceTest, DeviceMemoryIsAccountedInQueryMemory) {
