@@ -139,3 +139,35 @@ def test_losses_with_everything_offloaded_after_each_step_equal_the_device_run()
     assert figures["bytes_to_host"] > 0 and figures["bytes_to_device"] > 0
     assert figures["steps"] == STEPS
     assert hooked_stats["offload"]["uses"] > 0
+
+
+def test_environment_alone_offloads_an_unmodified_script(tmp_path):
+    """ZEROALLOC_OFFLOAD=host with the package installed (its start-up hook in site-packages)
+    and the library preloaded: the unmodified script (PyTorch's own allocator as far as it
+    knows) trains with zeroalloc as its allocator, its optimizer's parameters and states
+    managed by the offload engine and hinted by global module hooks; same losses."""
+    import shutil
+    shutil.copy(PACKAGE / "zeroalloc-startup.pth", tmp_path)
+    shutil.copytree(PACKAGE / "zeroalloc", tmp_path / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    arguments = [str(SCRIPT), "--allocator", "native", "--steps", str(STEPS)]
+    plain = subprocess.run([sys.executable, *arguments], capture_output=True, text=True,
+                           timeout=900, env={k: v for k, v in os.environ.items()
+                                             if not k.startswith("ZEROALLOC_")})
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    env = environment(LD_PRELOAD=str(LIBRARY))
+    env.pop("PYTHONPATH")  # the package comes from the site directory, as when installed
+    offloaded = subprocess.run(
+        [sys.executable, "-c",
+         "import runpy, site, sys; site.addsitedir(sys.argv[1]); sys.argv = sys.argv[2:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')", str(tmp_path), *arguments],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert offloaded.returncode == 0, offloaded.stdout[-2000:] + offloaded.stderr[-3000:]
+    losses = [line for line in plain.stdout.splitlines() if line.startswith("loss ")]
+    assert len(losses) == STEPS
+    assert [line for line in offloaded.stdout.splitlines() if line.startswith("loss ")] == losses
+    stats = json.loads([line for line in offloaded.stdout.splitlines()
+                        if line.startswith("stats ")][0][len("stats "):])
+    assert stats["classes"]["parameter"]["allocated_bytes"]["peak"] > 0, "parameters not adopted"
+    assert stats["classes"]["optimizer_state"]["allocated_bytes"]["peak"] > 0
+    assert stats["offload"]["uses"] > 0 and stats["offload"]["steps"] == STEPS

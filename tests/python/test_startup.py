@@ -42,6 +42,18 @@ FAKE_TORCH = textwrap.dedent('''
         is_initialized=lambda: False,
         memory=types.SimpleNamespace(CUDAPluggableAllocator=CUDAPluggableAllocator,
                                      change_current_allocator=change_current_allocator))
+
+    def _global_hook(kind):
+        return lambda hook: calls.append((kind,))
+
+    class Optimizer:
+        def __init__(self, params, defaults):
+            self.param_groups, self.state = [], {}
+
+    nn = types.SimpleNamespace(modules=types.SimpleNamespace(module=types.SimpleNamespace(
+        register_module_forward_pre_hook=_global_hook("register_module_forward_pre_hook"),
+        register_module_forward_hook=_global_hook("register_module_forward_hook"))))
+    optim = types.SimpleNamespace(Optimizer=Optimizer)
 ''')
 
 PROGRAM = textwrap.dedent('''
@@ -51,6 +63,8 @@ PROGRAM = textwrap.dedent('''
     started = "zeroalloc._startup" in sys.modules
     import torch
     print("startup", started)
+    print("optimizer init", torch.optim.Optimizer.__init__.__qualname__ if hasattr(torch, "optim")
+          else "-")
     for call in torch.calls:
         print("call", *call)
 ''')
@@ -129,3 +143,13 @@ def test_the_built_package_puts_the_hook_at_the_top_of_site_packages(tmp_path):
     assert (tmp_path / "zeroalloc-startup.pth").read_text() == \
         (PACKAGE / "zeroalloc-startup.pth").read_text()
     assert (tmp_path / "zeroalloc" / "_startup.py").is_file()
+
+
+def test_zeroalloc_offload_alone_installs_and_hooks_every_module_and_optimizer(site_dir):
+    result = run(site_dir, ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="64MiB")
+    lines = result.stdout.splitlines()
+    assert "call change_current_allocator" in lines  # offload needs zeroalloc under PyTorch
+    assert "call register_module_forward_pre_hook" in lines
+    assert "call register_module_forward_hook" in lines
+    # Optimizers created from now on are adopted by the offload engine.
+    assert any(line.startswith("optimizer init enable_automatic_offload") for line in lines), lines

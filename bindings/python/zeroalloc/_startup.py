@@ -3,6 +3,7 @@ package) imports this module when Python starts in a process that preloads libze
 or sets ZEROALLOC_TORCH, so that environment variables alone switch an unmodified script:
 
     ZEROALLOC_TORCH=zeroalloc python train.py
+    ZEROALLOC_OFFLOAD=host python train.py
     LD_PRELOAD=libzeroalloc.so ZEROALLOC_REPORT=/tmp/run python train.py
 
 Nothing happens until ``torch`` is imported; then what the environment asks for is done
@@ -33,11 +34,18 @@ def torch_allocator_choice() -> str:
     return value
 
 
+def offload_requested() -> bool:
+    return os.environ.get("ZEROALLOC_OFFLOAD", "none").strip().lower() == "host"
+
+
 def on_torch_imported(torch_module) -> None:
     """Runs right after ``import torch`` has finished, before the script continues."""
-    if torch_allocator_choice() == "zeroalloc":
+    # Offload pages PyTorch's tensors, so it needs zeroalloc as PyTorch's allocator.
+    if torch_allocator_choice() == "zeroalloc" or offload_requested():
         import zeroalloc.torch as zt
         zt.install()
+        if offload_requested():
+            zt.enable_automatic_offload()
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):

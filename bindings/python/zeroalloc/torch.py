@@ -114,6 +114,58 @@ class OffloadHandle:
             self._optimizer = None
 
 
+def _require_offload_engine() -> None:
+    if raw_stats(0).get("offload") is None:
+        raise ZeroallocError(
+            "zeroalloc.torch.offload() needs the offload engine: set ZEROALLOC_OFFLOAD=host "
+            "in the environment before the process starts (and zeroalloc as PyTorch's "
+            "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
+
+
+def _adopt(parameters, optimizer=None) -> list:
+    """Moves parameters (and the optimizer's existing states) into their allocation classes
+    and hints the end of each parameter's backward use; returns the hooks."""
+    hooks = []
+    with torch.no_grad():
+        for parameter in parameters:
+            if not parameter.is_cuda or id(parameter) in _adopted:
+                continue
+            parameter.data = _move_into_class(parameter.data, "parameter")
+            _adopted.add(id(parameter))
+            if parameter.requires_grad:
+                hooks.append(parameter.register_post_accumulate_grad_hook(
+                    lambda p: _end((p,))))
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for key, value in list(state.items()):
+                    if torch.is_tensor(value) and value.is_cuda:
+                        state[key] = _move_into_class(value, "optimizer_state")
+    return hooks
+
+
+#: ids of the parameters zeroalloc manages (moved into the parameter class).
+_adopted: set = set()
+
+
+def _before_forward(module, _inputs) -> None:
+    own = [p for p in module.parameters(recurse=False) if id(p) in _adopted]
+    if own:
+        _begin(own)
+
+
+def _after_forward(module, _inputs, output) -> None:
+    own = [p for p in module.parameters(recurse=False) if id(p) in _adopted]
+    if not own:
+        return
+    _end(own)
+    # Backward of this module begins when the gradient of its output arrives.
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    for each in outputs:
+        if torch.is_tensor(each) and each.requires_grad:
+            each.register_hook(lambda grad, own=own: (_begin(own), grad)[1])
+            break
+
+
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
             window_bytes: int = 1 << 30) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
@@ -129,45 +181,37 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     `window_bytes` of parameters and states, so that only one window must be on the device at
     a time (PyTorch's foreach and fused optimizers would touch every state at once).
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
-    if raw_stats(0).get("offload") is None:
-        raise ZeroallocError(
-            "zeroalloc.torch.offload() needs the offload engine: set ZEROALLOC_OFFLOAD=host "
-            "in the environment before the process starts (and zeroalloc as PyTorch's "
-            "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.is_cuda:
-                parameter.data = _move_into_class(parameter.data, "parameter")
-        if optimizer is not None:
-            for state in optimizer.state.values():
-                for key, value in list(state.items()):
-                    if torch.is_tensor(value) and value.is_cuda:
-                        state[key] = _move_into_class(value, "optimizer_state")
-    hooks = []
+    _require_offload_engine()
+    hooks = _adopt(model.parameters(), optimizer)
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.is_cuda]
-        if not own:
-            continue
-        hooks.append(module.register_forward_pre_hook(
-            lambda _module, _inputs, own=own: _begin(own)))
-
-        def after_forward(_module, _inputs, output, own=own):
-            _end(own)
-            # Backward of this module begins when the gradient of its output arrives.
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for each in outputs:
-                if torch.is_tensor(each) and each.requires_grad:
-                    each.register_hook(lambda grad, own=own: (_begin(own), grad)[1])
-                    break
-        hooks.append(module.register_forward_hook(after_forward))
-        for parameter in own:
-            if parameter.requires_grad:
-                hooks.append(parameter.register_post_accumulate_grad_hook(
-                    lambda p: _end((p,))))
+        if any(True for _ in module.parameters(recurse=False)):
+            hooks.append(module.register_forward_pre_hook(_before_forward))
+            hooks.append(module.register_forward_hook(_after_forward))
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes)
     return OffloadHandle(hooks, optimizer, original_step)
+
+
+def enable_automatic_offload(window_bytes: int = 1 << 30) -> None:
+    """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
+    package's start-up hook): every optimizer created from now on has its parameters and
+    states managed as offload() does, and global module hooks send the use hints."""
+    _require_offload_engine()
+    torch.nn.modules.module.register_module_forward_pre_hook(_before_forward)
+    torch.nn.modules.module.register_module_forward_hook(_after_forward)
+    original_init = torch.optim.Optimizer.__init__
+
+    def init(self, params, defaults, *args, **kwargs):
+        original_init(self, params, defaults, *args, **kwargs)
+        if getattr(self, "_zeroalloc_adopted", False):
+            return
+        self._zeroalloc_adopted = True
+        parameters = [p for group in self.param_groups for p in group["params"]]
+        _adopt(parameters, self)
+        self.step = _windowed_step(self, self.step, window_bytes)
+
+    torch.optim.Optimizer.__init__ = init
 
 
 def _windowed_step(optimizer, original_step, window_bytes: int):
