@@ -2,10 +2,13 @@
 # On the GPU machine: builds zeroalloc, runs the GPU tests (label gpu, and the sim suites),
 # the PyTorch bit-exactness test and the benchmarks, and prints a short table last.
 # liburing is not installed there: its Debian packages travel in .deps/ (see README).
-# Logs and JSON go to $OUT (or ./gpu-out).
+# Logs and JSON are packed into $OUT/gpu-check-logs.tar.gz (the device tool returns at most 8
+# files); $OUT defaults to ./gpu-out. The figures the Python tests print come last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}; mkdir -p "$out"
+final=${OUT:-gpu-out}; mkdir -p "$final"
+out=$(mktemp -d /tmp/gpu-check.XXXXXX)
+trap 'tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null' EXIT
 prefix=/tmp/zeroalloc-prefix
 if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
   for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
@@ -48,6 +51,9 @@ step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit
 ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s -rs tests/python \
   >"$out/pytest.log" 2>&1 || status=1
 tail -8 "$out/pytest.log"
+echo "-- figures printed by the Python tests"
+grep -E "^(every-step offload|Trainer under offload|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
+  "$out/pytest.log" || true
 
 step summary
 python3 - "$out" <<'PY'
