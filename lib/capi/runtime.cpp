@@ -163,16 +163,25 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   }
   device& backing = allocator.backing();
   const int node = backing.host_numa_node();
-  const std::uint64_t node_bytes = host_node_bytes(node);
-  const std::uint64_t limit = options_.host_limit.resolve(node_bytes);
-  if (options_.host_limit.bytes && *options_.host_limit.bytes > node_bytes) {
-    log().warn("ZEROALLOC_HOST_LIMIT={} is more than NUMA node {} (the one nearest {}) has: the "
-               "host tier holds at most {}",
-               options_.host_limit.text, node, backing.name(), format_bytes(node_bytes));
+  const std::uint64_t host_bytes = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                                   static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t node_bytes = std::min(host_node_bytes(node), host_bytes);
+  const std::uint64_t limit = options_.host_limit.resolve(host_bytes);
+  if (options_.host_limit.bytes && *options_.host_limit.bytes > host_bytes) {
+    log().warn("ZEROALLOC_HOST_LIMIT={} is more than the host's memory ({}): the host tier holds "
+               "at most {}",
+               options_.host_limit.text, format_bytes(host_bytes), format_bytes(host_bytes));
   }
+  // Pinned memory on the GPU's own NUMA node is the fastest to reach, but some hosts (VMs
+  // in particular) have small nodes: a tier larger than 90% of the node takes any node.
+  const bool any_node = limit > node_bytes / 10 * 9;
+  if (any_node) backing.place_host_memory_on_any_node();
   const std::string source = detail::concat(
       "ZEROALLOC_HOST_LIMIT=", options_.host_limit.text.empty() ? "0.5" : options_.host_limit.text,
-      " of NUMA node ", node, "'s ", format_bytes(node_bytes));
+      " of the host's ", format_bytes(host_bytes), "; ",
+      any_node ? detail::concat("from any NUMA node, node ", node, " having ",
+                                format_bytes(node_bytes))
+               : detail::concat("on NUMA node ", node, ", nearest the GPU"));
   owned_host_pools_.push_back(std::make_unique<host_pool>(backing, limit, source));
   host_pool* pool = owned_host_pools_.back().get();
   // Pinned memory takes about 0.25 s per GiB to create: in the background, from now.

@@ -61,7 +61,7 @@ struct options {
   std::uint64_t sim_memory_bytes = 0;  ///< ZEROALLOC_SIM_MEMORY
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
-  memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the NUMA node)
+  memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
   bool verify = false;                 ///< ZEROALLOC_VERIFY
   std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES
 

@@ -46,12 +46,16 @@ CUdeviceptr as_device_pointer(const void* pointer) {
   return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(pointer));
 }
 
-// Pinned (the only VMM allocation type) memory on the GPU itself or on its host NUMA node.
+// Pinned (the only VMM allocation type) memory on the GPU itself, on its host NUMA node, or
+// (host_numa_node < 0) on any host node.
 CUmemAllocationProp allocation_properties(memory_location location, int ordinal,
                                           int host_numa_node) {
   CUmemAllocationProp properties{};
   properties.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  if (location == memory_location::host) {
+  if (location == memory_location::host && host_numa_node < 0) {
+    properties.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    properties.location.id = 0;  // ignored for HOST
+  } else if (location == memory_location::host) {
     properties.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
     properties.location.id = host_numa_node;
   } else {
@@ -226,7 +230,8 @@ physical_handle cuda_device::create_physical(std::size_t bytes, memory_location 
                        "supports it), so nothing can be offloaded to host memory"),
         CUDA_ERROR_NOT_SUPPORTED);
   }
-  const CUmemAllocationProp properties = allocation_properties(location, ordinal_, host_numa_node_);
+  const CUmemAllocationProp properties =
+      allocation_properties(location, ordinal_, host_on_any_node_ ? -1 : host_numa_node_);
   const auto scope = enter_context();
   CUmemGenericAllocationHandle handle = 0;
   const CUresult result = driver_.pfn_cuMemCreate(&handle, bytes, &properties, 0);

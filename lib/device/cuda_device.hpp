@@ -15,6 +15,8 @@
 // running out of memory carries kDeviceOutOfMemoryCode.
 #pragma once
 
+#include <atomic>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -73,6 +75,7 @@ class cuda_device final : public device {
   void destroy_stream(stream_handle stream) override;
   /// Events without timing, the cheapest kind to record and query.
   [[nodiscard]] int host_numa_node() const override { return host_numa_node_; }
+  void place_host_memory_on_any_node() override { host_on_any_node_ = true; }
   event_handle create_event() override;
   event_handle create_timing_event() override;
   [[nodiscard]] bool maps_slices() override;
@@ -105,7 +108,8 @@ class cuda_device final : public device {
   int device_ = 0;                       // the CUdevice
   CUctx_st* primary_context_ = nullptr;  // retained by the constructor
   std::size_t granularity_ = 0;
-  int host_numa_node_ = 0;                   // where memory_location::host handles live
+  int host_numa_node_ = 0;
+  std::atomic<bool> host_on_any_node_{false};  // CU_MEM_LOCATION_TYPE_HOST instead of HOST_NUMA                   // where memory_location::host handles live
   bool host_allocations_supported_ = false;  // HOST_NUMA VMM allocations work
   std::string gpu_name_;                     // "NVIDIA H200"
 };

@@ -59,6 +59,9 @@ class device {
   [[nodiscard]] virtual memory_info query_memory() const = 0;
   /// The host NUMA node nearest the device, where memory_location::host handles live.
   [[nodiscard]] virtual int host_numa_node() const = 0;
+  /// From now on, memory_location::host handles come from any host NUMA node, not only the
+  /// one nearest the device: for a host tier larger than that node.
+  virtual void place_host_memory_on_any_node() = 0;
 
   // Physical memory. `bytes` is a multiple of granularity().
   virtual physical_handle create_physical(std::size_t bytes, memory_location location) = 0;

@@ -46,6 +46,7 @@ class sim_device final : public device {
   stream_handle create_stream() override;
   void destroy_stream(stream_handle stream) override;
   [[nodiscard]] int host_numa_node() const override { return 0; }
+  void place_host_memory_on_any_node() override {}  // host memory is host memory here
   event_handle create_event() override;
   event_handle create_timing_event() override;
   [[nodiscard]] bool maps_slices() override;

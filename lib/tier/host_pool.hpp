@@ -1,10 +1,10 @@
 // The host tier's memory: pinned host physical memory (host-located VMM allocations on the
-// GPU's NUMA node), handed out as chunks that the migrator maps where an allocation lives.
+// GPU's NUMA node, or any node when the tier is larger than that node), handed out as chunks that the migrator maps where an allocation lives.
 //
 // Note [Host budget]: pinned memory cannot be swapped, so a host that runs out of it does
 // not slow down, it kills the process (the OOM killer) or fails every later pinned
 // allocation of every program. The pool therefore holds at most ZEROALLOC_HOST_LIMIT bytes
-// (default: half of the GPU's NUMA node), creates them in the background at start-up
+// (default: half of the host's memory), creates them in the background at start-up
 // (creating pinned memory costs about 0.25 s per GiB, far too slow for the training path),
 // and reuses them forever. Running out is a clear error that names the variable, never a
 // host OOM kill.
