@@ -188,8 +188,23 @@ def _system_checks(checks: list[Check]) -> None:
     status, finding, action = io_uring.get(disabled, (WARN, f"setting {disabled}", ""))
     checks.append(Check("io_uring", status, finding, action))
     nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    described = []
+    for node in nodes:
+        total = ""
+        try:
+            with open(os.path.join(node, "meminfo")) as meminfo:
+                for line in meminfo:
+                    if "MemTotal:" in line:
+                        total = f" {int(line.split()[-2]) / 2**20:.1f} GiB"
+                        break
+        except (OSError, ValueError):
+            pass
+        described.append(os.path.basename(node) + total)
+    host_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     checks.append(Check("NUMA", PASS, f"{len(nodes) or 1} node(s)"
-                        + (f": {', '.join(os.path.basename(node) for node in nodes)}" if nodes else "")))
+                        + (f": {', '.join(described)}" if described else "")
+                        + f"; host memory {host_gib:.1f} GiB (the host tier takes any node when "
+                        "the GPU's is too small)"))
 
 
 def _direct_io_problem(directory: str) -> str | None:
