@@ -193,3 +193,22 @@ def test_doctor_checks_o_direct_on_each_nvme_path(tmp_path):
         assert ("WARN" in tmpfs_row and "on tmpfs" in tmpfs_row) or "FAIL" in tmpfs_row
     assert result.returncode == 1  # a configured path that cannot serve the tier fails
     assert not list(tmp_path.iterdir()), "the probe file was left behind"
+
+
+def test_every_c_abi_function_is_declared_for_ctypes():
+    """An undeclared function returns a C int to ctypes: a pointer would be cut to 32 bits."""
+    header = (ROOT / "include" / "zeroalloc" / "zeroalloc.h").read_text()
+    import re
+    declared = set(re.findall(r"^[a-z_ ]+\*?\s*\**(zeroalloc_[a-z_]+)\(", header, re.MULTILINE))
+    lib = zeroalloc.library()
+    missing = sorted(name for name in declared if getattr(lib, name).restype is ctypes.c_int
+                     and name not in {"zeroalloc_abi_version", "zeroalloc_device_count",
+                                      "zeroalloc_stats_json", "zeroalloc_snapshot_json",
+                                      "zeroalloc_report_write", "zeroalloc_report_render",
+                                      "zeroalloc_options_json", "zeroalloc_set_thread_class",
+                                      "zeroalloc_offload", "zeroalloc_fetch",
+                                      "zeroalloc_residency"})
+    assert not missing, f"not declared in zeroalloc._library: {missing}"
+    stream = lib.zeroalloc_stream_create(0)
+    assert stream, zeroalloc._library.last_error()
+    lib.zeroalloc_stream_destroy(0, stream)
