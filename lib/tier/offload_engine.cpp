@@ -404,9 +404,9 @@ bool offload_engine::fetch(const void* pointer, bool wait) {
   return true;
 }
 
-offload_figures offload_engine::figures() {
+offload_figures offload_engine::figures(bool wait_for_device) {
   std::lock_guard lock(mutex_);
-  collect_waits(/*all=*/true);
+  collect_waits(wait_for_device);
   return figures_;
 }
 

@@ -79,8 +79,10 @@ class offload_engine {
   bool evict(const void* pointer, bool wait);
   bool fetch(const void* pointer, bool wait);
 
-  /// The figures, once the device-side waits recorded so far have completed.
-  [[nodiscard]] offload_figures figures();
+  /// The figures. With `wait_for_device`, after the device-side waits recorded so far have
+  /// completed (tests, final reports); without, the waits still running are left out, and
+  /// nothing blocks (statistics read during training).
+  [[nodiscard]] offload_figures figures(bool wait_for_device = false);
   [[nodiscard]] migrator& mover() { return migrator_; }
 
  private:

@@ -177,7 +177,7 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
       engine.use_ends(layers[i], compute);
     }
     engine.step_boundary();
-    if (step == 1) after_first_steps = engine.figures();
+    if (step == 1) after_first_steps = engine.figures(/*wait_for_device=*/true);
   }
   device_->synchronize_stream(compute);
   engine.mover().drain();
@@ -186,7 +186,7 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
                       kLayerBytes))
         << "layer " << i;
   }
-  const offload_figures figures = engine.figures();
+  const offload_figures figures = engine.figures(/*wait_for_device=*/true);
   EXPECT_EQ(figures.learned_order_chunks, static_cast<std::uint64_t>(kLayers));
   EXPECT_LE(allocator_->held_bytes(), 24 * MiB);
   const double uses = static_cast<double>(figures.uses - after_first_steps.uses);
