@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,18 @@ def test_every_c_abi_function_is_declared_for_ctypes():
     stream = lib.zeroalloc_stream_create(0)
     assert stream, zeroalloc._library.last_error()
     lib.zeroalloc_stream_destroy(0, stream)
+
+
+def test_summary_and_stats_show_offload_when_it_is_on():
+    result = run_python(textwrap.dedent("""
+        import ctypes, zeroalloc
+        lib = zeroalloc.library()
+        pointer = lib.zeroalloc_malloc_class(16 << 20, 0, None, 3)
+        assert lib.zeroalloc_offload(pointer, 1) == 0, zeroalloc._library.last_error()
+        print(zeroalloc.memory_summary())
+        print("stat", zeroalloc.memory_stats()["zeroalloc.offload.host_resident_bytes"])
+    """), ZEROALLOC_DEVICE="sim", ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="64MiB",
+        ZEROALLOC_CHUNK_SIZE="8MiB")
+    assert result.returncode == 0, result.stderr
+    assert "offload to host memory: 16.00 MiB there now" in result.stdout, result.stdout
+    assert "stat 16777216" in result.stdout

@@ -54,6 +54,8 @@ def memory_stats(device: int = 0) -> dict:
     for call, figures in raw.get("passthrough", {}).items():
         flat[f"zeroalloc.passthrough.{call}.calls"] = figures["calls"]
         flat[f"zeroalloc.passthrough.{call}.bytes"] = figures["bytes"]
+    for key, value in (raw.get("offload") or {}).items():
+        flat[f"zeroalloc.offload.{key}"] = value
     return flat
 
 
@@ -107,6 +109,15 @@ def memory_summary(device: int = 0) -> str:
     if passed:
         lines.append("CUDA calls passed through (memory zeroalloc does not manage): " +
                      ", ".join(passed))
+    offload = raw.get("offload")
+    if offload:
+        lines.append(
+            f"offload to host memory: {_format_bytes(offload['host_resident_bytes'])} there now "
+            f"(at most {_format_bytes(offload['host_peak_in_use_bytes'])} of the "
+            f"{_format_bytes(offload['host_limit_bytes'])} host limit); moved "
+            f"{_format_bytes(offload['bytes_to_host'])} out, "
+            f"{_format_bytes(offload['bytes_to_device'])} back; prefetch hit rate "
+            f"{offload['prefetch_hit_rate']:.1%} of {offload['uses']} uses")
     return "\n".join(lines)
 
 
