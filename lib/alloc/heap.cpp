@@ -24,7 +24,7 @@ heap::heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, siz
     : arena_(arena), device_(arena.backing()), stats_(stats), class_(cls), kind_(kind) {
   region_bytes_ = round_up(region_bytes, arena.granularity());
   region_start_ = arena.reserve_region(region_bytes_);
-  free_addresses_[region_start_] = region_bytes_;
+  free_addresses_.give_back(region_start_, region_bytes_);
 }
 
 heap::~heap() {
@@ -251,37 +251,15 @@ void heap::retire_donated(bool wait) {
 }
 
 void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
-  auto [inserted, fresh] = free_addresses_.emplace(address, bytes);
-  (void)fresh;
-  auto after = std::next(inserted);
-  if (after != free_addresses_.end() && inserted->first + inserted->second == after->first) {
-    inserted->second += after->second;
-    free_addresses_.erase(after);
-  }
-  if (inserted != free_addresses_.begin()) {
-    auto before = std::prev(inserted);
-    if (before->first + before->second == inserted->first) {
-      before->second += inserted->second;
-      free_addresses_.erase(inserted);
-    }
-  }
+  free_addresses_.give_back(address, bytes);
 }
 
 block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   if (!retiring_.empty()) retire_donated(false);
   const std::size_t needed = segment_bytes_for(rounded_bytes);
-  auto best_fit = [&](std::size_t bytes) {
-    auto fit = free_addresses_.end();
-    for (auto range = free_addresses_.begin(); range != free_addresses_.end(); ++range) {
-      if (range->second >= bytes && (fit == free_addresses_.end() || range->second < fit->second)) {
-        fit = range;
-      }
-    }
-    return fit;
-  };
   // Donations never exceed the need by more than an eighth (gather_donations): check that
   // much address space first, so a request that cannot be placed strips no donor.
-  if (best_fit(needed + std::max(needed / 8, arena_.granularity())) == free_addresses_.end()) {
+  if (!free_addresses_.fits(needed + std::max(needed / 8, arena_.granularity()))) {
     log().warn("address region of {} {} memory on {} is exhausted ({} reserved)",
                class_name(class_), kind_ == size_kind::small ? "small" : "large", device_.name(),
                format_bytes(region_bytes_));
@@ -290,8 +268,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   donated_memory donated;
   gather_donations(needed, stream, donated);
   const std::size_t bytes = std::max(needed, donated.bytes);
-  auto fit = best_fit(bytes);
-  const std::uintptr_t address = fit->first;
+  const std::uintptr_t address = *free_addresses_.take_best_fit(bytes);  // fits, checked above
   auto owned = std::make_unique<segment>();
   owned->address = address;
   owned->bytes = bytes;
@@ -304,15 +281,14 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   try {
     if (!arena_.commit(address, bytes, donated.chunks, owned->chunks)) {
       pool_donations();
+      free_addresses_.give_back(address, bytes);
       return nullptr;
     }
   } catch (...) {
     pool_donations();
+    free_addresses_.give_back(address, bytes);
     throw;
   }
-  const std::size_t remaining = fit->second - bytes;
-  free_addresses_.erase(fit);
-  if (remaining > 0) free_addresses_[address + bytes] = remaining;
 
   block* whole = new_block();
   whole->address = address;

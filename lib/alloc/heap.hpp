@@ -16,6 +16,7 @@
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
 #include "alloc/pointer_map.hpp"
+#include "core/free_ranges.hpp"
 #include "core/spin_lock.hpp"
 #include "device/device.hpp"
 
@@ -169,7 +170,7 @@ class heap {
   // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
   mutable spin_lock mutex_;
   heap_counts counts_;
-  std::map<std::uintptr_t, std::size_t> free_addresses_;  // unmapped parts of the region
+  free_ranges free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;
   pointer_map<block> live_;
   std::vector<std::unique_ptr<segment>> segments_;

@@ -27,7 +27,7 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
   staging_region_bytes_ = round_up(static_cast<std::size_t>(limit_bytes_), granularity) * 2;
   if (staging_region_bytes_ != 0) {
     staging_region_ = device_.reserve_addresses(staging_region_bytes_, granularity);
-    free_staging_.emplace(staging_region_, staging_region_bytes_);
+    free_staging_.give_back(staging_region_, staging_region_bytes_);
   }
   figures_.limit_bytes = limit_bytes_;
 }
@@ -62,11 +62,11 @@ std::unique_ptr<host_pool::slab> host_pool::create_slab(std::size_t bytes) {
     device_.map(made->staging_address, made->handle);
   } catch (...) {
     std::lock_guard lock(mutex_);
-    if (made->staging_address != 0) return_staging(made->staging_address, bytes);
+    if (made->staging_address != 0) free_staging_.give_back(made->staging_address, bytes);
     device_.release_physical(made->handle);
     throw;
   }
-  made->free.emplace(0, bytes);
+  made->free.give_back(0, bytes);
   made->free_bytes = bytes;
   return made;
 }
@@ -156,22 +156,17 @@ host_chunk host_pool::take_slice_locked(std::size_t bytes) {
     slab& candidate = *each;
     if (candidate.free_bytes < bytes) continue;
     if (!slices_ && (candidate.handle.bytes != bytes || candidate.free_bytes != bytes)) continue;
-    for (auto range = candidate.free.begin(); range != candidate.free.end(); ++range) {
-      if (range->second < bytes) continue;
-      const std::size_t offset = range->first;
-      const std::size_t rest = range->second - bytes;
-      candidate.free.erase(range);
-      if (rest != 0) candidate.free.emplace(offset + bytes, rest);
-      candidate.free_bytes -= bytes;
-      host_chunk chunk;
-      chunk.handle = candidate.handle;
-      chunk.handle.offset = offset;
-      chunk.handle.bytes = bytes;
-      chunk.staging_address = candidate.staging_address + offset;
-      figures_.in_use_bytes += bytes;
-      figures_.peak_in_use_bytes = std::max(figures_.peak_in_use_bytes, figures_.in_use_bytes);
-      return chunk;
-    }
+    const std::optional<std::uintptr_t> offset = candidate.free.take_first_fit(bytes);
+    if (!offset) continue;
+    candidate.free_bytes -= bytes;
+    host_chunk chunk;
+    chunk.handle = candidate.handle;
+    chunk.handle.offset = static_cast<std::size_t>(*offset);
+    chunk.handle.bytes = bytes;
+    chunk.staging_address = candidate.staging_address + *offset;
+    figures_.in_use_bytes += bytes;
+    figures_.peak_in_use_bytes = std::max(figures_.peak_in_use_bytes, figures_.in_use_bytes);
+    return chunk;
   }
   return {};
 }
@@ -227,7 +222,9 @@ bool host_pool::release_free_slabs_locked(std::size_t bytes, std::unique_lock<st
   lock.unlock();
   for (const auto& victim : victims) destroy_slab(*victim);
   lock.lock();
-  for (const auto& victim : victims) return_staging(victim->staging_address, victim->handle.bytes);
+  for (const auto& victim : victims) {
+    free_staging_.give_back(victim->staging_address, victim->handle.bytes);
+  }
   reserved_bytes_ -= freed;
   figures_.created_bytes -= freed;
   return true;
@@ -238,20 +235,7 @@ void host_pool::release(const host_chunk& chunk) {
   for (const auto& each : slabs_) {
     slab& owner = *each;
     if (owner.handle.value != chunk.handle.value) continue;
-    auto [inserted, fresh] = owner.free.emplace(chunk.handle.offset, chunk.handle.bytes);
-    (void)fresh;
-    auto after = std::next(inserted);
-    if (after != owner.free.end() && inserted->first + inserted->second == after->first) {
-      inserted->second += after->second;
-      owner.free.erase(after);
-    }
-    if (inserted != owner.free.begin()) {
-      auto before = std::prev(inserted);
-      if (before->first + before->second == inserted->first) {
-        before->second += inserted->second;
-        owner.free.erase(inserted);
-      }
-    }
+    owner.free.give_back(chunk.handle.offset, chunk.handle.bytes);
     owner.free_bytes += chunk.handle.bytes;
     figures_.in_use_bytes -= chunk.handle.bytes;
     return;
@@ -261,34 +245,12 @@ void host_pool::release(const host_chunk& chunk) {
 }
 
 std::uintptr_t host_pool::take_staging(std::size_t bytes) {
-  for (auto range = free_staging_.begin(); range != free_staging_.end(); ++range) {
-    if (range->second < bytes) continue;
-    const std::uintptr_t address = range->first;
-    const std::size_t rest = range->second - bytes;
-    free_staging_.erase(range);
-    if (rest != 0) free_staging_.emplace(address + bytes, rest);
-    return address;
+  if (const std::optional<std::uintptr_t> address = free_staging_.take_first_fit(bytes)) {
+    return *address;
   }
   ZA_THROW(host_memory_exhausted, "the host tier's staging addresses are exhausted (",
            format_bytes(staging_region_bytes_), " for ", limit_source_,
            "): too many slabs of mixed sizes; report this with ZEROALLOC_LOG_LEVEL=debug");
-}
-
-void host_pool::return_staging(std::uintptr_t address, std::size_t bytes) {
-  auto [inserted, fresh] = free_staging_.emplace(address, bytes);
-  (void)fresh;
-  auto after = std::next(inserted);
-  if (after != free_staging_.end() && inserted->first + inserted->second == after->first) {
-    inserted->second += after->second;
-    free_staging_.erase(after);
-  }
-  if (inserted != free_staging_.begin()) {
-    auto before = std::prev(inserted);
-    if (before->first + before->second == inserted->first) {
-      before->second += inserted->second;
-      free_staging_.erase(inserted);
-    }
-  }
 }
 
 void host_pool::throw_exhausted(std::size_t bytes) const {

@@ -20,7 +20,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,6 +27,7 @@
 #include <vector>
 
 #include "core/errors.hpp"
+#include "core/free_ranges.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -93,7 +93,7 @@ class host_pool {
   struct slab {
     physical_handle handle;                   // the whole allocation
     std::uintptr_t staging_address = 0;       // where all of it is mapped
-    std::map<std::size_t, std::size_t> free;  // offset -> bytes, coalesced
+    free_ranges free;                          // free offsets within the slab
     std::size_t free_bytes = 0;
   };
 
@@ -101,7 +101,6 @@ class host_pool {
   std::unique_ptr<slab> create_slab(std::size_t bytes);  // no lock held
   void destroy_slab(const slab& gone);                    // no lock held
   std::uintptr_t take_staging(std::size_t bytes);
-  void return_staging(std::uintptr_t address, std::size_t bytes);
   bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;
   void prefill(std::size_t slab_bytes, std::uint64_t bytes);
@@ -117,7 +116,7 @@ class host_pool {
 
   mutable std::mutex mutex_;
   std::condition_variable created_;
-  std::map<std::uintptr_t, std::size_t> free_staging_;  // unused staging ranges
+  free_ranges free_staging_;  // unused staging addresses
   std::vector<std::unique_ptr<slab>> slabs_;
   host_pool_figures figures_;
   std::uint64_t reserved_bytes_ = 0;  // created, or being created
