@@ -294,8 +294,8 @@ int replay_with_offload(const options& parsed, const std::vector<trace_event>& e
       first.final_stats.by_class[ZEROALLOC_CLASS_OPTIMIZER_STATE].reserved_peak_bytes;
   const std::uint64_t limit = total.reserved_peak_bytes - states / 4 * 3;
   zeroalloc_empty_cache();
-  zeroalloc_set_memory_fraction(
-      static_cast<double>(limit) / static_cast<double>(first.limit_bytes), parsed.device);
+  zeroalloc_set_memory_fraction(static_cast<double>(limit) / static_cast<double>(first.limit_bytes),
+                                parsed.device);
   std::printf(
       "\nagain with offload to host memory (ZEROALLOC_OFFLOAD=host), under a limit of %s: the "
       "peak reserved above minus three quarters of the optimizer states\n",
@@ -312,11 +312,12 @@ int replay_with_offload(const options& parsed, const std::vector<trace_event>& e
   const double moved_out = offload_figure(parsed.device, "bytes_to_host");
   const double evictions = offload_figure(parsed.device, "pressure_evictions");
   const double host_peak = offload_figure(parsed.device, "host_peak_in_use_bytes");
-  std::printf("\noffload: %.0f chunks moved to host memory when allocations would have failed "
-              "(%s in all, at most %s on the host at once); every allocation of the trace "
-              "succeeded under the limit\n",
-              evictions, format_bytes(static_cast<std::uint64_t>(moved_out)).c_str(),
-              format_bytes(static_cast<std::uint64_t>(host_peak)).c_str());
+  std::printf(
+      "\noffload: %.0f chunks moved to host memory when allocations would have failed "
+      "(%s in all, at most %s on the host at once); every allocation of the trace "
+      "succeeded under the limit\n",
+      evictions, format_bytes(static_cast<std::uint64_t>(moved_out)).c_str(),
+      format_bytes(static_cast<std::uint64_t>(host_peak)).c_str());
   return moved_out > 0 ? 0 : exit_failure;
 }
 

@@ -32,18 +32,23 @@
 
 // Every interposed symbol: X(name). Served ones are answered by zeroalloc; pass-through ones
 // are counted and forwarded.
+// clang-format off: one list, read across
 #define ZA_SERVED_SYMBOLS(X)                                                                    \
-  X(cudaMalloc) X(cudaFree) X(cudaMallocAsync) X(cudaMallocAsync_ptsz) X(cudaFreeAsync)          \
-  X(cudaFreeAsync_ptsz) X(cudaMallocFromPoolAsync) X(cudaMallocFromPoolAsync_ptsz)               \
-  X(cudaMemGetInfo) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)  \
-  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)                \
-  X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint) X(cudaGetDriverEntryPoint_ptsz)              \
-  X(cudaGetDriverEntryPointByVersion) X(cudaGetDriverEntryPointByVersion_ptsz)
-#define ZA_PASSTHROUGH_SYMBOLS(X)                                                               \
-  X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                     \
-  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged)           \
-  X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cudaIpcGetMemHandle)    \
-  X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle)
+  X(cudaMalloc)                                                                                 \
+  X(cudaFree) X(cudaMallocAsync) X(cudaMallocAsync_ptsz) X(cudaFreeAsync) X(cudaFreeAsync_ptsz) \
+      X(cudaMallocFromPoolAsync) X(cudaMallocFromPoolAsync_ptsz) X(cudaMemGetInfo)              \
+          X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)           \
+              X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)   \
+                  X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint)                             \
+                      X(cudaGetDriverEntryPoint_ptsz) X(cudaGetDriverEntryPointByVersion)       \
+                          X(cudaGetDriverEntryPointByVersion_ptsz)
+#define ZA_PASSTHROUGH_SYMBOLS(X)                                                        \
+  X(cuMemCreate)                                                                         \
+  X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemAddressReserve)     \
+      X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged) X(cuIpcGetMemHandle) \
+          X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cudaIpcGetMemHandle)         \
+              X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle)
+// clang-format on
 
 namespace {
 
@@ -57,7 +62,7 @@ void* const kPerThreadStream = reinterpret_cast<void*>(0x2);  // CU_STREAM_PER_T
 
 using device_pointer = unsigned long long;  // CUdeviceptr
 using vmm_handle = unsigned long long;      // CUmemGenericAllocationHandle
-struct ipc_handle {                          // CUipcMemHandle and cudaIpcMemHandle_t
+struct ipc_handle {                         // CUipcMemHandle and cudaIpcMemHandle_t
   char reserved[64];
 };
 
@@ -353,12 +358,12 @@ ZA_HOOK int cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total_bytes) {
 namespace {
 
 // Counts the call and forwards it to the real function.
-#define ZA_PASS_THROUGH(type, name, call, bytes, ...)                            \
-  do {                                                                           \
-    if (interception_active()) {                                                 \
+#define ZA_PASS_THROUGH(type, name, call, bytes, ...)                           \
+  do {                                                                          \
+    if (interception_active()) {                                                \
       zeroalloc::count_passthrough(zeroalloc::passthrough_call::call, (bytes)); \
-    }                                                                            \
-    return ZA_REAL(type, name)(__VA_ARGS__);                                     \
+    }                                                                           \
+    return ZA_REAL(type, name)(__VA_ARGS__);                                    \
   } while (false)
 
 }  // namespace
@@ -398,8 +403,8 @@ ZA_HOOK int cuMemAddressReserve(device_pointer* address, std::size_t size, std::
 }
 
 ZA_HOOK int cuMemAddressFree(device_pointer address, std::size_t size) {
-  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t), cuMemAddressFree, cu_mem_address_free,
-                  size, address, size);
+  ZA_PASS_THROUGH(int (*)(device_pointer, std::size_t), cuMemAddressFree, cu_mem_address_free, size,
+                  address, size);
 }
 
 ZA_HOOK int cuMemAllocManaged(device_pointer* address, std::size_t size, unsigned int flags) {
@@ -413,8 +418,8 @@ ZA_HOOK int cudaMallocManaged(void** address, std::size_t size, unsigned int fla
 }
 
 ZA_HOOK int cuIpcGetMemHandle(ipc_handle* handle, device_pointer address) {
-  ZA_PASS_THROUGH(int (*)(ipc_handle*, device_pointer), cuIpcGetMemHandle, cu_ipc_get_mem_handle,
-                  0, handle, address);
+  ZA_PASS_THROUGH(int (*)(ipc_handle*, device_pointer), cuIpcGetMemHandle, cu_ipc_get_mem_handle, 0,
+                  handle, address);
 }
 
 ZA_HOOK int cuIpcOpenMemHandle_v2(device_pointer* address, ipc_handle handle, unsigned int flags) {
@@ -480,9 +485,9 @@ bool substitute_hook(const char* symbol, void** function, int cuda_version,
 
 ZA_HOOK int cuGetProcAddress_v2(const char* symbol, void** function, int cuda_version,
                                 unsigned long long flags, int* symbol_status) {
-  const int result = ZA_REAL(int (*)(const char*, void**, int, unsigned long long, int*),
-                             cuGetProcAddress_v2)(symbol, function, cuda_version, flags,
-                                                  symbol_status);
+  const int result =
+      ZA_REAL(int (*)(const char*, void**, int, unsigned long long, int*), cuGetProcAddress_v2)(
+          symbol, function, cuda_version, flags, symbol_status);
   if (substitute_hook(symbol, function, cuda_version, flags, result == kSuccess)) {
     if (symbol_status != nullptr) *symbol_status = 0;  // CU_GET_PROC_ADDRESS_SUCCESS
     return kSuccess;
@@ -559,8 +564,8 @@ namespace {
   interposed_symbol{#name, reinterpret_cast<void*>(&::name), &real_of::name, true},
 #define ZA_PASSTHROUGH_ENTRY(name) \
   interposed_symbol{#name, reinterpret_cast<void*>(&::name), &real_of::name, false},
-const interposed_symbol kInterposed[] = {
-    ZA_SERVED_SYMBOLS(ZA_SERVED_ENTRY) ZA_PASSTHROUGH_SYMBOLS(ZA_PASSTHROUGH_ENTRY)};
+const interposed_symbol kInterposed[] = {ZA_SERVED_SYMBOLS(ZA_SERVED_ENTRY)
+                                             ZA_PASSTHROUGH_SYMBOLS(ZA_PASSTHROUGH_ENTRY)};
 #undef ZA_SERVED_ENTRY
 #undef ZA_PASSTHROUGH_ENTRY
 
@@ -605,9 +610,9 @@ const interposed_symbol* interposed_driver_symbol(const char* symbol, int cuda_v
   };
   for (const versioned& each : kDriverSymbols) {
     if (std::strcmp(each.base, symbol) != 0 || cuda_version < each.since) continue;
-    const char* exported =
-        per_thread && each.exported_per_thread != nullptr ? each.exported_per_thread
-                                                          : each.exported;
+    const char* exported = per_thread && each.exported_per_thread != nullptr
+                               ? each.exported_per_thread
+                               : each.exported;
     return by_name(exported);
   }
   return nullptr;
@@ -647,11 +652,10 @@ bool called_from_zeroalloc(void* caller) {
 
 // What dlsym(handle, name) returns, or kForward when glibc's dlsym should answer as usual.
 extern "C" __attribute__((visibility("hidden"))) void* zeroalloc_dlsym_decide(void* handle,
-                                                                               const char* name,
-                                                                               void* caller) {
+                                                                              const char* name,
+                                                                              void* caller) {
   const dlsym_function glibc_dlsym = real_dlsym();  // also sets zeroalloc_real_dlsym
-  if (!interception_active() || name == nullptr || handle == RTLD_NEXT ||
-      handle == RTLD_DEFAULT) {
+  if (!interception_active() || name == nullptr || handle == RTLD_NEXT || handle == RTLD_DEFAULT) {
     return kForward;  // the global scope finds the preloaded hooks first anyway
   }
   const interposed_symbol* hook = by_name(name);

@@ -109,7 +109,8 @@ copy_figures measure_cuda_memcpy(std::size_t bytes, int rounds) {
   void* host_2 = nullptr;
   void* device_2 = nullptr;
   if (cudaMallocHost(&host, bytes) != cudaSuccess || cudaMalloc(&device, bytes) != cudaSuccess ||
-      cudaMallocHost(&host_2, bytes) != cudaSuccess || cudaMalloc(&device_2, bytes) != cudaSuccess) {
+      cudaMallocHost(&host_2, bytes) != cudaSuccess ||
+      cudaMalloc(&device_2, bytes) != cudaSuccess) {
     std::fprintf(stderr, "cudaMemcpyAsync baseline: allocation failed\n");
     return result;
   }

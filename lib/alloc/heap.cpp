@@ -176,7 +176,8 @@ bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_ha
 std::vector<stream_handle> heap::streams_of(const segment& owner) const {
   std::vector<stream_handle> streams;
   auto add = [&](stream_handle stream) {
-    if (stream != kDetachedStream && std::find(streams.begin(), streams.end(), stream) == streams.end()) {
+    if (stream != kDetachedStream &&
+        std::find(streams.begin(), streams.end(), stream) == streams.end()) {
       streams.push_back(stream);
     }
   };
@@ -197,9 +198,8 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
       continue;
     }
     // Host memory behind another class's fresh allocation would be a slow surprise.
-    if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(), [](const auto& chunk) {
-          return chunk.location == memory_location::host;
-        })) {
+    if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(),
+                    [](const auto& chunk) { return chunk.location == memory_location::host; })) {
       continue;
     }
     if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;

@@ -12,11 +12,11 @@
 
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
-#include "core/passthrough.hpp"
 #include "core/errors.hpp"
 #include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/options.hpp"
+#include "core/passthrough.hpp"
 #include "profile/report.hpp"
 #include "zeroalloc/zeroalloc.h"
 

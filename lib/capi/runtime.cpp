@@ -168,9 +168,10 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   const std::uint64_t node_bytes = std::min(host_node_bytes(node), host_bytes);
   const std::uint64_t limit = options_.host_limit.resolve(host_bytes);
   if (options_.host_limit.bytes && *options_.host_limit.bytes > host_bytes) {
-    log().warn("ZEROALLOC_HOST_LIMIT={} is more than the host's memory ({}): the host tier holds "
-               "at most {}",
-               options_.host_limit.text, format_bytes(host_bytes), format_bytes(host_bytes));
+    log().warn(
+        "ZEROALLOC_HOST_LIMIT={} is more than the host's memory ({}): the host tier holds "
+        "at most {}",
+        options_.host_limit.text, format_bytes(host_bytes), format_bytes(host_bytes));
   }
   // Pinned memory on the GPU's own NUMA node is the fastest to reach, but some hosts (VMs
   // in particular) have small nodes: a tier larger than 90% of the node takes any node.
@@ -179,9 +180,9 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   const std::string source = detail::concat(
       "ZEROALLOC_HOST_LIMIT=", options_.host_limit.text.empty() ? "0.5" : options_.host_limit.text,
       " of the host's ", format_bytes(host_bytes), "; ",
-      any_node ? detail::concat("from any NUMA node, node ", node, " having ",
-                                format_bytes(node_bytes))
-               : detail::concat("on NUMA node ", node, ", nearest the GPU"));
+      any_node
+          ? detail::concat("from any NUMA node, node ", node, " having ", format_bytes(node_bytes))
+          : detail::concat("on NUMA node ", node, ", nearest the GPU"));
   owned_host_pools_.push_back(std::make_unique<host_pool>(backing, limit, source));
   host_pool* pool = owned_host_pools_.back().get();
   // Pinned memory takes about 0.25 s per GiB to create: in the background, from now.

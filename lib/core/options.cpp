@@ -244,8 +244,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
                  trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
         const std::optional<double> share = parse_decimal(trimmed);
         if (!share || *share <= 0 || *share > 1) {
-          reject(name, value,
-                 "a share between 0 and 1 (such as 0.9), or a byte size such as 80GB");
+          reject(name, value, "a share between 0 and 1 (such as 0.9), or a byte size such as 80GB");
         }
         limit.share = *share;
       } else {

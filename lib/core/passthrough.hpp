@@ -36,11 +36,11 @@ enum class passthrough_call : int {
 
 /// The name each call has in the statistics (the CUDA function's name).
 inline constexpr const char* kPassthroughNames[] = {
-    "cuMemCreate",          "cuMemRelease",          "cuMemMap",
-    "cuMemUnmap",           "cuMemSetAccess",        "cuMemAddressReserve",
-    "cuMemAddressFree",     "cuMemAllocManaged",     "cudaMallocManaged",
-    "cuIpcGetMemHandle",    "cuIpcOpenMemHandle",    "cuIpcCloseMemHandle",
-    "cudaIpcGetMemHandle",  "cudaIpcOpenMemHandle",  "cudaIpcCloseMemHandle",
+    "cuMemCreate",         "cuMemRelease",         "cuMemMap",
+    "cuMemUnmap",          "cuMemSetAccess",       "cuMemAddressReserve",
+    "cuMemAddressFree",    "cuMemAllocManaged",    "cudaMallocManaged",
+    "cuIpcGetMemHandle",   "cuIpcOpenMemHandle",   "cuIpcCloseMemHandle",
+    "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle",
     "cudaFree_not_owned",  "cuMemFree_not_owned",
 };
 static_assert(std::size(kPassthroughNames) == static_cast<std::size_t>(passthrough_call::count_));

@@ -1,12 +1,11 @@
 #include "device/cuda_device.hpp"
 
-#include <mutex>
-
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <numeric>
 
 #include "core/errors.hpp"

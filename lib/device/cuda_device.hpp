@@ -16,7 +16,6 @@
 #pragma once
 
 #include <atomic>
-
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -109,7 +108,8 @@ class cuda_device final : public device {
   CUctx_st* primary_context_ = nullptr;  // retained by the constructor
   std::size_t granularity_ = 0;
   int host_numa_node_ = 0;
-  std::atomic<bool> host_on_any_node_{false};  // CU_MEM_LOCATION_TYPE_HOST instead of HOST_NUMA                   // where memory_location::host handles live
+  std::atomic<bool> host_on_any_node_{false};  // CU_MEM_LOCATION_TYPE_HOST instead of HOST_NUMA //
+                                               // where memory_location::host handles live
   bool host_allocations_supported_ = false;  // HOST_NUMA VMM allocations work
   std::string gpu_name_;                     // "NVIDIA H200"
 };

@@ -186,9 +186,10 @@ std::string reporter::build_json(const std::string& reason) const {
   separator = "";
   for (caching_allocator* each : allocators_()) {
     const int ordinal = each->backing().ordinal();
-    out += detail::concat(separator, "{\"device\":", ordinal, ",\"stats\":", each->stats_json(),
-                          ",\"offload\":", tiers_.offload_json ? tiers_.offload_json(ordinal) : "null",
-                          ",\"largest_allocations\":[");
+    out +=
+        detail::concat(separator, "{\"device\":", ordinal, ",\"stats\":", each->stats_json(),
+                       ",\"offload\":", tiers_.offload_json ? tiers_.offload_json(ordinal) : "null",
+                       ",\"largest_allocations\":[");
     const char* inner = "";
     for (const auto& record : each->largest_allocations(20)) {
       out += detail::concat(inner, "{\"address\":", record.address, ",\"size\":", record.bytes,
@@ -199,9 +200,9 @@ std::string reporter::build_json(const std::string& reason) const {
     separator = ",";
   }
   std::lock_guard lock(mutex_);
-  out += detail::concat(
-      "],\"passthrough\":", passthrough_json(), ",\"last_out_of_memory\":", last_out_of_memory_.empty() ? "null" : last_out_of_memory_,
-      ",\"timeline\":{");
+  out +=
+      detail::concat("],\"passthrough\":", passthrough_json(), ",\"last_out_of_memory\":",
+                     last_out_of_memory_.empty() ? "null" : last_out_of_memory_, ",\"timeline\":{");
   out += detail::concat("\"interval_ms\":", interval_ms_.load(), ",\"t_ms\":[");
   for (std::size_t i = 0; i < times_ms_.size(); ++i)
     out += detail::concat(i ? "," : "", times_ms_[i]);

@@ -19,9 +19,9 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
       limit_source_(std::move(limit_source)),
       slices_(limit_bytes != 0 && backing.maps_slices()) {
   const std::size_t granularity = device_.granularity();
-  slab_bytes_ = slices_ ? std::min<std::size_t>(kLargestSlabBytes,
-                                                limit_bytes_ / granularity * granularity)
-                        : 0;
+  slab_bytes_ =
+      slices_ ? std::min<std::size_t>(kLargestSlabBytes, limit_bytes_ / granularity * granularity)
+              : 0;
   // Staging addresses for everything the limit allows, with room for slabs of mixed sizes
   // to fragment the range: address space costs nothing.
   staging_region_bytes_ = round_up(static_cast<std::size_t>(limit_bytes_), granularity) * 2;
@@ -137,9 +137,10 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (!failure.empty()) {
-    log().warn("host tier: stopped after {} of pinned host memory: {}; offloading is limited to "
-               "what was created (lower ZEROALLOC_HOST_LIMIT to silence this)",
-               format_bytes(made), failure);
+    log().warn(
+        "host tier: stopped after {} of pinned host memory: {}; offloading is limited to "
+        "what was created (lower ZEROALLOC_HOST_LIMIT to silence this)",
+        format_bytes(made), failure);
   } else {
     log().info("host tier: {} of pinned host memory ready in {:.1f} s", format_bytes(made),
                seconds);
@@ -206,7 +207,8 @@ host_chunk host_pool::acquire(std::size_t bytes) {
 bool host_pool::release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
   std::vector<std::unique_ptr<slab>> victims;
   std::uint64_t freed = 0;
-  for (auto it = slabs_.begin(); it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
+  for (auto it = slabs_.begin();
+       it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
     if ((*it)->free_bytes == (*it)->handle.bytes) {
       freed += (*it)->handle.bytes;
       victims.push_back(std::move(*it));
@@ -255,8 +257,8 @@ std::uintptr_t host_pool::take_staging(std::size_t bytes) {
 
 void host_pool::throw_exhausted(std::size_t bytes) const {
   ZA_THROW(host_memory_exhausted, "the host tier is full: offloading ", format_bytes(bytes),
-           " more would exceed the pinned host memory limit of ", format_bytes(limit_bytes_),
-           " (", limit_source_, "); ", format_bytes(figures_.in_use_bytes),
+           " more would exceed the pinned host memory limit of ", format_bytes(limit_bytes_), " (",
+           limit_source_, "); ", format_bytes(figures_.in_use_bytes),
            " hold offloaded chunks. Raise ZEROALLOC_HOST_LIMIT if the host has memory to "
            "spare, or lower what must be offloaded (a smaller batch, or a larger "
            "ZEROALLOC_MEMORY_LIMIT).");

@@ -1,5 +1,6 @@
 // The host tier's memory: pinned host physical memory (host-located VMM allocations on the
-// GPU's NUMA node, or any node when the tier is larger than that node), handed out as chunks that the migrator maps where an allocation lives.
+// GPU's NUMA node, or any node when the tier is larger than that node), handed out as chunks that
+// the migrator maps where an allocation lives.
 //
 // Note [Host budget]: pinned memory cannot be swapped, so a host that runs out of it does
 // not slow down, it kills the process (the OOM killer) or fails every later pinned
@@ -91,15 +92,15 @@ class host_pool {
 
  private:
   struct slab {
-    physical_handle handle;                   // the whole allocation
-    std::uintptr_t staging_address = 0;       // where all of it is mapped
-    free_ranges free;                          // free offsets within the slab
+    physical_handle handle;              // the whole allocation
+    std::uintptr_t staging_address = 0;  // where all of it is mapped
+    free_ranges free;                    // free offsets within the slab
     std::size_t free_bytes = 0;
   };
 
-  host_chunk take_slice_locked(std::size_t bytes);  // from an existing slab, or invalid
+  host_chunk take_slice_locked(std::size_t bytes);       // from an existing slab, or invalid
   std::unique_ptr<slab> create_slab(std::size_t bytes);  // no lock held
-  void destroy_slab(const slab& gone);                    // no lock held
+  void destroy_slab(const slab& gone);                   // no lock held
   std::uintptr_t take_staging(std::size_t bytes);
   bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;

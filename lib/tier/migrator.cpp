@@ -32,9 +32,8 @@ migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
   for (std::size_t i = kStagingSlots; i-- > 0;) {
     free_slots_.push_back(staging_region_ + i * staging_slot_bytes_);
   }
-  allocator_.arena().set_host_chunk_sink([this](physical_handle handle) {
-    return_host_chunk(handle);
-  });
+  allocator_.arena().set_host_chunk_sink(
+      [this](physical_handle handle) { return_host_chunk(handle); });
   worker_ = std::thread([this] { worker(); });
 }
 
@@ -180,10 +179,10 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
       const auto remap_started = std::chrono::steady_clock::now();
       allocator_.remap_pinned_chunk(address, moving.device_chunk);
       moving.remapped_early = true;
-      early_remap_ns = static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                               remap_started)
-              .count());
+      early_remap_ns =
+          static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now() - remap_started)
+                                         .count());
       device_.copy_async(reinterpret_cast<void*>(address),
                          reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                          in_stream_);
@@ -266,10 +265,10 @@ void migrator::finish(transfer& done) {
     if (!done.remapped_early) return_staging_slot(done.staging);
     pool_.release(done.host);
   }
-  const auto remap_ns = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                           remap_started)
-          .count());
+  const auto remap_ns =
+      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now() - remap_started)
+                                     .count());
   std::lock_guard lock(mutex_);
   figures_.remap_ns += remap_ns;
   if (done.to_host) {
@@ -296,7 +295,7 @@ void migrator::worker() {
   std::unique_lock lock(mutex_);
   while (true) {
     changed_.wait(lock, [&] { return stopping_ || !in_flight_.empty(); });
-    if (in_flight_.empty()) return;  // stopping, and nothing left
+    if (in_flight_.empty()) return;         // stopping, and nothing left
     transfer& oldest = in_flight_.front();  // stays valid: the deque only grows at the back
     lock.unlock();
     try {
@@ -304,8 +303,8 @@ void migrator::worker() {
       finish(oldest);
     } catch (const std::exception& failure) {
       // The chunk keeps its old backing (replace_pinned_chunk maps it back on failure).
-      log().error("offload: moving the chunk at {:#x} to the {} failed: {}",
-                  oldest.chunk.address, oldest.to_host ? "host" : "device", failure.what());
+      log().error("offload: moving the chunk at {:#x} to the {} failed: {}", oldest.chunk.address,
+                  oldest.to_host ? "host" : "device", failure.what());
       if (oldest.to_host) {
         pool_.release(oldest.host);
       } else if (oldest.remapped_early) {
@@ -313,8 +312,10 @@ void migrator::worker() {
           allocator_.remap_pinned_chunk(oldest.chunk.address, oldest.host.handle);
           allocator_.arena().return_chunk(oldest.device_chunk);
         } catch (const std::exception& again) {
-          log().critical("offload: the chunk at {:#x} could not be mapped back to its host "
-                         "copy: {}", oldest.chunk.address, again.what());
+          log().critical(
+              "offload: the chunk at {:#x} could not be mapped back to its host "
+              "copy: {}",
+              oldest.chunk.address, again.what());
         }
       } else {
         try {
@@ -349,10 +350,10 @@ std::uint64_t migrator::wait_until_settled(std::uintptr_t address) {
   if (!moving_.contains(address)) return 0;
   const auto started = std::chrono::steady_clock::now();
   changed_.wait(lock, [&] { return !moving_.contains(address); });
-  const auto waited = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                           started)
-          .count());
+  const auto waited =
+      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now() - started)
+                                     .count());
   ++figures_.waits;
   figures_.waited_ns += waited;
   return waited;

@@ -90,12 +90,12 @@ class migrator {
   struct transfer {
     chunk_info chunk;
     bool to_host = true;
-    host_chunk host;                 // destination (to host) or source (to device)
-    physical_handle device_chunk;    // source (to host: the old backing) or destination
-    std::uintptr_t staging = 0;      // to device: where device_chunk is mapped for the copy
+    host_chunk host;               // destination (to host) or source (to device)
+    physical_handle device_chunk;  // source (to host: the old backing) or destination
+    std::uintptr_t staging = 0;    // to device: where device_chunk is mapped for the copy
     event_handle copied = nullptr;
-    std::uint64_t checksum = 0;      // ZEROALLOC_VERIFY: of the bytes before the copy
-    bool remapped_early = false;     // to device, idle: mapped before the copy
+    std::uint64_t checksum = 0;   // ZEROALLOC_VERIFY: of the bytes before the copy
+    bool remapped_early = false;  // to device, idle: mapped before the copy
   };
 
   void fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream);
@@ -121,9 +121,9 @@ class migrator {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<transfer> in_flight_;  // in request order; the worker finishes them in order
-  std::unordered_map<std::uintptr_t, residency> moving_;         // chunk address -> direction
-  std::unordered_map<std::uintptr_t, event_handle> arriving_;    // remapped early: copy event
-  std::unordered_map<std::uintptr_t, host_chunk> on_host_;       // chunk address -> host chunk
+  std::unordered_map<std::uintptr_t, residency> moving_;       // chunk address -> direction
+  std::unordered_map<std::uintptr_t, event_handle> arriving_;  // remapped early: copy event
+  std::unordered_map<std::uintptr_t, host_chunk> on_host_;     // chunk address -> host chunk
   // host slice (slab handle, offset) -> chunk address
   std::map<std::pair<std::uint64_t, std::size_t>, std::uintptr_t> host_owner_;
   migration_figures figures_;

@@ -13,9 +13,9 @@ namespace {
 constexpr std::uint64_t kNeverUsed = std::numeric_limits<std::uint64_t>::max();
 
 std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
-  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        std::chrono::steady_clock::now() - start)
-                                        .count());
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
 }
 
 }  // namespace
@@ -289,8 +289,7 @@ void offload_engine::step_boundary() {
   figures_.learned_order_chunks = learned_order_.size();
 }
 
-bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait,
-                                bool urgent) {
+bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent) {
   bool idle = false;
   {
     // Only hints can say that no queued work touches a host-resident chunk.
@@ -318,7 +317,8 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     std::vector<std::uintptr_t> evicted;
     {
       std::lock_guard lock(mutex_);
-      for (std::uintptr_t victim : choose_victims(bytes, next_use_distance(address), /*only_released=*/!urgent)) {
+      for (std::uintptr_t victim :
+           choose_victims(bytes, next_use_distance(address), /*only_released=*/!urgent)) {
         auto state = chunks_.find(victim);
         if (state != chunks_.end() && state->second.open_uses > 0) continue;
         try {
@@ -377,8 +377,8 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   }
   for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
   if (!evicted.empty()) {
-    log().debug("offload: moved {} chunks to the host to serve an allocation of {}",
-                evicted.size(), format_bytes(bytes_needed));
+    log().debug("offload: moved {} chunks to the host to serve an allocation of {}", evicted.size(),
+                format_bytes(bytes_needed));
   }
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
 }

@@ -36,19 +36,19 @@ struct offload_settings {
 
 /// The engine's counters, for statistics and reports.
 struct offload_figures {
-  std::uint64_t uses = 0;           ///< use-begins hints (per chunk)
-  std::uint64_t hits = 0;           ///< ... whose bytes were on the device when the device
-                                    ///<     reached the use (the prefetch hit rate's numerator)
-  std::uint64_t resident = 0;       ///< ... that found the chunk on the device, in host time
-  std::uint64_t arriving = 0;       ///< ... that found it prefetched, bytes still arriving
-                                    ///<     (the stream waits for them; the host does not)
-  std::uint64_t used_on_host = 0;   ///< ... that left the chunk on the host (no room)
+  std::uint64_t uses = 0;              ///< use-begins hints (per chunk)
+  std::uint64_t hits = 0;              ///< ... whose bytes were on the device when the device
+                                       ///<     reached the use (the prefetch hit rate's numerator)
+  std::uint64_t resident = 0;          ///< ... that found the chunk on the device, in host time
+  std::uint64_t arriving = 0;          ///< ... that found it prefetched, bytes still arriving
+                                       ///<     (the stream waits for them; the host does not)
+  std::uint64_t used_on_host = 0;      ///< ... that left the chunk on the host (no room)
   std::uint64_t device_waited_ns = 0;  ///< time streams waited for fetched bytes
-  std::uint64_t prefetches = 0;     ///< fetches started ahead of need
-  std::uint64_t evictions = 0;      ///< evictions the policy chose
-  std::uint64_t pressure_evictions = 0;  ///< ... on the allocation-failure path
-  std::uint64_t waited_ns = 0;      ///< time use-begins hints (the host) waited for room
-  std::uint64_t steps = 0;          ///< step boundaries seen
+  std::uint64_t prefetches = 0;        ///< fetches started ahead of need
+  std::uint64_t evictions = 0;         ///< evictions the policy chose
+  std::uint64_t pressure_evictions = 0;    ///< ... on the allocation-failure path
+  std::uint64_t waited_ns = 0;             ///< time use-begins hints (the host) waited for room
+  std::uint64_t steps = 0;                 ///< step boundaries seen
   std::uint64_t learned_order_chunks = 0;  ///< length of the order in use
 };
 
@@ -87,8 +87,8 @@ class offload_engine {
 
  private:
   struct chunk_state {
-    int open_uses = 0;             // use-begins minus use-ends
-    std::uint64_t last_use = 0;    // tick of the last use-begins
+    int open_uses = 0;           // use-begins minus use-ends
+    std::uint64_t last_use = 0;  // tick of the last use-begins
     std::size_t bytes = 0;
     int allocation_class = 0;
     event_handle released = nullptr;  // recorded at the last use-ends, on its stream

@@ -214,7 +214,7 @@ TEST(CApiConfiguration, MalformedVariablesStopTheStartAndAreNamed) {
 namespace {
 
 TEST(CapiTorchEntryPoint, AFailedAllocationThrowsWithTheOutOfMemoryMessage) {
-  const ssize_t too_much = static_cast<ssize_t>(1) << 50;  // a PiB: beyond any device
+  const ssize_t too_much = static_cast<ssize_t>(1) << 50;      // a PiB: beyond any device
   EXPECT_EQ(zeroalloc_malloc(too_much, 0, nullptr), nullptr);  // C callers get null
   try {
     zeroalloc_torch_malloc(too_much, 0, nullptr);

@@ -216,8 +216,8 @@ TEST_F(PreloadTest, ManagedMemoryAndForeignFreesPassThroughAndAreCounted) {
 
 TEST_F(PreloadTest, VmmCallsFetchedThroughCuGetProcAddressAreCountedAndWork) {
   using get_proc_address = int (*)(const char*, void**, int, unsigned long long, int*);
-  using address_reserve = int (*)(unsigned long long*, std::size_t, std::size_t,
-                                  unsigned long long, unsigned long long);
+  using address_reserve = int (*)(unsigned long long*, std::size_t, std::size_t, unsigned long long,
+                                  unsigned long long);
   using address_free = int (*)(unsigned long long, std::size_t);
   auto lookup = reinterpret_cast<get_proc_address>(dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
   ASSERT_NE(lookup, nullptr);

@@ -234,7 +234,7 @@ TEST_F(MigratorTest, RandomMigrationsRacingWithKernelsOnSeveralStreamsKeepEveryB
         for (const chunk_info& chunk : chunks) engine.wait_until_settled(chunk.address);
         stream_handle stream = streams[random() % kStreams];
         allocator_->record_stream(chosen.pointer, stream);
-        if (stream != chosen.last_stream) {  // as a correct program does: kernels on one
+        if (stream != chosen.last_stream) {           // as a correct program does: kernels on one
           events.push_back(device_->create_event());  // buffer are ordered across streams
           device_->record_event(events.back(), chosen.last_stream);
           device_->stream_wait_event(stream, events.back());

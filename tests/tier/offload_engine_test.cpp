@@ -170,10 +170,10 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   for (int step = 0; step < kSteps; ++step) {
     for (int i = 0; i < kLayers; ++i) {
       engine.use_begins(layers[i], compute);
-      device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(3)); },
-                                   compute);
-      device_->fill_async(layers[i], static_cast<std::uint8_t>(step * kLayers + i + 1),
-                          kLayerBytes, compute);
+      device_->host_function_async(
+          [] { std::this_thread::sleep_for(std::chrono::milliseconds(3)); }, compute);
+      device_->fill_async(layers[i], static_cast<std::uint8_t>(step * kLayers + i + 1), kLayerBytes,
+                          compute);
       engine.use_ends(layers[i], compute);
     }
     engine.step_boundary();
@@ -182,8 +182,8 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   device_->synchronize_stream(compute);
   engine.mover().drain();
   for (int i = 0; i < kLayers; ++i) {
-    EXPECT_TRUE(holds(layers[i], static_cast<std::uint8_t>((kSteps - 1) * kLayers + i + 1),
-                      kLayerBytes))
+    EXPECT_TRUE(
+        holds(layers[i], static_cast<std::uint8_t>((kSteps - 1) * kLayers + i + 1), kLayerBytes))
         << "layer " << i;
   }
   const offload_figures figures = engine.figures(/*wait_for_device=*/true);
@@ -191,17 +191,17 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   EXPECT_LE(allocator_->held_bytes(), 24 * MiB);
   const double uses = static_cast<double>(figures.uses - after_first_steps.uses);
   const double hit_rate = static_cast<double>(figures.hits - after_first_steps.hits) / uses;
-  std::printf("steps 3-%d: %.0f uses, prefetch hit rate %.2f (resident %llu, arriving %llu, "
-              "left on the host %llu), %llu prefetches, device waited %.1f ms, host waited "
-              "%.1f ms\n",
-              kSteps, uses, hit_rate,
-              static_cast<unsigned long long>(figures.resident - after_first_steps.resident),
-              static_cast<unsigned long long>(figures.arriving - after_first_steps.arriving),
-              static_cast<unsigned long long>(figures.used_on_host - after_first_steps.used_on_host),
-              static_cast<unsigned long long>(figures.prefetches),
-              static_cast<double>(figures.device_waited_ns - after_first_steps.device_waited_ns) /
-                  1e6,
-              static_cast<double>(figures.waited_ns - after_first_steps.waited_ns) / 1e6);
+  std::printf(
+      "steps 3-%d: %.0f uses, prefetch hit rate %.2f (resident %llu, arriving %llu, "
+      "left on the host %llu), %llu prefetches, device waited %.1f ms, host waited "
+      "%.1f ms\n",
+      kSteps, uses, hit_rate,
+      static_cast<unsigned long long>(figures.resident - after_first_steps.resident),
+      static_cast<unsigned long long>(figures.arriving - after_first_steps.arriving),
+      static_cast<unsigned long long>(figures.used_on_host - after_first_steps.used_on_host),
+      static_cast<unsigned long long>(figures.prefetches),
+      static_cast<double>(figures.device_waited_ns - after_first_steps.device_waited_ns) / 1e6,
+      static_cast<double>(figures.waited_ns - after_first_steps.waited_ns) / 1e6);
   // Fetched ahead along the learned order, again and again (how often that was in time is
   // a speed figure: printed here, measured by the benchmarks on the GPU).
   EXPECT_GE(figures.prefetches, static_cast<std::uint64_t>(kLayers));
