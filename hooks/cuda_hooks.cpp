@@ -32,22 +32,20 @@
 
 // Every interposed symbol: X(name). Served ones are answered by zeroalloc; pass-through ones
 // are counted and forwarded.
-// clang-format off: one list, read across
+// One list each, read across.
+// clang-format off
 #define ZA_SERVED_SYMBOLS(X)                                                                    \
-  X(cudaMalloc)                                                                                 \
-  X(cudaFree) X(cudaMallocAsync) X(cudaMallocAsync_ptsz) X(cudaFreeAsync) X(cudaFreeAsync_ptsz) \
-      X(cudaMallocFromPoolAsync) X(cudaMallocFromPoolAsync_ptsz) X(cudaMemGetInfo)              \
-          X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)           \
-              X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)   \
-                  X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint)                             \
-                      X(cudaGetDriverEntryPoint_ptsz) X(cudaGetDriverEntryPointByVersion)       \
-                          X(cudaGetDriverEntryPointByVersion_ptsz)
-#define ZA_PASSTHROUGH_SYMBOLS(X)                                                        \
-  X(cuMemCreate)                                                                         \
-  X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemAddressReserve)     \
-      X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged) X(cuIpcGetMemHandle) \
-          X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cudaIpcGetMemHandle)         \
-              X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle)
+  X(cudaMalloc) X(cudaFree) X(cudaMallocAsync) X(cudaMallocAsync_ptsz) X(cudaFreeAsync)          \
+  X(cudaFreeAsync_ptsz) X(cudaMallocFromPoolAsync) X(cudaMallocFromPoolAsync_ptsz)               \
+  X(cudaMemGetInfo) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)  \
+  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)                \
+  X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint) X(cudaGetDriverEntryPoint_ptsz)              \
+  X(cudaGetDriverEntryPointByVersion) X(cudaGetDriverEntryPointByVersion_ptsz)
+#define ZA_PASSTHROUGH_SYMBOLS(X)                                                               \
+  X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                     \
+  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged)           \
+  X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cudaIpcGetMemHandle)    \
+  X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle)
 // clang-format on
 
 namespace {
