@@ -287,9 +287,16 @@ void sim_device::destroy_stream(stream_handle stream) {
   if (stream != nullptr) delete static_cast<sim_stream*>(stream);
 }
 
-event_handle sim_device::create_event() { return new sim_event(); }
+event_handle sim_device::create_event() {
+  ++events_alive_;
+  return new sim_event();
+}
 
-void sim_device::destroy_event(event_handle event) { delete static_cast<sim_event*>(event); }
+void sim_device::destroy_event(event_handle event) {
+  if (event == nullptr) return;
+  --events_alive_;
+  delete static_cast<sim_event*>(event);
+}
 
 event_handle sim_device::create_timing_event() { return create_event(); }
 

@@ -12,6 +12,8 @@
 // released while mapped is freed by its last unmap, as with cuMemRelease.
 #pragma once
 
+#include <atomic>
+
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -48,6 +50,8 @@ class sim_device final : public device {
   [[nodiscard]] int host_numa_node() const override { return 0; }
   void place_host_memory_on_any_node() override {}  // host memory is host memory here
   event_handle create_event() override;
+  /// Events created and not yet destroyed (tests check that long runs do not leak them).
+  [[nodiscard]] std::size_t events_alive() const { return events_alive_.load(); }
   event_handle create_timing_event() override;
   [[nodiscard]] bool maps_slices() override;
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;
@@ -89,6 +93,7 @@ class sim_device final : public device {
   std::map<std::uintptr_t, std::size_t> reservations_;  // start -> bytes
   std::map<std::uintptr_t, mapping_record> mappings_;   // start -> mapping
   std::unique_ptr<sim_stream> default_stream_;
+  std::atomic<std::size_t> events_alive_{0};
 };
 
 }  // namespace zeroalloc

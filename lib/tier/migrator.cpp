@@ -76,24 +76,31 @@ migrator::~migrator() {
   }
 }
 
+event_handle migrator::obtain_event() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!spare_events_.empty()) {
+      event_handle event = spare_events_.back();
+      spare_events_.pop_back();
+      return event;
+    }
+  }
+  return device_.create_event();
+}
+
 void migrator::fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream) {
   for (stream_handle stream : chunk.streams) {
-    event_handle fence;
-    {
-      std::lock_guard lock(mutex_);
-      if (spare_events_.empty()) {
-        fence = nullptr;
-      } else {
-        fence = spare_events_.back();
-        spare_events_.pop_back();
-      }
-    }
-    if (fence == nullptr) fence = device_.create_event();
+    event_handle fence = obtain_event();
     device_.record_event(fence, stream);
     device_.stream_wait_event(copy_stream, fence);
     std::lock_guard lock(mutex_);
     spare_events_.push_back(fence);  // a recorded event may be re-recorded once waited on
   }
+}
+
+void migrator::return_event(event_handle event) {
+  std::lock_guard lock(mutex_);
+  spare_events_.push_back(event);
 }
 
 std::uint64_t migrator::checksum_of(std::uintptr_t address, std::size_t bytes,
@@ -117,7 +124,7 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
   moving.device_chunk = chunk.handle;
   try {
     moving.host = pool_.acquire(chunk.handle.bytes);
-    moving.copied = device_.create_event();
+    moving.copied = obtain_event();
     if (after != nullptr) {
       for (event_handle fence : *after) device_.stream_wait_event(out_stream_, fence);
     } else {
@@ -129,7 +136,7 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
     device_.record_event(moving.copied, out_stream_);
   } catch (...) {
     if (moving.host.valid()) pool_.release(moving.host);
-    if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+    if (moving.copied != nullptr) return_event(moving.copied);
     allocator_.unpin_chunk(address);
     throw;
   }
@@ -172,7 +179,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
     // Nothing queued touches the chunk: map the device chunk now and let its bytes arrive
     // in stream order (Note [Fault-free migration]); users wait on the copy's event.
     try {
-      moving.copied = device_.create_event();
+      moving.copied = obtain_event();
       if (verify_) {
         moving.checksum = checksum_of(host.staging_address, chunk.handle.bytes, in_stream_);
       }
@@ -189,7 +196,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
       device_.record_event(moving.copied, in_stream_);
     } catch (...) {
       if (moving.remapped_early) allocator_.remap_pinned_chunk(address, host.handle);
-      if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+      if (moving.copied != nullptr) return_event(moving.copied);
       allocator_.arena().return_chunk(moving.device_chunk);
       allocator_.unpin_chunk(address);
       throw;
@@ -205,7 +212,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
   try {
     moving.staging = take_staging_slot();
     device_.map(moving.staging, moving.device_chunk);
-    moving.copied = device_.create_event();
+    moving.copied = obtain_event();
     if (!chunk_idle) fence_behind_chunk_streams(chunk, in_stream_);
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, in_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.staging),
@@ -220,7 +227,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
       }
       return_staging_slot(moving.staging);
     }
-    if (moving.copied != nullptr) device_.destroy_event(moving.copied);
+    if (moving.copied != nullptr) return_event(moving.copied);
     allocator_.arena().return_chunk(moving.device_chunk);
     allocator_.unpin_chunk(address);
     throw;

@@ -99,6 +99,10 @@ class migrator {
   };
 
   void fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream);
+  // Events are reused (a recording that a stream waits on is captured at the wait), so a
+  // long run creates only as many as are in flight at once.
+  event_handle obtain_event();
+  void return_event(event_handle event);
   std::uint64_t checksum_of(std::uintptr_t address, std::size_t bytes, stream_handle stream);
   void finish(transfer& done);
   void worker();

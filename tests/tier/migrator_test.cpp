@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "device/sim_device.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -180,6 +181,23 @@ TEST_F(MigratorTest, AChunkMovingOrMovedCannotBeStartedTwice) {
   ASSERT_TRUE(engine.fetch_async(chunk));
   engine.drain();
   EXPECT_FALSE(engine.fetch_async(chunk)) << "it is on the device already";
+  allocator_->deallocate(pointer);
+}
+
+TEST_F(MigratorTest, ALongRunReusesItsEventsInsteadOfCreatingNewOnes) {
+  auto* simulated = dynamic_cast<sim_device*>(device_.get());
+  if (simulated == nullptr) GTEST_SKIP() << "skipped: counts events on the simulated device";
+  start();
+  migrator& engine = *migrator_;
+  void* pointer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  const std::uintptr_t chunk = chunks_of(pointer).at(0).address;
+  for (int round = 0; round < 200; ++round) {
+    ASSERT_TRUE(engine.evict_async(chunk));
+    engine.drain();
+    ASSERT_TRUE(engine.fetch_async(chunk));
+    engine.drain();
+  }
+  EXPECT_LE(simulated->events_alive(), 16u) << "every migration left an event behind";
   allocator_->deallocate(pointer);
 }
 
