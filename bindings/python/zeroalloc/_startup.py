@@ -63,7 +63,12 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            on_torch_imported(module)
+            try:
+                on_torch_imported(module)
+            except Exception as error:  # torch stays importable; the user is told why
+                print(f"zeroalloc: could not set up what the environment asks for at "
+                      f"`import torch`: {error}; PyTorch goes on with its own allocator "
+                      "(set ZEROALLOC_DISABLE=1 to silence this)", file=sys.stderr)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 import contextlib
+import ctypes
+import json
+import types
 from typing import Iterable
 
 from zeroalloc import _offload
@@ -114,8 +117,22 @@ class OffloadHandle:
             self._optimizer = None
 
 
+def _offload_setting() -> str:
+    """ZEROALLOC_OFFLOAD as the library parsed it (asks no device for anything)."""
+    from zeroalloc._library import library
+    lib = library()
+    length = lib.zeroalloc_options_json(None, 0)
+    buffer = ctypes.create_string_buffer(length + 1)
+    lib.zeroalloc_options_json(buffer, length + 1)
+    report = json.loads(buffer.value.decode())
+    for option in report.get("options", []):
+        if option.get("name") == "ZEROALLOC_OFFLOAD":
+            return (option.get("value") or option.get("default") or "none").lower()
+    return "none"
+
+
 def _require_offload_engine() -> None:
-    if raw_stats(0).get("offload") is None:
+    if _offload_setting() != "host":
         raise ZeroallocError(
             "zeroalloc.torch.offload() needs the offload engine: set ZEROALLOC_OFFLOAD=host "
             "in the environment before the process starts (and zeroalloc as PyTorch's "
@@ -190,6 +207,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes)
+        _readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step)
 
 
@@ -210,49 +228,74 @@ def enable_automatic_offload(window_bytes: int = 1 << 30) -> None:
         parameters = [p for group in self.param_groups for p in group["params"]]
         _adopt(parameters, self)
         self.step = _windowed_step(self, self.step, window_bytes)
+        _readopt_after_load(self)
 
     torch.optim.Optimizer.__init__ = init
 
 
 def _windowed_step(optimizer, original_step, window_bytes: int):
+    """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
+    method (LR schedulers wrap it through __func__ and __self__)."""
+    if getattr(original_step, "_zeroalloc_windowed", False):
+        return original_step  # offload() and the automatic mode never wrap twice
+
     def state_tensors(parameter):
         return [v for v in optimizer.state.get(parameter, {}).values()
                 if torch.is_tensor(v) and v.is_cuda and v.dim() > 0]
 
-    def windows():
-        current, size = [], 0
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
+    def windows(groups):
+        """Windows over the parameters with gradients, from the groups as they were before
+        any window narrowed them."""
+        found, current, size = [], [], 0
+        for params in groups:
+            for parameter in params:
                 if parameter.grad is None:
                     continue
                 cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
                 if current and size + cost > window_bytes:
-                    yield current
+                    found.append(current)
                     current, size = [], 0
                 current.append(parameter)
                 size += cost
         if current:
-            yield current
+            found.append(current)
+        return found
 
-    def step(closure=None, **kwargs):
+    def step(self, closure=None, **kwargs):
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
-        saved = [group["params"] for group in optimizer.param_groups]
+                loss = closure()
+        saved = [group["params"] for group in self.param_groups]
         try:
-            for window in windows():
-                chosen = set(window)
-                tensors = [*window, *(t for p in window for t in state_tensors(p))]
-                _begin(tensors)
-                for group, params in zip(optimizer.param_groups, saved):
-                    group["params"] = [p for p in params if p in chosen]
+            for window in windows(saved):
+                chosen = {id(p) for p in window}
+                _begin([*window, *(t for p in window for t in state_tensors(p))])
+                for group, params in zip(self.param_groups, saved):
+                    group["params"] = [p for p in params if id(p) in chosen]
                 with allocation_class("optimizer_state"):
                     original_step(**kwargs)
                 _end([*window, *(t for p in window for t in state_tensors(p))])
         finally:
-            for group, params in zip(optimizer.param_groups, saved):
+            for group, params in zip(self.param_groups, saved):
                 group["params"] = params
         _offload.step_boundary()
-        return None
+        return loss
 
-    return step
+    step._zeroalloc_windowed = True
+    return types.MethodType(step, optimizer)
+
+
+def _readopt_after_load(optimizer) -> None:
+    """optimizer.load_state_dict rebuilds the states in the default class: move them back
+    into the optimizer-state class, where the engine may page them."""
+    if getattr(optimizer.load_state_dict, "_zeroalloc_readopts", False):
+        return
+    original_load = optimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(state_dict)
+        _adopt([], self)
+
+    load_state_dict._zeroalloc_readopts = True
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
