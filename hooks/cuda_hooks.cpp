@@ -503,12 +503,22 @@ ZA_HOOK int cuGetProcAddress(const char* symbol, void** function, int cuda_versi
 
 // cudaGetDriverEntryPoint's flags mean what cuGetProcAddress's do (cudaEnablePerThreadDefaultStream
 // == 2); without a version it looks up the ABI of the runtime it comes with.
+namespace {
+
+int runtime_version() {
+  using get_version = int (*)(int*);
+  int version = 0;
+  auto function = ZA_REAL_UNHOOKED(get_version, cudaRuntimeGetVersion);
+  return function(&version) == kSuccess && version > 0 ? version : 13000;
+}
+
+}  // namespace
 
 ZA_HOOK int cudaGetDriverEntryPoint(const char* symbol, void** function, unsigned long long flags,
                                     int* status) {
   const int result = ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
                              cudaGetDriverEntryPoint)(symbol, function, flags, status);
-  if (substitute_hook(symbol, function, 13000, flags, result == kSuccess)) {
+  if (substitute_hook(symbol, function, runtime_version(), flags, result == kSuccess)) {
     if (status != nullptr) *status = 0;  // cudaDriverEntryPointSuccess
     return kSuccess;
   }
@@ -519,7 +529,7 @@ ZA_HOOK int cudaGetDriverEntryPoint_ptsz(const char* symbol, void** function,
                                          unsigned long long flags, int* status) {
   const int result = ZA_REAL(int (*)(const char*, void**, unsigned long long, int*),
                              cudaGetDriverEntryPoint_ptsz)(symbol, function, flags, status);
-  if (substitute_hook(symbol, function, 13000, flags | kPerThreadDefaultStream,
+  if (substitute_hook(symbol, function, runtime_version(), flags | kPerThreadDefaultStream,
                       result == kSuccess)) {
     if (status != nullptr) *status = 0;
     return kSuccess;

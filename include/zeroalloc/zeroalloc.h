@@ -206,12 +206,16 @@ void zeroalloc_step_boundary(void);
 /**
  * Moves the allocation starting at `pointer` to pinned host memory (its address stays the
  * same; kernels still reach it, over PCIe), waiting for the move when `wait` is non-zero.
+ * The move starts after the work already queued on the allocation's streams; with `wait`
+ * zero, queue no new work on the allocation until zeroalloc_residency stops answering
+ * ZEROALLOC_MOVING, or its writes may be lost.
  * 0 on success; -1 with zeroalloc_last_error() set when offload is off, `pointer` is not a
  * live allocation, or the host tier is full (ZEROALLOC_HOST_LIMIT).
  */
 int zeroalloc_offload(const void* pointer, int wait);
 
-/** Brings the allocation back to device memory; as zeroalloc_offload. */
+/** Brings the allocation back to device memory; as zeroalloc_offload (and with the same rule
+ *  for `wait` zero). */
 int zeroalloc_fetch(const void* pointer, int wait);
 
 /** A zeroalloc_residency_kind, or -1 with zeroalloc_last_error() set. */

@@ -32,6 +32,9 @@ struct chunk_info {
   int allocation_class = 0;    ///< the class of its segment (allocation_class as int)
   std::vector<stream_handle> streams;  ///< streams its segment's blocks were used on
   bool holds_live_blocks = false;      ///< an allocated (or pending-free) block overlaps it
+  /// Changes whenever a block of its segment is allocated or freed: hints about the chunk's
+  /// uses hold only while it stays the same.
+  std::uint64_t generation = 0;
 };
 
 class chunk_arena {

@@ -348,6 +348,7 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   chosen->allocated = true;
   chosen->requested_bytes = requested_bytes;
   ++chosen->owner->busy_blocks;
+  ++chosen->owner->generation;
   live_.insert(chosen->address, chosen);
 
   const auto bytes = static_cast<std::int64_t>(chosen->bytes);
@@ -430,6 +431,7 @@ void heap::forget_stream(stream_handle stream) {
 // memory is not affected) or when many frees have accumulated.
 void heap::release_block(block* freed) {
   --freed->owner->busy_blocks;
+  ++freed->owner->generation;
   insert_free(freed);
   unmerged_.push_back(freed);
   if (unmerged_.size() >= kMaxUnmergedBlocks) coalesce_freed();
@@ -642,7 +644,7 @@ void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into) co
          inside = inside->next) {
       live = live || inside->allocated || inside->pending;
     }
-    into.push_back({address, chunk, static_cast<int>(class_), streams, live});
+    into.push_back({address, chunk, static_cast<int>(class_), streams, live, owner.generation});
     address = end;
   }
 }

@@ -48,6 +48,7 @@ struct segment {
   std::vector<physical_handle> chunks;
   std::size_t busy_blocks = 0;    // allocated or pending
   std::size_t pinned_chunks = 0;  // chunks the offload engine is moving (Note [Pinned chunks])
+  std::uint64_t generation = 0;   // counts allocations and frees in it (chunk_info::generation)
   block* first = nullptr;
 };
 

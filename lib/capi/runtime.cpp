@@ -166,7 +166,15 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   const std::uint64_t host_bytes = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
                                    static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   const std::uint64_t node_bytes = std::min(host_node_bytes(node), host_bytes);
-  const std::uint64_t limit = options_.host_limit.resolve(host_bytes);
+  // A share of the host is shared out: among the processes of this machine (torchrun sets
+  // LOCAL_WORLD_SIZE) and among this process's devices, or every rank would pin that share.
+  std::uint64_t sharers = static_cast<std::uint64_t>(std::max(1, registry_.count()));
+  if (const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE")) {
+    sharers *= static_cast<std::uint64_t>(std::max(1, std::atoi(local_ranks)));
+  }
+  const std::uint64_t limit = options_.host_limit.bytes
+                                  ? options_.host_limit.resolve(host_bytes)
+                                  : options_.host_limit.resolve(host_bytes) / sharers;
   if (options_.host_limit.bytes && *options_.host_limit.bytes > host_bytes) {
     log().warn(
         "ZEROALLOC_HOST_LIMIT={} is more than the host's memory ({}): the host tier holds "
@@ -179,7 +187,11 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   if (any_node) backing.place_host_memory_on_any_node();
   const std::string source = detail::concat(
       "ZEROALLOC_HOST_LIMIT=", options_.host_limit.text.empty() ? "0.5" : options_.host_limit.text,
-      " of the host's ", format_bytes(host_bytes), "; ",
+      " of the host's ", format_bytes(host_bytes),
+      options_.host_limit.bytes
+          ? ""
+          : detail::concat(", shared by ", sharers, " device(s) and processes"),
+      "; ",
       any_node
           ? detail::concat("from any NUMA node, node ", node, " having ", format_bytes(node_bytes))
           : detail::concat("on NUMA node ", node, ", nearest the GPU"));

@@ -150,7 +150,7 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
   return true;
 }
 
-bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
+bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation) {
   host_chunk host;
   {
     std::lock_guard lock(mutex_);
@@ -165,6 +165,9 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle) {
     allocator_.unpin_chunk(address);
     return false;
   }
+  // Blocks allocated or freed in the segment since the hints were given: someone may have
+  // queued work on the chunk that no hint covers.
+  if (chunk.generation != idle_generation) chunk_idle = false;
   transfer moving;
   moving.chunk = chunk;
   moving.to_host = false;
@@ -247,7 +250,9 @@ void migrator::finish(transfer& done) {
   stream_handle stream = done.to_host ? out_stream_ : in_stream_;
   const auto remap_started = std::chrono::steady_clock::now();
   if (done.to_host) {
-    const physical_handle previous = allocator_.replace_pinned_chunk(address, done.host.handle);
+    // Stays pinned until on_host_ knows the chunk (below): a segment unmapped in between
+    // would hand its host slice to return_host_chunk before it could be found.
+    const physical_handle previous = allocator_.remap_pinned_chunk(address, done.host.handle);
     allocator_.arena().return_chunk(previous);
   } else if (done.remapped_early) {
     allocator_.unpin_chunk(address);
@@ -276,7 +281,7 @@ void migrator::finish(transfer& done) {
       static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                      std::chrono::steady_clock::now() - remap_started)
                                      .count());
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   figures_.remap_ns += remap_ns;
   if (done.to_host) {
     bytes_leaving_device_ -= bytes;
@@ -296,6 +301,10 @@ void migrator::finish(transfer& done) {
   spare_events_.push_back(done.copied);
   moving_.erase(address);
   arriving_.erase(address);
+  if (done.to_host) {
+    lock.unlock();
+    allocator_.unpin_chunk(address);
+  }
 }
 
 void migrator::worker() {
@@ -405,14 +414,19 @@ void migrator::return_staging_slot(std::uintptr_t address) {
 
 void migrator::return_host_chunk(physical_handle handle) {
   host_chunk chunk;
+  chunk.handle = handle;  // if no migration knows it, the slice still goes back to the pool
   {
     std::lock_guard lock(mutex_);
     auto owner = host_owner_.find({handle.value, handle.offset});
-    if (owner == host_owner_.end()) return;
-    chunk = on_host_.at(owner->second);
-    on_host_.erase(owner->second);
-    host_owner_.erase(owner);
-    figures_.host_resident_bytes -= handle.bytes;
+    if (owner == host_owner_.end()) {
+      log().warn("offload: a host chunk of {} came back that no migration recorded; pooled",
+                 format_bytes(handle.bytes));
+    } else {
+      chunk = on_host_.at(owner->second);
+      on_host_.erase(owner->second);
+      host_owner_.erase(owner);
+      figures_.host_resident_bytes -= handle.bytes;
+    }
   }
   pool_.release(chunk);
 }

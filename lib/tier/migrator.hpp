@@ -69,7 +69,9 @@ class migrator {
   /// engine knows from hints); an idle chunk is remapped to its device chunk at once and
   /// its bytes arrive behind an event (order_after_arrival). False when it is not on the
   /// host, or no device memory is free within the limit (evict something first).
-  bool fetch_async(std::uintptr_t address, bool chunk_idle = false);
+  /// `chunk_idle` holds only while the chunk's generation is still `idle_generation`.
+  bool fetch_async(std::uintptr_t address, bool chunk_idle = false,
+                   std::uint64_t idle_generation = 0);
   /// For a chunk fetched as idle (mapped on the device at once, its bytes still arriving):
   /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
   /// other chunk. No host thread waits.

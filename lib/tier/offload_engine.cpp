@@ -44,13 +44,16 @@ offload_engine::~offload_engine() {
   for (event_handle event : spare_timing_events_) device_.destroy_event(event);
 }
 
-bool offload_engine::start_eviction(std::uintptr_t victim) {
-  auto state = chunks_.find(victim);
-  if (state != chunks_.end() && state->second.released != nullptr) {
+bool offload_engine::start_eviction(const victim& chosen) {
+  // The last use-ends fence covers the chunk only while no block of its segment has been
+  // allocated or freed since (work on those is not hinted): else fence every stream.
+  auto state = chunks_.find(chosen.address);
+  if (state != chunks_.end() && state->second.released != nullptr &&
+      state->second.released_generation == chosen.generation) {
     const std::vector<event_handle> after{state->second.released};
-    return migrator_.evict_async(victim, &after);
+    return migrator_.evict_async(chosen.address, &after);
   }
-  return migrator_.evict_async(victim);
+  return migrator_.evict_async(chosen.address);
 }
 
 std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
@@ -78,9 +81,9 @@ std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
 // wait for the device to catch up. So evictions that make room ahead of need (headroom,
 // prefetch) take only chunks whose use-ends fence has passed, farthest next use first;
 // only the allocation-failure path, which must succeed, takes the others too.
-std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
-                                                           std::uint64_t sooner_than,
-                                                           bool only_released) {
+std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t bytes,
+                                                                   std::uint64_t sooner_than,
+                                                                   bool only_released) {
   std::vector<chunk_info> all;
   allocator_.list_chunks(all);
   struct candidate {
@@ -88,6 +91,7 @@ std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
     std::size_t bytes;
     std::uint64_t distance;
     std::uint64_t last_use;
+    std::uint64_t generation;
   };
   std::vector<candidate> candidates;
   for (const chunk_info& chunk : all) {
@@ -105,17 +109,17 @@ std::vector<std::uintptr_t> offload_engine::choose_victims(std::size_t bytes,
       continue;
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
-                          state == chunks_.end() ? 0 : state->second.last_use});
+                          state == chunks_.end() ? 0 : state->second.last_use, chunk.generation});
   }
   std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
     if (a.distance != b.distance) return a.distance > b.distance;  // farthest next use first
     return a.last_use < b.last_use;                                // then least recently used
   });
-  std::vector<std::uintptr_t> victims;
+  std::vector<victim> victims;
   std::size_t freed = 0;
   for (const candidate& each : candidates) {
     if (freed >= bytes) break;
-    victims.push_back(each.address);
+    victims.push_back({each.address, each.generation});
     freed += each.bytes;
   }
   return victims;
@@ -177,7 +181,8 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
     if (migrator_.where(chunk.address) == residency::host) {
       // A miss: bring it now. If no room can be made it stays on the host, where kernels
       // still reach it (slowly).
-      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true);
+      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
+                 /*ordered_use=*/true);
     }
     if (!wait_for_arrival(chunk.address, stream)) {
       migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
@@ -246,6 +251,7 @@ void offload_engine::use_ends(const void* pointer, stream_handle stream) {
     chunk_state& state = chunks_[chunk.address];
     if (state.open_uses > 0) --state.open_uses;
     if (state.released == nullptr) state.released = device_.create_event();
+    state.released_generation = chunk.generation;
     // An eviction already waiting on the previous recording keeps its point (events are
     // captured when waited on); later evictions wait for this use.
     device_.record_event(state.released, stream);
@@ -260,11 +266,10 @@ void offload_engine::keep_headroom() {
                                  allocator_.arena().pooled_bytes() +
                                  migrator_.bytes_leaving_device();
   if (free_now >= settings_.prefetch_bytes) return;
-  for (std::uintptr_t victim :
-       choose_victims(settings_.prefetch_bytes - free_now, window_positions_,
-                      /*only_released=*/true)) {
+  for (const victim& chosen : choose_victims(settings_.prefetch_bytes - free_now, window_positions_,
+                                             /*only_released=*/true)) {
     try {
-      if (start_eviction(victim)) ++figures_.evictions;
+      if (start_eviction(chosen)) ++figures_.evictions;
     } catch (const host_memory_exhausted& full) {
       log().warn("offload: {}", full.what());
       return;
@@ -289,18 +294,24 @@ void offload_engine::step_boundary() {
   figures_.learned_order_chunks = learned_order_.size();
 }
 
-bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent) {
+bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
+                                bool ordered_use) {
   bool idle = false;
+  std::uint64_t idle_generation = 0;
   {
     // Only hints can say that no queued work touches a host-resident chunk.
     std::lock_guard lock(mutex_);
     auto state = chunks_.find(address);
-    idle = state != chunks_.end() && state->second.hinted && !state->second.used_on_host &&
-           !learned_order_.empty();
+    if (state != chunks_.end() && !urgent && state->second.open_uses > 0) {
+      return false;  // in use right now: a prefetch must not move it under its user
+    }
+    idle = ordered_use && state != chunks_.end() && state->second.hinted &&
+           !state->second.used_on_host && !learned_order_.empty();
+    if (idle) idle_generation = state->second.released_generation;
   }
   bool started = false;
   for (int attempt = 0; attempt < 4 && !started; ++attempt) {
-    if (migrator_.fetch_async(address, idle)) {
+    if (migrator_.fetch_async(address, idle, idle_generation)) {
       started = true;
       std::lock_guard lock(mutex_);
       chunks_[address].used_on_host = false;  // the fetch waited for those uses
@@ -317,12 +328,12 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     std::vector<std::uintptr_t> evicted;
     {
       std::lock_guard lock(mutex_);
-      for (std::uintptr_t victim :
+      for (const victim& chosen :
            choose_victims(bytes, next_use_distance(address), /*only_released=*/!urgent)) {
-        auto state = chunks_.find(victim);
+        auto state = chunks_.find(chosen.address);
         if (state != chunks_.end() && state->second.open_uses > 0) continue;
         try {
-          if (start_eviction(victim)) evicted.push_back(victim);
+          if (start_eviction(chosen)) evicted.push_back(chosen.address);
         } catch (const host_memory_exhausted& full) {
           log().warn("offload: {}", full.what());
           break;
@@ -349,7 +360,8 @@ void offload_engine::prefetch_worker() {
     lock.unlock();
     bool started = false;
     try {
-      started = bytes != 0 && bring_back(next, bytes, /*wait=*/false, /*urgent=*/false);
+      started = bytes != 0 &&
+                bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true);
     } catch (const std::exception& failure) {
       log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
     }
@@ -363,15 +375,15 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   std::uint64_t bytes = 0;
   {
     std::lock_guard lock(mutex_);
-    for (std::uintptr_t victim : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
+    for (const victim& chosen : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
       try {
-        if (!start_eviction(victim)) continue;
+        if (!start_eviction(chosen)) continue;
       } catch (const host_memory_exhausted& full) {
         log().warn("offload: cannot make room on the device: {}", full.what());
         break;
       }
-      evicted.push_back(victim);
-      bytes += chunks_.count(victim) != 0 ? chunks_[victim].bytes : 0;
+      evicted.push_back(chosen.address);
+      bytes += chunks_.count(chosen.address) != 0 ? chunks_[chosen.address].bytes : 0;
     }
     figures_.pressure_evictions += evicted.size();
   }
@@ -398,7 +410,9 @@ bool offload_engine::fetch(const void* pointer, bool wait) {
   if (chunks.empty()) return false;
   for (const chunk_info& chunk : chunks) {
     if (migrator_.where(chunk.address) != residency::device) {
-      bring_back(chunk.address, chunk.handle.bytes, wait, /*urgent=*/true);
+      // A plain fetch: the caller's later work is not ordered after the bytes.
+      bring_back(chunk.address, chunk.handle.bytes, wait, /*urgent=*/true,
+                 /*ordered_use=*/false);
     }
   }
   return true;

@@ -91,9 +91,10 @@ class offload_engine {
     std::uint64_t last_use = 0;  // tick of the last use-begins
     std::size_t bytes = 0;
     int allocation_class = 0;
-    event_handle released = nullptr;  // recorded at the last use-ends, on its stream
-    bool hinted = false;              // every use so far came with hints
-    bool used_on_host = false;        // work ran on it while it was on the host
+    event_handle released = nullptr;        // recorded at the last use-ends, on its stream
+    std::uint64_t released_generation = 0;  // the chunk's generation then
+    bool hinted = false;                    // every use so far came with hints
+    bool used_on_host = false;              // work ran on it while it was on the host
   };
 
   std::vector<chunk_info> chunks_of(const void* pointer) const;
@@ -103,17 +104,24 @@ class offload_engine {
   /// Picks idle device-resident chunks to evict, farthest next use first, until `bytes`;
   /// never one whose next use comes sooner than `sooner_than`. With `only_released`, only
   /// chunks whose last use has already run on the device (Note [Two timelines]).
-  std::vector<std::uintptr_t> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
-                                             bool only_released);
+  struct victim {
+    std::uintptr_t address;
+    std::uint64_t generation;
+  };
+  std::vector<victim> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
+                                     bool only_released);
   /// Starts evicting `victim` behind its last use-ends fence when it has one. Caller holds
   /// mutex_.
-  bool start_eviction(std::uintptr_t victim);
+  bool start_eviction(const victim& chosen);
   /// Starts evicting idle chunks needed after the prefetch window until the device has
   /// room for that window (Note [Prefetch]); never waits. Caller holds mutex_.
   void keep_headroom();
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
   /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
-  bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent);
+  /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an
+  /// idle chunk may be mapped before they arrive; a plain fetch() may not.
+  bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
+                  bool ordered_use);
   void prefetch_worker();
   /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
   /// False when the chunk is not arriving. Caller does not hold mutex_.
