@@ -110,8 +110,8 @@ class cuda_device final : public device {
   int host_numa_node_ = 0;
   std::atomic<bool> host_on_any_node_{false};  // CU_MEM_LOCATION_TYPE_HOST instead of HOST_NUMA //
                                                // where memory_location::host handles live
-  bool host_allocations_supported_ = false;  // HOST_NUMA VMM allocations work
-  std::string gpu_name_;                     // "NVIDIA H200"
+  bool host_allocations_supported_ = false;    // HOST_NUMA VMM allocations work
+  std::string gpu_name_;                       // "NVIDIA H200"
 };
 
 }  // namespace zeroalloc
