@@ -21,10 +21,6 @@ void count_passthrough(passthrough_call call, std::uint64_t bytes) noexcept {
   if (bytes != 0) each.bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
-std::uint64_t passthrough_calls(passthrough_call call) noexcept {
-  return counters[static_cast<std::size_t>(call)].calls.load(std::memory_order_relaxed);
-}
-
 std::string passthrough_json() {
   std::string out = "{";
   for (std::size_t i = 0; i < std::size(counters); ++i) {

@@ -52,7 +52,4 @@ void count_passthrough(passthrough_call call, std::uint64_t bytes = 0) noexcept;
 /// {"cuMemCreate":{"calls":N,"bytes":B},...}: every call, in the order above, process-wide.
 std::string passthrough_json();
 
-/// Calls counted for `call` so far (for tests).
-std::uint64_t passthrough_calls(passthrough_call call) noexcept;
-
 }  // namespace zeroalloc

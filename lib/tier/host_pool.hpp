@@ -87,8 +87,6 @@ class host_pool {
 
   [[nodiscard]] host_pool_figures figures() const;
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }
-  /// Bytes of each slab (the whole limit when it is smaller).
-  [[nodiscard]] std::size_t slab_bytes() const { return slab_bytes_; }
 
  private:
   struct slab {

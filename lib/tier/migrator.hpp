@@ -86,7 +86,6 @@ class migrator {
   /// Bytes of evictions in flight: device memory about to be freed.
   [[nodiscard]] std::uint64_t bytes_leaving_device() const;
   [[nodiscard]] migration_figures figures() const;
-  [[nodiscard]] caching_allocator& allocator() { return allocator_; }
 
  private:
   struct transfer {

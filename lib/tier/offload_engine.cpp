@@ -138,7 +138,7 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
       state.bytes = chunk.handle.bytes;
       state.allocation_class = chunk.allocation_class;
       state.hinted = true;
-      if (recorded_.emplace(chunk.address, true).second) recording_.push_back(chunk.address);
+      if (recorded_.insert(chunk.address).second) recording_.push_back(chunk.address);
       if (auto found = positions_.find(chunk.address); found != positions_.end()) {
         for (std::size_t position : found->second) {
           if (position >= cursor_) {

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tier/migrator.hpp"
@@ -139,7 +140,7 @@ class offload_engine {
   std::condition_variable wishes_changed_;
   std::unordered_map<std::uintptr_t, chunk_state> chunks_;
   std::vector<std::uintptr_t> recording_;  // first use of each chunk, this step
-  std::unordered_map<std::uintptr_t, bool> recorded_;
+  std::unordered_set<std::uintptr_t> recorded_;
   std::vector<std::uintptr_t> learned_order_;
   std::unordered_map<std::uintptr_t, std::vector<std::size_t>> positions_;  // in learned_order_
   std::size_t cursor_ = 0;

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 
 import contextlib
-import ctypes
-import json
 import types
 from typing import Iterable
 
@@ -119,15 +117,10 @@ class OffloadHandle:
 
 def _offload_setting() -> str:
     """ZEROALLOC_OFFLOAD as the library parsed it (asks no device for anything)."""
-    from zeroalloc._library import library
-    lib = library()
-    length = lib.zeroalloc_options_json(None, 0)
-    buffer = ctypes.create_string_buffer(length + 1)
-    lib.zeroalloc_options_json(buffer, length + 1)
-    report = json.loads(buffer.value.decode())
-    for option in report.get("options", []):
+    from zeroalloc._library import library, read_json
+    for option in read_json(library().zeroalloc_options_json).get("options", []):
         if option.get("name") == "ZEROALLOC_OFFLOAD":
-            return (option.get("value") or option.get("default") or "none").lower()
+            return (option.get("value") or option.get("default") or "none").strip().lower()
     return "none"
 
 
