@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--states-on-host", type=float, default=0.75,
                         help="offload mode: the limit leaves room for all but this share of "
                              "the optimizer states")
+    parser.add_argument("--log-dir", help="write each mode's standard error to DIR/MODE.log")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -89,19 +90,25 @@ def worker(args) -> int:
         zt.offload(model, optimizer)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
     def step():
+        marks[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=tokens, labels=tokens).loss
+        marks[1].record()
         if zeroalloc is not None and zeroalloc._library.last_error():
             print(f"zeroalloc last error: {zeroalloc._library.last_error()}", file=sys.stderr)
         loss.backward()
+        marks[2].record()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        marks[3].record()
         return loss
 
     steps = args.fsdp2_steps if mode == "fsdp2" else args.steps
     warmup = 1 if mode == "fsdp2" else args.warmup
-    times = []
+    times, phases = [], []
     loss = None
     for index in range(warmup + steps):
         torch.cuda.synchronize()
@@ -110,8 +117,12 @@ def worker(args) -> int:
         torch.cuda.synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - started)
+            phases.append([marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)])
     result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
               "steps_s": times, "loss": float(loss)}
+    # Device time between marks on the default stream: forward, backward, optimizer step.
+    result["phases_s"] = {name: statistics.median(p[i] for p in phases)
+                          for i, name in enumerate(("forward", "backward", "step"))}
     result["tokens_per_s"] = args.batch * args.seq / result["step_s"]
     if mode == "native":
         result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
@@ -146,6 +157,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"{mode}.log").write_text(result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     if result.returncode != 0 or not lines:
         ours = [line for line in result.stderr.splitlines() if "zeroalloc" in line]
@@ -190,6 +204,8 @@ def main() -> int:
                      f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
         elif "peak_allocated" in result:
             notes = f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB"
+        notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
+            **result["phases_s"]) + notes
         vs_native = result["step_s"] / native_step if native_step else float("nan")
         vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else float("nan")
         print(f"{mode:10} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "

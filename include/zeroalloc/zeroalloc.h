@@ -197,7 +197,18 @@ typedef enum zeroalloc_residency_kind {
  */
 void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream);
 
-/** Hint: the work enqueued on `stream` so far is the allocation's last use for now. */
+/**
+ * Hint: the allocation starting at `pointer` is about to be used on `stream` where it is,
+ * on the device or in pinned host memory (kernels reach both; a caller may also copy it to
+ * device scratch and back). On return no part of it is moving, and none moves until
+ * zeroalloc_use_ends. Such uses are not fetched and not learned: meant for data a step
+ * touches once, in one pass (optimizer states), for which a remap costs more than the
+ * transfer. Never fails; errors go to the log.
+ */
+void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream);
+
+/** Hint: the work enqueued on `stream` so far is the allocation's last use for now
+ *  (after zeroalloc_use_begins or zeroalloc_use_in_place). */
 void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream);
 
 /** Hint: a training step ended; the access order recorded during it becomes the learned one. */

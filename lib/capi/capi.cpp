@@ -313,6 +313,14 @@ ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stre
   });
 }
 
+ZA_EXPORT void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_in_place", [&] {
+    if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
+      engine->use_in_place(pointer, stream);
+    }
+  });
+}
+
 ZA_EXPORT void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_ends", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {

@@ -95,7 +95,10 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
   };
   std::vector<candidate> candidates;
   for (const chunk_info& chunk : all) {
-    if (chunk.allocation_class == static_cast<int>(allocation_class::other)) continue;
+    if (chunk.allocation_class == static_cast<int>(allocation_class::other) ||
+        chunk.allocation_class == static_cast<int>(allocation_class::gradient)) {
+      continue;  // Note [Residency policy]
+    }
     if (chunk.handle.location != memory_location::device) continue;
     // Free space gains nothing on the host, and whatever is allocated there next would be.
     if (!chunk.holds_live_blocks) continue;
@@ -104,8 +107,13 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     if (migrator_.where(chunk.address) != residency::device) continue;
     const std::uint64_t distance = next_use_distance(chunk.address);
     if (distance <= sooner_than) continue;
-    if (only_released && state != chunks_.end() && state->second.released != nullptr &&
-        !device_.event_completed(state->second.released)) {
+    // A move that is not waited for may overlap work queued after it starts, which only a
+    // hinted chunk's user promises not to queue (Note [Fault-free migration]): evictions
+    // ahead of need take chunks whose every use was hinted and whose last use has run.
+    if (only_released &&
+        (state == chunks_.end() || !state->second.hinted || state->second.released == nullptr ||
+         state->second.released_generation != chunk.generation ||
+         !device_.event_completed(state->second.released))) {
       continue;
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
@@ -198,6 +206,31 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
   figures_.resident += resident;
   figures_.hits += resident;  // arrivals count once their device-side wait is known
   collect_waits(false);
+}
+
+void offload_engine::use_in_place(const void* pointer, stream_handle stream) {
+  static_cast<void>(stream);  // the use's end (use_ends) carries the fence
+  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  if (chunks.empty()) return;
+  {
+    std::lock_guard lock(mutex_);
+    ++tick_;
+    for (const chunk_info& chunk : chunks) {
+      chunk_state& state = chunks_[chunk.address];
+      ++state.open_uses;  // from here on no eviction or prefetch picks it
+      state.last_use = tick_;
+      state.bytes = chunk.handle.bytes;
+      state.allocation_class = chunk.allocation_class;
+      state.hinted = true;
+    }
+  }
+  // A move started before the hint must land before the caller queues work on the chunk.
+  for (const chunk_info& chunk : chunks) {
+    const residency where = migrator_.where(chunk.address);
+    if (where == residency::moving_to_host || where == residency::moving_to_device) {
+      migrator_.wait_until_settled(chunk.address);
+    }
+  }
 }
 
 event_handle offload_engine::timing_event() {

@@ -5,9 +5,19 @@
 // allocation that would fail, or a fetch that needs room) the engine evicts the idle chunk
 // whose next use is farthest away in the access order it learned in the previous step
 // (Belady's rule on a recorded order, as DeepSpeed and Colossal-AI's Gemini do), and the
-// least recently used one before an order is known. Only parameters, gradients and
-// optimizer states are evicted: activations are written and read within a step. A chunk is
-// idle when no use-begins hint is open on it.
+// least recently used one before an order is known. Only parameters and optimizer states
+// are evicted: activations are written and read within a step, and so are gradients, which
+// are freed after each step (zero_grad) and would otherwise come back as host-resident free
+// space that the next backward writes over PCIe. A chunk is idle when no use hint is open
+// on it.
+//
+// Note [Used in place]: data that a step reads and writes once, in one streaming pass
+// (optimizer states), is cheapest where it already is: a host-resident chunk is reached over
+// PCIe, or copied to device scratch and back by the caller, with no remap (a 64 MiB
+// host-located map costs about 0.5 ms, 15 times a device one). Such uses are hinted with
+// use_in_place: they pin the chunks where they are for the use, and are kept out of the
+// learned order, so the prefetcher never brings them back; pressure moves them to the host,
+// where they stay. bench/python/optimizer_step_bench.py measures the choice (RESULTS.md).
 //
 // Note [Prefetch]: each use-begins hint moves the cursor along the learned order; the
 // engine then asks its prefetch thread to bring back the host-resident chunks of the next
@@ -65,6 +75,10 @@ class offload_engine {
   /// The allocation at `pointer` is about to be used on `stream`: on return its chunks are
   /// on the device, and the chunks the learned order says come next are being fetched.
   void use_begins(const void* pointer, stream_handle stream);
+  /// The allocation at `pointer` is about to be used on `stream` where it is, on the device
+  /// or on the host (Note [Used in place]): on return none of its chunks is moving, and none
+  /// moves until use_ends. Not fetched, not part of the learned order.
+  void use_in_place(const void* pointer, stream_handle stream);
   /// The work enqueued on `stream` so far is the allocation's last use for now: its chunks
   /// may be evicted once that work has run (an event marks the point; no host waits).
   void use_ends(const void* pointer, stream_handle stream);

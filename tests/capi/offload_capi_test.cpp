@@ -48,12 +48,21 @@ TEST(OffloadCapi, HintsAreAcceptedForAnyPointer) {
   const long long uses = offload_figure("uses");
   zeroalloc_use_begins(pointer, nullptr);
   zeroalloc_use_ends(pointer, nullptr);
+  // An offloaded state used in place stays on the host, and is not counted as a fetch use.
+  void* state = zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  ASSERT_NE(state, nullptr);
+  ASSERT_EQ(zeroalloc_offload(state, 1), 0) << zeroalloc_last_error();
+  zeroalloc_use_in_place(state, nullptr);
+  EXPECT_EQ(zeroalloc_residency(state), ZEROALLOC_ON_HOST);
+  zeroalloc_use_ends(state, nullptr);
   zeroalloc_step_boundary();
   EXPECT_EQ(offload_figure("uses"), uses + 1);
   EXPECT_GE(offload_figure("steps"), 1);
   int on_the_stack = 0;
   zeroalloc_use_begins(&on_the_stack, nullptr);  // not zeroalloc's: ignored, no crash
+  zeroalloc_use_in_place(&on_the_stack, nullptr);
   zeroalloc_use_ends(&on_the_stack, nullptr);
+  zeroalloc_free(state, 8 * kMiB, 0, nullptr);
   zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
 }
 

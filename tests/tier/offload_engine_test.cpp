@@ -147,6 +147,50 @@ TEST_F(OffloadEngineTest, BeforeAnyOrderIsKnownTheLeastRecentlyUsedChunkGoesFirs
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// Optimizer states hinted as used in place (Note [Used in place]) stay where they are: the
+// one on the host is never fetched, by the hint or by the prefetcher, and is kept out of the
+// learned order; while the use is open, pressure cannot move either state.
+TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringTheUse) {
+  start(256 * MiB, 64 * MiB);
+  offload_engine& engine = *engine_;
+  stream_handle stream = nullptr;
+  void* layer = allocator_->allocate(kChunkBytes, stream, allocation_class::parameter);
+  void* away = allocator_->allocate(kChunkBytes, stream, allocation_class::optimizer_state);
+  void* here = allocator_->allocate(kChunkBytes, stream, allocation_class::optimizer_state);
+  device_->fill_async(away, 0x11, kChunkBytes, stream);
+  device_->fill_async(here, 0x22, kChunkBytes, stream);
+  ASSERT_TRUE(engine.evict(away, /*wait=*/true));
+  auto where = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return engine.mover().where(chunks.at(0).address);
+  };
+  for (int step = 0; step < 3; ++step) {
+    engine.use_begins(layer, stream);
+    engine.use_ends(layer, stream);
+    engine.use_in_place(away, stream);
+    engine.use_in_place(here, stream);
+    EXPECT_EQ(where(away), residency::host) << "step " << step << ": fetched for its use";
+    engine.mover().drain();  // the layer's fetch (a miss after the last step's pressure)
+    EXPECT_EQ(engine.relieve_pressure(3 * kChunkBytes), kChunkBytes)
+        << "only the idle parameter may go";
+    EXPECT_EQ(where(here), residency::device) << "moved while in use";
+    // The "kernel": one pass that updates both states where they are.
+    device_->fill_async(away, static_cast<std::uint8_t>(0x30 + step), kChunkBytes, stream);
+    device_->fill_async(here, static_cast<std::uint8_t>(0x40 + step), kChunkBytes, stream);
+    engine.use_ends(away, stream);
+    engine.use_ends(here, stream);
+    engine.step_boundary();
+    device_->synchronize_stream(stream);
+  }
+  engine.mover().drain();
+  EXPECT_EQ(where(away), residency::host) << "the prefetcher brought it back";
+  EXPECT_EQ(engine.figures().learned_order_chunks, 1u) << "states in the learned order";
+  EXPECT_TRUE(holds(away, 0x32, kChunkBytes));
+  EXPECT_TRUE(holds(here, 0x42, kChunkBytes));
+  for (void* pointer : {layer, away, here}) allocator_->deallocate(pointer);
+}
+
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
 // with hints, on a stream whose "kernels" take 3 ms (the simulated device copies at a few
 // GB/s, so a layer's compute covers its fetch and an eviction). From the second step on the

@@ -93,6 +93,7 @@ def library() -> ctypes.CDLL:
             "zeroalloc_stream_destroy": ([ctypes.c_int, c_stream], None),
             "zeroalloc_torch_malloc": ([ctypes.c_ssize_t, ctypes.c_int, c_stream], ctypes.c_void_p),
             "zeroalloc_use_begins": ([ctypes.c_void_p, c_stream], None),
+            "zeroalloc_use_in_place": ([ctypes.c_void_p, c_stream], None),
             "zeroalloc_use_ends": ([ctypes.c_void_p, c_stream], None),
             "zeroalloc_step_boundary": ([], None),
             "zeroalloc_offload": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),

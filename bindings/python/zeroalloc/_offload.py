@@ -34,6 +34,10 @@ def use_begins(pointer: int, stream: int = 0) -> None:
     library().zeroalloc_use_begins(pointer, stream or None)
 
 
+def use_in_place(pointer: int, stream: int = 0) -> None:
+    library().zeroalloc_use_in_place(pointer, stream or None)
+
+
 def use_ends(pointer: int, stream: int = 0) -> None:
     library().zeroalloc_use_ends(pointer, stream or None)
 
