@@ -118,6 +118,19 @@ def worker(args) -> int:
         if index >= warmup:
             times.append(time.perf_counter() - started)
             phases.append([marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)])
+        if zeroalloc is not None:  # what each step moved, to standard error (--log-dir)
+            stats = zeroalloc.raw_stats(0)
+            figures = dict(stats.get("offload") or {})
+            figures["held"] = stats["total"]["reserved_bytes"]["current"]
+            figures["retries"] = stats["total"].get("retries", 0)
+            if index > 0:
+                moved = {k: figures[k] - previous[k] for k in figures
+                         if isinstance(figures[k], (int, float)) and k in previous
+                         and figures[k] != previous[k]}
+                print(f"step {index}: {time.perf_counter() - started:.3f} s; " +
+                      ", ".join(f"{k} {v / 2**20 if k.endswith('bytes') or k == 'held' else v:.6g}"
+                                for k, v in sorted(moved.items())), file=sys.stderr)
+            previous = figures
     result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
               "steps_s": times, "loss": float(loss)}
     # Device time between marks on the default stream: forward, backward, optimizer step.

@@ -233,6 +233,9 @@ void sim_device::map(std::uintptr_t address, physical_handle handle) {
       handle.offset + bytes > record->second.bytes) {
     throw_errno("map (slice beyond its allocation)", EINVAL);
   }
+  if (!maps_slices_ && (handle.offset != 0 || bytes != record->second.bytes)) {
+    throw_errno("map (a slice, which this device maps only whole)", ENOTSUP);
+  }
   auto reservation = reservations_.upper_bound(address);
   if (reservation == reservations_.begin() || address % kGranularity != 0) {
     throw_errno("map (address not reserved)", EINVAL);
@@ -300,7 +303,7 @@ void sim_device::destroy_event(event_handle event) {
 
 event_handle sim_device::create_timing_event() { return create_event(); }
 
-bool sim_device::maps_slices() { return true; }
+bool sim_device::maps_slices() { return maps_slices_; }
 
 float sim_device::elapsed_ms(event_handle start, event_handle end) {
   const std::shared_ptr<sim_recording> from = state_of(start).current();

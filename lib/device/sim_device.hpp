@@ -53,6 +53,10 @@ class sim_device final : public device {
   [[nodiscard]] std::size_t events_alive() const { return events_alive_.load(); }
   event_handle create_timing_event() override;
   [[nodiscard]] bool maps_slices() override;
+  /// Whether map() accepts a slice of an allocation (default yes). CUDA 13 drivers refuse
+  /// (cuMemMap: offset must be zero, size the allocation's); tests turn it off to take the
+  /// paths those drivers take.
+  void set_maps_slices(bool maps) { maps_slices_ = maps; }
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override;
   void destroy_event(event_handle event) override;
   void record_event(event_handle event, stream_handle stream) override;
@@ -93,6 +97,7 @@ class sim_device final : public device {
   std::map<std::uintptr_t, mapping_record> mappings_;   // start -> mapping
   std::unique_ptr<sim_stream> default_stream_;
   std::atomic<std::size_t> events_alive_{0};
+  bool maps_slices_ = true;
 };
 
 }  // namespace zeroalloc

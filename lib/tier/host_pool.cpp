@@ -264,6 +264,16 @@ void host_pool::throw_exhausted(std::size_t bytes) const {
            "ZEROALLOC_MEMORY_LIMIT).");
 }
 
+std::optional<std::unordered_map<std::size_t, std::size_t>> host_pool::ready_chunks() const {
+  if (slices_) return std::nullopt;
+  std::unordered_map<std::size_t, std::size_t> ready;
+  std::lock_guard lock(mutex_);
+  for (const auto& each : slabs_) {
+    if (each->free_bytes == each->handle.bytes) ++ready[each->handle.bytes];
+  }
+  return ready;
+}
+
 host_pool_figures host_pool::figures() const {
   std::lock_guard lock(mutex_);
   return figures_;

@@ -23,7 +23,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <thread>
 #include <vector>
 
@@ -84,6 +86,10 @@ class host_pool {
   host_chunk acquire(std::size_t bytes);
   /// Gives a chunk back for reuse. Nothing may still be queued that touches it.
   void release(const host_chunk& chunk);
+
+  /// How many chunks of each size acquire() can hand out without creating pinned memory,
+  /// or nullopt when any size fits in free space (slabs are sliced).
+  [[nodiscard]] std::optional<std::unordered_map<std::size_t, std::size_t>> ready_chunks() const;
 
   [[nodiscard]] host_pool_figures figures() const;
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }

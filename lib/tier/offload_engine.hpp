@@ -147,6 +147,7 @@ class offload_engine {
 
   caching_allocator& allocator_;
   device& device_;
+  host_pool& pool_;
   migrator migrator_;
   const offload_settings settings_;
 

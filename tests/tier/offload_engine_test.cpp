@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "device/sim_device.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -189,6 +190,49 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
   EXPECT_TRUE(holds(away, 0x32, kChunkBytes));
   EXPECT_TRUE(holds(here, 0x42, kChunkBytes));
   for (void* pointer : {layer, away, here}) allocator_->deallocate(pointer);
+}
+
+// Where host chunks come only whole (every CUDA driver measured), an eviction prefers a
+// chunk that a ready host chunk of its size can take over one that would have to create
+// pinned memory on the training path (Note [Host chunk sizes]), and takes the latter only
+// when nothing else is left.
+TEST_F(OffloadEngineTest, WithWholeHostChunksVictimsWithAReadyHostChunkGoFirst) {
+  if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
+  if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver maps slices";
+  pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
+  pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
+  pool_->wait_for_prefill();
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  // An odd-sized state (one 14 MiB segment, one 14 MiB chunk... split 8 + 6 MiB) used first,
+  // then a whole-chunk one: by least recent use the odd one's 6 MiB tail would go first.
+  void* odd = allocator_->allocate(14 * MiB, nullptr, allocation_class::optimizer_state);
+  void* whole = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(odd, 0x5a, 14 * MiB, nullptr);
+  device_->fill_async(whole, 0xa5, kChunkBytes, nullptr);
+  std::vector<chunk_info> odd_chunks;
+  allocator_->chunks_of_allocation(odd, odd_chunks);
+  ASSERT_EQ(odd_chunks.size(), 2u);
+  ASSERT_NE(odd_chunks.back().handle.bytes, kChunkBytes);
+  for (void* pointer : {odd, whole}) {
+    engine.use_begins(pointer, nullptr);
+    engine.use_ends(pointer, nullptr);
+  }
+  device_->synchronize_stream(nullptr);
+  auto where = [&](std::uintptr_t address) { return engine.mover().where(address); };
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_EQ(where(odd_chunks.front().address), residency::host) << "the least recent whole chunk";
+  EXPECT_EQ(where(odd_chunks.back().address), residency::device);
+  EXPECT_EQ(pool_->figures().created_on_demand, 0u);
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_EQ(where(odd_chunks.back().address), residency::device) << "a whole chunk was left";
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_EQ(where(odd_chunks.back().address), residency::host) << "nothing else was left";
+  EXPECT_EQ(pool_->figures().created_on_demand, 1u);
+  EXPECT_TRUE(holds(odd, 0x5a, 14 * MiB));
+  EXPECT_TRUE(holds(whole, 0xa5, kChunkBytes));
+  allocator_->deallocate(odd);
+  allocator_->deallocate(whole);
 }
 
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
