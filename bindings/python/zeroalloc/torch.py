@@ -264,25 +264,33 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
             found.append(current)
         return found
 
-    def stage(window, copy_in, copy_out):
+    def stage(window, buffer, copy_in, copy_out):
         """Pins the window's states where they are and starts copying the host-resident ones
-        into device scratch; returns (state dict, key, home tensor, scratch or None)."""
-        entries = []
+        into views of `buffer` (device scratch); returns [state dict, key, home, view or
+        None]."""
+        entries, offset = [], 0
         for parameter in window:
             state = optimizer.state.get(parameter, {})
             for key, home in state_items(parameter):
                 pointer = home.untyped_storage().data_ptr()
                 _offload.use_in_place(pointer, copy_in.cuda_stream)
-                on_device = _offload.residency_of(pointer) == "device"
-                entries.append([state, key, home, None if on_device else True])
-        if any(entry[3] for entry in entries):
-            copy_in.wait_stream(copy_out)  # last step's write-back of these states
-            with torch.cuda.stream(copy_in), allocation_class("other"):
-                for entry in entries:
-                    if entry[3]:
-                        entry[3] = torch.empty_like(entry[2])
-                        entry[3].copy_(entry[2], non_blocking=True)
+                scratch = None
+                if _offload.residency_of(pointer) != "device":
+                    nbytes = home.numel() * home.element_size()
+                    scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
+                    offset += -(-nbytes // 512) * 512
+                entries.append([state, key, home, scratch])
+        if offset:
+            copy_in.wait_stream(copy_out)  # the buffer's last readers, and last write-backs
+            with torch.cuda.stream(copy_in):
+                for _, _, home, scratch in entries:
+                    if scratch is not None:
+                        scratch.copy_(home, non_blocking=True)
         return entries
+
+    def scratch_bytes(window):
+        return sum(-(-value.numel() * value.element_size() // 512) * 512
+                   for parameter in window for _, value in state_items(parameter))
 
     def step(self, closure=None, **kwargs):
         loss = None
@@ -299,15 +307,22 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                     streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
                 copy_in, copy_out = streams[device.index]
                 main = torch.cuda.current_stream(device)
-                upcoming = stage(found[0], copy_in, copy_out)
+                # Two scratch buffers, alternating between windows, allocated in this step's
+                # stream order: the copy streams wait for what ran before on that memory.
+                size = max(scratch_bytes(window) for window in found)
+                with allocation_class("other"):
+                    buffers = [torch.empty(size, dtype=torch.uint8, device=device)
+                               for _ in range(2 if size else 0)]
+                copy_in.wait_stream(main)
+                upcoming = stage(found[0], buffers[0], copy_in, copy_out) if size else []
                 for number, window in enumerate(found):
                     entries = upcoming
                     main.wait_stream(copy_in)
                     if number + 1 < len(found):
-                        upcoming = stage(found[number + 1], copy_in, copy_out)
+                        following = buffers[(number + 1) % 2] if size else None
+                        upcoming = stage(found[number + 1], following, copy_in, copy_out)
                     for entry in entries:
                         if entry[3] is not None:
-                            entry[3].record_stream(main)
                             entry[0][entry[1]] = entry[3]
                             swapped.append(entry)
                     chosen = {id(p) for p in window}
@@ -326,11 +341,13 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                                                   main.cuda_stream)
                                 continue
                             home.copy_(state[key], non_blocking=True)
-                            scratch.record_stream(copy_out)
                             state[key] = home
                             swapped.remove(entry)
                             _offload.use_ends(home.untyped_storage().data_ptr(),
                                               copy_out.cuda_stream)
+                for buffer in buffers:  # freed below; the copy streams' work must run first
+                    buffer.record_stream(copy_in)
+                    buffer.record_stream(copy_out)
                 main.wait_stream(copy_out)  # states read after the step see the write-backs
             else:
                 original_step(**kwargs)
