@@ -15,7 +15,10 @@
 // first fit, at 2 MiB granularity: any size is served from memory created at start-up. Each
 // slab is mapped once at a staging address, where copies reach a slice while it backs no
 // allocation. On a driver that maps only whole allocations (device::maps_slices), each slab
-// is exactly one chunk and only chunks of the same size reuse it.
+// is exactly one chunk and only chunks of the same size reuse it; the CUDA 13 driver on the
+// H200 is one (bench/python/vmm_map_probe.py: cuMemMap refuses a non-zero offset and a size
+// below the allocation's), so there the prefill makes chunk-sized slabs and other sizes are
+// created when first needed (Note [Host chunk sizes] in tier/offload_engine.cpp).
 #pragma once
 
 #include <condition_variable>
