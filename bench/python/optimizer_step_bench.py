@@ -7,12 +7,15 @@ for the parameter shapes of a Llama-style model (1.3B parameters by default):
              the same kernels read and write them over PCIe, nothing migrates
   bounce     the same share stays on the host; each window's states are copied into device
              scratch, stepped there and copied back, copies overlapping the kernels
+  shipped    the same share, stepped by what zt.offload(model, optimizer) installs (the
+             bounce above, with use hints, in zeroalloc.torch)
   migrate    the same share fetched to the device in windows before the step and evicted
              after it (remapped both ways), as a windowed step with migration does
   host_adam  the share's parameters, gradients and states stepped on the CPU (PyTorch's
              fused CPU AdamW on pinned memory): gradients copied to the host, parameters back
 
-each with PyTorch's fused AdamW, and device, in_place and bounce also with its foreach AdamW.
+each with PyTorch's fused AdamW, and device, in_place, bounce and shipped also with its
+foreach AdamW.
 Every mode must produce the parameters the device mode does (checked; the host mode within a
 tolerance, the CPU kernel rounds differently). Needs a GPU; runs zeroalloc as PyTorch's
 allocator with ZEROALLOC_OFFLOAD=host, set by this script for its own worker process.
@@ -127,11 +130,14 @@ def worker(args) -> int:
         return found + ([current] if current else [])
 
     def migrate(copies, optimizer):
-        # Each window's states are fetched (use hints: the stream waits for their arrival),
-        # stepped and evicted; the next window's fetch starts on a side stream first.
+        # Each window's states are fetched (use hints on a side stream, which waits for
+        # their arrival; the step's stream waits for the side stream), stepped, and evicted.
+        # The next window's fetch starts before this window's step. Pessimistic: the host
+        # waits for each window's step before evicting it (offload() orders after no stream).
         windows = windows_of(range(host_params), lambda i: copies[i].numel() * 8)
         group = optimizer.param_groups[0]
         everything = group["params"]
+        main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         on_host = states(optimizer, copies[:host_params])
 
@@ -141,22 +147,34 @@ def worker(args) -> int:
         def step():
             group["params"] = copies[host_params:]
             optimizer.step()
+            with torch.cuda.stream(side):
+                zt._begin(window_states(0))
             for number, window in enumerate(windows):
                 if number + 1 < len(windows):
                     with torch.cuda.stream(side):
                         zt._begin(window_states(number + 1))  # starts the fetch
-                zt._begin(window_states(number))  # the step waits for the bytes
+                main.wait_stream(side)
                 group["params"] = [copies[i] for i in window]
                 optimizer.step()
                 zt._end(window_states(number))
-                torch.cuda.current_stream().synchronize()  # offload() orders after no stream
+                main.synchronize()
                 for state in window_states(number):
                     zt.offload_tensor(state, wait=False)
             group["params"] = everything
             side.synchronize()
             while any(zt.residency(state) == "moving" for state in on_host):
                 time.sleep(1e-4)  # the evictions belong to this step
+            zt._offload.step_boundary()
         return step
+
+    def shipped(copies, optimizer):
+        # What zt.offload(model, optimizer) installs: the windowed step of zeroalloc.torch
+        # (Note [Stepping states where they are]), with the share's states on the host.
+        zt.offload(torch.nn.ParameterList(copies), optimizer, window_bytes=args.window_bytes)
+        for state in states(optimizer, copies[:host_params]):
+            zt.offload_tensor(state)
+        torch.cuda.synchronize()
+        return optimizer.step
 
     def bounce(copies, optimizer):
         # Host-resident states stay where they are; each window's are copied into device
@@ -232,6 +250,7 @@ def worker(args) -> int:
         run(device, flavour, offload=False)
         run(in_place, flavour, offload=True)
         run(bounce, flavour, offload=True)
+        run(shipped, flavour, offload=False)  # offloads after zt.offload adopts the states
     run(migrate, "fused", offload=True)
     run(host_adam, "fused", offload=True)
     print("result " + json.dumps(results), flush=True)
@@ -268,8 +287,9 @@ def main() -> int:
           f"{r['host_share']:.2f} of the states ({r['state_bytes_on_host'] / 2**30:.1f} GiB) "
           f"off the device; {r['host_threads']} CPU threads")
     print(f"{'mode':18} {'step s':>8} {'vs device':>10}  parameters")
-    for name in ("device_fused", "in_place_fused", "bounce_fused", "migrate_fused",
-                 "host_adam_fused", "device_foreach", "in_place_foreach", "bounce_foreach"):
+    for name in ("device_fused", "in_place_fused", "bounce_fused", "shipped_fused",
+                 "migrate_fused", "host_adam_fused", "device_foreach", "in_place_foreach",
+                 "bounce_foreach", "shipped_foreach"):
         seconds = r[f"{name}_s"]
         floor = r["device_" + name.rsplit("_", 1)[1] + "_s"]
         verdict = "reference" if name.startswith("device") else (

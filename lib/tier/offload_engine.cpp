@@ -93,13 +93,14 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     std::uint64_t distance;
     std::uint64_t last_use;
     std::uint64_t generation;
+    bool last_resort;  // a gradient: only when nothing else can go
   };
   std::vector<candidate> candidates;
   for (const chunk_info& chunk : all) {
-    if (chunk.allocation_class == static_cast<int>(allocation_class::other) ||
-        chunk.allocation_class == static_cast<int>(allocation_class::gradient)) {
-      continue;  // Note [Residency policy]
-    }
+    if (chunk.allocation_class == static_cast<int>(allocation_class::other)) continue;
+    // Note [Residency policy]: gradients go only on the allocation-failure path, last.
+    const bool gradient = chunk.allocation_class == static_cast<int>(allocation_class::gradient);
+    if (gradient && only_released) continue;
     if (chunk.handle.location != memory_location::device) continue;
     // Free space gains nothing on the host, and whatever is allocated there next would be.
     if (!chunk.holds_live_blocks) continue;
@@ -118,9 +119,11 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
       continue;
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
-                          state == chunks_.end() ? 0 : state->second.last_use, chunk.generation});
+                          state == chunks_.end() ? 0 : state->second.last_use, chunk.generation,
+                          gradient});
   }
   std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
+    if (a.last_resort != b.last_resort) return b.last_resort;
     if (a.distance != b.distance) return a.distance > b.distance;  // farthest next use first
     return a.last_use < b.last_use;                                // then least recently used
   });
@@ -134,7 +137,10 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
   std::size_t freed = 0;
   for (std::size_t run = 0; run < candidates.size() && freed < bytes;) {
     std::size_t end = run;
-    while (end < candidates.size() && candidates[end].distance == candidates[run].distance) ++end;
+    while (end < candidates.size() && candidates[end].distance == candidates[run].distance &&
+           candidates[end].last_resort == candidates[run].last_resort) {
+      ++end;
+    }
     std::vector<const candidate*> later;
     for (std::size_t i = run; i < end && freed < bytes; ++i) {
       const candidate& each = candidates[i];
@@ -255,6 +261,10 @@ void offload_engine::use_in_place(const void* pointer, stream_handle stream) {
     const residency where = migrator_.where(chunk.address);
     if (where == residency::moving_to_host || where == residency::moving_to_device) {
       migrator_.wait_until_settled(chunk.address);
+    }
+    if (migrator_.where(chunk.address) == residency::host) {
+      std::lock_guard lock(mutex_);
+      chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
     }
   }
 }

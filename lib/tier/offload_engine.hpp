@@ -5,11 +5,12 @@
 // allocation that would fail, or a fetch that needs room) the engine evicts the idle chunk
 // whose next use is farthest away in the access order it learned in the previous step
 // (Belady's rule on a recorded order, as DeepSpeed and Colossal-AI's Gemini do), and the
-// least recently used one before an order is known. Only parameters and optimizer states
-// are evicted: activations are written and read within a step, and so are gradients, which
-// are freed after each step (zero_grad) and would otherwise come back as host-resident free
-// space that the next backward writes over PCIe. A chunk is idle when no use hint is open
-// on it.
+// least recently used one before an order is known. Parameters and optimizer states are
+// evicted; activations never: they are written and read within a step. Gradients mostly are
+// too, and are freed after each step (zero_grad): evicted, they would come back as
+// host-resident free space that the next backward writes over PCIe. So they go only when an
+// allocation would otherwise fail and nothing else is left. A chunk is idle when no use
+// hint is open on it.
 //
 // Note [Used in place]: data that a step reads and writes once, in one streaming pass
 // (optimizer states), is cheapest where it already is: a host-resident chunk is reached over

@@ -235,6 +235,68 @@ TEST_F(OffloadEngineTest, WithWholeHostChunksVictimsWithAReadyHostChunkGoFirst) 
   allocator_->deallocate(whole);
 }
 
+// The ready-host-chunk preference never overrides the learned order: the chunk needed last
+// goes first even when a pinned host chunk has to be created for it.
+TEST_F(OffloadEngineTest, WithWholeHostChunksTheFarthestNextUseStillGoesFirst) {
+  if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
+  if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver maps slices";
+  pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
+  pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
+  pool_->wait_for_prefill();
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* odd = allocator_->allocate(14 * MiB, nullptr, allocation_class::optimizer_state);
+  void* whole = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  std::vector<chunk_info> odd_chunks;
+  std::vector<chunk_info> whole_chunks;
+  allocator_->chunks_of_allocation(odd, odd_chunks);
+  allocator_->chunks_of_allocation(whole, whole_chunks);
+  ASSERT_EQ(odd_chunks.size(), 2u);
+  auto use = [&](void* pointer) {
+    engine.use_begins(pointer, nullptr);
+    engine.use_ends(pointer, nullptr);
+  };
+  use(odd);
+  use(whole);
+  engine.step_boundary();  // learned: odd (8 MiB, 6 MiB), whole
+  use(odd);  // next uses: whole (1 away), odd's first chunk (2), odd's tail (3)
+  device_->synchronize_stream(nullptr);
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  auto where = [&](std::uintptr_t address) { return engine.mover().where(address); };
+  EXPECT_EQ(where(odd_chunks.back().address), residency::host) << "the farthest next use";
+  EXPECT_EQ(where(odd_chunks.front().address), residency::device);
+  EXPECT_EQ(where(whole_chunks.front().address), residency::device);
+  EXPECT_EQ(pool_->figures().created_on_demand, 1u);
+  allocator_->deallocate(odd);
+  allocator_->deallocate(whole);
+}
+
+// Gradients are evicted only on the allocation-failure path and only when nothing else can
+// go, even when they were used longer ago (Note [Residency policy]).
+TEST_F(OffloadEngineTest, GradientsAreEvictedLast) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* gradient = allocator_->allocate(kChunkBytes, nullptr, allocation_class::gradient);
+  void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  for (void* pointer : {gradient, state}) {  // the gradient is the least recently used
+    engine.use_begins(pointer, nullptr);
+    engine.use_ends(pointer, nullptr);
+  }
+  device_->synchronize_stream(nullptr);
+  auto on_host = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return engine.mover().where(chunks.at(0).address) == residency::host;
+  };
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_TRUE(on_host(state));
+  EXPECT_FALSE(on_host(gradient));
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_TRUE(on_host(gradient)) << "nothing else was left";
+  allocator_->deallocate(gradient);
+  allocator_->deallocate(state);
+}
+
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
 // with hints, on a stream whose "kernels" take 3 ms (the simulated device copies at a few
 // GB/s, so a layer's compute covers its fetch and an eviction). From the second step on the

@@ -226,6 +226,14 @@ def enable_automatic_offload(window_bytes: int = 1 << 30) -> None:
     torch.optim.Optimizer.__init__ = init
 
 
+def _remove(entries: list, entry) -> None:
+    """Removes `entry` by identity (== on entries would compare tensors)."""
+    for index, each in enumerate(entries):
+        if each is entry:
+            del entries[index]
+            return
+
+
 def _windowed_step(optimizer, original_step, window_bytes: int):
     """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
     method (LR schedulers wrap it through __func__ and __self__).
@@ -237,14 +245,19 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     optimizer's own kernels, and copied back on another stream. Copies in and out overlap
     each other and the kernels; the results are bit for bit those of a step on the device
     (bench/python/optimizer_step_bench.py compares this with stepping over PCIe, with
-    fetching and evicting, and with a CPU Adam)."""
+    fetching and evicting, and with a CPU Adam). States that are not contiguous, or do not
+    fit the scratch sized before the step, are reached where they are. The step's
+    temporaries (foreach intermediates) are allocated with the activations; states the step
+    creates move into the optimizer-state class after their window. Every hint opened is
+    closed, and the copies are waited for in the step's stream, also when a window fails."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
     streams: dict = {}  # device index -> (copy in, copy out)
 
     def state_items(parameter):
         return [(key, value) for key, value in optimizer.state.get(parameter, {}).items()
-                if torch.is_tensor(value) and value.is_cuda and value.dim() > 0]
+                if torch.is_tensor(value) and value.is_cuda and value.dim() > 0
+                and value.numel() > 0]
 
     def windows(groups):
         """Windows over the parameters with gradients, from the groups as they were before
@@ -264,33 +277,60 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
             found.append(current)
         return found
 
+    def where(tensor) -> str:
+        """The tensor's residency; "foreign" for memory the engine does not manage."""
+        try:
+            return _offload.residency_of(tensor.untyped_storage().data_ptr())
+        except ZeroallocError:
+            return "foreign"
+
+    def padded(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    def bounced(tensor) -> bool:
+        """Whether a state is copied through scratch: off the device, and laid out so that a
+        contiguous copy has the same strides (else the kernels reach it where it is)."""
+        return tensor.is_contiguous() and where(tensor) not in ("device", "foreign")
+
     def stage(window, buffer, copy_in, copy_out):
         """Pins the window's states where they are and starts copying the host-resident ones
-        into views of `buffer` (device scratch); returns [state dict, key, home, view or
-        None]."""
+        into views of `buffer` (device scratch; what does not fit is used where it is);
+        returns the entries [state dict, key, home, scratch or None, pinned]."""
         entries, offset = [], 0
+        capacity = buffer.numel() if buffer is not None else 0
         for parameter in window:
             state = optimizer.state.get(parameter, {})
             for key, home in state_items(parameter):
                 pointer = home.untyped_storage().data_ptr()
-                _offload.use_in_place(pointer, copy_in.cuda_stream)
+                pinned = where(home) != "foreign"
+                if pinned:
+                    _offload.use_in_place(pointer, copy_in.cuda_stream)
                 scratch = None
-                if _offload.residency_of(pointer) != "device":
-                    nbytes = home.numel() * home.element_size()
+                nbytes = home.numel() * home.element_size()
+                if pinned and bounced(home) and offset + padded(nbytes) <= capacity:
                     scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
-                    offset += -(-nbytes // 512) * 512
-                entries.append([state, key, home, scratch])
+                    offset += padded(nbytes)
+                entries.append([state, key, home, scratch, pinned])
         if offset:
             copy_in.wait_stream(copy_out)  # the buffer's last readers, and last write-backs
             with torch.cuda.stream(copy_in):
-                for _, _, home, scratch in entries:
-                    if scratch is not None:
-                        scratch.copy_(home, non_blocking=True)
+                for entry in entries:
+                    if entry[3] is not None:
+                        entry[3].copy_(entry[2], non_blocking=True)
         return entries
 
     def scratch_bytes(window):
-        return sum(-(-value.numel() * value.element_size() // 512) * 512
-                   for parameter in window for _, value in state_items(parameter))
+        return sum(padded(value.numel() * value.element_size())
+                   for parameter in window for _, value in state_items(parameter)
+                   if bounced(value))
+
+    def adopt_new_states(fresh):
+        """States the optimizer created in this window (in the step's class, "other") move
+        into the optimizer-state class, where the engine may page them."""
+        for parameter in fresh:
+            state = optimizer.state.get(parameter, {})
+            for key, value in state_items(parameter):
+                state[key] = _move_into_class(value, "optimizer_state")
 
     def step(self, closure=None, **kwargs):
         loss = None
@@ -299,63 +339,89 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                 loss = closure()
         saved = [group["params"] for group in self.param_groups]
         found = windows(saved)
+        staged = []  # entries pinned and not yet ended, of this window and the next
         swapped = []  # entries whose scratch is in the state dict now
+        begun = None  # the window whose parameters' use is open
+        copies = None
+        buffers = []
         try:
-            if found:
+            if not found:
+                with allocation_class("other"):
+                    original_step(**kwargs)
+            else:
                 device = found[0][0].device
                 if device.index not in streams:
                     streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-                copy_in, copy_out = streams[device.index]
+                copies = streams[device.index]
+                copy_in, copy_out = copies
                 main = torch.cuda.current_stream(device)
                 # Two scratch buffers, alternating between windows, allocated in this step's
                 # stream order: the copy streams wait for what ran before on that memory.
                 size = max(scratch_bytes(window) for window in found)
-                with allocation_class("other"):
-                    buffers = [torch.empty(size, dtype=torch.uint8, device=device)
-                               for _ in range(2 if size else 0)]
+                if size:
+                    with allocation_class("other"):
+                        buffers = [torch.empty(size, dtype=torch.uint8, device=device)
+                                   for _ in range(2)]
                 copy_in.wait_stream(main)
-                upcoming = stage(found[0], buffers[0], copy_in, copy_out) if size else []
+                upcoming = stage(found[0], buffers[0] if buffers else None, copy_in, copy_out)
+                staged.extend(upcoming)
                 for number, window in enumerate(found):
                     entries = upcoming
                     main.wait_stream(copy_in)
                     if number + 1 < len(found):
-                        following = buffers[(number + 1) % 2] if size else None
+                        following = buffers[(number + 1) % 2] if buffers else None
                         upcoming = stage(found[number + 1], following, copy_in, copy_out)
+                        staged.extend(upcoming)
                     for entry in entries:
                         if entry[3] is not None:
                             entry[0][entry[1]] = entry[3]
                             swapped.append(entry)
                     chosen = {id(p) for p in window}
+                    fresh = [p for p in window if not state_items(p)]
                     _begin(window)
+                    begun = window
                     for group, params in zip(self.param_groups, saved):
                         group["params"] = [p for p in params if id(p) in chosen]
-                    with allocation_class("optimizer_state"):
+                    # Temporaries of the step (foreach intermediates) go with activations.
+                    with allocation_class("other"):
                         original_step(**kwargs)
                     _end(window)
+                    begun = None
+                    adopt_new_states(fresh)
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
                         for entry in entries:
-                            state, key, home, scratch = entry
-                            if scratch is None:
+                            state, key, home, scratch, pinned = entry
+                            if scratch is not None:
+                                current = state[key]
+                                home.copy_(current, non_blocking=True)
+                                if current is not scratch:  # the optimizer replaced it
+                                    current.record_stream(copy_out)
+                                state[key] = home
+                                _remove(swapped, entry)
+                            # Every end on copy_out, which follows main: the chunk's fence
+                            # covers both the step and the write-back.
+                            if pinned:
                                 _offload.use_ends(home.untyped_storage().data_ptr(),
-                                                  main.cuda_stream)
-                                continue
-                            home.copy_(state[key], non_blocking=True)
-                            state[key] = home
-                            swapped.remove(entry)
-                            _offload.use_ends(home.untyped_storage().data_ptr(),
-                                              copy_out.cuda_stream)
-                for buffer in buffers:  # freed below; the copy streams' work must run first
-                    buffer.record_stream(copy_in)
-                    buffer.record_stream(copy_out)
-                main.wait_stream(copy_out)  # states read after the step see the write-backs
-            else:
-                original_step(**kwargs)
+                                                  copy_out.cuda_stream)
+                            _remove(staged, entry)
         finally:
-            for state, key, home, _ in swapped:  # a window failed: its states go home as they were
+            for state, key, home, _, _ in swapped:  # a window failed: its states stay as they were
                 state[key] = home
+            fence = None
+            if copies is not None:
+                main = torch.cuda.current_stream(copies[0].device)
+                main.wait_stream(copies[0])  # the scratch is freed in main's order after
+                main.wait_stream(copies[1])  # every copy; later reads see the write-backs
+                fence = main.cuda_stream
+            for entry in staged:  # pinned by a window that failed or never ran
+                if entry[4]:
+                    _offload.use_ends(entry[2].untyped_storage().data_ptr(), fence)
+            if begun is not None:
+                _end(begun)
             for group, params in zip(self.param_groups, saved):
                 group["params"] = params
+            del buffers
         _offload.step_boundary()
         return loss
 
