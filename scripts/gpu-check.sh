@@ -33,7 +33,10 @@ build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_repor
 step "migration throughput: the migrator vs cudaMemcpyAsync"
 build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -6
 
-skip=" ${GPU_CHECK_SKIP:-} "  # names of steps to leave out, when their figures are recorded
+# GPU_CHECK_SKIP: names of steps to leave out, when their figures are recorded: torch_empty,
+# preload_overhead, optimizer_step (about 60 s), llama (about 140 s). Everything together runs
+# about 10 minutes, the device tool's limit per command: skip some of them there.
+skip=" ${GPU_CHECK_SKIP:-} "
 step "torch.empty + del through zeroalloc vs native"
 [[ $skip == *" torch_empty "* ]] && echo skipped || python3 bench/python/torch_empty_bench.py --rounds 4 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
 
@@ -52,8 +55,16 @@ ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s -rs tests/p
   >"$out/pytest.log" 2>&1 || status=1
 tail -8 "$out/pytest.log"
 echo "-- figures printed by the Python tests"
-grep -E "^(every-step offload|Trainer under offload|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
+grep -E "^(every-step offload|Trainer under offload|windowed step|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
   "$out/pytest.log" || true
+
+step "optimizer step placement: device, in place, bounce, zt.offload's step, migrate, CPU Adam"
+[[ $skip == *" optimizer_step "* ]] && echo skipped || python3 bench/python/optimizer_step_bench.py \
+  --library build/libzeroalloc.so 2>&1 | tee "$out/optimizer_step.txt" | tail -13
+
+step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloadPolicy"
+[[ $skip == *" llama "* ]] && echo skipped || python3 bench/python/offload_llama_bench.py \
+  --library build/libzeroalloc.so --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
 step summary
 python3 - "$out" <<'PY'
@@ -85,6 +96,12 @@ for line in (out / "preload_overhead.txt").read_text().splitlines() if (out / "p
 for line in (out / "migration.txt").read_text().splitlines() if (out / "migration.txt").exists() else []:
     if re.match(r"^(device -> host|host -> device|both at once)", line):
         rows.append(("migration GB/s (ours, memcpy, ratio)", line.strip()))
+for line in (out / "optimizer_step.txt").read_text().splitlines() if (out / "optimizer_step.txt").exists() else []:
+    if re.match(r"^(device|in_place|bounce|shipped|migrate|host_adam)_", line):
+        rows.append(("AdamW step s (vs device)", line.strip()))
+for line in (out / "llama.txt").read_text().splitlines() if (out / "llama.txt").exists() else []:
+    if re.match(r"^(native|zeroalloc|offload|fsdp2) ", line):
+        rows.append(("Llama 1.3B step s, tokens/s, vs native, vs fsdp2", line.strip()[:90]))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
 rows.append(("ctest", m.group(1) if m else "missing"))
