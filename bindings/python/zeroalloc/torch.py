@@ -11,6 +11,7 @@ import torch
 
 import contextlib
 import types
+import warnings
 from typing import Iterable
 
 from zeroalloc import _offload
@@ -79,14 +80,14 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _begin(tensors: Iterable["torch.Tensor"]) -> None:
-    stream = _stream()
+def _begin(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
+    stream = stream or _stream()
     for tensor in tensors:
         _offload.use_begins(tensor.untyped_storage().data_ptr(), stream)
 
 
-def _end(tensors: Iterable["torch.Tensor"]) -> None:
-    stream = _stream()
+def _end(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
+    stream = stream or _stream()
     for tensor in tensors:
         _offload.use_ends(tensor.untyped_storage().data_ptr(), stream)
 
@@ -138,10 +139,10 @@ def _adopt(parameters, optimizer=None) -> list:
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
-            if not parameter.is_cuda or id(parameter) in _adopted:
+            if not parameter.is_cuda or getattr(parameter, "_zeroalloc_adopted", False):
                 continue
             parameter.data = _move_into_class(parameter.data, "parameter")
-            _adopted.add(id(parameter))
+            parameter._zeroalloc_adopted = True
             if parameter.requires_grad:
                 hooks.append(parameter.register_post_accumulate_grad_hook(
                     lambda p: _end((p,))))
@@ -153,18 +154,20 @@ def _adopt(parameters, optimizer=None) -> list:
     return hooks
 
 
-#: ids of the parameters zeroalloc manages (moved into the parameter class).
-_adopted: set = set()
+def _managed(module) -> list:
+    """The module's own parameters that zeroalloc manages (moved into the parameter class)."""
+    return [p for p in module.parameters(recurse=False)
+            if getattr(p, "_zeroalloc_adopted", False)]
 
 
 def _before_forward(module, _inputs) -> None:
-    own = [p for p in module.parameters(recurse=False) if id(p) in _adopted]
+    own = _managed(module)
     if own:
         _begin(own)
 
 
 def _after_forward(module, _inputs, output) -> None:
-    own = [p for p in module.parameters(recurse=False) if id(p) in _adopted]
+    own = _managed(module)
     if not own:
         return
     _end(own)
@@ -249,10 +252,14 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     fit the scratch sized before the step, are reached where they are. The step's
     temporaries (foreach intermediates) are allocated with the activations; states the step
     creates move into the optimizer-state class after their window. Every hint opened is
-    closed, and the copies are waited for in the step's stream, also when a window fails."""
+    closed, and the copies are waited for in the step's stream, also when a window fails.
+    Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
+    per window, with the window's parameters in param_groups; an optimizer whose parameters
+    span several devices steps in one piece, without windows."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
     streams: dict = {}  # device index -> (copy in, copy out)
+    warned: list = []  # the several-devices warning, once
 
     def state_items(parameter):
         return [(key, value) for key, value in optimizer.state.get(parameter, {}).items()
@@ -292,10 +299,11 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
         contiguous copy has the same strides (else the kernels reach it where it is)."""
         return tensor.is_contiguous() and where(tensor) not in ("device", "foreign")
 
-    def stage(window, buffer, copy_in, copy_out):
+    def stage(window, buffer, copy_in, copy_out, staged):
         """Pins the window's states where they are and starts copying the host-resident ones
         into views of `buffer` (device scratch; what does not fit is used where it is);
-        returns the entries [state dict, key, home, scratch or None, pinned]."""
+        returns the entries [state dict, key, home, scratch or None, pinned], each also
+        appended to `staged` as soon as it is pinned."""
         entries, offset = [], 0
         capacity = buffer.numel() if buffer is not None else 0
         for parameter in window:
@@ -311,6 +319,7 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                     scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
                     offset += padded(nbytes)
                 entries.append([state, key, home, scratch, pinned])
+                staged.append(entries[-1])
         if offset:
             copy_in.wait_stream(copy_out)  # the buffer's last readers, and last write-backs
             with torch.cuda.stream(copy_in):
@@ -344,8 +353,15 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
         begun = None  # the window whose parameters' use is open
         copies = None
         buffers = []
+        succeeded = False
+        devices = {p.device for window in found for p in window}
+        if len(devices) > 1 and not warned:
+            warned.append(True)
+            warnings.warn("zeroalloc: the optimizer's parameters span several devices "
+                          f"({sorted(str(d) for d in devices)}); its step runs in one piece, "
+                          "reaching host-resident states where they are (slower)")
         try:
-            if not found:
+            if not found or len(devices) > 1:
                 with allocation_class("other"):
                     original_step(**kwargs)
             else:
@@ -363,31 +379,30 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                         buffers = [torch.empty(size, dtype=torch.uint8, device=device)
                                    for _ in range(2)]
                 copy_in.wait_stream(main)
-                upcoming = stage(found[0], buffers[0] if buffers else None, copy_in, copy_out)
-                staged.extend(upcoming)
+                upcoming = stage(found[0], buffers[0] if buffers else None, copy_in, copy_out,
+                                 staged)
                 for number, window in enumerate(found):
                     entries = upcoming
                     main.wait_stream(copy_in)
                     if number + 1 < len(found):
                         following = buffers[(number + 1) % 2] if buffers else None
-                        upcoming = stage(found[number + 1], following, copy_in, copy_out)
-                        staged.extend(upcoming)
+                        upcoming = stage(found[number + 1], following, copy_in, copy_out,
+                                         staged)
                     for entry in entries:
                         if entry[3] is not None:
                             entry[0][entry[1]] = entry[3]
                             swapped.append(entry)
                     chosen = {id(p) for p in window}
                     fresh = [p for p in window if not state_items(p)]
-                    _begin(window)
+                    _begin(window, main.cuda_stream)
                     begun = window
                     for group, params in zip(self.param_groups, saved):
                         group["params"] = [p for p in params if id(p) in chosen]
                     # Temporaries of the step (foreach intermediates) go with activations.
                     with allocation_class("other"):
                         original_step(**kwargs)
-                    _end(window)
+                    _end(window, main.cuda_stream)
                     begun = None
-                    adopt_new_states(fresh)
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
                         for entry in entries:
@@ -405,23 +420,30 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                                 _offload.use_ends(home.untyped_storage().data_ptr(),
                                                   copy_out.cuda_stream)
                             _remove(staged, entry)
+                    adopt_new_states(fresh)  # after the write-backs: a failure here loses none
+            succeeded = True
         finally:
             for state, key, home, _, _ in swapped:  # a window failed: its states stay as they were
                 state[key] = home
-            fence = None
+            for group, params in zip(self.param_groups, saved):
+                group["params"] = params
+            fence, wait_error = 0, None
             if copies is not None:
                 main = torch.cuda.current_stream(copies[0].device)
-                main.wait_stream(copies[0])  # the scratch is freed in main's order after
-                main.wait_stream(copies[1])  # every copy; later reads see the write-backs
                 fence = main.cuda_stream
+                try:
+                    main.wait_stream(copies[0])  # the scratch is freed in main's order after
+                    main.wait_stream(copies[1])  # every copy; later reads see the write-backs
+                except Exception as error:  # a device error; a failed step's own error wins
+                    wait_error = error
             for entry in staged:  # pinned by a window that failed or never ran
                 if entry[4]:
                     _offload.use_ends(entry[2].untyped_storage().data_ptr(), fence)
             if begun is not None:
-                _end(begun)
-            for group, params in zip(self.param_groups, saved):
-                group["params"] = params
+                _end(begun, fence)
             del buffers
+            if wait_error is not None and succeeded:
+                raise wait_error
         _offload.step_boundary()
         return loss
 
