@@ -28,8 +28,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "core/errors.hpp"

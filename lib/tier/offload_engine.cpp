@@ -165,6 +165,15 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
   return victims;
 }
 
+void offload_engine::open_use(const chunk_info& chunk) {
+  chunk_state& state = chunks_[chunk.address];
+  ++state.open_uses;
+  state.last_use = tick_;
+  state.bytes = chunk.handle.bytes;
+  state.allocation_class = chunk.allocation_class;
+  state.hinted = true;
+}
+
 void offload_engine::use_begins(const void* pointer, stream_handle stream) {
   const std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return;
@@ -172,12 +181,7 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
     std::lock_guard lock(mutex_);
     ++tick_;
     for (const chunk_info& chunk : chunks) {
-      chunk_state& state = chunks_[chunk.address];
-      ++state.open_uses;
-      state.last_use = tick_;
-      state.bytes = chunk.handle.bytes;
-      state.allocation_class = chunk.allocation_class;
-      state.hinted = true;
+      open_use(chunk);
       if (recorded_.insert(chunk.address).second) recording_.push_back(chunk.address);
       if (auto found = positions_.find(chunk.address); found != positions_.end()) {
         for (std::size_t position : found->second) {
@@ -247,14 +251,7 @@ void offload_engine::use_in_place(const void* pointer, stream_handle stream) {
   {
     std::lock_guard lock(mutex_);
     ++tick_;
-    for (const chunk_info& chunk : chunks) {
-      chunk_state& state = chunks_[chunk.address];
-      ++state.open_uses;  // from here on no eviction or prefetch picks it
-      state.last_use = tick_;
-      state.bytes = chunk.handle.bytes;
-      state.allocation_class = chunk.allocation_class;
-      state.hinted = true;
-    }
+    for (const chunk_info& chunk : chunks) open_use(chunk);  // no eviction or prefetch picks it
   }
   // A move started before the hint must land before the caller queues work on the chunk.
   for (const chunk_info& chunk : chunks) {

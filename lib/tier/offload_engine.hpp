@@ -114,6 +114,8 @@ class offload_engine {
   };
 
   std::vector<chunk_info> chunks_of(const void* pointer) const;
+  /// Opens a use of the chunk at the current tick. Caller holds mutex_.
+  void open_use(const chunk_info& chunk);
   /// Steps from the cursor to the chunk's next use in the learned order (larger: later);
   /// chunks not in the order come last. Caller holds mutex_.
   std::uint64_t next_use_distance(std::uintptr_t address) const;

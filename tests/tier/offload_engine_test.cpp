@@ -45,6 +45,17 @@ class OffloadEngineTest : public ::testing::Test {
     allocator_->set_pressure_handler(
         [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
   }
+  /// As CUDA drivers do, the device maps host chunks only whole (the simulated one is told
+  /// to); a pool of four ready chunks. False where the driver maps slices.
+  bool start_with_whole_host_chunks() {
+    if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
+    if (device_->maps_slices()) return false;
+    pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
+    pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
+    pool_->wait_for_prefill();
+    start(256 * MiB, 0);
+    return true;
+  }
   bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
     return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
   }
@@ -197,12 +208,7 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
 // pinned memory on the training path (Note [Host chunk sizes]), and takes the latter only
 // when nothing else is left.
 TEST_F(OffloadEngineTest, WithWholeHostChunksVictimsWithAReadyHostChunkGoFirst) {
-  if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
-  if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver maps slices";
-  pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
-  pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
-  pool_->wait_for_prefill();
-  start(256 * MiB, 0);
+  if (!start_with_whole_host_chunks()) GTEST_SKIP() << "skipped: this driver maps slices";
   offload_engine& engine = *engine_;
   // An odd-sized state (one 14 MiB segment, one 14 MiB chunk... split 8 + 6 MiB) used first,
   // then a whole-chunk one: by least recent use the odd one's 6 MiB tail would go first.
@@ -238,12 +244,7 @@ TEST_F(OffloadEngineTest, WithWholeHostChunksVictimsWithAReadyHostChunkGoFirst) 
 // The ready-host-chunk preference never overrides the learned order: the chunk needed last
 // goes first even when a pinned host chunk has to be created for it.
 TEST_F(OffloadEngineTest, WithWholeHostChunksTheFarthestNextUseStillGoesFirst) {
-  if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
-  if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver maps slices";
-  pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
-  pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
-  pool_->wait_for_prefill();
-  start(256 * MiB, 0);
+  if (!start_with_whole_host_chunks()) GTEST_SKIP() << "skipped: this driver maps slices";
   offload_engine& engine = *engine_;
   void* odd = allocator_->allocate(14 * MiB, nullptr, allocation_class::optimizer_state);
   void* whole = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
@@ -259,7 +260,7 @@ TEST_F(OffloadEngineTest, WithWholeHostChunksTheFarthestNextUseStillGoesFirst) {
   use(odd);
   use(whole);
   engine.step_boundary();  // learned: odd (8 MiB, 6 MiB), whole
-  use(odd);  // next uses: whole (1 away), odd's first chunk (2), odd's tail (3)
+  use(odd);                // next uses: whole (1 away), odd's first chunk (2), odd's tail (3)
   device_->synchronize_stream(nullptr);
   ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
   auto where = [&](std::uintptr_t address) { return engine.mover().where(address); };
