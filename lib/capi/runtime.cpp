@@ -245,7 +245,8 @@ std::string runtime::offload_json(int ordinal) {
       ",\"prefetches\":", uses.prefetches, ",\"evictions\":", uses.evictions,
       ",\"pressure_evictions\":", uses.pressure_evictions,
       ",\"device_waited_ns\":", uses.device_waited_ns, ",\"host_waited_ns\":", uses.waited_ns,
-      ",\"steps\":", uses.steps, ",\"learned_order_chunks\":", uses.learned_order_chunks, "}");
+      ",\"steps\":", uses.steps, ",\"learned_order_chunks\":", uses.learned_order_chunks,
+      ",\"in_place_uses\":", uses.in_place_uses, ",\"chunks_in_use\":", uses.chunks_in_use, "}");
 }
 
 offload_engine* runtime::engine_of(const void* pointer) {

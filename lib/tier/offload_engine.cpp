@@ -252,6 +252,7 @@ void offload_engine::use_in_place(const void* pointer, stream_handle stream) {
     std::lock_guard lock(mutex_);
     ++tick_;
     for (const chunk_info& chunk : chunks) open_use(chunk);  // no eviction or prefetch picks it
+    figures_.in_place_uses += chunks.size();
   }
   // A move started before the hint must land before the caller queues work on the chunk.
   for (const chunk_info& chunk : chunks) {
@@ -487,7 +488,10 @@ bool offload_engine::fetch(const void* pointer, bool wait) {
 offload_figures offload_engine::figures(bool wait_for_device) {
   std::lock_guard lock(mutex_);
   collect_waits(wait_for_device);
-  return figures_;
+  offload_figures now = figures_;
+  now.chunks_in_use = static_cast<std::uint64_t>(std::count_if(
+      chunks_.begin(), chunks_.end(), [](const auto& each) { return each.second.open_uses > 0; }));
+  return now;
 }
 
 }  // namespace zeroalloc

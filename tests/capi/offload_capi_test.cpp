@@ -52,9 +52,13 @@ TEST(OffloadCapi, HintsAreAcceptedForAnyPointer) {
   void* state = zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
   ASSERT_NE(state, nullptr);
   ASSERT_EQ(zeroalloc_offload(state, 1), 0) << zeroalloc_last_error();
+  const long long in_place = offload_figure("in_place_uses");
   zeroalloc_use_in_place(state, nullptr);
   EXPECT_EQ(zeroalloc_residency(state), ZEROALLOC_ON_HOST);
+  EXPECT_EQ(offload_figure("in_place_uses"), in_place + 1);
+  EXPECT_EQ(offload_figure("chunks_in_use"), 1);
   zeroalloc_use_ends(state, nullptr);
+  EXPECT_EQ(offload_figure("chunks_in_use"), 0);
   zeroalloc_step_boundary();
   EXPECT_EQ(offload_figure("uses"), uses + 1);
   EXPECT_GE(offload_figure("steps"), 1);

@@ -2,7 +2,8 @@
 zeroalloc/torch.py), on the GPU: with part of the optimizer's states in host memory, in
 windows smaller than the model, it gives the parameters and states of PyTorch's own step bit
 for bit, for the fused and the foreach AdamW; states it creates land in the optimizer-state
-class; a window that fails leaves every state as it was and every hint closed.
+class; a window that fails leaves every state as it was and every hint closed (the engine's
+chunks_in_use figure).
 
     python3 -m pytest -s tests/python/test_windowed_step.py
 """
@@ -60,6 +61,7 @@ for number, step_grads in enumerate(grads):
     zt.offload_tensor(managed[4])
 torch.cuda.synchronize()
 assert zt.residency(managed_optimizer.state[managed[0]]["exp_avg"]) == "host"
+assert zeroalloc.raw_stats(0)["offload"]["in_place_uses"] > 0, "states were not hinted"
 for a, b in zip(plain, managed):
     assert torch.equal(a, b), (a - b).abs().max()
     for key in ("exp_avg", "exp_avg_sq"):
@@ -86,6 +88,8 @@ try:
 except RuntimeError as failure:
     assert "injected" in str(failure)
 torch.cuda.synchronize()
+figures = zeroalloc.raw_stats(0)["offload"]
+assert figures["chunks_in_use"] == 0, f"hints left open by the failed step: {figures}"
 for index, p in enumerate(managed):
     for key in ("exp_avg", "exp_avg_sq"):
         assert managed_optimizer.state[p][key] is objects[id(p)][key], (index, key)

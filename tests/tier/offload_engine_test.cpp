@@ -183,6 +183,7 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
     engine.use_in_place(away, stream);
     engine.use_in_place(here, stream);
     EXPECT_EQ(where(away), residency::host) << "step " << step << ": fetched for its use";
+    EXPECT_EQ(engine.figures().chunks_in_use, 2u);
     engine.mover().drain();  // the layer's fetch (a miss after the last step's pressure)
     EXPECT_EQ(engine.relieve_pressure(3 * kChunkBytes), kChunkBytes)
         << "only the idle parameter may go";
@@ -192,12 +193,14 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
     device_->fill_async(here, static_cast<std::uint8_t>(0x40 + step), kChunkBytes, stream);
     engine.use_ends(away, stream);
     engine.use_ends(here, stream);
+    EXPECT_EQ(engine.figures().chunks_in_use, 0u);
     engine.step_boundary();
     device_->synchronize_stream(stream);
   }
   engine.mover().drain();
   EXPECT_EQ(where(away), residency::host) << "the prefetcher brought it back";
   EXPECT_EQ(engine.figures().learned_order_chunks, 1u) << "states in the learned order";
+  EXPECT_EQ(engine.figures().in_place_uses, 6u);
   EXPECT_TRUE(holds(away, 0x32, kChunkBytes));
   EXPECT_TRUE(holds(here, 0x42, kChunkBytes));
   for (void* pointer : {layer, away, here}) allocator_->deallocate(pointer);
