@@ -301,6 +301,36 @@ TEST_F(OffloadEngineTest, GradientsAreEvictedLast) {
   allocator_->deallocate(state);
 }
 
+// Evictions that nobody waits for (headroom for the prefetch window) take only chunks whose
+// every use was hinted: work on an unhinted chunk may be queued after the move starts,
+// which the move would lose (Note [Fault-free migration]). The hinted parameter may go; the
+// unhinted state, though its next use is farther, stays.
+TEST_F(OffloadEngineTest, HeadroomEvictionsLeaveUnhintedChunksAlone) {
+  start(48 * MiB, 32 * MiB);
+  offload_engine& engine = *engine_;
+  // Requests of 10 MiB or more get segments of their own size: 16 + 16 + 12 MiB held.
+  void* layer = allocator_->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  void* state = allocator_->allocate(16 * MiB, nullptr, allocation_class::optimizer_state);
+  void* activations = allocator_->allocate(12 * MiB, nullptr, allocation_class::other);
+  ASSERT_EQ(engine.figures().evictions + engine.figures().pressure_evictions, 0u);
+  engine.use_begins(layer, nullptr);
+  engine.use_ends(layer, nullptr);
+  engine.step_boundary();  // learned: the layer; 4 MiB free, 32 MiB of headroom wanted
+  engine.use_begins(layer, nullptr);
+  engine.use_ends(layer, nullptr);  // asks for headroom (the layer's use may still be running)
+  device_->synchronize_stream(nullptr);
+  engine.use_ends(activations, nullptr);  // asks again, the layer's use now over
+  engine.mover().drain();
+  auto where = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return engine.mover().where(chunks.at(0).address);
+  };
+  EXPECT_EQ(where(state), residency::device) << "an unhinted chunk moved behind its user";
+  EXPECT_EQ(where(layer), residency::host) << "the hinted, released layer made the headroom";
+  for (void* pointer : {layer, state, activations}) allocator_->deallocate(pointer);
+}
+
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
 // with hints, on a stream whose "kernels" take 3 ms (the simulated device copies at a few
 // GB/s, so a layer's compute covers its fetch and an eviction). From the second step on the
