@@ -121,14 +121,20 @@ def worker(args) -> int:
         if zeroalloc is not None:  # what each step moved, to standard error (--log-dir)
             stats = zeroalloc.raw_stats(0)
             figures = dict(stats.get("offload") or {})
-            figures["held"] = stats["total"]["reserved_bytes"]["current"]
+            figures["reserved"] = stats["total"]["reserved_bytes"]["current"]
+            figures["device_held"] = stats.get("held_bytes", 0)  # device memory, pooled too
+            figures["pooled"] = stats.get("pooled_bytes", 0)
+            for name, each in stats.get("classes", {}).items():
+                figures[f"{name}_reserved"] = each["reserved_bytes"]["current"]
             figures["retries"] = stats["total"].get("retries", 0)
             if index > 0:
                 moved = {k: figures[k] - previous[k] for k in figures
                          if isinstance(figures[k], (int, float)) and k in previous
                          and figures[k] != previous[k]}
-                print(f"step {index}: {time.perf_counter() - started:.3f} s; " +
-                      ", ".join(f"{k} {v / 2**20 if k.endswith('bytes') or k == 'held' else v:.6g}"
+                print(f"step {index}: {time.perf_counter() - started:.3f} s; device holds "
+                      f"{figures['device_held'] / 2**30:.2f} GiB, reserved "
+                      f"{figures['reserved'] / 2**30:.2f} GiB; changes: " +
+                      ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
                                 for k, v in sorted(moved.items())), file=sys.stderr)
             previous = figures
     result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
