@@ -44,13 +44,30 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
   const std::size_t rounded = round_up(bytes == 0 ? 1 : bytes, kAlignment);
   if (rounded < bytes)
     ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
-  if (void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream)) return pointer;
-  return allocate_after_pressure(rounded, bytes, stream, cls);
+  bool on_host = false;
+  void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
+  if (pointer == nullptr) pointer = allocate_after_pressure(rounded, bytes, stream, cls, on_host);
+  if (on_host) bring_back_from_host(pointer, stream);
+  return pointer;
+}
+
+void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream) {
+  host_landing_handler handler;
+  {
+    std::lock_guard lock(settings_mutex_);
+    handler = host_landing_handler_;
+  }
+  if (!handler) return;
+  try {
+    handler(pointer, stream);
+  } catch (const std::exception& failure) {  // the allocation stands, on the host
+    log().warn("bringing a new allocation back from host memory failed: {}", failure.what());
+  }
 }
 
 void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                                                  std::size_t requested_bytes, stream_handle stream,
-                                                 allocation_class cls) {
+                                                 allocation_class cls, bool& on_host) {
   // Out of new memory: give back every cached free segment (of every class) and retry;
   // then let the pressure handler free memory, and retry once more.
   stats_.apply(
@@ -58,7 +75,8 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   const std::uint64_t released = release_all_cached();
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
-  if (void* pointer = heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream))
+  if (void* pointer =
+          heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
     return pointer;
   pressure_handler handler;
   {
@@ -70,7 +88,7 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   const std::size_t segment_bytes = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
   for (int round = 0; handler && round < 4 && handler(segment_bytes) > 0; ++round) {
     if (void* pointer =
-            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream))
+            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
   }
   stats_.apply(
@@ -211,6 +229,11 @@ std::vector<caching_allocator::allocation_record> caching_allocator::largest_all
 void caching_allocator::set_pressure_handler(pressure_handler handler) {
   std::lock_guard lock(settings_mutex_);
   pressure_handler_ = std::move(handler);
+}
+
+void caching_allocator::set_host_landing_handler(host_landing_handler handler) {
+  std::lock_guard lock(settings_mutex_);
+  host_landing_handler_ = std::move(handler);
 }
 
 std::size_t caching_allocator::largest_free_block(allocation_class cls) const {

@@ -90,6 +90,11 @@ class caching_allocator {
   /// returns the bytes it freed (the offload engine will evict here). Optional.
   using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
   void set_pressure_handler(pressure_handler handler);
+  /// Called, without locks held, when a new allocation lies in memory the offload engine
+  /// moved to the host (cached free space of an offloaded chunk), with the allocation's
+  /// stream: the engine brings it back, ordered before that stream's next work. Optional.
+  using host_landing_handler = std::function<void(void* pointer, stream_handle stream)>;
+  void set_host_landing_handler(host_landing_handler handler);
 
   /// Every figure of every class, read now.
   [[nodiscard]] stats_snapshot stats() const;
@@ -139,8 +144,10 @@ class caching_allocator {
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
   /// The heap whose address region holds `address`, or nullptr.
   heap* heap_at(std::uintptr_t address) const;
+  /// `on_host`: as heap::allocate's.
   void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
-                                stream_handle stream, allocation_class cls);
+                                stream_handle stream, allocation_class cls, bool& on_host);
+  void bring_back_from_host(void* pointer, stream_handle stream);
   std::uint64_t release_all_cached();
   [[nodiscard]] std::string out_of_memory_message(std::size_t bytes, allocation_class cls) const;
 
@@ -158,6 +165,7 @@ class caching_allocator {
   mutable std::mutex settings_mutex_;
   std::string limit_source_;
   pressure_handler pressure_handler_;
+  host_landing_handler host_landing_handler_;
   out_of_memory_observer out_of_memory_observer_;
 };
 

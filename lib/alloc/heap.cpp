@@ -307,7 +307,8 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   return whole;
 }
 
-void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream) {
+void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream,
+                     bool* on_host) {
   std::lock_guard lock(mutex_);
   if (!pending_.empty()) process_pending(false);
   bool from_cache = true;
@@ -357,6 +358,16 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   });
   ++counts_.allocations;
   if (from_cache) ++counts_.cache_hits;
+  if (on_host != nullptr && chosen->owner->host_chunks != 0) {
+    std::uintptr_t start = chosen->owner->address;
+    for (const physical_handle& chunk : chosen->owner->chunks) {
+      if (chunk.location == memory_location::host && start < chosen->address + chosen->bytes &&
+          chosen->address < start + chunk.bytes) {
+        *on_host = true;
+      }
+      start += chunk.bytes;
+    }
+  }
   return reinterpret_cast<void*>(chosen->address);
 }
 
@@ -711,6 +722,8 @@ physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle
     throw;
   }
   owner->chunks[index] = replacement;
+  if (previous.location == memory_location::host) --owner->host_chunks;
+  if (replacement.location == memory_location::host) ++owner->host_chunks;
   return previous;
 }
 

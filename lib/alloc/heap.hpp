@@ -48,6 +48,7 @@ struct segment {
   std::vector<physical_handle> chunks;
   std::size_t busy_blocks = 0;    // allocated or pending
   std::size_t pinned_chunks = 0;  // chunks the offload engine is moving (Note [Pinned chunks])
+  std::size_t host_chunks = 0;    // chunks backed by host memory now
   std::uint64_t generation = 0;   // counts allocations and frees in it (chunk_info::generation)
   block* first = nullptr;
 };
@@ -74,7 +75,10 @@ class heap {
   /// A block of `rounded_bytes` (asked for as `requested_bytes`) for `stream`, or nullptr
   /// when new memory is needed and
   /// the arena has none (the caller releases cache and retries).
-  void* allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream);
+  /// `on_host`, when given, is set when the block lies (partly) in a chunk the offload engine
+  /// moved to host memory.
+  void* allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream,
+                 bool* on_host = nullptr);
   /// Frees; false when `pointer` is not a live allocation of this heap.
   bool deallocate(std::uintptr_t pointer);
   bool record_stream(std::uintptr_t pointer, stream_handle stream);

@@ -206,6 +206,9 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   offload_engine* engine = owned_engines_.back().get();
   allocator.set_pressure_handler(
       [engine](std::size_t bytes) { return engine->relieve_pressure(bytes); });
+  allocator.set_host_landing_handler([engine](void* pointer, stream_handle stream) {
+    engine->allocated_on_host(pointer, stream);
+  });
   host_pools_[ordinal].store(pool, std::memory_order_release);
   engines_[ordinal].store(engine, std::memory_order_release);
   log().info("device {}: offload to host memory on, up to {} ({})", ordinal, format_bytes(limit),

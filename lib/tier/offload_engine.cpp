@@ -462,6 +462,18 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
 }
 
+void offload_engine::allocated_on_host(const void* pointer, stream_handle stream) {
+  for (const chunk_info& chunk : chunks_of(pointer)) {
+    if (migrator_.where(chunk.address) != residency::host) continue;
+    // Another block of the chunk may be in use (a hint open on it): it stays for now.
+    if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,
+                    /*ordered_use=*/true)) {
+      continue;
+    }
+    if (!wait_for_arrival(chunk.address, stream)) migrator_.wait_until_settled(chunk.address);
+  }
+}
+
 bool offload_engine::evict(const void* pointer, bool wait) {
   const std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return false;

@@ -88,6 +88,11 @@ class offload_engine {
   /// A training step ended: the order recorded during it becomes the learned order.
   void step_boundary();
 
+  /// The allocator's host-landing handler: a new allocation lies in chunks on the host
+  /// (free space of an offloaded chunk); brings them back, ordered before `stream`'s next
+  /// work, when the device has room (else they stay, reached over PCIe).
+  void allocated_on_host(const void* pointer, stream_handle stream);
+
   /// The allocator's pressure handler: evicts idle chunks, waiting for them, until
   /// `bytes_needed` of device memory is free or nothing more can go. Returns bytes evicted.
   std::uint64_t relieve_pressure(std::size_t bytes_needed);

@@ -31,6 +31,7 @@ class OffloadEngineTest : public ::testing::Test {
   void TearDown() override {
     if (allocator_) {
       allocator_->set_pressure_handler(nullptr);
+      allocator_->set_host_landing_handler(nullptr);
       allocator_->empty_cache();
     }
     engine_.reset();
@@ -44,6 +45,9 @@ class OffloadEngineTest : public ::testing::Test {
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
     allocator_->set_pressure_handler(
         [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
+    allocator_->set_host_landing_handler([this](void* pointer, stream_handle stream) {
+      engine_->allocated_on_host(pointer, stream);
+    });
   }
   /// As CUDA drivers do, the device maps host chunks only whole (the simulated one is told
   /// to); a pool of four ready chunks. False where the driver maps slices.
@@ -329,6 +333,29 @@ TEST_F(OffloadEngineTest, HeadroomEvictionsLeaveUnhintedChunksAlone) {
   EXPECT_EQ(where(state), residency::device) << "an unhinted chunk moved behind its user";
   EXPECT_EQ(where(layer), residency::host) << "the hinted, released layer made the headroom";
   for (void* pointer : {layer, state, activations}) allocator_->deallocate(pointer);
+}
+
+// Free space in a chunk that went to the host is not where a new allocation should live:
+// the allocation that lands there brings the chunk back (ordered before its stream's next
+// work), instead of being written over PCIe for as long as it lives.
+TEST_F(OffloadEngineTest, AnAllocationInFreeSpaceOnTheHostBringsItBack) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* first = allocator_->allocate(16 * MiB, nullptr, allocation_class::optimizer_state);
+  ASSERT_TRUE(engine.evict(first, /*wait=*/true));
+  allocator_->deallocate(first);  // its segment stays cached, on the host
+  void* second = allocator_->allocate(16 * MiB, nullptr, allocation_class::optimizer_state);
+  ASSERT_EQ(second, first) << "the cached segment was not reused";
+  device_->fill_async(second, 0x77, 16 * MiB, nullptr);
+  device_->synchronize_stream(nullptr);
+  engine.mover().drain();
+  std::vector<chunk_info> chunks;
+  allocator_->chunks_of_allocation(second, chunks);
+  for (const chunk_info& chunk : chunks) {
+    EXPECT_EQ(engine.mover().where(chunk.address), residency::device) << "left on the host";
+  }
+  EXPECT_TRUE(holds(second, 0x77, 16 * MiB));
+  allocator_->deallocate(second);
 }
 
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step
