@@ -17,7 +17,8 @@
 
 namespace zeroalloc {
 
-/// A byte count that remembers its highest value since the last reset.
+/// A byte count that remembers its highest value since the last reset, and since it began
+/// (reports are about the whole run, whatever the program reset).
 class gauge {
  public:
   /// Adds `delta` and returns the new value.
@@ -29,16 +30,26 @@ class gauge {
   /// Raises the peak to `value` if it is higher.
   void raise_peak(std::int64_t value) {
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
+    if (value <= peak) return;  // the common case: one load
     while (value > peak && !peak_.compare_exchange_weak(peak, value, std::memory_order_relaxed)) {
+    }
+    std::int64_t lifetime = lifetime_peak_.load(std::memory_order_relaxed);
+    while (value > lifetime &&
+           !lifetime_peak_.compare_exchange_weak(lifetime, value, std::memory_order_relaxed)) {
     }
   }
   [[nodiscard]] std::int64_t current() const { return current_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  /// The highest value ever, resets or not.
+  [[nodiscard]] std::int64_t lifetime_peak() const {
+    return lifetime_peak_.load(std::memory_order_relaxed);
+  }
   void reset_peak(std::int64_t to) { peak_.store(to, std::memory_order_relaxed); }
 
  private:
   std::atomic<std::int64_t> current_{0};
   std::atomic<std::int64_t> peak_{0};
+  std::atomic<std::int64_t> lifetime_peak_{0};
 };
 
 /// The live gauges of one class, or of the whole device.
@@ -66,10 +77,11 @@ struct heap_counts {
   std::uint64_t segments_donated = 0;  ///< fully free segments given to another heap
 };
 
-/// A current value and its peak since the last reset.
+/// A current value, its peak since the last reset, and its peak since the start.
 struct gauge_figures {
   std::int64_t current = 0;
   std::int64_t peak = 0;
+  std::int64_t lifetime_peak = 0;
 };
 
 /// The figures of one class (or the total) at one moment, as reported.

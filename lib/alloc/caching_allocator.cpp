@@ -244,10 +244,12 @@ std::size_t caching_allocator::largest_free_block(allocation_class cls) const {
 stats_snapshot caching_allocator::stats() const {
   stats_snapshot snapshot;
   auto read = [](const live_gauges& live, class_figures& figures) {
-    figures.allocated_bytes = {live.allocated_bytes.current(), live.allocated_bytes.peak()};
-    figures.reserved_bytes = {live.reserved_bytes.current(), live.reserved_bytes.peak()};
+    figures.allocated_bytes = {live.allocated_bytes.current(), live.allocated_bytes.peak(),
+                               live.allocated_bytes.lifetime_peak()};
+    figures.reserved_bytes = {live.reserved_bytes.current(), live.reserved_bytes.peak(),
+                              live.reserved_bytes.lifetime_peak()};
     figures.active_bytes = {live.allocated_bytes.current() + live.pending_bytes.current(),
-                            live.active_peak.peak()};
+                            live.active_peak.peak(), live.active_peak.lifetime_peak()};
     figures.retries = live.retries.load(std::memory_order_relaxed);
     figures.failures = live.failures.load(std::memory_order_relaxed);
   };
@@ -288,19 +290,22 @@ namespace {
 void append_figures(std::string& out, const class_figures& figures) {
   char text[1024];
   std::snprintf(text, sizeof text,
-                "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld},"
-                "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld},"
-                "\"active_bytes\":{\"current\":%lld,\"peak\":%lld},"
+                "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
+                "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
+                "\"active_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
                 "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
                 "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_"
                 "donated\":%llu,"
                 "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
                 static_cast<long long>(figures.allocated_bytes.current),
                 static_cast<long long>(figures.allocated_bytes.peak),
+                static_cast<long long>(figures.allocated_bytes.lifetime_peak),
                 static_cast<long long>(figures.reserved_bytes.current),
                 static_cast<long long>(figures.reserved_bytes.peak),
+                static_cast<long long>(figures.reserved_bytes.lifetime_peak),
                 static_cast<long long>(figures.active_bytes.current),
                 static_cast<long long>(figures.active_bytes.peak),
+                static_cast<long long>(figures.active_bytes.lifetime_peak),
                 static_cast<unsigned long long>(figures.allocations),
                 static_cast<unsigned long long>(figures.frees),
                 static_cast<unsigned long long>(figures.cache_hits),

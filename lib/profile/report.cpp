@@ -304,8 +304,8 @@ std::optional<std::string> reporter::write_to(const std::string& prefix,
           "report ({}): {}: peak allocated {}, peak reserved {}, {} allocations, {} "
           "retries, {} failures; written to {}.json and {}.html",
           reason, each->backing().name(),
-          format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.peak)),
-          format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.peak)),
+          format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.lifetime_peak)),
+          format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.lifetime_peak)),
           figures.total.allocations, figures.total.retries, figures.total.failures, prefix_,
           prefix_);
     }

@@ -60,6 +60,30 @@ def test_report_at_exit_holds_figures_timeline_and_largest_allocations(tmp_path)
     assert "report (exit)" in result.stderr and "peak allocated 49.00 MiB" in result.stderr
 
 
+def test_reports_show_the_peaks_of_the_whole_run_after_a_reset(tmp_path):
+    """A program that resets its peak statistics (as training loops do each step) still gets
+    a report of the whole run; memory_stats keeps PyTorch's meaning (since the reset)."""
+    prefix = tmp_path / "run"
+    result = run_program("""
+        big = lib.zeroalloc_malloc(96 << 20, 0, None)
+        lib.zeroalloc_free(big, 0, 0, None)
+        lib.zeroalloc_reset_peak_stats(0)
+        kept = lib.zeroalloc_malloc(8 << 20, 0, None)
+        stats = zeroalloc.memory_stats(0)
+        print("since reset", stats["allocated_bytes.all.peak"])
+    """, ZEROALLOC_REPORT=str(prefix))
+    assert result.returncode == 0, result.stderr
+    assert "since reset 8388608" in result.stdout
+    total = json.loads((tmp_path / "run.json").read_text())["devices"][0]["stats"]["total"]
+    assert total["allocated_bytes"]["peak"] == 8 << 20
+    assert total["allocated_bytes"]["lifetime_peak"] == 96 << 20
+    assert "peak allocated 96.00 MiB" in result.stderr
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report", str(tmp_path / "run.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)}, capture_output=True,
+                             text=True, timeout=60)
+    assert "peak allocated 96.00 MiB" in summary.stdout, summary.stdout + summary.stderr
+
+
 def test_sigusr1_writes_a_report_while_the_program_runs(tmp_path):
     result = run_program(f"""
         kept = lib.zeroalloc_malloc(8 << 20, 0, None)

@@ -11,14 +11,19 @@ from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc._stats import _format_bytes
 
 
+def _peak(gauge: dict) -> int:
+    """The peak over the whole run (the program may have reset its peak statistics)."""
+    return gauge.get("lifetime_peak", gauge["peak"])
+
+
 def summary(report: dict) -> str:
     lines = [f"zeroalloc report written {report['time']} because of: {report['reason']} "
              f"(process {report['pid']}, zeroalloc {report['version']})"]
     for device in report["devices"]:
         stats = device["stats"]
         total = stats["total"]
-        peak_allocated = total["allocated_bytes"]["peak"]
-        peak_reserved = total["reserved_bytes"]["peak"]
+        peak_allocated = _peak(total["allocated_bytes"])
+        peak_reserved = _peak(total["reserved_bytes"])
         ratio = f"{peak_reserved / peak_allocated:.3f}" if peak_allocated else "-"
         lines.append(f"device {device['device']} ({stats['device_name']}): peak allocated "
                      f"{_format_bytes(peak_allocated)}, peak reserved "
@@ -28,8 +33,8 @@ def summary(report: dict) -> str:
         for name, figures in stats["classes"].items():
             if figures["allocations"]:
                 lines.append(f"  {name:<16} peak allocated "
-                             f"{_format_bytes(figures['allocated_bytes']['peak']):>12}, "
-                             f"peak reserved {_format_bytes(figures['reserved_bytes']['peak']):>12}")
+                             f"{_format_bytes(_peak(figures['allocated_bytes'])):>12}, "
+                             f"peak reserved {_format_bytes(_peak(figures['reserved_bytes'])):>12}")
         offload = device.get("offload")
         if offload:
             lines.append(f"  offload: {_format_bytes(offload['bytes_to_host'])} to the host, "
