@@ -364,6 +364,7 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
       if (chunk.location == memory_location::host && start < chosen->address + chosen->bytes &&
           chosen->address < start + chunk.bytes) {
         *on_host = true;
+        break;
       }
       start += chunk.bytes;
     }

@@ -60,6 +60,12 @@ class OffloadEngineTest : public ::testing::Test {
     start(256 * MiB, 0);
     return true;
   }
+  /// Where the first chunk of the allocation at `pointer` is.
+  residency where_first_chunk(void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return engine_->mover().where(chunks.at(0).address);
+  }
   bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
     return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
   }
@@ -128,11 +134,7 @@ TEST_F(OffloadEngineTest, PressureEvictsTheChunkWhoseNextUseIsFarthestInTheLearn
   for (int i = 0; i < 4; ++i) use(i);
   engine.step_boundary();  // learned: A B C D
   device_->synchronize_stream(stream);
-  auto on_host = [&](int i) {
-    std::vector<chunk_info> chunks;
-    allocator_->chunks_of_allocation(layers[i], chunks);
-    return engine.mover().where(chunks.at(0).address) == residency::host;
-  };
+  auto on_host = [&](int i) { return where_first_chunk(layers[i]) == residency::host; };
   use(0);
   use(1);  // cursor at B: next uses C (1 away), D (2), A (next step: 3), B itself (4)
   ASSERT_GT(engine.relieve_pressure(kChunkBytes), 0u);
@@ -176,11 +178,7 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
   device_->fill_async(away, 0x11, kChunkBytes, stream);
   device_->fill_async(here, 0x22, kChunkBytes, stream);
   ASSERT_TRUE(engine.evict(away, /*wait=*/true));
-  auto where = [&](void* pointer) {
-    std::vector<chunk_info> chunks;
-    allocator_->chunks_of_allocation(pointer, chunks);
-    return engine.mover().where(chunks.at(0).address);
-  };
+  auto where = [&](void* pointer) { return where_first_chunk(pointer); };
   for (int step = 0; step < 3; ++step) {
     engine.use_begins(layer, stream);
     engine.use_ends(layer, stream);
@@ -291,11 +289,7 @@ TEST_F(OffloadEngineTest, GradientsAreEvictedLast) {
     engine.use_ends(pointer, nullptr);
   }
   device_->synchronize_stream(nullptr);
-  auto on_host = [&](void* pointer) {
-    std::vector<chunk_info> chunks;
-    allocator_->chunks_of_allocation(pointer, chunks);
-    return engine.mover().where(chunks.at(0).address) == residency::host;
-  };
+  auto on_host = [&](void* pointer) { return where_first_chunk(pointer) == residency::host; };
   ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
   EXPECT_TRUE(on_host(state));
   EXPECT_FALSE(on_host(gradient));
@@ -325,11 +319,7 @@ TEST_F(OffloadEngineTest, HeadroomEvictionsLeaveUnhintedChunksAlone) {
   device_->synchronize_stream(nullptr);
   engine.use_ends(activations, nullptr);  // asks again, the layer's use now over
   engine.mover().drain();
-  auto where = [&](void* pointer) {
-    std::vector<chunk_info> chunks;
-    allocator_->chunks_of_allocation(pointer, chunks);
-    return engine.mover().where(chunks.at(0).address);
-  };
+  auto where = [&](void* pointer) { return where_first_chunk(pointer); };
   EXPECT_EQ(where(state), residency::device) << "an unhinted chunk moved behind its user";
   EXPECT_EQ(where(layer), residency::host) << "the hinted, released layer made the headroom";
   for (void* pointer : {layer, state, activations}) allocator_->deallocate(pointer);
