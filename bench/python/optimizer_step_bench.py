@@ -276,7 +276,9 @@ def main() -> int:
                 "ZEROALLOC_DEVICE": "cuda", "ZEROALLOC_OFFLOAD": "host",
                 "ZEROALLOC_HOST_LIMIT": "24GiB"})
     command = [sys.executable, __file__, "--worker"] + [
-        arg for arg in sys.argv[1:] if not arg.startswith("--library")]
+        f"--{name.replace('_', '-')}={getattr(args, name)}"
+        for name in ("host_share", "repeats", "window_bytes", "hidden", "intermediate",
+                     "layers", "vocab")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     lines = [l for l in done.stdout.splitlines() if l.startswith("result ")]
     if done.returncode != 0 or not lines:
