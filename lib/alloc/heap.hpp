@@ -182,7 +182,8 @@ class heap {
   std::vector<std::unique_ptr<block>> block_storage_;
   std::vector<block*> spare_blocks_;
   std::vector<block*> pending_;
-  static constexpr std::size_t kMaxUnmergedBlocks = 4096;
+  static constexpr std::size_t kMaxUnmergedSmallBlocks = 4096;  // Note [Deferred coalescing]
+  static constexpr std::size_t kMaxUnmergedLargeBlocks = 4;
   std::vector<block*> unmerged_;  // Note [Deferred coalescing]
   std::vector<event_handle> spare_events_;
   std::vector<event_handle> all_events_;
