@@ -222,7 +222,8 @@ def main() -> int:
                      f"{figures['prefetch_hit_rate']:.3f}; device waited "
                      f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
         elif "peak_allocated" in result:
-            notes = f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB"
+            notes = (f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB, reserved "
+                     f"{result['peak_reserved'] / 2**30:.1f} GiB")
         notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
             **result["phases_s"]) + notes
         vs_native = result["step_s"] / native_step if native_step else float("nan")
