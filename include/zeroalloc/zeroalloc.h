@@ -219,7 +219,8 @@ void zeroalloc_step_boundary(void);
  * same; kernels still reach it, over PCIe), waiting for the move when `wait` is non-zero.
  * The move starts after the work already queued on the allocation's streams; with `wait`
  * zero, queue no new work on the allocation until zeroalloc_residency stops answering
- * ZEROALLOC_MOVING, or its writes may be lost.
+ * ZEROALLOC_MOVING, or its writes may be lost. A chunk the allocation shares with another
+ * allocation in use (between zeroalloc_use_begins and zeroalloc_use_ends) stays where it is.
  * 0 on success; -1 with zeroalloc_last_error() set when offload is off, `pointer` is not a
  * live allocation, or the host tier is full (ZEROALLOC_HOST_LIMIT).
  */

@@ -475,8 +475,18 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
 }
 
 bool offload_engine::evict(const void* pointer, bool wait) {
-  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return false;
+  {
+    // A chunk may hold other allocations too: one with a use open (between use_begins and
+    // use_ends) has work coming that no fence covers yet, and moving the chunk under it
+    // would lose that work's writes. Such a chunk stays.
+    std::lock_guard lock(mutex_);
+    std::erase_if(chunks, [&](const chunk_info& chunk) {
+      const auto known = chunks_.find(chunk.address);
+      return known != chunks_.end() && known->second.open_uses > 0;
+    });
+  }
   for (const chunk_info& chunk : chunks) migrator_.evict_async(chunk.address);
   if (wait) {
     for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);

@@ -97,8 +97,9 @@ class offload_engine {
   /// `bytes_needed` of device memory is free or nothing more can go. Returns bytes evicted.
   std::uint64_t relieve_pressure(std::size_t bytes_needed);
 
-  /// Moves every chunk of the allocation at `pointer` (waiting when `wait`). False when
-  /// `pointer` is not a live allocation.
+  /// Moves every chunk of the allocation at `pointer` (waiting when `wait`), except chunks
+  /// with a use open (they may hold another allocation in use). False when `pointer` is not
+  /// a live allocation.
   bool evict(const void* pointer, bool wait);
   bool fetch(const void* pointer, bool wait);
 

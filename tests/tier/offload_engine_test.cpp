@@ -116,6 +116,35 @@ TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
   allocator_->deallocate(pointer);
 }
 
+// Chunks hold several allocations: an explicit eviction of one leaves alone a chunk that
+// another allocation is using (a use is open), since work queued after the eviction began
+// would write the device copy that the move then discards.
+TEST_F(OffloadEngineTest, ExplicitEvictLeavesAChunkSharedWithAnAllocationInUse) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* evicted = allocator_->allocate(2 * MiB, nullptr, allocation_class::optimizer_state);
+  void* in_use = allocator_->allocate(2 * MiB, nullptr, allocation_class::optimizer_state);
+  std::vector<chunk_info> first, second;
+  allocator_->chunks_of_allocation(evicted, first);
+  allocator_->chunks_of_allocation(in_use, second);
+  ASSERT_EQ(first.at(0).address, second.at(0).address) << "the test needs one shared chunk";
+  device_->fill_async(evicted, 0x11, 2 * MiB, nullptr);
+  device_->fill_async(in_use, 0x22, 2 * MiB, nullptr);
+
+  engine.use_begins(in_use, nullptr);
+  ASSERT_TRUE(engine.evict(evicted, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(evicted), residency::device);
+  device_->fill_async(in_use, 0x33, 2 * MiB, nullptr);  // the use's own work
+  engine.use_ends(in_use, nullptr);
+
+  ASSERT_TRUE(engine.evict(evicted, /*wait=*/true));  // the use is over: now it moves
+  EXPECT_EQ(where_first_chunk(evicted), residency::host);
+  EXPECT_TRUE(holds(evicted, 0x11, 2 * MiB));
+  EXPECT_TRUE(holds(in_use, 0x33, 2 * MiB));
+  allocator_->deallocate(evicted);
+  allocator_->deallocate(in_use);
+}
+
 // The policy on a recorded order: after a step that used A, B, C, D in that order, and a
 // new step that has used A and B, the chunk needed last is B (next step), then A; C and D,
 // needed next, stay. The allocation-failure path evicts in that order.

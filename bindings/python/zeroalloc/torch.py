@@ -62,7 +62,9 @@ def mem_pool() -> "torch.cuda.MemPool":
 
 def offload_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
     """Moves the tensor's storage to pinned host memory; its address, and every view of it,
-    stay valid (kernels reach it over PCIe until it comes back)."""
+    stay valid (kernels reach it over PCIe until it comes back). With `wait=False`, queue no
+    work on the tensor until `residency(tensor)` stops answering "moving". Memory it shares
+    a chunk with, in use by a hinted module or optimizer step, stays on the device."""
     _offload.offload_pointer(tensor.untyped_storage().data_ptr(), wait)
 
 
