@@ -145,6 +145,64 @@ TEST_F(OffloadEngineTest, ExplicitEvictLeavesAChunkSharedWithAnAllocationInUse) 
   allocator_->deallocate(in_use);
 }
 
+// The windowed pattern of an optimizer step that fetches its states instead of reaching
+// them where they are: the next window's states are hinted on a side stream (their fetch
+// starts) while this window is written on the main stream; then this window's use ends, the
+// host waits for it, and its states are evicted without waiting, next to chunks still in
+// use. Under a limit that holds a fraction of the states, every write must survive.
+TEST_F(OffloadEngineTest, WindowsFetchedAheadAndEvictedBehindKeepEveryWrite) {
+  start(64 * MiB, 0);
+  offload_engine& engine = *engine_;
+  constexpr int kStates = 36;
+  constexpr int kWindow = 4;
+  constexpr std::size_t kStateBytes = 3 * MiB;
+  std::vector<void*> states;
+  for (int i = 0; i < kStates; ++i) {
+    states.push_back(allocator_->allocate(kStateBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), 1, kStateBytes, nullptr);
+  }
+  for (void* state : states) ASSERT_TRUE(engine.evict(state, /*wait=*/true));
+  stream_handle side = device_->create_stream();
+  event_handle fetched = device_->create_event();
+  auto value = [](int round, int index) { return static_cast<std::uint8_t>(round * 40 + index + 2); };
+  for (int round = 0; round < 5; ++round) {
+    auto hint = [&](int window, bool begin, stream_handle stream) {
+      for (int i = window * kWindow; i < std::min(kStates, (window + 1) * kWindow); ++i) {
+        if (begin) {
+          engine.use_begins(states[i], stream);
+        } else {
+          engine.use_ends(states[i], stream);
+        }
+      }
+    };
+    const int windows = (kStates + kWindow - 1) / kWindow;
+    hint(0, true, side);
+    for (int window = 0; window < windows; ++window) {
+      if (window + 1 < windows) hint(window + 1, true, side);
+      device_->record_event(fetched, side);
+      device_->stream_wait_event(nullptr, fetched);
+      for (int i = window * kWindow; i < std::min(kStates, (window + 1) * kWindow); ++i) {
+        device_->fill_async(states[i], value(round, i), kStateBytes, nullptr);
+      }
+      hint(window, false, nullptr);
+      device_->synchronize_stream(nullptr);
+      for (int i = window * kWindow; i < std::min(kStates, (window + 1) * kWindow); ++i) {
+        ASSERT_TRUE(engine.evict(states[i], /*wait=*/false));
+      }
+    }
+    device_->synchronize_stream(side);
+    for (void* state : states) engine.mover().wait_until_settled(
+        [&] { std::vector<chunk_info> c; allocator_->chunks_of_allocation(state, c); return c.at(0).address; }());
+    engine.step_boundary();
+    for (int i = 0; i < kStates; ++i) {
+      ASSERT_TRUE(holds(states[i], value(round, i), kStateBytes)) << "round " << round << ", state " << i;
+    }
+  }
+  device_->destroy_event(fetched);
+  device_->destroy_stream(side);
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // The policy on a recorded order: after a step that used A, B, C, D in that order, and a
 // new step that has used A and B, the chunk needed last is B (next step), then A; C and D,
 // needed next, stay. The allocation-failure path evicts in that order.
