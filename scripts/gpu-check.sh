@@ -34,7 +34,7 @@ step "migration throughput: the migrator vs cudaMemcpyAsync"
 build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -6
 
 # GPU_CHECK_SKIP: names of steps to leave out, when their figures are recorded: torch_empty,
-# preload_overhead, optimizer_step (about 60 s), llama (about 140 s). Everything together runs
+# preload_overhead, demo (about 40 s), optimizer_step (about 60 s), llama (about 140 s). Everything together runs
 # about 10 minutes, the device tool's limit per command: skip some of them there.
 skip=" ${GPU_CHECK_SKIP:-} "
 step "torch.empty + del through zeroalloc vs native"
@@ -58,13 +58,17 @@ echo "-- figures printed by the Python tests"
 grep -E "^(every-step offload|Trainer under offload|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
   "$out/pytest.log" || true
 
+step "demo: a Llama-style model trained under a limit through offload, against the whole device"
+[[ $skip == *" demo "* ]] && echo skipped || { python3 demo/train_offload.py --library build/libzeroalloc.so \
+  --report "$out/train" 2>&1 | tee "$out/demo_train.txt" | tail -4; [[ ${PIPESTATUS[0]} == 0 ]] || status=1; }
+
 step "optimizer step placement: device, in place, bounce, zt.offload's step, migrate, CPU Adam"
 [[ $skip == *" optimizer_step "* ]] && echo skipped || python3 bench/python/optimizer_step_bench.py \
   --library build/libzeroalloc.so 2>&1 | tee "$out/optimizer_step.txt" | tail -13
 
 step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloadPolicy"
 [[ $skip == *" llama "* ]] && echo skipped || python3 bench/python/offload_llama_bench.py \
-  --library build/libzeroalloc.so --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
+  --library build/libzeroalloc.so --warmup 8 --steps 8 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
 step summary
 python3 - "$out" <<'PY'
