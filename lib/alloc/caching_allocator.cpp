@@ -132,6 +132,8 @@ std::string caching_allocator::out_of_memory_message(std::size_t bytes,
   for (allocation_class each : kAllocationClasses) {
     largest_free = std::max(largest_free, largest_free_block(each));
   }
+  std::uint64_t on_host = 0;
+  for (const auto& each : heaps_) on_host += each->host_resident_bytes();
   return detail::concat(
       "out of memory on ", device_.name(), ": tried to allocate ", format_bytes(bytes), " (",
       class_name(cls), "); the device has ", format_bytes(info.free_bytes), " free of ",
@@ -140,7 +142,9 @@ std::string caching_allocator::out_of_memory_message(std::size_t bytes,
       format_bytes(static_cast<std::uint64_t>(allocated)), " is allocated and ",
       format_bytes(static_cast<std::uint64_t>(reserved - allocated)),
       " is cached but free (the largest free block is ", format_bytes(largest_free),
-      "); offloaded: 0 B; limit in force: ", limit_text,
+      "); of what it holds, ", format_bytes(on_host),
+      " is offloaded to host memory (it does not count against the limit); limit in force: ",
+      limit_text,
       ". Free tensors you no longer need, lower the batch size, or raise the limit.");
 }
 

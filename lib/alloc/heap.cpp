@@ -550,6 +550,18 @@ std::uint64_t heap::release_free_segments() {
   return released;
 }
 
+std::uint64_t heap::host_resident_bytes() const {
+  std::lock_guard lock(mutex_);
+  std::uint64_t bytes = 0;
+  for (const auto& owned : segments_) {
+    if (owned->host_chunks == 0) continue;
+    for (const physical_handle& chunk : owned->chunks) {
+      if (chunk.location == memory_location::host) bytes += chunk.bytes;
+    }
+  }
+  return bytes;
+}
+
 std::size_t heap::largest_free_block() const {
   std::lock_guard lock(mutex_);
   std::size_t largest = 0;

@@ -91,6 +91,8 @@ class heap {
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
   [[nodiscard]] std::size_t largest_free_block() const;
+  /// Bytes of this heap's segments that the offload engine moved to host memory.
+  [[nodiscard]] std::uint64_t host_resident_bytes() const;
   /// Bytes of the segment this heap maps for a request of `rounded_bytes`.
   [[nodiscard]] std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
   /// The heaps (this one included) whose fully free segments may back this heap's new
