@@ -144,8 +144,7 @@ std::string caching_allocator::out_of_memory_message(std::size_t bytes,
       " is cached but free (the largest free block is ", format_bytes(largest_free),
       "); of what it holds, ", format_bytes(on_host),
       " is offloaded to host memory (it does not count against the limit); limit in force: ",
-      limit_text,
-      ". Free tensors you no longer need, lower the batch size, or raise the limit.");
+      limit_text, ". Free tensors you no longer need, lower the batch size, or raise the limit.");
 }
 
 heap* caching_allocator::heap_at(std::uintptr_t address) const {

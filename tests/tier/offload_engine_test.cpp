@@ -61,11 +61,15 @@ class OffloadEngineTest : public ::testing::Test {
     start(256 * MiB, 0);
     return true;
   }
-  /// Where the first chunk of the allocation at `pointer` is.
-  residency where_first_chunk(void* pointer) {
+  /// The address of the first chunk of the allocation at `pointer`.
+  std::uintptr_t first_chunk(void* pointer) {
     std::vector<chunk_info> chunks;
     allocator_->chunks_of_allocation(pointer, chunks);
-    return engine_->mover().where(chunks.at(0).address);
+    return chunks.at(0).address;
+  }
+  /// Where the first chunk of the allocation at `pointer` is.
+  residency where_first_chunk(void* pointer) {
+    return engine_->mover().where(first_chunk(pointer));
   }
   bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
     return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
@@ -101,10 +105,9 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
     allocator_->allocate(48 * MiB, nullptr, allocation_class::other);
     ADD_FAILURE() << "48 MiB of activations fit under a 48 MiB limit beside 16 MiB of them";
   } catch (const out_of_memory& failure) {
-    const std::string expected = format_bytes(engine.mover().figures().host_resident_bytes) +
-                                 " is offloaded to host memory";
+    const std::string expected =
+        format_bytes(engine.mover().figures().host_resident_bytes) + " is offloaded to host memory";
     EXPECT_NE(std::string(failure.what()).find(expected), std::string::npos) << failure.what();
-    std::printf("%s\n", failure.what());
   }
   allocator_->deallocate(activations);
   for (void* state : states) allocator_->deallocate(state);
@@ -181,7 +184,9 @@ TEST_F(OffloadEngineTest, WindowsFetchedAheadAndEvictedBehindKeepEveryWrite) {
   for (void* state : states) ASSERT_TRUE(engine.evict(state, /*wait=*/true));
   stream_handle side = device_->create_stream();
   event_handle fetched = device_->create_event();
-  auto value = [](int round, int index) { return static_cast<std::uint8_t>(round * 40 + index + 2); };
+  auto value = [](int round, int index) {
+    return static_cast<std::uint8_t>(round * 40 + index + 2);
+  };
   for (int round = 0; round < 5; ++round) {
     auto hint = [&](int window, bool begin, stream_handle stream) {
       for (int i = window * kWindow; i < std::min(kStates, (window + 1) * kWindow); ++i) {
@@ -208,11 +213,11 @@ TEST_F(OffloadEngineTest, WindowsFetchedAheadAndEvictedBehindKeepEveryWrite) {
       }
     }
     device_->synchronize_stream(side);
-    for (void* state : states) engine.mover().wait_until_settled(
-        [&] { std::vector<chunk_info> c; allocator_->chunks_of_allocation(state, c); return c.at(0).address; }());
+    for (void* state : states) engine.mover().wait_until_settled(first_chunk(state));
     engine.step_boundary();
     for (int i = 0; i < kStates; ++i) {
-      ASSERT_TRUE(holds(states[i], value(round, i), kStateBytes)) << "round " << round << ", state " << i;
+      ASSERT_TRUE(holds(states[i], value(round, i), kStateBytes))
+          << "round " << round << ", state " << i;
     }
   }
   device_->destroy_event(fetched);
