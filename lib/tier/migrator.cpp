@@ -98,6 +98,14 @@ void migrator::fence_behind_chunk_streams(const chunk_info& chunk, stream_handle
   }
 }
 
+void migrator::release_claim(std::uintptr_t address) {
+  {
+    std::lock_guard lock(mutex_);
+    moving_.erase(address);
+  }
+  changed_.notify_all();
+}
+
 void migrator::return_event(event_handle event) {
   std::lock_guard lock(mutex_);
   spare_events_.push_back(event);
@@ -117,6 +125,15 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
   if (chunk.handle.location != memory_location::device) {
     allocator_.unpin_chunk(address);
     return false;
+  }
+  {
+    // Claimed before any work is queued (Note [Claiming a chunk]).
+    std::lock_guard lock(mutex_);
+    if (moving_.contains(address)) {
+      allocator_.unpin_chunk(address);
+      return false;
+    }
+    moving_[address] = residency::moving_to_host;
   }
   transfer moving;
   moving.chunk = chunk;
@@ -138,11 +155,11 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
     if (moving.host.valid()) pool_.release(moving.host);
     if (moving.copied != nullptr) return_event(moving.copied);
     allocator_.unpin_chunk(address);
+    release_claim(address);
     throw;
   }
   {
     std::lock_guard lock(mutex_);
-    moving_[address] = residency::moving_to_host;
     bytes_leaving_device_ += chunk.handle.bytes;
     in_flight_.push_back(std::move(moving));
   }
@@ -157,12 +174,22 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
     auto found = on_host_.find(address);
     if (found == on_host_.end() || moving_.contains(address)) return false;
     host = found->second;
+    // Note [Claiming a chunk]: a chunk is "moving" from the moment one thread decides to
+    // move it, before its remap or copy. Claimed only after the remap, a use beginning in
+    // between on another thread saw "host", queued its writes without waiting for the
+    // arriving bytes, and the copy-in overwrote them (a prefetch against a use, found by
+    // OffloadEngineTest.WindowsFetchedAheadAndEvictedBehindKeepEveryWrite with prefetch on).
+    moving_[address] = residency::moving_to_device;
   }
   chunk_info chunk;
-  if (!allocator_.pin_chunk(address, chunk)) return false;
+  if (!allocator_.pin_chunk(address, chunk)) {
+    release_claim(address);
+    return false;
+  }
   if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
     // remapped behind our back: not ours
     allocator_.unpin_chunk(address);
+    release_claim(address);
     return false;
   }
   // Blocks allocated or freed in the segment since the hints were given: someone may have
@@ -175,6 +202,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
   moving.device_chunk = allocator_.arena().take_chunk(chunk.handle.bytes);
   if (!moving.device_chunk.valid()) {
     allocator_.unpin_chunk(address);
+    release_claim(address);
     return false;
   }
   if (chunk_idle) {
@@ -202,11 +230,11 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
       if (moving.copied != nullptr) return_event(moving.copied);
       allocator_.arena().return_chunk(moving.device_chunk);
       allocator_.unpin_chunk(address);
+      release_claim(address);
       throw;
     }
     std::lock_guard lock(mutex_);
     figures_.remap_ns += early_remap_ns;
-    moving_[address] = residency::moving_to_device;
     arriving_[address] = moving.copied;
     in_flight_.push_back(std::move(moving));
     changed_.notify_all();
@@ -233,11 +261,11 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
     if (moving.copied != nullptr) return_event(moving.copied);
     allocator_.arena().return_chunk(moving.device_chunk);
     allocator_.unpin_chunk(address);
+    release_claim(address);
     throw;
   }
   {
     std::lock_guard lock(mutex_);
-    moving_[address] = residency::moving_to_device;
     in_flight_.push_back(std::move(moving));
   }
   changed_.notify_all();

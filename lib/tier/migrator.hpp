@@ -103,6 +103,8 @@ class migrator {
   // Events are reused (a recording that a stream waits on is captured at the wait), so a
   // long run creates only as many as are in flight at once.
   event_handle obtain_event();
+  /// Forgets a claim (moving_) made by a move that did not start, and wakes its waiters.
+  void release_claim(std::uintptr_t address);
   void return_event(event_handle event);
   std::uint64_t checksum_of(std::uintptr_t address, std::size_t bytes, stream_handle stream);
   void finish(transfer& done);

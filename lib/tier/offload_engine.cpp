@@ -482,12 +482,13 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     // use_ends) has work coming that no fence covers yet, and moving the chunk under it
     // would lose that work's writes. Such a chunk stays.
     std::lock_guard lock(mutex_);
+    // Started under the lock: a use that begins now waits for the move.
     std::erase_if(chunks, [&](const chunk_info& chunk) {
       const auto known = chunks_.find(chunk.address);
       return known != chunks_.end() && known->second.open_uses > 0;
     });
+    for (const chunk_info& chunk : chunks) migrator_.evict_async(chunk.address);
   }
-  for (const chunk_info& chunk : chunks) migrator_.evict_async(chunk.address);
   if (wait) {
     for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);
   }
