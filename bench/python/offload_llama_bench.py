@@ -46,6 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: the limit leaves room for all but this share of "
                              "the optimizer states")
     parser.add_argument("--log-dir", help="write each mode's standard error to DIR/MODE.log")
+    parser.add_argument("--window-bytes", default="",
+                        help="offload mode: zt.offload's window_bytes; several, comma-separated, "
+                        "run the offload mode once for each")
+    parser.add_argument("--profile-dir", default="",
+                        help="after the timed steps, profile one more step of the native and "
+                        "offload modes (torch.profiler) into DIR/MODE.trace.json.gz")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -87,7 +93,10 @@ def worker(args) -> int:
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode == "offload":
-        zt.offload(model, optimizer)
+        if args.window_bytes:
+            zt.offload(model, optimizer, window_bytes=int(args.window_bytes))
+        else:
+            zt.offload(model, optimizer)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -137,6 +146,47 @@ def worker(args) -> int:
                       ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
                                 for k, v in sorted(moved.items())), file=sys.stderr)
             previous = figures
+    if args.profile_dir and mode == "offload":
+        # Host time inside the engine's hint calls during one step, by call.
+        from zeroalloc import _offload
+        spent = {}
+
+        def timed_call(name, function):
+            def call(*arguments):
+                started = time.perf_counter()
+                try:
+                    return function(*arguments)
+                finally:
+                    entry = spent.setdefault(name, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - started
+            return call
+
+        originals = {name: getattr(_offload, name)
+                     for name in ("use_begins", "use_ends", "use_in_place", "residency_of")}
+        for name, function in originals.items():
+            setattr(_offload, name, timed_call(name, function))
+        torch.cuda.synchronize()
+        step()
+        torch.cuda.synchronize()
+        for name, function in originals.items():
+            setattr(_offload, name, function)
+        print("hint calls in one step: " + ", ".join(
+            f"{name} {count} calls {seconds * 1e3:.1f} ms"
+            for name, (count, seconds) in spent.items()), file=sys.stderr, flush=True)
+    if args.profile_dir and mode in ("native", "offload"):
+        import gzip
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+            step()
+            torch.cuda.synchronize()
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        plain = Path(args.profile_dir) / f"{mode}.trace.json"
+        profiled.export_chrome_trace(str(plain))
+        with open(plain, "rb") as source, gzip.open(f"{plain}.gz", "wb") as packed:
+            packed.write(source.read())
+        plain.unlink()
     result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
               "steps_s": times, "loss": float(loss)}
     # Device time between marks on the default stream: forward, backward, optimizer step.
@@ -158,7 +208,7 @@ def worker(args) -> int:
     return 0
 
 
-def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
+def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -171,14 +221,16 @@ def run_mode(args, mode: str, limit_bytes: int = 0) -> dict:
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
-                 "vocab", "batch", "seq"):
+                 "vocab", "batch", "seq", "profile_dir"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    command += ["--window-bytes", window_bytes]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.log_dir) / f"{mode}.log").write_text(result.stderr)
+        suffix = f"_{int(window_bytes) >> 20}MiB" if window_bytes else ""
+        (Path(args.log_dir) / f"{mode}{suffix}.log").write_text(result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     if result.returncode != 0 or not lines:
         ours = [line for line in result.stderr.splitlines() if "zeroalloc" in line]
@@ -202,7 +254,10 @@ def main() -> int:
         native = results["native"]
         states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
         limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
-        results["offload"] = run_mode(args, "offload", limit)
+        sizes = args.window_bytes.split(",") if args.window_bytes else [""]
+        for size in sizes:
+            name = f"offload_{int(size) >> 20}MiB" if len(sizes) > 1 else "offload"
+            results[name] = run_mode(args, "offload", limit, size)
     if "fsdp2" in modes:
         results["fsdp2"] = run_mode(args, "fsdp2")
     native_step = results.get("native", {}).get("step_s")

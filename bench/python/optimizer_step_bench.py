@@ -24,6 +24,7 @@ allocator with ZEROALLOC_OFFLOAD=host, set by this script for its own worker pro
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -110,6 +111,7 @@ def worker(args) -> int:
             results[f"{name}_still_on_host"] = all(
                 zt.residency(s) == "host" for s in states(optimizer, copies[:host_params]))
         del copies, optimizer, work
+        gc.collect()  # the windowed step is a bound method: optimizer and step form a cycle
         torch.cuda.empty_cache()
 
     def device(copies, optimizer):
@@ -246,6 +248,15 @@ def worker(args) -> int:
                 copy.data.copy_(master, non_blocking=True)
         return step
 
+    if args.windows:  # zt.offload's step alone, at each window size in turn
+        for flavour in ("fused", "foreach"):
+            run(device, flavour, offload=False)
+            for size in args.windows.split(","):
+                args.window_bytes = int(size)
+                shipped.__name__ = f"shipped_{size}"
+                run(shipped, flavour, offload=False)
+        print("result " + json.dumps(results), flush=True)
+        return 0
     for flavour in ("fused", "foreach"):
         run(device, flavour, offload=False)
         run(in_place, flavour, offload=True)
@@ -263,6 +274,9 @@ def main() -> int:
     parser.add_argument("--host-share", type=float, default=0.75)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--window-bytes", type=int, default=1 << 30)
+    parser.add_argument("--windows", default="",
+                        help="comma-separated window sizes: time only zt.offload's step, at "
+                        "each size side by side")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5504)
     parser.add_argument("--layers", type=int, default=24)
@@ -278,7 +292,7 @@ def main() -> int:
     command = [sys.executable, __file__, "--worker"] + [
         f"--{name.replace('_', '-')}={getattr(args, name)}"
         for name in ("host_share", "repeats", "window_bytes", "hidden", "intermediate",
-                     "layers", "vocab")]
+                     "layers", "vocab", "windows")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     lines = [l for l in done.stdout.splitlines() if l.startswith("result ")]
     if done.returncode != 0 or not lines:
@@ -288,16 +302,20 @@ def main() -> int:
     print(f"AdamW step, {r['parameters'] / 1e9:.2f}B parameters, "
           f"{r['host_share']:.2f} of the states ({r['state_bytes_on_host'] / 2**30:.1f} GiB) "
           f"off the device; {r['host_threads']} CPU threads")
-    print(f"{'mode':18} {'step s':>8} {'vs device':>10}  parameters")
-    for name in ("device_fused", "in_place_fused", "bounce_fused", "shipped_fused",
-                 "migrate_fused", "host_adam_fused", "device_foreach", "in_place_foreach",
-                 "bounce_foreach", "shipped_foreach"):
+    print(f"{'mode':28} {'step s':>8} {'vs device':>10}  parameters")
+    names = ("device_fused", "in_place_fused", "bounce_fused", "shipped_fused",
+             "migrate_fused", "host_adam_fused", "device_foreach", "in_place_foreach",
+             "bounce_foreach", "shipped_foreach")
+    if args.windows:
+        names = [f"{mode}_{flavour}" for flavour in ("fused", "foreach") for mode in
+                 ["device"] + [f"shipped_{size}" for size in args.windows.split(",")]]
+    for name in names:
         seconds = r[f"{name}_s"]
         floor = r["device_" + name.rsplit("_", 1)[1] + "_s"]
         verdict = "reference" if name.startswith("device") else (
             "WRONG" if r.get(f"{name}_wrong") else
             f"max difference {r[f'{name}_max_difference']:.1e}")
-        print(f"{name:18} {seconds:8.3f} {seconds / floor:10.2f}  {verdict}")
+        print(f"{name:28} {seconds:8.3f} {seconds / floor:10.2f}  {verdict}")
     print(json.dumps({"bench": "optimizer_step", **r}))
     return 1 if any(key.endswith("_wrong") for key in r) else 0
 

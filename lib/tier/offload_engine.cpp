@@ -177,6 +177,7 @@ void offload_engine::open_use(const chunk_info& chunk) {
 void offload_engine::use_begins(const void* pointer, stream_handle stream) {
   const std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return;
+  bool wished = false;
   {
     std::lock_guard lock(mutex_);
     ++tick_;
@@ -205,8 +206,11 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
       if (where == residency::host || where == residency::moving_to_host) wishes_.push_back(next);
       window_positions_ = position - cursor_;
     }
+    wished = !wishes_.empty();
   }
-  wishes_changed_.notify_all();
+  // Woken only with work: a wake per hint (hundreds a step) costs the hinting thread a
+  // context switch and the engine lock's contention, with every chunk already resident.
+  if (wished) wishes_changed_.notify_all();
 
   std::uint64_t resident = 0;
   for (const chunk_info& chunk : chunks) {
@@ -333,8 +337,12 @@ void offload_engine::keep_headroom() {
                                  allocator_.arena().pooled_bytes() +
                                  migrator_.bytes_leaving_device();
   if (free_now >= settings_.prefetch_bytes) return;
-  for (const victim& chosen : choose_victims(settings_.prefetch_bytes - free_now, window_positions_,
-                                             /*only_released=*/true)) {
+  const auto started = std::chrono::steady_clock::now();
+  const std::vector<victim> victims = choose_victims(settings_.prefetch_bytes - free_now,
+                                                     window_positions_, /*only_released=*/true);
+  ++figures_.headroom_searches;
+  figures_.headroom_search_ns += nanoseconds_since(started);
+  for (const victim& chosen : victims) {
     try {
       if (start_eviction(chosen)) ++figures_.evictions;
     } catch (const host_memory_exhausted& full) {

@@ -255,6 +255,15 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     temporaries (foreach intermediates) are allocated with the activations; states the step
     creates move into the optimizer-state class after their window. Every hint opened is
     closed, and the copies are waited for in the step's stream, also when a window fails.
+    Note [Windows and buffers]: copies in and out run at once, each at the PCIe rate, while
+    the kernels take a fraction of that. A window's copy out follows its copy in and its
+    step, so the step costs the bytes bounced one way plus about one window (the out stream
+    waits for the first, the in stream has nothing left during the last). Smaller windows
+    shorten that and add per-window costs (Python, launches): from 128 MiB to 1 GiB the step
+    measured the same (bench/RESULTS.md). Ramping the sizes at the ends does not help: the
+    out stream then waits for the first large window instead. With two scratch buffers a window's copy in would wait for
+    the write-back of the window just before it, which waits for that window's step, adding
+    half a window's kernels to every window; with three it waits for one long done.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows."""
@@ -296,44 +305,57 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     def padded(nbytes: int) -> int:
         return -(-nbytes // 512) * 512
 
-    def bounced(tensor) -> bool:
+    def residencies(found) -> dict:
+        """Each state's residency at the start of the step, by id: asked once per state (a
+        call into the library each). A state the engine moves before its window is pinned
+        is still stepped correctly: in place if it left the device, through a redundant
+        copy if it came back."""
+        return {id(value): where(value) for window in found for parameter in window
+                for _, value in state_items(parameter)}
+
+    def bounced(tensor, places) -> bool:
         """Whether a state is copied through scratch: off the device, and laid out so that a
         contiguous copy has the same strides (else the kernels reach it where it is)."""
-        return tensor.is_contiguous() and where(tensor) not in ("device", "foreign")
+        return tensor.is_contiguous() and places[id(tensor)] not in ("device", "foreign")
 
-    def stage(window, buffer, copy_in, copy_out, staged):
+    def stage(window, buffer, free, copy_in, staged, places):
         """Pins the window's states where they are and starts copying the host-resident ones
-        into views of `buffer` (device scratch; what does not fit is used where it is);
-        returns the entries [state dict, key, home, scratch or None, pinned], each also
-        appended to `staged` as soon as it is pinned."""
+        into views of `buffer` (device scratch, once the event `free` says its last window
+        is written back; what does not fit is used where it is); returns the entries
+        [state dict, key, home, scratch or None, pinned], each also appended to `staged` as
+        soon as it is pinned."""
         entries, offset = [], 0
         capacity = buffer.numel() if buffer is not None else 0
         for parameter in window:
             state = optimizer.state.get(parameter, {})
             for key, home in state_items(parameter):
                 pointer = home.untyped_storage().data_ptr()
-                pinned = where(home) != "foreign"
+                pinned = places[id(home)] != "foreign"
                 if pinned:
                     _offload.use_in_place(pointer, copy_in.cuda_stream)
                 scratch = None
                 nbytes = home.numel() * home.element_size()
-                if pinned and bounced(home) and offset + padded(nbytes) <= capacity:
+                if pinned and bounced(home, places) and offset + padded(nbytes) <= capacity:
                     scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
                     offset += padded(nbytes)
                 entries.append([state, key, home, scratch, pinned])
                 staged.append(entries[-1])
         if offset:
-            copy_in.wait_stream(copy_out)  # the buffer's last readers, and last write-backs
+            if free is not None:
+                copy_in.wait_event(free)  # the buffer's last step and write-back
             with torch.cuda.stream(copy_in):
                 for entry in entries:
                     if entry[3] is not None:
                         entry[3].copy_(entry[2], non_blocking=True)
         return entries
 
-    def scratch_bytes(window):
+    def scratch_bytes(window, places):
+        """Room for the window's bounced states: those on the device need none, and the
+        buffers come out of the memory the activations just left (larger ones would make
+        that class grow, and push more states to the host)."""
         return sum(padded(value.numel() * value.element_size())
                    for parameter in window for _, value in state_items(parameter)
-                   if bounced(value))
+                   if bounced(value, places))
 
     def adopt_new_states(fresh):
         """States the optimizer created in this window (in the step's class, "other") move
@@ -373,23 +395,28 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                 copies = streams[device.index]
                 copy_in, copy_out = copies
                 main = torch.cuda.current_stream(device)
-                # Two scratch buffers, alternating between windows, allocated in this step's
-                # stream order: the copy streams wait for what ran before on that memory.
-                size = max(scratch_bytes(window) for window in found)
+                # Scratch buffers taken in turn by the windows, allocated in this step's
+                # stream order: the copy streams wait for what ran before on that memory,
+                # and for the last step's write-backs. Three (Note [Windows and buffers]).
+                places = residencies(found)
+                size = max(scratch_bytes(window, places) for window in found)
                 if size:
                     with allocation_class("other"):
                         buffers = [torch.empty(size, dtype=torch.uint8, device=device)
-                                   for _ in range(2)]
+                                   for _ in range(min(3, len(found)))]
+                free = [None] * len(buffers)  # per buffer: its last write-back done
                 copy_in.wait_stream(main)
-                upcoming = stage(found[0], buffers[0] if buffers else None, copy_in, copy_out,
-                                 staged)
+                copy_in.wait_stream(copy_out)
+                upcoming = stage(found[0], buffers[0] if buffers else None, None, copy_in,
+                                 staged, places)
                 for number, window in enumerate(found):
                     entries = upcoming
                     main.wait_stream(copy_in)
                     if number + 1 < len(found):
-                        following = buffers[(number + 1) % 2] if buffers else None
-                        upcoming = stage(found[number + 1], following, copy_in, copy_out,
-                                         staged)
+                        slot = (number + 1) % len(buffers) if buffers else 0
+                        upcoming = stage(found[number + 1], buffers[slot] if buffers else None,
+                                         free[slot] if buffers else None, copy_in, staged,
+                                         places)
                     for entry in entries:
                         if entry[3] is not None:
                             entry[0][entry[1]] = entry[3]
@@ -422,6 +449,9 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                                 _offload.use_ends(home.untyped_storage().data_ptr(),
                                                   copy_out.cuda_stream)
                             _remove(staged, entry)
+                        if buffers:
+                            free[number % len(buffers)] = torch.cuda.Event()
+                            free[number % len(buffers)].record(copy_out)
                     adopt_new_states(fresh)  # after the write-backs: a failure here loses none
             succeeded = True
         finally:
