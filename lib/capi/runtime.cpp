@@ -250,7 +250,8 @@ std::string runtime::offload_json(int ordinal) {
       ",\"device_waited_ns\":", uses.device_waited_ns, ",\"host_waited_ns\":", uses.waited_ns,
       ",\"steps\":", uses.steps, ",\"learned_order_chunks\":", uses.learned_order_chunks,
       ",\"in_place_uses\":", uses.in_place_uses, ",\"headroom_searches\":", uses.headroom_searches,
-      ",\"headroom_search_ns\":", uses.headroom_search_ns, ",\"chunks_in_use\":", uses.chunks_in_use, "}");
+      ",\"headroom_search_ns\":", uses.headroom_search_ns,
+      ",\"chunks_in_use\":", uses.chunks_in_use, "}");
 }
 
 offload_engine* runtime::engine_of(const void* pointer) {
