@@ -261,9 +261,10 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     waits for the first, the in stream has nothing left during the last). Smaller windows
     shorten that and add per-window costs (Python, launches): from 128 MiB to 1 GiB the step
     measured the same (bench/RESULTS.md). Ramping the sizes at the ends does not help: the
-    out stream then waits for the first large window instead. With two scratch buffers a window's copy in would wait for
-    the write-back of the window just before it, which waits for that window's step, adding
-    half a window's kernels to every window; with three it waits for one long done.
+    out stream then waits for the first large window instead. With two scratch buffers a
+    window's copy in would wait for the write-back of the window just before it, which
+    waits for that window's step, adding half a window's kernels to every window; with
+    three it waits for one long done.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows."""
