@@ -93,7 +93,7 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     std::uint64_t distance;
     std::uint64_t last_use;
     std::uint64_t generation;
-    bool last_resort;  // a gradient: only when nothing else can go
+    int rank;  // 0, then 1: free space, then 2: a gradient, only when nothing else can go
   };
   std::vector<candidate> candidates;
   for (const chunk_info& chunk : all) {
@@ -102,8 +102,13 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     const bool gradient = chunk.allocation_class == static_cast<int>(allocation_class::gradient);
     if (gradient && only_released) continue;
     if (chunk.handle.location != memory_location::device) continue;
-    // Free space gains nothing on the host, and whatever is allocated there next would be.
-    if (!chunk.holds_live_blocks) continue;
+    // Free space gains little on the host, and whatever is allocated there next comes back
+    // (allocated_on_host). But a device held full by the free tails of segments whose
+    // blocks went to the host (7 MiB blocks in 20 MiB segments leave 6 MiB tails no 7 MiB
+    // request fits) has nothing else to give: the allocation-failure path takes them,
+    // after every chunk holding something, before gradients.
+    const bool free_space = !chunk.holds_live_blocks;
+    if (free_space && only_released) continue;
     auto state = chunks_.find(chunk.address);
     if (state != chunks_.end() && state->second.open_uses > 0) continue;
     if (migrator_.where(chunk.address) != residency::device) continue;
@@ -120,10 +125,12 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
                           state == chunks_.end() ? 0 : state->second.last_use, chunk.generation,
-                          gradient});
+                          gradient     ? 2
+                          : free_space ? 1
+                                       : 0});
   }
   std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
-    if (a.last_resort != b.last_resort) return b.last_resort;
+    if (a.rank != b.rank) return a.rank < b.rank;
     if (a.distance != b.distance) return a.distance > b.distance;  // farthest next use first
     return a.last_use < b.last_use;                                // then least recently used
   });
@@ -138,7 +145,7 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
   for (std::size_t run = 0; run < candidates.size() && freed < bytes;) {
     std::size_t end = run;
     while (end < candidates.size() && candidates[end].distance == candidates[run].distance &&
-           candidates[end].last_resort == candidates[run].last_resort) {
+           candidates[end].rank == candidates[run].rank) {
       ++end;
     }
     std::vector<const candidate*> later;

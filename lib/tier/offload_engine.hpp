@@ -9,8 +9,10 @@
 // evicted; activations never: they are written and read within a step. Gradients mostly are
 // too, and are freed after each step (zero_grad): evicted, they would come back as
 // host-resident free space that the next backward writes over PCIe. So they go only when an
-// allocation would otherwise fail and nothing else is left. A chunk is idle when no use
-// hint is open on it.
+// allocation would otherwise fail and nothing else is left. Chunks that hold only free
+// space go on that path too, after those holding something and before gradients: a
+// segment's free tail no request fits would otherwise hold the device once the segment's
+// blocks are on the host. A chunk is idle when no use hint is open on it.
 //
 // Note [Used in place]: data that a step reads and writes once, in one streaming pass
 // (optimizer states), is cheapest where it already is: a host-resident chunk is reached over
