@@ -75,6 +75,7 @@ struct heap_counts {
   std::uint64_t segments_mapped = 0;
   std::uint64_t segments_unmapped = 0;
   std::uint64_t segments_donated = 0;  ///< fully free segments given to another heap
+  std::uint64_t segments_split = 0;    ///< free runs cut off a segment (heap.cpp)
 };
 
 /// A current value, its peak since the last reset, and its peak since the start.
@@ -97,6 +98,7 @@ struct class_figures {
   std::uint64_t segments_mapped = 0;
   std::uint64_t segments_unmapped = 0;
   std::uint64_t segments_donated = 0;
+  std::uint64_t segments_split = 0;
   std::uint64_t largest_free_block_bytes = 0;
   /// Reserved minus allocated: memory held but not handed out.
   [[nodiscard]] std::int64_t fragmentation_bytes() const {

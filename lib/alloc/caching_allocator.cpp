@@ -269,6 +269,7 @@ stats_snapshot caching_allocator::stats() const {
         into->segments_mapped += counts.segments_mapped;
         into->segments_unmapped += counts.segments_unmapped;
         into->segments_donated += counts.segments_donated;
+        into->segments_split += counts.segments_split;
       }
     }
     figures.largest_free_block_bytes = largest_free_block(cls);
@@ -298,7 +299,7 @@ void append_figures(std::string& out, const class_figures& figures) {
                 "\"active_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
                 "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
                 "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_"
-                "donated\":%llu,"
+                "donated\":%llu,\"segments_split\":%llu,"
                 "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
                 static_cast<long long>(figures.allocated_bytes.current),
                 static_cast<long long>(figures.allocated_bytes.peak),
@@ -317,6 +318,7 @@ void append_figures(std::string& out, const class_figures& figures) {
                 static_cast<unsigned long long>(figures.segments_mapped),
                 static_cast<unsigned long long>(figures.segments_unmapped),
                 static_cast<unsigned long long>(figures.segments_donated),
+                static_cast<unsigned long long>(figures.segments_split),
                 static_cast<unsigned long long>(figures.largest_free_block_bytes),
                 static_cast<long long>(figures.fragmentation_bytes()));
   out += text;

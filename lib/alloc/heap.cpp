@@ -188,21 +188,132 @@ std::vector<stream_handle> heap::streams_of(const segment& owner) const {
   return streams;
 }
 
+// Note [Splitting free runs off a segment]: a segment whose blocks are partly in use gives
+// nothing away as a whole, yet a training step leaves free runs of whole chunks inside busy
+// segments (activations freed in backward, next to ones still live), and a fully free
+// segment larger than the need is not given whole either. Such a run is split off into a
+// segment of its own, at chunk boundaries (every chunk is mapped on its own, so the
+// pieces unmap as they were mapped): the run becomes a fully free segment that another
+// class can take, the rest stay segments of this heap. Only segments with no chunk pinned
+// or on the host are cut (the offload engine's bookkeeping stays per chunk). A run may be
+// about twice the need (chunks are large; a run that must fit within an eighth of the
+// need rarely exists). On the recorded Llama traces with their four classes (simulated
+// device), peak reserved / peak allocated goes from 1.204 to 1.158 (1.3B parameters),
+// 1.184 to 1.118 (438M) and 1.040 to 1.016 (271M, the demo's); with one class it does not
+// change. Tried and dropped: runs up to the need plus half a chunk (1.182, 1.138, 1.022),
+// up to three or four times the need (no better, and less stable across traces).
+segment* heap::split_free_run(std::size_t least_bytes, std::size_t most_bytes) {
+  if (!unmerged_.empty()) coalesce_freed();  // free blocks at their largest
+  for (auto it = segments_.begin(); it != segments_.end(); ++it) {
+    segment& whole = **it;
+    if (whole.pinned_chunks != 0 || whole.host_chunks != 0 || whole.chunks.size() < 2) continue;
+    for (block* piece = whole.first; piece != nullptr; piece = piece->next) {
+      if (piece->allocated || piece->pending || piece->bytes < least_bytes) continue;
+      // The chunks wholly inside the free block, from its first chunk boundary on, up to
+      // `most_bytes`.
+      std::size_t first = 0;
+      std::uintptr_t start = whole.address;
+      while (first < whole.chunks.size() && start < piece->address) {
+        start += whole.chunks[first++].bytes;
+      }
+      std::size_t last = first;
+      std::uintptr_t end = start;
+      const std::uintptr_t limit = piece->address + piece->bytes;
+      while (last < whole.chunks.size() && end + whole.chunks[last].bytes <= limit &&
+             end + whole.chunks[last].bytes - start <= most_bytes) {
+        end += whole.chunks[last++].bytes;
+      }
+      if (end - start < least_bytes || last == first ||
+          (first == 0 && last == whole.chunks.size())) {
+        continue;
+      }
+      return cut_segment(it, piece, first, last, start, end);
+    }
+  }
+  return nullptr;
+}
+
+segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner, block* free_block,
+                           std::size_t first_chunk, std::size_t last_chunk, std::uintptr_t start,
+                           std::uintptr_t end) {
+  segment& whole = **owner;
+  // One free block exactly over [start, end), its remainders free blocks of their own.
+  remove_free(free_block);
+  auto split_after = [&](block* left, std::uintptr_t at) {
+    block* right = new_block();
+    right->address = at;
+    right->bytes = left->address + left->bytes - at;
+    right->owner = left->owner;
+    right->stream = left->stream;
+    right->previous = left;
+    right->next = left->next;
+    if (left->next != nullptr) left->next->previous = right;
+    left->next = right;
+    left->bytes = at - left->address;
+    return right;
+  };
+  block* middle = free_block;
+  if (middle->address < start) {
+    middle = split_after(middle, start);
+    insert_free(middle->previous);  // binned by its final size
+  }
+  if (middle->address + middle->bytes > end) insert_free(split_after(middle, end));
+  insert_free(middle);
+  // Three runs of blocks, each a segment: before the run, the run, after it.
+  std::vector<std::unique_ptr<segment>> parts;
+  auto make_part = [&](block* head, std::uintptr_t address, std::size_t from, std::size_t to) {
+    auto part = std::make_unique<segment>();
+    part->address = address;
+    part->chunks.assign(whole.chunks.begin() + static_cast<std::ptrdiff_t>(from),
+                        whole.chunks.begin() + static_cast<std::ptrdiff_t>(to));
+    for (const physical_handle& chunk : part->chunks) part->bytes += chunk.bytes;
+    part->generation = whole.generation + 1;
+    part->first = head;
+    head->previous = nullptr;
+    for (block* piece = head; piece != nullptr; piece = piece->next) {
+      piece->owner = part.get();
+      if (piece->allocated || piece->pending) ++part->busy_blocks;
+    }
+    parts.push_back(std::move(part));
+  };
+  block* after = middle->next;
+  if (middle->previous != nullptr) middle->previous->next = nullptr;
+  middle->next = nullptr;
+  if (first_chunk != 0) make_part(whole.first, whole.address, 0, first_chunk);
+  make_part(middle, start, first_chunk, last_chunk);
+  segment* run = parts.back().get();
+  if (after != nullptr) make_part(after, end, last_chunk, whole.chunks.size());
+  segments_.erase(owner);
+  for (auto& part : parts) segments_.push_back(std::move(part));
+  ++counts_.segments_split;
+  return run;
+}
+
 bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                          donated_memory& into) {
-  auto chosen = segments_.end();
-  for (auto it = segments_.begin(); it != segments_.end(); ++it) {
-    const segment& candidate = **it;
-    if (candidate.busy_blocks != 0 || candidate.pinned_chunks != 0 ||
-        candidate.bytes < least_bytes || candidate.bytes > most_bytes) {
-      continue;
+  auto pick = [&] {
+    auto chosen = segments_.end();
+    for (auto it = segments_.begin(); it != segments_.end(); ++it) {
+      const segment& candidate = **it;
+      if (candidate.busy_blocks != 0 || candidate.pinned_chunks != 0 ||
+          candidate.bytes < least_bytes || candidate.bytes > most_bytes) {
+        continue;
+      }
+      // Host memory behind another class's fresh allocation would be a slow surprise.
+      if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(),
+                      [](const auto& chunk) { return chunk.location == memory_location::host; })) {
+        continue;
+      }
+      if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
     }
-    // Host memory behind another class's fresh allocation would be a slow surprise.
-    if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(),
-                    [](const auto& chunk) { return chunk.location == memory_location::host; })) {
-      continue;
+    return chosen;
+  };
+  auto chosen = pick();
+  if (chosen == segments_.end()) {
+    if (segment* run = split_free_run(least_bytes, 2 * most_bytes)) {
+      chosen = std::find_if(segments_.begin(), segments_.end(),
+                            [&](const auto& owned) { return owned.get() == run; });
     }
-    if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
   }
   if (chosen == segments_.end()) return false;
   segment& given = **chosen;

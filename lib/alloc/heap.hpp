@@ -154,6 +154,12 @@ class heap {
   bool donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                      donated_memory& into);
   void gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into);
+  /// Makes a free run of whole chunks, `least_bytes` to `most_bytes`, a fully free segment
+  /// of its own (Note [Splitting free runs off a segment]); nullptr when there is none.
+  segment* split_free_run(std::size_t least_bytes, std::size_t most_bytes);
+  segment* cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner, block* free_block,
+                       std::size_t first_chunk, std::size_t last_chunk, std::uintptr_t start,
+                       std::uintptr_t end);
   void retire_donated(bool wait);
   void return_addresses(std::uintptr_t address, std::size_t bytes);
   std::vector<stream_handle> streams_of(const segment& owner) const;

@@ -275,6 +275,33 @@ TEST_F(CachingAllocatorTest, FreeMemoryOfAnotherClassServesARequestWithoutNewMem
   allocator->deallocate(state);
 }
 
+// Note [Splitting free runs off a segment]: a run of whole free chunks inside a segment whose
+// other blocks are live serves another class; the live blocks keep their bytes.
+TEST_F(CachingAllocatorTest, AFreeRunInsideABusySegmentServesAnotherClass) {
+  auto allocator = make_allocator(64 * MiB);  // 8 MiB chunks
+  allocator->deallocate(allocator->allocate(48 * MiB, nullptr, allocation_class::other));
+  void* first = allocator->allocate(16 * MiB, nullptr, allocation_class::other);
+  void* middle = allocator->allocate(16 * MiB, nullptr, allocation_class::other);
+  void* last = allocator->allocate(16 * MiB, nullptr, allocation_class::other);
+  ASSERT_EQ(static_cast<std::uint64_t>(allocator->stats().total.reserved_bytes.current), 48 * MiB)
+      << "the three blocks share the 48 MiB segment";
+  fill(first, 0x11, 16 * MiB);
+  fill(last, 0x33, 16 * MiB);
+  allocator->deallocate(middle);
+  // 16 MiB of the limit is left: 24 MiB more needs the free middle run.
+  void* gradient = allocator->allocate(24 * MiB, nullptr, allocation_class::gradient);
+  ASSERT_NE(gradient, nullptr);
+  fill(gradient, 0x22, 24 * MiB);
+  const stats_snapshot stats = allocator->stats();
+  EXPECT_LE(static_cast<std::uint64_t>(stats.total.reserved_bytes.peak), 64 * MiB);
+  EXPECT_EQ(stats.of(allocation_class::other).segments_split, 1u);
+  EXPECT_EQ(stats.total.failures, 0u);
+  EXPECT_TRUE(holds(first, 0x11, 16 * MiB));
+  EXPECT_TRUE(holds(last, 0x33, 16 * MiB));
+  EXPECT_TRUE(holds(gradient, 0x22, 24 * MiB));
+  for (void* pointer : {first, last, gradient}) allocator->deallocate(pointer);
+}
+
 // Note [Moving free memory between classes]: reserved memory follows the peak of the sum of
 // the classes, not the sum of their peaks.
 TEST_F(CachingAllocatorTest, ReservedMemoryFollowsThePeakOfAllClassesTogether) {
