@@ -198,7 +198,7 @@ std::vector<stream_handle> heap::streams_of(const segment& owner) const {
 // or on the host are cut (the offload engine's bookkeeping stays per chunk). A run may be
 // about twice the need (chunks are large; a run that must fit within an eighth of the
 // need rarely exists). On the recorded Llama traces with their four classes (simulated
-// device), peak reserved / peak allocated goes from 1.204 to 1.158 (1.3B parameters),
+// device), peak reserved / peak allocated goes from 1.204 to 1.16 (1.3B parameters),
 // 1.184 to 1.118 (438M) and 1.040 to 1.016 (271M, the demo's); with one class it does not
 // change. Tried and dropped: runs up to the need plus half a chunk (1.182, 1.138, 1.022),
 // up to three or four times the need (no better, and less stable across traces).
