@@ -75,7 +75,7 @@ struct heap_counts {
   std::uint64_t segments_mapped = 0;
   std::uint64_t segments_unmapped = 0;
   std::uint64_t segments_donated = 0;  ///< fully free segments given to another heap
-  std::uint64_t segments_split = 0;    ///< free runs cut off a segment (heap.cpp)
+  std::uint64_t segments_split = 0;    ///< segments added by cutting free runs off others
 };
 
 /// A current value, its peak since the last reset, and its peak since the start.

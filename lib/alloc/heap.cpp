@@ -284,8 +284,8 @@ segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner
   segment* run = parts.back().get();
   if (after != nullptr) make_part(after, end, last_chunk, whole.chunks.size());
   segments_.erase(owner);
+  counts_.segments_split += parts.size() - 1;  // segments added
   for (auto& part : parts) segments_.push_back(std::move(part));
-  ++counts_.segments_split;
   return run;
 }
 

@@ -40,9 +40,10 @@ def memory_stats(device: int = 0) -> dict:
         flat[f"allocation.{pool}.freed"] = figures["frees"]
         flat[f"allocation.{pool}.current"] = figures["allocations"] - figures["frees"]
         segments_gone = figures["segments_unmapped"] + figures["segments_donated"]
-        flat[f"segment.{pool}.allocated"] = figures["segments_mapped"]
+        segments_made = figures["segments_mapped"] + figures.get("segments_split", 0)
+        flat[f"segment.{pool}.allocated"] = segments_made
         flat[f"segment.{pool}.freed"] = segments_gone
-        flat[f"segment.{pool}.current"] = figures["segments_mapped"] - segments_gone
+        flat[f"segment.{pool}.current"] = segments_made - segments_gone
         flat[f"zeroalloc.cache_hits.{pool}"] = figures["cache_hits"]
         flat[f"zeroalloc.largest_free_block_bytes.{pool}"] = figures["largest_free_block_bytes"]
         flat[f"zeroalloc.fragmentation_bytes.{pool}"] = figures["fragmentation_bytes"]
@@ -101,7 +102,8 @@ def memory_summary(device: int = 0) -> str:
     total = raw["total"]
     footer = (f"retries after releasing cache: {total['retries']}; out-of-memory failures: "
               f"{total['failures']}; segments mapped {total['segments_mapped']}, unmapped "
-              f"{total['segments_unmapped']}, moved to another class {total['segments_donated']}")
+              f"{total['segments_unmapped']}, moved to another class {total['segments_donated']}, "
+              f"added by splitting {total.get('segments_split', 0)}")
     passed = [f"{call} {figures['calls']}" + (f" ({_format_bytes(figures['bytes'])})"
                                               if figures["bytes"] else "")
               for call, figures in raw.get("passthrough", {}).items() if figures["calls"]]
