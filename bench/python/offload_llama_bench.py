@@ -13,6 +13,13 @@ The model is a transformers LlamaForCausalLM with random weights (1.3B parameter
 default), batch 4 x 1024 tokens, bf16 autocast, AdamW. Prints a table, then one JSON line.
 
     python3 bench/python/offload_llama_bench.py [--steps 10] [--modes native,zeroalloc,offload,fsdp2]
+
+A model larger than the GPU (13B: its states alone exceed it) runs the offload mode alone,
+under a limit given outright, with micro-batches per step and model TFLOPS reported:
+
+    python3 bench/python/offload_llama_bench.py --modes offload --limit-gib 128 \
+        --host-limit 96GiB --hidden 5120 --intermediate 13824 --layers 40 --heads 40 \
+        --accumulate 4 --checkpointing --warmup 2 --steps 3
 """
 
 import argparse
@@ -49,6 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window-bytes", default="",
                         help="offload mode: zt.offload's window_bytes; several, comma-separated, "
                         "run the offload mode once for each")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches (forward and backward) per optimizer step")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="recompute each layer's activations in backward (transformers' "
+                        "gradient checkpointing)")
+    parser.add_argument("--limit-gib", type=float, default=0.0,
+                        help="offload mode: this ZEROALLOC_MEMORY_LIMIT instead of one derived "
+                        "from the native run (for models that do not fit: no native run needed)")
+    parser.add_argument("--host-limit", default="32GiB",
+                        help="offload mode: ZEROALLOC_HOST_LIMIT")
     parser.add_argument("--profile-dir", default="",
                         help="after the timed steps, profile one more step of the native and "
                         "offload modes (torch.profiler) into DIR/MODE.trace.json.gz")
@@ -90,6 +107,9 @@ def worker(args) -> int:
         fully_shard(model, offload_policy=CPUOffloadPolicy())
     else:
         model = build(args, torch, device)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode == "offload":
@@ -102,13 +122,18 @@ def worker(args) -> int:
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
     def step():
+        # Phases: the first micro-batch's forward; then every backward (and the forwards of
+        # later micro-batches); then the optimizer step.
         marks[0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=tokens, labels=tokens).loss
-        marks[1].record()
-        if zeroalloc is not None and zeroalloc._library.last_error():
-            print(f"zeroalloc last error: {zeroalloc._library.last_error()}", file=sys.stderr)
-        loss.backward()
+        for micro in range(args.accumulate):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss / args.accumulate
+            if micro == 0:
+                marks[1].record()
+            if zeroalloc is not None and zeroalloc._library.last_error():
+                print(f"zeroalloc last error: {zeroalloc._library.last_error()}",
+                      file=sys.stderr)
+            loss.backward()
         marks[2].record()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -192,7 +217,11 @@ def worker(args) -> int:
     # Device time between marks on the default stream: forward, backward, optimizer step.
     result["phases_s"] = {name: statistics.median(p[i] for p in phases)
                           for i, name in enumerate(("forward", "backward", "step"))}
-    result["tokens_per_s"] = args.batch * args.seq / result["step_s"]
+    result["tokens_per_s"] = args.batch * args.seq * args.accumulate / result["step_s"]
+    # Model FLOPs per token, forward and backward, recomputation not counted (Megatron-LM's
+    # count: 6 per parameter, plus attention's 12 x layers x hidden x sequence).
+    flops_per_token = 6 * parameters + 12 * args.layers * args.hidden * args.seq
+    result["model_tflops"] = result["tokens_per_s"] * flops_per_token / 1e12
     if mode == "native":
         result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         result["peak_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -215,15 +244,16 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> d
     if mode == "offload":
         env["ZEROALLOC_LOG_LEVEL"] = os.environ.get("ZEROALLOC_LOG_LEVEL", "info")
         env["ZEROALLOC_OFFLOAD"] = "host"
-        env["ZEROALLOC_HOST_LIMIT"] = "32GiB"
+        env["ZEROALLOC_HOST_LIMIT"] = args.host_limit
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
     if mode == "fsdp2":
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
-                 "vocab", "batch", "seq", "profile_dir"):
+                 "vocab", "batch", "seq", "profile_dir", "accumulate"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--window-bytes", window_bytes]
+    command += ["--window-bytes", window_bytes] + (["--checkpointing"] if args.checkpointing
+                                                   else [])
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
@@ -246,14 +276,17 @@ def main() -> int:
         return worker(args)
     modes = args.modes.split(",")
     results = {}
-    if "native" in modes or "offload" in modes:
+    if "native" in modes or ("offload" in modes and not args.limit_gib):
         results["native"] = run_mode(args, "native")
     if "zeroalloc" in modes:
         results["zeroalloc"] = run_mode(args, "zeroalloc")
-    if "offload" in modes and "peak_reserved" in results.get("native", {}):
-        native = results["native"]
-        states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
-        limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
+    if "offload" in modes and (args.limit_gib or "peak_reserved" in results.get("native", {})):
+        if args.limit_gib:
+            limit = int(args.limit_gib * 2**30)
+        else:
+            native = results["native"]
+            states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
+            limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
         sizes = args.window_bytes.split(",") if args.window_bytes else [""]
         for size in sizes:
             name = f"offload_{int(size) >> 20}MiB" if len(sizes) > 1 else "offload"
@@ -280,7 +313,7 @@ def main() -> int:
             notes = (f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB, reserved "
                      f"{result['peak_reserved'] / 2**30:.1f} GiB")
         notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
-            **result["phases_s"]) + notes
+            **result["phases_s"]) + f"{result['model_tflops']:.0f} model TFLOPS; " + notes
         vs_native = result["step_s"] / native_step if native_step else float("nan")
         vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else float("nan")
         print(f"{mode:10} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
