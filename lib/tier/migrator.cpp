@@ -68,6 +68,13 @@ migrator::~migrator() {
   allocator_.arena().set_host_chunk_sink(nullptr);
   try {
     for (event_handle event : spare_events_) device_.destroy_event(event);
+    for (const auto& [address, bytes] : retired_slots_) {
+      try {
+        device_.unmap(address, bytes);  // one more try, so that the addresses can go
+      } catch (const std::exception& failure) {
+        log().warn("offload: a retired staging address stays mapped: {}", failure.what());
+      }
+    }
     device_.destroy_stream(out_stream_);
     device_.destroy_stream(in_stream_);
     device_.free_addresses(staging_region_, staging_slot_bytes_ * kStagingSlots);
@@ -272,25 +279,49 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
   return true;
 }
 
+// Note [Committing a move]: a move commits when the chunk's addresses map its new backing
+// (the remap; for an early-remapped fetch, at the request). A failure before that is undone
+// by the worker: the chunk keeps its old backing. Nothing after it may undo it: the chunk's
+// bytes are where its addresses point, so what follows (unmapping the staging address,
+// verifying) only logs its failures. A staging address whose unmap failed still maps the
+// device chunk now behind the chunk, so it is retired rather than reused.
 void migrator::finish(transfer& done) {
   const std::uintptr_t address = done.chunk.address;
   const std::size_t bytes = done.chunk.handle.bytes;
   stream_handle stream = done.to_host ? out_stream_ : in_stream_;
   const auto remap_started = std::chrono::steady_clock::now();
+  physical_handle left_behind;  // to host: the device chunk the chunk no longer uses
   if (done.to_host) {
     // Stays pinned until on_host_ knows the chunk (below): a segment unmapped in between
     // would hand its host slice to return_host_chunk before it could be found.
-    const physical_handle previous = allocator_.remap_pinned_chunk(address, done.host.handle);
-    allocator_.arena().return_chunk(previous);
+    left_behind = allocator_.remap_pinned_chunk(address, done.host.handle);
+  } else if (!done.remapped_early) {
+    allocator_.replace_pinned_chunk(address, done.device_chunk);  // the host chunk: below
+  }
+  done.committed = true;
+  if (done.to_host) {
+    allocator_.arena().return_chunk(left_behind);
   } else if (done.remapped_early) {
     allocator_.unpin_chunk(address);
   } else {
-    const physical_handle previous = allocator_.replace_pinned_chunk(address, done.device_chunk);
-    (void)previous;  // the host chunk, given back below
-    device_.unmap(done.staging, bytes);
+    try {
+      device_.unmap(done.staging, bytes);
+      return_staging_slot(done.staging);
+    } catch (const std::exception& failure) {
+      retire_staging_slot(done.staging, bytes, failure.what());
+    }
   }
   if (verify_) {
-    const std::uint64_t after = checksum_of(address, bytes, stream);
+    std::uint64_t after = 0;
+    try {
+      after = checksum_of(address, bytes, stream);
+    } catch (const std::exception& failure) {
+      log().error(
+          "ZEROALLOC_VERIFY: the chunk at {:#x} moved to the {} but could not be read "
+          "back to check it: {}",
+          address, done.to_host ? "host" : "device", failure.what());
+      after = done.checksum;
+    }
     if (after != done.checksum) {
       log().critical(
           "ZEROALLOC_VERIFY: the chunk at {:#x} ({}, {}) changed while moving to the {}: "
@@ -301,10 +332,7 @@ void migrator::finish(transfer& done) {
       std::abort();
     }
   }
-  if (!done.to_host) {
-    if (!done.remapped_early) return_staging_slot(done.staging);
-    pool_.release(done.host);
-  }
+  if (!done.to_host) pool_.release(done.host);
   const auto remap_ns =
       static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                      std::chrono::steady_clock::now() - remap_started)
@@ -346,10 +374,14 @@ void migrator::worker() {
       device_.synchronize_event(oldest.copied);
       finish(oldest);
     } catch (const std::exception& failure) {
-      // The chunk keeps its old backing (replace_pinned_chunk maps it back on failure).
+      // Before the commit (Note [Committing a move]) the chunk keeps its old backing
+      // (replace_pinned_chunk and remap_pinned_chunk map it back on failure); a failure
+      // after it (the bookkeeping only) leaves the move standing.
       log().error("offload: moving the chunk at {:#x} to the {} failed: {}", oldest.chunk.address,
                   oldest.to_host ? "host" : "device", failure.what());
-      if (oldest.to_host) {
+      if (oldest.committed) {
+        // The move stands; nothing to give back.
+      } else if (oldest.to_host) {
         pool_.release(oldest.host);
       } else if (oldest.remapped_early) {
         try {  // the bytes are still in the host chunk: map it back
@@ -426,10 +458,30 @@ migration_figures migrator::figures() const {
 
 std::uintptr_t migrator::take_staging_slot() {
   std::unique_lock lock(mutex_);
-  changed_.wait(lock, [&] { return !free_slots_.empty(); });
+  changed_.wait(lock,
+                [&] { return !free_slots_.empty() || retired_slots_.size() == kStagingSlots; });
+  if (free_slots_.empty()) {
+    throw device_error(
+        "offload: every staging address of the migrator failed to unmap earlier (see the "
+        "log); host-resident chunks cannot be brought back without one. The GPU driver is "
+        "failing: restart the process",
+        0);
+  }
   const std::uintptr_t slot = free_slots_.back();
   free_slots_.pop_back();
   return slot;
+}
+
+void migrator::retire_staging_slot(std::uintptr_t address, std::size_t bytes, const char* why) {
+  {
+    std::lock_guard lock(mutex_);
+    retired_slots_.emplace_back(address, bytes);
+  }
+  changed_.notify_all();
+  log().error(
+      "offload: unmapping the staging address {:#x} after a fetch failed ({}); the "
+      "fetch stands, the address is not used again",
+      address, why);
 }
 
 void migrator::return_staging_slot(std::uintptr_t address) {

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "alloc/caching_allocator.hpp"
@@ -97,6 +98,7 @@ class migrator {
     event_handle copied = nullptr;
     std::uint64_t checksum = 0;   // ZEROALLOC_VERIFY: of the bytes before the copy
     bool remapped_early = false;  // to device, idle: mapped before the copy
+    bool committed = false;       // the chunk maps its new backing (Note [Committing a move])
   };
 
   void fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream);
@@ -110,6 +112,8 @@ class migrator {
   void finish(transfer& done);
   void worker();
   std::uintptr_t take_staging_slot();
+  /// Keeps a staging address whose unmap failed out of use (it still maps a chunk).
+  void retire_staging_slot(std::uintptr_t address, std::size_t bytes, const char* why);
   void return_staging_slot(std::uintptr_t address);
   void return_host_chunk(physical_handle handle);  // the arena's sink
 
@@ -124,6 +128,8 @@ class migrator {
   std::uintptr_t staging_region_ = 0;
   std::size_t staging_slot_bytes_ = 0;
   std::vector<std::uintptr_t> free_slots_;
+  // Staging addresses whose unmap failed, and the bytes they map.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> retired_slots_;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "device/sim_device.hpp"
+#include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -91,6 +92,54 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
   EXPECT_EQ(engine.figures().host_resident_bytes, 0u);
   EXPECT_EQ(pool_->figures().in_use_bytes, 0u);
   allocator_->deallocate(pointer);
+}
+
+// A fetch is committed once its chunk's addresses map the device chunk: if unmapping the
+// staging address fails after that, the chunk is on the device with its bytes, the device
+// chunk behind it serves nothing else, and the staging address is not used again.
+TEST_F(MigratorTest, AFailedUnmapAfterAFetchLosesNoBytesAndSharesNoMemory) {
+  auto faulty = std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB));
+  testing::faulty_device& device = *faulty;
+  allocator_settings settings;
+  settings.chunk_bytes = kChunkBytes;
+  caching_allocator allocator(device, settings);
+  host_pool pool(device, 256 * MiB, "ZEROALLOC_HOST_LIMIT=256MiB");
+  {
+    migrator engine(allocator, pool, false);
+    void* first = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    void* second = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    device.fill_async(first, 0x11, kChunkBytes, nullptr);
+    device.fill_async(second, 0x22, kChunkBytes, nullptr);
+    device.synchronize_stream(nullptr);
+    std::vector<chunk_info> chunks;
+    ASSERT_TRUE(allocator.chunks_of_allocation(first, chunks));
+    ASSERT_TRUE(allocator.chunks_of_allocation(second, chunks));
+    ASSERT_EQ(chunks.size(), 2u);
+    const std::uintptr_t a = chunks[0].address;
+    const std::uintptr_t b = chunks[1].address;
+    ASSERT_TRUE(engine.evict_async(a));
+    ASSERT_TRUE(engine.evict_async(b));
+    engine.drain();
+
+    device.fail_next_unmap([&](std::uintptr_t address) { return address != a && address != b; });
+    ASSERT_TRUE(engine.fetch_async(a));  // not idle: copied through a staging address
+    engine.drain();
+    EXPECT_EQ(device.failed_unmaps(), 1) << "the staging unmap was not reached";
+    EXPECT_EQ(engine.where(a), residency::device);
+    EXPECT_EQ(read_back(device, first, kChunkBytes), std::vector<std::uint8_t>(kChunkBytes, 0x11));
+
+    ASSERT_TRUE(engine.fetch_async(b));
+    engine.drain();
+    EXPECT_EQ(engine.where(b), residency::device);
+    device.fill_async(second, 0x33, kChunkBytes, nullptr);
+    device.synchronize_stream(nullptr);
+    EXPECT_EQ(read_back(device, first, kChunkBytes), std::vector<std::uint8_t>(kChunkBytes, 0x11))
+        << "the first chunk's device memory also backs the second";
+    EXPECT_EQ(read_back(device, second, kChunkBytes), std::vector<std::uint8_t>(kChunkBytes, 0x33));
+    allocator.deallocate(first);
+    allocator.deallocate(second);
+  }
+  allocator.empty_cache();
 }
 
 TEST_F(MigratorTest, AKernelWritesAHostResidentChunkAndTheWriteComesBack) {

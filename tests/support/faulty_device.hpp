@@ -1,0 +1,101 @@
+// A device that forwards every call to another one and fails the unmaps a test picks out,
+// the way a driver does (device_error), so that tests can check what a failed CUDA call in
+// the middle of a migration leaves behind.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "core/errors.hpp"
+#include "device/device.hpp"
+
+namespace zeroalloc::testing {
+
+class faulty_device final : public device {
+ public:
+  explicit faulty_device(std::unique_ptr<device> inner) : inner_(std::move(inner)) {}
+
+  /// From now on, unmap(address, bytes) throws once for the first `address` the predicate
+  /// accepts (the mapping stays); then the predicate is dropped.
+  void fail_next_unmap(std::function<bool(std::uintptr_t)> which) {
+    std::lock_guard lock(mutex_);
+    fail_unmap_ = std::move(which);
+  }
+  [[nodiscard]] int failed_unmaps() const {
+    std::lock_guard lock(mutex_);
+    return failed_unmaps_;
+  }
+
+  [[nodiscard]] std::string name() const override { return inner_->name(); }
+  [[nodiscard]] int ordinal() const override { return inner_->ordinal(); }
+  [[nodiscard]] bool is_simulated() const override { return inner_->is_simulated(); }
+  [[nodiscard]] std::size_t granularity() const override { return inner_->granularity(); }
+  [[nodiscard]] memory_info query_memory() const override { return inner_->query_memory(); }
+  [[nodiscard]] int host_numa_node() const override { return inner_->host_numa_node(); }
+  void place_host_memory_on_any_node() override { inner_->place_host_memory_on_any_node(); }
+  physical_handle create_physical(std::size_t bytes, memory_location location) override {
+    return inner_->create_physical(bytes, location);
+  }
+  void release_physical(physical_handle handle) override { inner_->release_physical(handle); }
+  std::uintptr_t reserve_addresses(std::size_t bytes, std::size_t alignment) override {
+    return inner_->reserve_addresses(bytes, alignment);
+  }
+  void free_addresses(std::uintptr_t address, std::size_t bytes) override {
+    inner_->free_addresses(address, bytes);
+  }
+  void map(std::uintptr_t address, physical_handle handle) override {
+    inner_->map(address, handle);
+  }
+  [[nodiscard]] bool maps_slices() override { return inner_->maps_slices(); }
+  void unmap(std::uintptr_t address, std::size_t bytes) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (fail_unmap_ && fail_unmap_(address)) {
+        fail_unmap_ = nullptr;
+        ++failed_unmaps_;
+        throw device_error("cuMemUnmap failed (injected by the test)", 999);
+      }
+    }
+    inner_->unmap(address, bytes);
+  }
+  stream_handle create_stream() override { return inner_->create_stream(); }
+  void destroy_stream(stream_handle stream) override { inner_->destroy_stream(stream); }
+  event_handle create_event() override { return inner_->create_event(); }
+  void destroy_event(event_handle event) override { inner_->destroy_event(event); }
+  void record_event(event_handle event, stream_handle stream) override {
+    inner_->record_event(event, stream);
+  }
+  [[nodiscard]] bool event_completed(event_handle event) override {
+    return inner_->event_completed(event);
+  }
+  void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
+  event_handle create_timing_event() override { return inner_->create_timing_event(); }
+  [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override {
+    return inner_->elapsed_ms(start, end);
+  }
+  void stream_wait_event(stream_handle stream, event_handle event) override {
+    inner_->stream_wait_event(stream, event);
+  }
+  void synchronize_stream(stream_handle stream) override { inner_->synchronize_stream(stream); }
+  void copy_async(void* destination, const void* source, std::size_t bytes,
+                  stream_handle stream) override {
+    inner_->copy_async(destination, source, bytes, stream);
+  }
+  void fill_async(void* destination, std::uint8_t value, std::size_t bytes,
+                  stream_handle stream) override {
+    inner_->fill_async(destination, value, bytes, stream);
+  }
+  void host_function_async(std::function<void()> function, stream_handle stream) override {
+    inner_->host_function_async(std::move(function), stream);
+  }
+
+ private:
+  std::unique_ptr<device> inner_;
+  mutable std::mutex mutex_;
+  std::function<bool(std::uintptr_t)> fail_unmap_;
+  int failed_unmaps_ = 0;
+};
+
+}  // namespace zeroalloc::testing
