@@ -127,21 +127,37 @@ std::uint64_t migrator::checksum_of(std::uintptr_t address, std::size_t bytes,
 }
 
 bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handle>* after) {
-  chunk_info chunk;
-  if (!allocator_.pin_chunk(address, chunk)) return false;
-  if (chunk.handle.location != memory_location::device) {
+  chunk_info claimed;
+  if (!claim_eviction(address, claimed)) return false;
+  start_claimed_eviction(claimed, after);
+  return true;
+}
+
+bool migrator::claim_eviction(std::uintptr_t address, chunk_info& claimed) {
+  if (!allocator_.pin_chunk(address, claimed)) return false;
+  if (claimed.handle.location != memory_location::device) {
     allocator_.unpin_chunk(address);
     return false;
   }
+  // Claimed before any work is queued (Note [Claiming a chunk]).
+  bool taken = false;
   {
-    // Claimed before any work is queued (Note [Claiming a chunk]).
     std::lock_guard lock(mutex_);
-    if (moving_.contains(address)) {
-      allocator_.unpin_chunk(address);
-      return false;
-    }
-    moving_[address] = residency::moving_to_host;
+    taken = moving_.contains(address);
+    if (!taken) moving_[address] = residency::moving_to_host;
   }
+  if (taken) allocator_.unpin_chunk(address);  // not under mutex_: the heaps call in under theirs
+  return !taken;
+}
+
+void migrator::cancel_eviction(std::uintptr_t address) {
+  allocator_.unpin_chunk(address);
+  release_claim(address);
+}
+
+void migrator::start_claimed_eviction(const chunk_info& chunk,
+                                      const std::vector<event_handle>* after) {
+  const std::uintptr_t address = chunk.address;
   transfer moving;
   moving.chunk = chunk;
   moving.to_host = true;
@@ -161,8 +177,7 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
   } catch (...) {
     if (moving.host.valid()) pool_.release(moving.host);
     if (moving.copied != nullptr) return_event(moving.copied);
-    allocator_.unpin_chunk(address);
-    release_claim(address);
+    cancel_eviction(address);
     throw;
   }
   {
@@ -171,7 +186,6 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
     in_flight_.push_back(std::move(moving));
   }
   changed_.notify_all();
-  return true;
 }
 
 bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation) {

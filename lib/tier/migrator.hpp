@@ -65,6 +65,14 @@ class migrator {
   /// device-resident chunk of a live segment, or is moving already. Throws
   /// host_memory_exhausted when the host tier is full.
   bool evict_async(std::uintptr_t address, const std::vector<event_handle>* after = nullptr);
+  /// evict_async in two steps, so that a caller can claim under its own lock and do the
+  /// rest (which may create pinned host memory, milliseconds) outside it. claim_eviction
+  /// pins the chunk and marks it moving to the host (uses that begin now wait for the move);
+  /// false as evict_async. Every successful claim must be followed by exactly one
+  /// start_claimed_eviction (which gives the claim up if it throws) or cancel_eviction.
+  bool claim_eviction(std::uintptr_t address, chunk_info& claimed);
+  void start_claimed_eviction(const chunk_info& claimed, const std::vector<event_handle>* after);
+  void cancel_eviction(std::uintptr_t address);
   /// Starts bringing the chunk back to the device. Its copy waits for the work queued on
   /// the chunk's streams unless `chunk_idle` says that none of it touches the chunk (the
   /// engine knows from hints); an idle chunk is remapped to its device chunk at once and

@@ -45,16 +45,48 @@ offload_engine::~offload_engine() {
   for (event_handle event : spare_timing_events_) device_.destroy_event(event);
 }
 
-bool offload_engine::start_eviction(const victim& chosen) {
+bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_eviction>& into) {
   // The last use-ends fence covers the chunk only while no block of its segment has been
   // allocated or freed since (work on those is not hinted): else fence every stream.
+  event_handle fence = nullptr;
   auto state = chunks_.find(chosen.address);
   if (state != chunks_.end() && state->second.released != nullptr &&
       state->second.released_generation == chosen.generation) {
-    const std::vector<event_handle> after{state->second.released};
-    return migrator_.evict_async(chosen.address, &after);
+    fence = state->second.released;
   }
-  return migrator_.evict_async(chosen.address);
+  chunk_info claimed;
+  if (!migrator_.claim_eviction(chosen.address, claimed)) return false;
+  into.push_back({claimed, fence});
+  return true;
+}
+
+// Note [Evictions outside the engine's lock]: a victim is chosen and claimed under mutex_
+// (so no use can begin on it unseen: a use that begins now finds it moving and waits), and
+// its eviction is started after mutex_ is released: that may create pinned host memory
+// (about 0.2 ms per MiB) or wait for the pool's background fill, and the hints of the
+// training thread and the prefetcher would wait behind it.
+std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned_eviction>& planned,
+                                                             bool full_is_an_error) {
+  std::vector<std::uintptr_t> started;
+  std::size_t next = 0;
+  try {
+    for (; next < planned.size(); ++next) {
+      const planned_eviction& each = planned[next];
+      const std::vector<event_handle> after{each.fence};
+      migrator_.start_claimed_eviction(each.chunk, each.fence != nullptr ? &after : nullptr);
+      started.push_back(each.chunk.address);
+    }
+  } catch (const host_memory_exhausted& full) {
+    for (++next; next < planned.size(); ++next)
+      migrator_.cancel_eviction(planned[next].chunk.address);
+    if (full_is_an_error) throw;
+    log().warn("offload: {}", full.what());
+  } catch (...) {
+    for (++next; next < planned.size(); ++next)
+      migrator_.cancel_eviction(planned[next].chunk.address);
+    throw;
+  }
+  return started;
 }
 
 std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
@@ -324,7 +356,19 @@ void offload_engine::collect_waits(bool all) {
 
 void offload_engine::use_ends(const void* pointer, stream_handle stream) {
   const std::vector<chunk_info> chunks = chunks_of(pointer);
+  std::vector<planned_eviction> planned;
+  {
+    std::lock_guard lock(mutex_);
+    end_uses(chunks, stream);
+    if (!learned_order_.empty()) planned = plan_headroom();
+  }
+  if (planned.empty()) return;
+  const std::size_t started = launch_evictions(planned).size();
   std::lock_guard lock(mutex_);
+  figures_.evictions += started;
+}
+
+void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_handle stream) {
   for (const chunk_info& chunk : chunks) {
     chunk_state& state = chunks_[chunk.address];
     if (state.open_uses > 0) --state.open_uses;
@@ -334,29 +378,23 @@ void offload_engine::use_ends(const void* pointer, stream_handle stream) {
     // captured when waited on); later evictions wait for this use.
     device_.record_event(state.released, stream);
   }
-  if (!learned_order_.empty()) keep_headroom();
 }
 
-void offload_engine::keep_headroom() {
+std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
+  std::vector<planned_eviction> planned;
   const std::uint64_t limit = allocator_.limit_bytes();
   const std::uint64_t held = allocator_.held_bytes();
   const std::uint64_t free_now = (limit > held ? limit - held : 0) +
                                  allocator_.arena().pooled_bytes() +
                                  migrator_.bytes_leaving_device();
-  if (free_now >= settings_.prefetch_bytes) return;
+  if (free_now >= settings_.prefetch_bytes) return planned;
   const auto started = std::chrono::steady_clock::now();
   const std::vector<victim> victims = choose_victims(settings_.prefetch_bytes - free_now,
                                                      window_positions_, /*only_released=*/true);
   ++figures_.headroom_searches;
   figures_.headroom_search_ns += nanoseconds_since(started);
-  for (const victim& chosen : victims) {
-    try {
-      if (start_eviction(chosen)) ++figures_.evictions;
-    } catch (const host_memory_exhausted& full) {
-      log().warn("offload: {}", full.what());
-      return;
-    }
-  }
+  for (const victim& chosen : victims) plan_eviction(chosen, planned);
+  return planned;
 }
 
 void offload_engine::step_boundary() {
@@ -407,20 +445,19 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     }
     // On the host, and no device memory within the limit: make room from chunks needed
     // later than this one.
-    std::vector<std::uintptr_t> evicted;
+    std::vector<planned_eviction> planned;
     {
       std::lock_guard lock(mutex_);
       for (const victim& chosen :
            choose_victims(bytes, next_use_distance(address), /*only_released=*/!urgent)) {
         auto state = chunks_.find(chosen.address);
         if (state != chunks_.end() && state->second.open_uses > 0) continue;
-        try {
-          if (start_eviction(chosen)) evicted.push_back(chosen.address);
-        } catch (const host_memory_exhausted& full) {
-          log().warn("offload: {}", full.what());
-          break;
-        }
+        plan_eviction(chosen, planned);
       }
+    }
+    const std::vector<std::uintptr_t> evicted = launch_evictions(planned);
+    {
+      std::lock_guard lock(mutex_);
       figures_.evictions += evicted.size();
     }
     if (evicted.empty()) return false;
@@ -453,20 +490,22 @@ void offload_engine::prefetch_worker() {
 }
 
 std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
-  std::vector<std::uintptr_t> evicted;
-  std::uint64_t bytes = 0;
+  std::vector<planned_eviction> planned;
   {
     std::lock_guard lock(mutex_);
     for (const victim& chosen : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
-      try {
-        if (!start_eviction(chosen)) continue;
-      } catch (const host_memory_exhausted& full) {
-        log().warn("offload: cannot make room on the device: {}", full.what());
-        break;
-      }
-      evicted.push_back(chosen.address);
-      bytes += chunks_.count(chosen.address) != 0 ? chunks_[chosen.address].bytes : 0;
+      plan_eviction(chosen, planned);
     }
+  }
+  const std::vector<std::uintptr_t> evicted = launch_evictions(planned);
+  std::uint64_t bytes = 0;
+  for (const planned_eviction& each : planned) {
+    if (std::find(evicted.begin(), evicted.end(), each.chunk.address) != evicted.end()) {
+      bytes += each.chunk.handle.bytes;
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
     figures_.pressure_evictions += evicted.size();
   }
   for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
@@ -492,18 +531,23 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
 bool offload_engine::evict(const void* pointer, bool wait) {
   std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return false;
+  std::vector<planned_eviction> planned;
   {
     // A chunk may hold other allocations too: one with a use open (between use_begins and
     // use_ends) has work coming that no fence covers yet, and moving the chunk under it
     // would lose that work's writes. Such a chunk stays.
     std::lock_guard lock(mutex_);
-    // Started under the lock: a use that begins now waits for the move.
+    // Claimed under the lock: a use that begins now waits for the move.
     std::erase_if(chunks, [&](const chunk_info& chunk) {
       const auto known = chunks_.find(chunk.address);
       return known != chunks_.end() && known->second.open_uses > 0;
     });
-    for (const chunk_info& chunk : chunks) migrator_.evict_async(chunk.address);
+    for (const chunk_info& chunk : chunks) {
+      chunk_info claimed;
+      if (migrator_.claim_eviction(chunk.address, claimed)) planned.push_back({claimed, nullptr});
+    }
   }
+  launch_evictions(planned, /*full_is_an_error=*/true);  // the caller asked for this move
   if (wait) {
     for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);
   }

@@ -140,12 +140,26 @@ class offload_engine {
   };
   std::vector<victim> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
                                      bool only_released);
-  /// Starts evicting `victim` behind its last use-ends fence when it has one. Caller holds
+  /// An eviction claimed under mutex_, to start outside it (Note [Evictions outside the
+  /// engine's lock]), behind `fence` (the chunk's last use-ends event) when there is one.
+  struct planned_eviction {
+    chunk_info chunk;
+    event_handle fence = nullptr;
+  };
+  /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
+  /// Caller holds mutex_.
+  bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);
+  /// Starts the planned evictions; returns the addresses started. A full host tier cancels
+  /// the rest: with a warning, or rethrown when `full_is_an_error`. Caller does not hold
   /// mutex_.
-  bool start_eviction(const victim& chosen);
-  /// Starts evicting idle chunks needed after the prefetch window until the device has
+  std::vector<std::uintptr_t> launch_evictions(std::vector<planned_eviction>& planned,
+                                               bool full_is_an_error = false);
+  /// Closes a use of each chunk and records its use-ends fence on `stream`. Caller holds
+  /// mutex_.
+  void end_uses(const std::vector<chunk_info>& chunks, stream_handle stream);
+  /// Plans evictions of idle chunks needed after the prefetch window until the device has
   /// room for that window (Note [Prefetch]); never waits. Caller holds mutex_.
-  void keep_headroom();
+  std::vector<planned_eviction> plan_headroom();
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
   /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
   /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an
