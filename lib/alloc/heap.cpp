@@ -239,25 +239,12 @@ segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner
   segment& whole = **owner;
   // One free block exactly over [start, end), its remainders free blocks of their own.
   remove_free(free_block);
-  auto split_after = [&](block* left, std::uintptr_t at) {
-    block* right = new_block();
-    right->address = at;
-    right->bytes = left->address + left->bytes - at;
-    right->owner = left->owner;
-    right->stream = left->stream;
-    right->previous = left;
-    right->next = left->next;
-    if (left->next != nullptr) left->next->previous = right;
-    left->next = right;
-    left->bytes = at - left->address;
-    return right;
-  };
   block* middle = free_block;
   if (middle->address < start) {
-    middle = split_after(middle, start);
+    middle = split_block(middle, start);
     insert_free(middle->previous);  // binned by its final size
   }
-  if (middle->address + middle->bytes > end) insert_free(split_after(middle, end));
+  if (middle->address + middle->bytes > end) insert_free(split_block(middle, end));
   insert_free(middle);
   // Three runs of blocks, each a segment: before the run, the run, after it.
   std::vector<std::unique_ptr<segment>> parts;
@@ -444,16 +431,7 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   const bool split =
       kind_ == size_kind::small ? remainder >= kMinBlockBytes : remainder > kSmallRequestBytes;
   if (split) {
-    block* rest = new_block();
-    rest->address = chosen->address + rounded_bytes;
-    rest->bytes = remainder;
-    rest->owner = chosen->owner;
-    rest->stream = chosen->stream;
-    rest->previous = chosen;
-    rest->next = chosen->next;
-    if (chosen->next != nullptr) chosen->next->previous = rest;
-    chosen->next = rest;
-    chosen->bytes = rounded_bytes;
+    block* rest = split_block(chosen, chosen->address + rounded_bytes);
     insert_free(rest);
     unmerged_.push_back(rest);  // it may border a free block of its stream
   }
@@ -727,6 +705,20 @@ void heap::list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>&
 heap_counts heap::counts() const {
   std::lock_guard lock(mutex_);
   return counts_;
+}
+
+block* heap::split_block(block* left, std::uintptr_t at) {
+  block* right = new_block();
+  right->address = at;
+  right->bytes = left->address + left->bytes - at;
+  right->owner = left->owner;
+  right->stream = left->stream;
+  right->previous = left;
+  right->next = left->next;
+  if (left->next != nullptr) left->next->previous = right;
+  left->next = right;
+  left->bytes = at - left->address;
+  return right;
 }
 
 block* heap::new_block() {

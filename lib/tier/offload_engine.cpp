@@ -499,11 +499,7 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   }
   const std::vector<std::uintptr_t> evicted = launch_evictions(planned);
   std::uint64_t bytes = 0;
-  for (const planned_eviction& each : planned) {
-    if (std::find(evicted.begin(), evicted.end(), each.chunk.address) != evicted.end()) {
-      bytes += each.chunk.handle.bytes;
-    }
-  }
+  for (std::size_t i = 0; i < evicted.size(); ++i) bytes += planned[i].chunk.handle.bytes;
   {
     std::lock_guard lock(mutex_);
     figures_.pressure_evictions += evicted.size();

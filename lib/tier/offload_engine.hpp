@@ -149,9 +149,9 @@ class offload_engine {
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);
-  /// Starts the planned evictions; returns the addresses started. A full host tier cancels
-  /// the rest: with a warning, or rethrown when `full_is_an_error`. Caller does not hold
-  /// mutex_.
+  /// Starts the planned evictions in order; returns the addresses started (the first of
+  /// `planned`). A full host tier cancels the rest: with a warning, or rethrown when
+  /// `full_is_an_error`. Caller does not hold mutex_.
   std::vector<std::uintptr_t> launch_evictions(std::vector<planned_eviction>& planned,
                                                bool full_is_an_error = false);
   /// Closes a use of each chunk and records its use-ends fence on `stream`. Caller holds
