@@ -19,7 +19,7 @@ under a limit given outright, with micro-batches per step and model TFLOPS repor
 
     python3 bench/python/offload_llama_bench.py --modes offload --limit-gib 128 \
         --host-limit 96GiB --hidden 5120 --intermediate 13824 --layers 40 --heads 40 \
-        --accumulate 4 --checkpointing --warmup 2 --steps 3
+        --accumulate 4 --checkpointing --no-autocast-cache --warmup 2 --steps 3
 """
 
 import argparse
@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpointing", action="store_true",
                         help="recompute each layer's activations in backward (transformers' "
                         "gradient checkpointing)")
+    parser.add_argument("--no-autocast-cache", action="store_true",
+                        help="autocast without its cache of low-precision weight copies (for a "
+                        "large model the cache holds a bf16 copy of every weight for the "
+                        "whole forward: 24 GiB at 13B; without it each use casts again)")
     parser.add_argument("--limit-gib", type=float, default=0.0,
                         help="offload mode: this ZEROALLOC_MEMORY_LIMIT instead of one derived "
                         "from the native run (for models that do not fit: no native run needed)")
@@ -126,7 +130,8 @@ def worker(args) -> int:
         # later micro-batches); then the optimizer step.
         marks[0].record()
         for micro in range(args.accumulate):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16,
+                                cache_enabled=not args.no_autocast_cache):
                 loss = model(input_ids=tokens, labels=tokens).loss / args.accumulate
             if micro == 0:
                 marks[1].record()
@@ -252,8 +257,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> d
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--window-bytes", window_bytes] + (["--checkpointing"] if args.checkpointing
-                                                   else [])
+    command += ["--window-bytes", window_bytes]
+    command += [f"--{flag.replace('_', '-')}" for flag in ("checkpointing", "no_autocast_cache")
+                if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
