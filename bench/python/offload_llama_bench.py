@@ -193,7 +193,8 @@ def worker(args) -> int:
             return call
 
         originals = {name: getattr(_offload, name)
-                     for name in ("use_begins", "use_ends", "use_in_place", "residency_of")}
+                     for name in ("use_begins_many", "use_ends_many", "use_in_place_many",
+                                  "residency_of")}
         for name, function in originals.items():
             setattr(_offload, name, timed_call(name, function))
         torch.cuda.synchronize()

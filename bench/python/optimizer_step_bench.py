@@ -146,9 +146,16 @@ def worker(args) -> int:
         def window_states(number):
             return states(optimizer, [copies[i] for i in windows[number]])
 
+        kept = states(optimizer, copies[host_params:])
+
         def step():
+            # The device share is hinted too: a state of it may share a chunk with the host
+            # share, and a fetch of a chunk whose every use was hinted does not wait for
+            # unhinted work (Note [Fault-free migration]).
             group["params"] = copies[host_params:]
+            zt._offload.use_in_place_many(zt._pointers(kept), main.cuda_stream)
             optimizer.step()
+            zt._end(kept, main.cuda_stream)
             with torch.cuda.stream(side):
                 zt._begin(window_states(0))
             for number, window in enumerate(windows):

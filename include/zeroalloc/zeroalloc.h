@@ -179,7 +179,12 @@ int zeroalloc_device_count(void);
  */
 const char* zeroalloc_last_error(void);
 
-/* ---- Offload (ZEROALLOC_OFFLOAD=host) ------------------------------------------------- */
+/* ---- Offload (ZEROALLOC_OFFLOAD=host) ------------------------------------------------- *
+ * Hints are a promise. Once work on an allocation is hinted (use begins ... use ends), the
+ * engine fetches and evicts its chunks ahead of need without waiting for the streams, and
+ * so assumes that every use of memory in those chunks is hinted: a chunk holds several
+ * allocations of one class, so hint all uses of a class's allocations, or none.
+ * zeroalloc.torch's offload() does (module hooks, the windowed optimizer step). */
 
 /** Where an allocation's bytes are (zeroalloc_residency). */
 typedef enum zeroalloc_residency_kind {
@@ -210,6 +215,18 @@ void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream);
 /** Hint: the work enqueued on `stream` so far is the allocation's last use for now
  *  (after zeroalloc_use_begins or zeroalloc_use_in_place). */
 void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream);
+
+/**
+ * The three hints above for `count` allocations at once (a module's parameters, a window of
+ * optimizer states): the same as one call per pointer, in order, at a fraction of the cost.
+ * Each pointer is a use of its own, so uses begun together may end one by one.
+ */
+void zeroalloc_use_begins_many(const void* const* pointers, size_t count,
+                               zeroalloc_stream_t stream);
+void zeroalloc_use_in_place_many(const void* const* pointers, size_t count,
+                                 zeroalloc_stream_t stream);
+void zeroalloc_use_ends_many(const void* const* pointers, size_t count,
+                             zeroalloc_stream_t stream);
 
 /** Hint: a training step ended; the access order recorded during it becomes the learned one. */
 void zeroalloc_step_boundary(void);

@@ -768,12 +768,18 @@ namespace zeroalloc {
 // release_free_segments nor donated to another class, even if its last block is freed. A
 // segment with host-located chunks is never donated either: its memory is slow.
 
-void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into) const {
+void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into, std::uintptr_t from,
+                         std::uintptr_t to) const {
   std::uintptr_t address = owner.address;
   const std::vector<stream_handle> streams = streams_of(owner);
   const block* piece = owner.first;
   for (const physical_handle& chunk : owner.chunks) {
     const std::uintptr_t end = address + chunk.bytes;
+    if (address >= to) break;
+    if (end <= from) {
+      address = end;
+      continue;
+    }
     bool live = false;
     // Blocks are in address order: skip those before the chunk, look at those inside it.
     while (piece != nullptr && piece->address + piece->bytes <= address) piece = piece->next;
@@ -797,13 +803,9 @@ bool heap::chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>&
   std::lock_guard lock(mutex_);
   const block* found = live_.find(pointer);
   if (found == nullptr) return false;
-  std::vector<chunk_info> all;
-  append_chunks(*found->owner, all);
-  for (chunk_info& chunk : all) {
-    const bool overlaps = chunk.address < found->address + found->bytes &&
-                          found->address < chunk.address + chunk.handle.bytes;
-    if (overlaps) into.push_back(std::move(chunk));
-  }
+  // Only the chunks it overlaps: a parameter's segment can span a hundred chunks, and the
+  // hints ask for a module's parameters several times a step.
+  append_chunks(*found->owner, into, found->address, found->address + found->bytes);
   return true;
 }
 

@@ -166,7 +166,9 @@ class heap {
   void process_pending(bool wait);
   /// The segment and chunk index of the chunk mapped at `address`, or {nullptr, 0}.
   std::pair<segment*, std::size_t> chunk_at(std::uintptr_t address) const;
-  void append_chunks(const segment& owner, std::vector<chunk_info>& into) const;
+  /// Only those overlapping [from, to) when given.
+  void append_chunks(const segment& owner, std::vector<chunk_info>& into, std::uintptr_t from = 0,
+                     std::uintptr_t to = UINTPTR_MAX) const;
   /// Cuts `left` at `at` (inside it); returns the new block after the cut, with `left`'s
   /// stream and segment. Neither is put in a free list.
   block* split_block(block* left, std::uintptr_t at);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -326,6 +327,58 @@ ZA_EXPORT void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
       engine->use_ends(pointer, stream);
     }
+  });
+}
+
+namespace {
+
+/// Sends each run of `pointers` that one engine (device) serves to `hint` in one call;
+/// pointers zeroalloc does not offload are left out, as the one-pointer hints ignore them.
+template <typename Hint>
+void hint_many(const void* const* pointers, std::size_t count, Hint hint) {
+  if (count > 0 && pointers == nullptr) {
+    ZA_THROW(zeroalloc::invalid_argument, "pointers is NULL with count ", count);
+  }
+  runtime& started = runtime::get();
+  std::vector<const void*> run;
+  zeroalloc::offload_engine* serving = nullptr;
+  for (std::size_t i = 0; i < count; ++i) {
+    zeroalloc::offload_engine* engine = started.engine_of(pointers[i]);
+    if (engine == nullptr) continue;
+    if (engine != serving && !run.empty()) {
+      hint(*serving, std::span<const void* const>(run));
+      run.clear();
+    }
+    serving = engine;
+    run.push_back(pointers[i]);
+  }
+  if (!run.empty()) hint(*serving, std::span<const void* const>(run));
+}
+
+}  // namespace
+
+ZA_EXPORT void zeroalloc_use_begins_many(const void* const* pointers, size_t count,
+                                         zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_begins_many", [&] {
+    hint_many(pointers, count,
+              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_begins(run, stream); });
+  });
+}
+
+ZA_EXPORT void zeroalloc_use_in_place_many(const void* const* pointers, size_t count,
+                                           zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_in_place_many", [&] {
+    hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
+      engine.use_in_place(run, stream);
+    });
+  });
+}
+
+ZA_EXPORT void zeroalloc_use_ends_many(const void* const* pointers, size_t count,
+                                       zeroalloc_stream_t stream) {
+  guarded_void("zeroalloc_use_ends_many", [&] {
+    hint_many(pointers, count,
+              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_ends(run, stream); });
   });
 }
 

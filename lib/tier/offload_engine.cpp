@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <utility>
 
 #include "core/log.hpp"
 #include "core/units.hpp"
@@ -92,6 +93,12 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
 std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
   std::vector<chunk_info> chunks;
   allocator_.chunks_of_allocation(pointer, chunks);
+  return chunks;
+}
+
+std::vector<chunk_info> offload_engine::chunks_of(std::span<const void* const> pointers) const {
+  std::vector<chunk_info> chunks;
+  for (const void* pointer : pointers) allocator_.chunks_of_allocation(pointer, chunks);
   return chunks;
 }
 
@@ -213,8 +220,8 @@ void offload_engine::open_use(const chunk_info& chunk) {
   state.hinted = true;
 }
 
-void offload_engine::use_begins(const void* pointer, stream_handle stream) {
-  const std::vector<chunk_info> chunks = chunks_of(pointer);
+void offload_engine::use_begins(std::span<const void* const> pointers, stream_handle stream) {
+  const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
   bool wished = false;
   {
@@ -287,9 +294,9 @@ void offload_engine::use_begins(const void* pointer, stream_handle stream) {
   collect_waits(false);
 }
 
-void offload_engine::use_in_place(const void* pointer, stream_handle stream) {
+void offload_engine::use_in_place(std::span<const void* const> pointers, stream_handle stream) {
   static_cast<void>(stream);  // the use's end (use_ends) carries the fence
-  const std::vector<chunk_info> chunks = chunks_of(pointer);
+  const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
   {
     std::lock_guard lock(mutex_);
@@ -354,8 +361,8 @@ void offload_engine::collect_waits(bool all) {
   }
 }
 
-void offload_engine::use_ends(const void* pointer, stream_handle stream) {
-  const std::vector<chunk_info> chunks = chunks_of(pointer);
+void offload_engine::use_ends(std::span<const void* const> pointers, stream_handle stream) {
+  const std::vector<chunk_info> chunks = chunks_of(pointers);
   std::vector<planned_eviction> planned;
   {
     std::lock_guard lock(mutex_);
@@ -369,9 +376,11 @@ void offload_engine::use_ends(const void* pointer, stream_handle stream) {
 }
 
 void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_handle stream) {
+  std::uintptr_t previous = 0;
   for (const chunk_info& chunk : chunks) {
     chunk_state& state = chunks_[chunk.address];
     if (state.open_uses > 0) --state.open_uses;
+    if (chunk.address == std::exchange(previous, chunk.address)) continue;  // one record does
     if (state.released == nullptr) state.released = device_.create_event();
     state.released_generation = chunk.generation;
     // An eviction already waiting on the previous recording keeps its point (events are

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -81,14 +82,21 @@ class offload_engine {
   // Hints (the Python layer sends them from module and optimizer hooks).
   /// The allocation at `pointer` is about to be used on `stream`: on return its chunks are
   /// on the device, and the chunks the learned order says come next are being fetched.
-  void use_begins(const void* pointer, stream_handle stream);
+  /// Each of `pointers` counts as its own use (ended one by one or together); several at
+  /// once take the engine's lock once (a module's parameters, a window's states).
+  void use_begins(std::span<const void* const> pointers, stream_handle stream);
+  void use_begins(const void* pointer, stream_handle stream) { use_begins({&pointer, 1}, stream); }
   /// The allocation at `pointer` is about to be used on `stream` where it is, on the device
   /// or on the host (Note [Used in place]): on return none of its chunks is moving, and none
   /// moves until use_ends. Not fetched, not part of the learned order.
-  void use_in_place(const void* pointer, stream_handle stream);
+  void use_in_place(std::span<const void* const> pointers, stream_handle stream);
+  void use_in_place(const void* pointer, stream_handle stream) {
+    use_in_place({&pointer, 1}, stream);
+  }
   /// The work enqueued on `stream` so far is the allocation's last use for now: its chunks
   /// may be evicted once that work has run (an event marks the point; no host waits).
-  void use_ends(const void* pointer, stream_handle stream);
+  void use_ends(std::span<const void* const> pointers, stream_handle stream);
+  void use_ends(const void* pointer, stream_handle stream) { use_ends({&pointer, 1}, stream); }
   /// A training step ended: the order recorded during it becomes the learned order.
   void step_boundary();
 
@@ -126,6 +134,8 @@ class offload_engine {
   };
 
   std::vector<chunk_info> chunks_of(const void* pointer) const;
+  /// The chunks of every allocation in `pointers`, in turn (a chunk twice if two share it).
+  std::vector<chunk_info> chunks_of(std::span<const void* const> pointers) const;
   /// Opens a use of the chunk at the current tick. Caller holds mutex_.
   void open_use(const chunk_info& chunk);
   /// Steps from the cursor to the chunk's next use in the learned order (larger: later);

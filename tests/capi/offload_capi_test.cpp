@@ -70,6 +70,52 @@ TEST(OffloadCapi, HintsAreAcceptedForAnyPointer) {
   zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
 }
 
+TEST(OffloadCapi, HintsForSeveralAllocationsAtOnceAreOneUseEach) {
+  // Two parameters small enough to share a chunk, and a pointer zeroalloc does not own
+  // between them: begun together, ended one by one, the chunk stays in use until both end.
+  void* first = zeroalloc_malloc_class(1 * kMiB, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
+  void* second = zeroalloc_malloc_class(1 * kMiB, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  int on_the_stack = 0;
+  const void* together[] = {first, &on_the_stack, second};
+  const long long uses = offload_figure("uses");
+  zeroalloc_use_begins_many(together, 3, nullptr);
+  EXPECT_EQ(offload_figure("uses"), uses + 2);
+  EXPECT_GE(offload_figure("chunks_in_use"), 1);
+  const void* just_first[] = {first};
+  zeroalloc_use_ends_many(just_first, 1, nullptr);
+  EXPECT_GE(offload_figure("chunks_in_use"), 1) << "the second allocation's use is still open";
+  const void* just_second[] = {second};
+  zeroalloc_use_ends_many(just_second, 1, nullptr);
+  EXPECT_EQ(offload_figure("chunks_in_use"), 0);
+
+  // States used in place together stay where they are, each counted.
+  void* states[] = {zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE),
+                    zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE)};
+  for (void* state : states) {
+    ASSERT_NE(state, nullptr);
+    ASSERT_EQ(zeroalloc_offload(state, 1), 0) << zeroalloc_last_error();
+  }
+  const long long in_place = offload_figure("in_place_uses");
+  const void* pinned[] = {states[0], states[1]};
+  zeroalloc_use_in_place_many(pinned, 2, nullptr);
+  EXPECT_EQ(offload_figure("in_place_uses"), in_place + 2);
+  EXPECT_EQ(offload_figure("chunks_in_use"), 2);
+  EXPECT_EQ(zeroalloc_residency(states[0]), ZEROALLOC_ON_HOST);
+  EXPECT_EQ(zeroalloc_residency(states[1]), ZEROALLOC_ON_HOST);
+  zeroalloc_use_ends_many(pinned, 2, nullptr);
+  EXPECT_EQ(offload_figure("chunks_in_use"), 0);
+
+  zeroalloc_use_begins_many(nullptr, 0, nullptr);  // nothing to do
+  zeroalloc_use_begins_many(nullptr, 2, nullptr);  // bad: logged and reported, no crash
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("pointers is NULL"), std::string::npos)
+      << zeroalloc_last_error();
+  for (void* state : states) zeroalloc_free(state, 8 * kMiB, 0, nullptr);
+  zeroalloc_free(second, 1 * kMiB, 0, nullptr);
+  zeroalloc_free(first, 1 * kMiB, 0, nullptr);
+}
+
 TEST(OffloadCapi, BadCallsFailWithAMessage) {
   int on_the_stack = 0;
   EXPECT_EQ(zeroalloc_offload(&on_the_stack, 1), -1);

@@ -112,6 +112,54 @@ def test_state_dict_round_trip_while_offloaded(tmp_path):
     """)
 
 
+def test_a_layer_is_hinted_in_one_call_and_its_parts_called_alone_still_are():
+    out = run_python("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        from zeroalloc import _offload
+        zt.install()
+
+        class Block(torch.nn.Module):  # two Linear(256, 256): 526,336 bytes
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+            def forward(self, x):
+                return self.b(torch.relu(self.a(x)))
+
+        begun = []
+        counting = _offload.use_begins_many
+        _offload.use_begins_many = lambda pointers, stream=0: (
+            begun.append(len(pointers)), counting(pointers, stream))[1]
+
+        def hints(model, optimizer, **options):
+            zt.offload(model, optimizer, **options)
+            x = torch.randn(4, 256, device="cuda")
+            begun.clear()
+            loss = model(x).sum()
+            forward = list(begun)
+            begun.clear()
+            model[0].a(x)  # a part called outside its layer's forward
+            alone = list(begun)
+            begun.clear()
+            loss.backward()
+            backward = list(begun)
+            optimizer.step()
+            optimizer.zero_grad()
+            in_use = zeroalloc.raw_stats(0)["offload"]["chunks_in_use"]
+            return forward, alone, backward, in_use
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block()).cuda()  # 1,052,672 bytes: two groups
+        grouped = hints(model, torch.optim.AdamW(model.parameters()), hint_group_bytes=1 << 20)
+        assert grouped == ([4, 4], [2], [4, 4], 0), grouped
+        model = torch.nn.Sequential(Block(), Block()).cuda()
+        leaves = hints(model, torch.optim.AdamW(model.parameters()), hint_group_bytes=0)
+        assert leaves == ([2, 2, 2, 2], [2], [2, 2, 2, 2], 0), leaves
+        print("hint groups ok")
+    """)
+    assert "hint groups ok" in out
+
+
 def train(offload: str) -> list:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--allocator", "zeroalloc", "--steps", str(STEPS),

@@ -67,6 +67,7 @@ def library() -> ctypes.CDLL:
     if _loaded is None:
         handle = ctypes.CDLL(str(library_path()))
         c_stream = ctypes.c_void_p
+        pointers = ctypes.POINTER(ctypes.c_void_p)
         signatures = {
             "zeroalloc_abi_version": ([], ctypes.c_int),
             "zeroalloc_malloc": ([ctypes.c_ssize_t, ctypes.c_int, c_stream], ctypes.c_void_p),
@@ -95,6 +96,9 @@ def library() -> ctypes.CDLL:
             "zeroalloc_use_begins": ([ctypes.c_void_p, c_stream], None),
             "zeroalloc_use_in_place": ([ctypes.c_void_p, c_stream], None),
             "zeroalloc_use_ends": ([ctypes.c_void_p, c_stream], None),
+            "zeroalloc_use_begins_many": ([pointers, ctypes.c_size_t, c_stream], None),
+            "zeroalloc_use_in_place_many": ([pointers, ctypes.c_size_t, c_stream], None),
+            "zeroalloc_use_ends_many": ([pointers, ctypes.c_size_t, c_stream], None),
             "zeroalloc_step_boundary": ([], None),
             "zeroalloc_offload": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_fetch": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),

@@ -4,6 +4,8 @@ zeroalloc allocations (a tensor's data_ptr() when zeroalloc is PyTorch's allocat
 
 from __future__ import annotations
 
+import ctypes
+
 from zeroalloc._library import ZeroallocError, last_error, library
 
 #: zeroalloc_residency's answers.
@@ -40,6 +42,26 @@ def use_in_place(pointer: int, stream: int = 0) -> None:
 
 def use_ends(pointer: int, stream: int = 0) -> None:
     library().zeroalloc_use_ends(pointer, stream or None)
+
+
+def _array(pointers: list):
+    return (ctypes.c_void_p * len(pointers))(*pointers)
+
+
+def use_begins_many(pointers: list, stream: int = 0) -> None:
+    """use_begins for each pointer, in one call (one lock in the engine)."""
+    if pointers:
+        library().zeroalloc_use_begins_many(_array(pointers), len(pointers), stream or None)
+
+
+def use_in_place_many(pointers: list, stream: int = 0) -> None:
+    if pointers:
+        library().zeroalloc_use_in_place_many(_array(pointers), len(pointers), stream or None)
+
+
+def use_ends_many(pointers: list, stream: int = 0) -> None:
+    if pointers:
+        library().zeroalloc_use_ends_many(_array(pointers), len(pointers), stream or None)
 
 
 def step_boundary() -> None:
