@@ -160,6 +160,61 @@ def test_a_layer_is_hinted_in_one_call_and_its_parts_called_alone_still_are():
     assert "hint groups ok" in out
 
 
+def test_the_automatic_mode_groups_hints_the_same_way():
+    out = run_python("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        from zeroalloc import _offload
+        zt.install()
+        zt.enable_automatic_offload(hint_group_bytes=1 << 20)
+
+        class Block(torch.nn.Module):  # two Linear(256, 256): 526,336 bytes
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+            def forward(self, x):
+                return self.b(torch.relu(self.a(x)))
+
+        begun = []
+        counting = _offload.use_begins_many
+        _offload.use_begins_many = lambda pointers, stream=0: (
+            begun.append(len(pointers)), counting(pointers, stream))[1]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block()).cuda()
+        x = torch.randn(4, 256, device="cuda")
+        model(x).sum().backward()  # before the optimizer: nothing adopted, nothing hinted
+        assert begun == [], begun
+        optimizer = torch.optim.AdamW(model.parameters())  # adopts
+        model.zero_grad()
+        loss = model(x).sum()
+        forward = list(begun)
+        begun.clear()
+        model[0].a(x)
+        alone = list(begun)
+        begun.clear()
+        loss.backward()
+        backward = list(begun)
+        optimizer.step()
+        try:
+            model(torch.randn(4, 3, device="cuda"))  # a forward that fails part-way
+        except RuntimeError:
+            pass
+        begun.clear()
+        model[0].a(x)  # the failed forward's group is over: a part alone hints itself
+        after_failure = list(begun)
+        begun.clear()
+        with torch.no_grad():
+            model(x)
+        again = list(begun)
+        in_use = zeroalloc.raw_stats(0)["offload"]["chunks_in_use"]
+        assert (forward, alone, backward, after_failure, again, in_use) == (
+            [4, 4], [2], [4, 4], [2], [4, 4], 0), (
+            forward, alone, backward, after_failure, again, in_use)
+        print("automatic hint groups ok")
+    """)
+    assert "automatic hint groups ok" in out
+
+
 def train(offload: str) -> list:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--allocator", "zeroalloc", "--steps", str(STEPS),

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 import contextlib
+import threading
 import types
 import warnings
+import weakref
 from typing import Iterable
 
 from zeroalloc import _offload
@@ -141,6 +143,11 @@ def _require_offload_engine() -> None:
             "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
 
 
+#: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
+#: made from the managed bytes under a module, are stale after that.
+_adoptions = [0]
+
+
 def _adopt(parameters, optimizer=None) -> list:
     """Moves parameters (and the optimizer's existing states) into their allocation classes
     and hints the end of each parameter's backward use; returns the hooks."""
@@ -151,6 +158,7 @@ def _adopt(parameters, optimizer=None) -> list:
                 continue
             parameter.data = _move_into_class(parameter.data, "parameter")
             parameter._zeroalloc_adopted = True
+            _adoptions[0] += 1
             if parameter.requires_grad:
                 hooks.append(parameter.register_post_accumulate_grad_hook(
                     lambda p: _end((p,))))
@@ -199,6 +207,7 @@ class _HintGroup:
     def __init__(self, top, members):
         self.top = top
         self.members = members
+        self.member_ids = {id(member) for member in members}
         self.active = 0  # forwards of `top` under way (hooks of members stand down)
 
     def parameters(self) -> list:
@@ -227,6 +236,59 @@ class _HintGroup:
 def _managed_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters()
                if getattr(p, "_zeroalloc_adopted", False))
+
+
+def _group_of(module, group_bytes: int):
+    """The hint group `module` heads when it is called outside any other group's forward: its
+    whole subtree when that holds at most `group_bytes` of managed parameters, else its own
+    parameters alone (None when it has none). Decided once per module and adoption."""
+    cached = _groups_headed.get(module)
+    if cached is not None and cached[0] == _adoptions[0]:
+        return cached[1]
+    total = _managed_bytes(module)
+    if total == 0:
+        group = None
+    elif total <= group_bytes or not any(True for _ in module.children()):
+        group = _HintGroup(module, [m for m in module.modules() if _managed(m)])
+    else:
+        group = _HintGroup(module, [module]) if _managed(module) else None
+    _groups_headed[module] = (_adoptions[0], group)
+    return group
+
+
+#: module -> (adoption count, the group it heads): kept off the module, which may be pickled.
+_groups_headed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _AutomaticHints:
+    """The automatic mode's global module hooks, with the grouping of Note [Hint groups]: a
+    module called inside the forward of the group it belongs to does nothing (one dict
+    lookup); any other module hints the group it heads. Parents run their pre-hooks before
+    their children, so the largest subtree within the size is found from the top."""
+
+    def __init__(self, group_bytes: int):
+        self.group_bytes = group_bytes
+        self.local = threading.local()  # the groups whose forward runs, innermost last
+
+    def stack(self) -> list:
+        found = getattr(self.local, "stack", None)
+        if found is None:
+            found = self.local.stack = []
+        return found
+
+    def before(self, module, inputs) -> None:
+        stack = self.stack()
+        if stack and id(module) in stack[-1].member_ids and module is not stack[-1].top:
+            return
+        group = _group_of(module, self.group_bytes)
+        if group is not None:
+            stack.append(group)
+            group.before(module, inputs)
+
+    def after(self, module, inputs, output) -> None:  # always called, also on an error
+        stack = self.stack()
+        if stack and stack[-1].top is module:
+            stack.pop().after(module, inputs, output)
 
 
 def _hint_groups(model, group_bytes: int) -> list:
@@ -290,13 +352,16 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     return OffloadHandle(hooks, optimizer, original_step)
 
 
-def enable_automatic_offload(window_bytes: int = 1 << 30) -> None:
+def enable_automatic_offload(window_bytes: int = 1 << 30,
+                             hint_group_bytes: int = 256 << 20) -> None:
     """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
     package's start-up hook): every optimizer created from now on has its parameters and
-    states managed as offload() does, and global module hooks send the use hints."""
+    states managed as offload() does, and global module hooks send the use hints, grouped
+    as offload() groups them (Note [Hint groups])."""
     _require_offload_engine()
-    torch.nn.modules.module.register_module_forward_pre_hook(_before_forward)
-    torch.nn.modules.module.register_module_forward_hook(_after_forward)
+    hints = _AutomaticHints(hint_group_bytes)
+    torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
+    torch.nn.modules.module.register_module_forward_hook(hints.after, always_call=True)
     original_init = torch.optim.Optimizer.__init__
 
     def init(self, params, defaults, *args, **kwargs):
