@@ -44,7 +44,7 @@ FAKE_TORCH = textwrap.dedent('''
                                      change_current_allocator=change_current_allocator))
 
     def _global_hook(kind):
-        return lambda hook: calls.append((kind,))
+        return lambda hook, **options: calls.append((kind,))
 
     class Optimizer:
         def __init__(self, params, defaults):
