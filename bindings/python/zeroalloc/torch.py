@@ -291,6 +291,15 @@ class _AutomaticHints:
             stack.pop().after(module, inputs, output)
 
 
+def _always_called(register, hook):
+    """Registers a forward hook that runs also when the forward raises (PyTorch 2.1 on;
+    before, a forward that raises leaves its hint group open until the step ends)."""
+    try:
+        return register(hook, always_call=True)
+    except TypeError:
+        return register(hook)
+
+
 def _hint_groups(model, group_bytes: int) -> list:
     """Note [Hint groups]: one hint per module costs about 50 us of the training thread (the
     hook calls, the library calls, the output's gradient hook), and a Llama layer has nine
@@ -340,7 +349,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     hooks = _adopt(model.parameters(), optimizer)
     for group in _hint_groups(model, hint_group_bytes):
         hooks.append(group.top.register_forward_pre_hook(group.before))
-        hooks.append(group.top.register_forward_hook(group.after, always_call=True))
+        hooks.append(_always_called(group.top.register_forward_hook, group.after))
         for member in group.members:
             if member is not group.top:
                 hooks.append(member.register_forward_pre_hook(group.member_before))
@@ -361,7 +370,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30,
     _require_offload_engine()
     hints = _AutomaticHints(hint_group_bytes)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
-    torch.nn.modules.module.register_module_forward_hook(hints.after, always_call=True)
+    _always_called(torch.nn.modules.module.register_module_forward_hook, hints.after)
     original_init = torch.optim.Optimizer.__init__
 
     def init(self, params, defaults, *args, **kwargs):
