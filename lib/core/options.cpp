@@ -54,6 +54,9 @@ const std::vector<option_spec> kTable = {
      "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
     {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
      "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
+    {"ZEROALLOC_SIM_MAPS_SLICES", option_kind::boolean, "1", "",
+     "0 makes the simulated device map only whole physical allocations, as CUDA drivers do "
+     "(the host tier then takes the paths it takes on a GPU)."},
     {"ZEROALLOC_REPORT", option_kind::text, "", "",
      "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
      "allocation fails out of memory, and on SIGUSR1, with a summary in the log."},
@@ -271,6 +274,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       if (!known) reject(name, value, form);
       const bool on = word == "1" || word == "true" || word == "yes" || word == "on";
       if (name == "ZEROALLOC_VERIFY") parsed.verify = on;
+      if (name == "ZEROALLOC_SIM_MAPS_SLICES") parsed.sim_maps_slices = on;
     } else if (spec.kind == option_kind::text) {
       if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);
       if (name == "ZEROALLOC_REPORT") parsed.report_prefix = std::string(value);

@@ -60,6 +60,7 @@ struct options {
   std::string report_prefix;           ///< ZEROALLOC_REPORT
   std::uint64_t sim_memory_bytes = 0;  ///< ZEROALLOC_SIM_MEMORY
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
+  bool sim_maps_slices = true;         ///< ZEROALLOC_SIM_MAPS_SLICES
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
   memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
   bool verify = false;                 ///< ZEROALLOC_VERIFY

@@ -8,7 +8,7 @@
 namespace zeroalloc {
 
 device_registry::device_registry(const options& parsed)
-    : sim_memory_bytes_(parsed.sim_memory_bytes) {
+    : sim_memory_bytes_(parsed.sim_memory_bytes), sim_maps_slices_(parsed.sim_maps_slices) {
   if (parsed.device == "sim") {
     kind_ = "sim";
     count_ = parsed.sim_device_count;
@@ -42,7 +42,11 @@ device_registry::device_registry(const options& parsed)
 }
 
 std::unique_ptr<device> device_registry::open(int ordinal) const {
-  if (kind_ == "sim") return std::make_unique<sim_device>(ordinal, sim_memory_bytes_);
+  if (kind_ == "sim") {
+    auto simulated = std::make_unique<sim_device>(ordinal, sim_memory_bytes_);
+    simulated->set_maps_slices(sim_maps_slices_);
+    return simulated;
+  }
   return std::make_unique<cuda_device>(ordinal);
 }
 

@@ -25,6 +25,7 @@ class device_registry {
   std::string kind_;  // "cuda" or "sim"
   int count_ = 0;
   std::uint64_t sim_memory_bytes_ = 0;
+  bool sim_maps_slices_ = true;
 };
 
 }  // namespace zeroalloc

@@ -22,10 +22,16 @@ inline std::string test_device_kind() {
 }
 
 /// Opens device `ordinal` of the kind under test; nullptr when it is absent (the caller
-/// skips). The simulated device gets `sim_bytes` of memory.
+/// skips). The simulated device gets `sim_bytes` of memory, and maps only whole allocations
+/// under ZEROALLOC_SIM_MAPS_SLICES=0 (as CUDA drivers do).
 inline std::unique_ptr<device> open_test_device(int ordinal = 0,
                                                 std::uint64_t sim_bytes = 1 * GiB) {
-  if (test_device_kind() != "cuda") return std::make_unique<sim_device>(ordinal, sim_bytes);
+  if (test_device_kind() != "cuda") {
+    auto simulated = std::make_unique<sim_device>(ordinal, sim_bytes);
+    const char* slices = std::getenv("ZEROALLOC_SIM_MAPS_SLICES");
+    if (slices != nullptr && std::string(slices) == "0") simulated->set_maps_slices(false);
+    return simulated;
+  }
   try {
     if (cuda_device::count() <= ordinal) return nullptr;
     return std::make_unique<cuda_device>(ordinal);
