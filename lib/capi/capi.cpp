@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -342,17 +343,24 @@ void hint_many(const void* const* pointers, std::size_t count, Hint hint) {
   runtime& started = runtime::get();
   std::vector<const void*> run;
   zeroalloc::offload_engine* serving = nullptr;
+  std::exception_ptr first_failure;  // one engine failing does not skip the others' hints
+  const auto send = [&] {
+    try {
+      hint(*serving, std::span<const void* const>(run));
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+    run.clear();
+  };
   for (std::size_t i = 0; i < count; ++i) {
     zeroalloc::offload_engine* engine = started.engine_of(pointers[i]);
     if (engine == nullptr) continue;
-    if (engine != serving && !run.empty()) {
-      hint(*serving, std::span<const void* const>(run));
-      run.clear();
-    }
+    if (engine != serving && !run.empty()) send();
     serving = engine;
     run.push_back(pointers[i]);
   }
-  if (!run.empty()) hint(*serving, std::span<const void* const>(run));
+  if (!run.empty()) send();
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 }  // namespace

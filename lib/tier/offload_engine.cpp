@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <limits>
 #include <utility>
 
@@ -259,39 +260,51 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   if (wished) wishes_changed_.notify_all();
 
   std::uint64_t resident = 0;
+  // Every chunk gets its ordering even when one fails (a device error from a move): the
+  // hint's other allocations have work coming too. The first failure is reported after.
+  std::exception_ptr first_failure;
   for (const chunk_info& chunk : chunks) {
-    const residency where = migrator_.where(chunk.address);
-    if (where == residency::device) {
-      ++resident;
-      continue;
-    }
-    if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream)) {
-      std::lock_guard lock(mutex_);  // prefetched, still arriving: the stream waits, not us
-      ++figures_.arriving;
-      continue;
-    }
-    const auto started = std::chrono::steady_clock::now();
-    if (where != residency::host) migrator_.wait_until_settled(chunk.address);
-    if (migrator_.where(chunk.address) == residency::host) {
-      // A miss: bring it now. If no room can be made it stays on the host, where kernels
-      // still reach it (slowly).
-      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
-                 /*ordered_use=*/true);
-    }
-    if (!wait_for_arrival(chunk.address, stream)) {
-      migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
-    }
-    std::lock_guard lock(mutex_);
-    figures_.waited_ns += nanoseconds_since(started);
-    if (migrator_.where(chunk.address) == residency::host) {
-      chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
-      ++figures_.used_on_host;
+    try {
+      if (ready_for_use(chunk, stream)) ++resident;
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
     }
   }
+  {
+    std::lock_guard lock(mutex_);
+    figures_.resident += resident;
+    figures_.hits += resident;  // arrivals count once their device-side wait is known
+    collect_waits(false);
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
+}
+
+bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream) {
+  const residency where = migrator_.where(chunk.address);
+  if (where == residency::device) return true;
+  if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream)) {
+    std::lock_guard lock(mutex_);  // prefetched, still arriving: the stream waits, not us
+    ++figures_.arriving;
+    return false;
+  }
+  const auto started = std::chrono::steady_clock::now();
+  if (where != residency::host) migrator_.wait_until_settled(chunk.address);
+  if (migrator_.where(chunk.address) == residency::host) {
+    // A miss: bring it now. If no room can be made it stays on the host, where kernels
+    // still reach it (slowly).
+    bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
+               /*ordered_use=*/true);
+  }
+  if (!wait_for_arrival(chunk.address, stream)) {
+    migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
+  }
   std::lock_guard lock(mutex_);
-  figures_.resident += resident;
-  figures_.hits += resident;  // arrivals count once their device-side wait is known
-  collect_waits(false);
+  figures_.waited_ns += nanoseconds_since(started);
+  if (migrator_.where(chunk.address) == residency::host) {
+    chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+    ++figures_.used_on_host;
+  }
+  return false;
 }
 
 void offload_engine::use_in_place(std::span<const void* const> pointers, stream_handle stream) {
@@ -304,17 +317,24 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
     for (const chunk_info& chunk : chunks) open_use(chunk);  // no eviction or prefetch picks it
     figures_.in_place_uses += chunks.size();
   }
-  // A move started before the hint must land before the caller queues work on the chunk.
+  // A move started before the hint must land before the caller queues work on the chunk;
+  // one failing does not leave the others unsettled (the first failure is reported after).
+  std::exception_ptr first_failure;
   for (const chunk_info& chunk : chunks) {
-    const residency where = migrator_.where(chunk.address);
-    if (where == residency::moving_to_host || where == residency::moving_to_device) {
-      migrator_.wait_until_settled(chunk.address);
-    }
-    if (migrator_.where(chunk.address) == residency::host) {
-      std::lock_guard lock(mutex_);
-      chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+    try {
+      const residency where = migrator_.where(chunk.address);
+      if (where == residency::moving_to_host || where == residency::moving_to_device) {
+        migrator_.wait_until_settled(chunk.address);
+      }
+      if (migrator_.where(chunk.address) == residency::host) {
+        std::lock_guard lock(mutex_);
+        chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+      }
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
     }
   }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 event_handle offload_engine::timing_event() {
@@ -377,16 +397,25 @@ void offload_engine::use_ends(std::span<const void* const> pointers, stream_hand
 
 void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_handle stream) {
   std::uintptr_t previous = 0;
+  std::exception_ptr first_failure;  // every use still ends; the first failure is reported
   for (const chunk_info& chunk : chunks) {
     chunk_state& state = chunks_[chunk.address];
     if (state.open_uses > 0) --state.open_uses;
     if (chunk.address == std::exchange(previous, chunk.address)) continue;  // one record does
-    if (state.released == nullptr) state.released = device_.create_event();
-    state.released_generation = chunk.generation;
-    // An eviction already waiting on the previous recording keeps its point (events are
-    // captured when waited on); later evictions wait for this use.
-    device_.record_event(state.released, stream);
+    try {
+      if (state.released == nullptr) state.released = device_.create_event();
+      // An eviction already waiting on the previous recording keeps its point (events are
+      // captured when waited on); later evictions wait for this use.
+      device_.record_event(state.released, stream);
+      state.released_generation = chunk.generation;
+    } catch (...) {
+      // No point marks this use's end: the chunk is not idle for evictions ahead of need
+      // (they need a matching generation); the pressure path fences on its streams.
+      state.released_generation = std::numeric_limits<std::uint64_t>::max();
+      if (!first_failure) first_failure = std::current_exception();
+    }
   }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {

@@ -133,6 +133,9 @@ class offload_engine {
     bool used_on_host = false;              // work ran on it while it was on the host
   };
 
+  /// use_begins' work for one chunk: on the device, arriving in `stream`'s order, or (no
+  /// room) on the host, marked used there. True when it was on the device already.
+  bool ready_for_use(const chunk_info& chunk, stream_handle stream);
   std::vector<chunk_info> chunks_of(const void* pointer) const;
   /// The chunks of every allocation in `pointers`, in turn (a chunk twice if two share it).
   std::vector<chunk_info> chunks_of(std::span<const void* const> pointers) const;

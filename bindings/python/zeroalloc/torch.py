@@ -14,6 +14,7 @@ import threading
 import types
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Iterable
 
 from zeroalloc import _offload
@@ -178,13 +179,31 @@ def _managed(module) -> list:
             if p is not None and getattr(p, "_zeroalloc_adopted", False)]
 
 
+def _output_tensors(output, found: list, depth: int = 0) -> list:
+    """The tensors that require grad in a module's output: a tensor, or tensors inside
+    tuples, lists and mappings (a transformers ModelOutput is a mapping), a few levels deep."""
+    if torch.is_tensor(output):
+        if output.requires_grad:
+            found.append(output)
+    elif depth < 4 and isinstance(output, (tuple, list, Mapping)):
+        for each in (output.values() if isinstance(output, Mapping) else output):
+            _output_tensors(each, found, depth + 1)
+    return found
+
+
 def _hint_backward(own: list, output) -> None:
-    """Backward of a module begins when the gradient of its output arrives."""
-    outputs = output if isinstance(output, (tuple, list)) else (output,)
-    for each in outputs:
-        if torch.is_tensor(each) and each.requires_grad:
-            each.register_hook(lambda grad, own=own: (_begin(own), grad)[1])
-            break
+    """Backward of a module begins when the first gradient of its outputs arrives: one
+    use-begins per backward, whichever output it comes through."""
+    tensors = _output_tensors(output, [])
+    if len(tensors) > 1:
+        try:  # once per backward, on the first of the outputs' gradients (PyTorch 2.2 on)
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: _begin(own),
+                                                          mode="any")
+            return
+        except (AttributeError, TypeError):
+            pass  # then the first output's gradient, as for a single output
+    if tensors:
+        tensors[0].register_hook(lambda grad, own=own: (_begin(own), grad)[1])
 
 
 def _before_forward(module, _inputs) -> None:
@@ -202,35 +221,58 @@ def _after_forward(module, _inputs, output) -> None:
 
 
 class _HintGroup:
-    """Modules hinted as one (Note [Hint groups]): `top` and the descendants in `members`."""
+    """Modules hinted as one (Note [Hint groups]): `top`, and the modules in `members` whose
+    own parameters it hints; `covered` are the ids of the modules whose hints it makes
+    (its whole subtree, or `top` alone when only `top`'s own parameters are hinted). Holds
+    its modules weakly: the automatic mode keeps groups in a table keyed by module."""
 
-    def __init__(self, top, members):
-        self.top = top
-        self.members = members
-        self.member_ids = {id(member) for member in members}
-        self.active = 0  # forwards of `top` under way (hooks of members stand down)
+    _all: "weakref.WeakSet" = weakref.WeakSet()
+
+    def __init__(self, top, members, whole_subtree: bool):
+        self.top = weakref.ref(top)
+        self.members = [weakref.ref(member) for member in members]
+        self.covered = {id(m) for m in top.modules()} if whole_subtree else {id(top)}
+        self.local = threading.local()  # per thread: the parameter lists begun, innermost last
+        _HintGroup._all.add(self)
+
+    def open(self) -> list:
+        found = getattr(self.local, "open", None)
+        if found is None:
+            found = self.local.open = []
+        return found
 
     def parameters(self) -> list:
-        return [p for member in self.members for p in _managed(member)]
+        return [p for ref in self.members if (member := ref()) is not None
+                for p in _managed(member)]
 
     def before(self, _module, _inputs) -> None:
-        self.active += 1
-        _begin(self.parameters())
+        own = self.parameters()
+        self.open().append(own)
+        _begin(own)
 
     def after(self, _module, _inputs, output) -> None:  # always called, also on an error
-        self.active = max(0, self.active - 1)
-        own = self.parameters()
+        begun = self.open()
+        if not begun:
+            return  # its pre-hook never ran (an earlier pre-hook raised)
+        own = begun.pop()
         _end(own)
         if output is not None:
             _hint_backward(own, output)
 
     def member_before(self, module, inputs) -> None:
-        if not self.active:  # called on its own, outside `top`'s forward
+        if not self.open():  # called on its own, outside `top`'s forward (in this thread)
             _before_forward(module, inputs)
 
     def member_after(self, module, inputs, output) -> None:
-        if not self.active:
+        if not self.open():
             _after_forward(module, inputs, output)
+
+    @staticmethod
+    def reset_all() -> None:
+        """Closes what forwards that raised left open (PyTorch before 2.1 does not call a
+        forward hook then); the uses themselves the engine closes at the step boundary."""
+        for group in list(_HintGroup._all):
+            group.local = threading.local()
 
 
 def _managed_bytes(module) -> int:
@@ -238,33 +280,38 @@ def _managed_bytes(module) -> int:
                if getattr(p, "_zeroalloc_adopted", False))
 
 
+def _new_group(module, group_bytes: int):
+    """The group `module` heads when no enclosing group covers it: its whole subtree when
+    that holds at most `group_bytes` of managed parameters (or it has no children), else its
+    own parameters alone; None when that is nothing."""
+    total = _managed_bytes(module)
+    if total == 0:
+        return None
+    if total <= group_bytes or not any(True for _ in module.children()):
+        return _HintGroup(module, [m for m in module.modules() if _managed(m)], True)
+    return _HintGroup(module, [module], False) if _managed(module) else None
+
+
 def _group_of(module, group_bytes: int):
-    """The hint group `module` heads when it is called outside any other group's forward: its
-    whole subtree when that holds at most `group_bytes` of managed parameters, else its own
-    parameters alone (None when it has none). Decided once per module and adoption."""
+    """_new_group, decided once per module and adoption."""
     cached = _groups_headed.get(module)
     if cached is not None and cached[0] == _adoptions[0]:
         return cached[1]
-    total = _managed_bytes(module)
-    if total == 0:
-        group = None
-    elif total <= group_bytes or not any(True for _ in module.children()):
-        group = _HintGroup(module, [m for m in module.modules() if _managed(m)])
-    else:
-        group = _HintGroup(module, [module]) if _managed(module) else None
+    group = _new_group(module, group_bytes)
     _groups_headed[module] = (_adoptions[0], group)
     return group
 
 
-#: module -> (adoption count, the group it heads): kept off the module, which may be pickled.
+#: module -> (adoption count, the group it heads): kept off the module, which may be pickled;
+#: the groups hold their modules weakly, so a dropped model is freed.
 _groups_headed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _AutomaticHints:
     """The automatic mode's global module hooks, with the grouping of Note [Hint groups]: a
-    module called inside the forward of the group it belongs to does nothing (one dict
-    lookup); any other module hints the group it heads. Parents run their pre-hooks before
-    their children, so the largest subtree within the size is found from the top."""
+    module the running group covers does nothing (one set lookup); any other module hints
+    the group it heads. Parents run their pre-hooks before their children, so the largest
+    subtree within the size is found from the top."""
 
     def __init__(self, group_bytes: int):
         self.group_bytes = group_bytes
@@ -278,7 +325,7 @@ class _AutomaticHints:
 
     def before(self, module, inputs) -> None:
         stack = self.stack()
-        if stack and id(module) in stack[-1].member_ids and module is not stack[-1].top:
+        if stack and id(module) in stack[-1].covered and module is not stack[-1].top():
             return
         group = _group_of(module, self.group_bytes)
         if group is not None:
@@ -287,13 +334,19 @@ class _AutomaticHints:
 
     def after(self, module, inputs, output) -> None:  # always called, also on an error
         stack = self.stack()
-        if stack and stack[-1].top is module:
+        if stack and stack[-1].top() is module:
             stack.pop().after(module, inputs, output)
+
+    def reset(self) -> None:
+        self.local = threading.local()
+
+
+_automatic: list = []  # the automatic mode's hooks, once enabled
 
 
 def _always_called(register, hook):
     """Registers a forward hook that runs also when the forward raises (PyTorch 2.1 on;
-    before, a forward that raises leaves its hint group open until the step ends)."""
+    before, what a raising forward left open is closed at the step's end)."""
     try:
         return register(hook, always_call=True)
     except TypeError:
@@ -308,25 +361,41 @@ def _hint_groups(model, group_bytes: int) -> list:
     parameters (a decoder layer), all of a subtree's parameters in one call, and to single
     modules above that. The engine learns and fetches at that granularity, the memory a use
     pins is a subtree's. A member called on its own, outside its group's forward, still
-    hints its own parameters (its hooks stand down only while the group's forward runs):
-    every use of a hinted parameter stays hinted."""
-    groups = []
+    hints its own parameters (its hooks stand down only while the group's forward runs, in
+    that thread): every use of a hinted parameter stays hinted. A module reachable from two
+    parents is grouped once."""
+    groups, seen = [], set()
 
     def visit(module) -> None:
-        total = _managed_bytes(module)
-        if total == 0:
+        if id(module) in seen:
             return
-        children = list(module.children())
-        if total <= group_bytes or not children:
-            groups.append(_HintGroup(module, [m for m in module.modules() if _managed(m)]))
-            return
-        if _managed(module):
-            groups.append(_HintGroup(module, [module]))
-        for child in children:
-            visit(child)
+        seen.add(id(module))
+        group = _new_group(module, group_bytes)
+        if group is not None:
+            groups.append(group)
+        if group is None or group.covered == {id(module)}:
+            for child in module.children():
+                visit(child)
+        else:
+            seen.update(group.covered)
 
     visit(model)
     return groups
+
+
+def _install_hint_hooks(model, group_bytes: int) -> list:
+    """The module hooks of offload(): each group's top hints the group; its members hint
+    themselves when called outside the group's forward. Returns the hook handles."""
+    hooks = []
+    for group in _hint_groups(model, group_bytes):
+        top = group.top()
+        hooks.append(top.register_forward_pre_hook(group.before))
+        hooks.append(_always_called(top.register_forward_hook, group.after))
+        for member in (ref() for ref in group.members):
+            if member is not top:
+                hooks.append(member.register_forward_pre_hook(group.member_before))
+                hooks.append(member.register_forward_hook(group.member_after))
+    return hooks
 
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
@@ -347,13 +416,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _require_offload_engine()
     hooks = _adopt(model.parameters(), optimizer)
-    for group in _hint_groups(model, hint_group_bytes):
-        hooks.append(group.top.register_forward_pre_hook(group.before))
-        hooks.append(_always_called(group.top.register_forward_hook, group.after))
-        for member in group.members:
-            if member is not group.top:
-                hooks.append(member.register_forward_pre_hook(group.member_before))
-                hooks.append(member.register_forward_hook(group.member_after))
+    hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes)
@@ -369,6 +432,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30,
     as offload() groups them (Note [Hint groups])."""
     _require_offload_engine()
     hints = _AutomaticHints(hint_group_bytes)
+    _automatic.append(hints)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
     _always_called(torch.nn.modules.module.register_module_forward_hook, hints.after)
     original_init = torch.optim.Optimizer.__init__
@@ -639,6 +703,9 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
             if wait_error is not None and succeeded:
                 raise wait_error
         _offload.step_boundary()
+        _HintGroup.reset_all()
+        for hints in _automatic:
+            hints.reset()
         return loss
 
     step._zeroalloc_windowed = True

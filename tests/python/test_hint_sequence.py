@@ -1,0 +1,215 @@
+"""The use hints zeroalloc.torch's module hooks send, on CPU tensors (PyTorch without a GPU
+is enough): which parameters each forward and backward begins and ends, for zt.offload's
+hooks and for the automatic mode's global ones. The engine is replaced by a recorder; every
+use begun must end, once, whatever the model does (containers inside a layer, outputs in a
+dict, a part called alone, a forward that raises, a module reachable from two parents), and
+a layer is hinted in one call.
+
+    python3 -m pytest tests/python/test_hint_sequence.py
+"""
+
+import gc
+import sys
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+import zeroalloc.torch as zt  # noqa: E402
+
+
+class Attention(torch.nn.Module):  # a container: its weights sit in its children
+    def __init__(self, width):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)))
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.attention = Attention(width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return {"hidden": self.norm(x + self.attention(x))}  # a mapping, as ModelOutput is
+
+
+class Model(torch.nn.Module):
+    def __init__(self, width=16, layers=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)["hidden"]
+        return self.head(x)
+
+
+def layer_bytes(width=16):
+    return sum(p.numel() * p.element_size() for p in Layer(width).parameters())
+
+
+class Recorder:
+    """Stands in for the engine: records each begin and end call with the parameters'
+    names, and counts open uses per parameter."""
+
+    def __init__(self, model):
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.calls = []
+        self.open = Counter()
+
+    def begin(self, tensors, stream=0):
+        names = tuple(self.names.get(id(t), "?") for t in tensors)
+        self.calls.append(("begin", names))
+        self.open.update(names)
+
+    def end(self, tensors, stream=0):
+        names = tuple(self.names.get(id(t), "?") for t in tensors)
+        self.calls.append(("end", names))
+        self.open.subtract(names)
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+    def unbalanced(self):
+        return {name: count for name, count in self.open.items() if count}
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    holder = {}
+
+    def make(model):
+        recorder = Recorder(model)
+        holder["recorder"] = recorder
+        monkeypatch.setattr(zt, "_begin", recorder.begin)
+        monkeypatch.setattr(zt, "_end", recorder.end)
+        for parameter in model.parameters():  # what zt.offload's adoption does
+            parameter._zeroalloc_adopted = True
+            parameter.register_post_accumulate_grad_hook(lambda p: zt._end((p,)))
+        zt._adoptions[0] += 1
+        return recorder
+
+    return make
+
+
+def begins(calls):
+    return [names for kind, names in calls if kind == "begin"]
+
+
+@pytest.fixture(params=["offload", "automatic"])
+def hooked(request):
+    """Installs zt.offload's module hooks, or the automatic mode's global ones, with a
+    group size that holds one Layer; takes them out after the test."""
+    handles = []
+
+    def install(model, group_bytes=None):
+        size = layer_bytes() if group_bytes is None else group_bytes
+        if request.param == "offload":
+            handles.extend(zt._install_hint_hooks(model, size))
+        else:
+            hints = zt._AutomaticHints(size)
+            module = torch.nn.modules.module
+            handles.append(module.register_module_forward_pre_hook(hints.before))
+            handles.append(module.register_module_forward_hook(hints.after, always_call=True))
+        return request.param
+
+    yield install
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_layer_is_one_call_forward_and_backward_and_every_use_ends(recorder, hooked):
+    torch.manual_seed(0)
+    model = Model()
+    record = recorder(model)
+    hooked(model)
+    x = torch.randn(3, 16)
+    loss = model(x).sum()
+    forward = record.take()
+    layer = ("attention.q.weight", "attention.q.bias", "attention.o.weight",
+             "attention.o.bias", "norm.weight", "norm.bias")
+    assert begins(forward) == [tuple(f"layers.{i}.{n}" for n in layer) for i in (0, 1)] + [
+        ("head.weight", "head.bias")], forward
+    loss.backward()
+    backward = begins(record.take())
+    # One begin per group, through the dict output too; then each parameter's gradient ends it.
+    assert sorted(backward) == sorted(begins(forward)), backward
+    assert record.unbalanced() == {}
+
+
+def test_a_part_called_alone_hints_itself_and_a_raising_forward_closes_its_group(
+        recorder, hooked):
+    model = Model()
+    record = recorder(model)
+    hooked(model)
+    x = torch.randn(3, 16)
+    model.layers[0].attention.q(x)
+    assert begins(record.take()) == [("layers.0.attention.q.weight", "layers.0.attention.q.bias")]
+    with pytest.raises(RuntimeError):
+        model(torch.randn(3, 5))  # fails in the first layer's first Linear
+    record.take()
+    assert record.unbalanced() == {}
+    with torch.no_grad():
+        model.layers[0].attention.q(x)  # the failed forward's group is not running any more
+    assert begins(record.take()) == [("layers.0.attention.q.weight", "layers.0.attention.q.bias")]
+    assert record.unbalanced() == {}
+
+
+def test_outputs_in_several_tensors_begin_a_backward_once(recorder, hooked):
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)  # both outputs carry gradients
+
+    model = torch.nn.Sequential(Split())
+    record = recorder(model)
+    hooked(model, group_bytes=1 << 20)
+    first, second = model(torch.randn(2, 8))
+    record.take()
+    (first.sum() + second.sum()).backward()
+    assert len(begins(record.take())) == 1
+    assert record.unbalanced() == {}
+
+
+def test_a_module_reachable_from_two_parents_is_hinted_once_per_call(recorder, hooked):
+    shared = torch.nn.Linear(8, 8)
+    model = torch.nn.Module()
+    model.left = torch.nn.Sequential(shared)
+    model.alias = shared  # the same module under a second parent
+    model.forward = lambda x: model.left(x)
+    record = recorder(model)
+    hooked(model, group_bytes=1)  # every module too large: each hints its own parameters
+    model(torch.randn(2, 8)).sum().backward()
+    assert begins(record.take()) == [("left.0.weight", "left.0.bias")] * 2  # forward, backward
+    assert record.unbalanced() == {}
+
+
+def test_the_automatic_mode_lets_a_dropped_model_go(recorder):
+    hints = zt._AutomaticHints(layer_bytes())
+    module = torch.nn.modules.module
+    handles = [module.register_module_forward_pre_hook(hints.before),
+               module.register_module_forward_hook(hints.after, always_call=True)]
+    try:
+        model = Model()
+        recorder(model)
+        model(torch.randn(3, 16))
+        alive = [weakref.ref(each) for each in (model, model.layers[0], model.head)]
+        del model
+        gc.collect()
+        assert [ref() for ref in alive] == [None] * 3, (
+            "the automatic mode's group table kept the model alive")
+    finally:
+        for handle in handles:
+            handle.remove()
