@@ -196,6 +196,26 @@ def test_a_module_reachable_from_two_parents_is_hinted_once_per_call(recorder, h
     assert record.unbalanced() == {}
 
 
+def test_a_module_used_twice_and_a_tied_weight_begin_one_backward_use(recorder, hooked):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8)
+            self.twice = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight  # tied, as language models do
+
+        def forward(self, tokens):
+            return self.head(self.twice(self.twice(self.embed(tokens))))
+
+    model = Tied()
+    record = recorder(model)
+    hooked(model, group_bytes=1)  # each module hints itself
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    calls = record.take()
+    assert record.unbalanced() == {}, (record.unbalanced(), calls)
+
+
 def test_the_automatic_mode_lets_a_dropped_model_go(recorder):
     hints = zt._AutomaticHints(layer_bytes())
     module = torch.nn.modules.module

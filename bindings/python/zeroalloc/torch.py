@@ -191,19 +191,42 @@ def _output_tensors(output, found: list, depth: int = 0) -> list:
     return found
 
 
+def _begin_backward(own: list) -> None:
+    """Use-begins for the parameters in `own` that this backward has not begun yet. A
+    parameter's backward use ends once, when its gradient is accumulated (after every use
+    of it in the graph), so it must begin once too: a module called twice in a forward, a
+    weight tied between two modules, a layer recomputed under checkpointing would each
+    begin it again, leaving a use open until the step ends (pinning its chunks)."""
+    task = _graph_task()
+    if task is None:  # outside the autograd engine, or a PyTorch without task ids
+        _begin(own)
+        return
+    fresh = [p for p in own if getattr(p, "_zeroalloc_backward", None) != task]
+    for parameter in fresh:
+        parameter._zeroalloc_backward = task
+    if fresh:
+        _begin(fresh)
+
+
+def _graph_task():
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = current() if current is not None else -1
+    return None if task == -1 else task
+
+
 def _hint_backward(own: list, output) -> None:
     """Backward of a module begins when the first gradient of its outputs arrives: one
     use-begins per backward, whichever output it comes through."""
     tensors = _output_tensors(output, [])
     if len(tensors) > 1:
         try:  # once per backward, on the first of the outputs' gradients (PyTorch 2.2 on)
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: _begin(own),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grad: _begin_backward(own), mode="any")
             return
         except (AttributeError, TypeError):
             pass  # then the first output's gradient, as for a single output
     if tensors:
-        tensors[0].register_hook(lambda grad, own=own: (_begin(own), grad)[1])
+        tensors[0].register_hook(lambda grad, own=own: (_begin_backward(own), grad)[1])
 
 
 def _before_forward(module, _inputs) -> None:
