@@ -30,6 +30,10 @@ step "caching_allocator_bench"
 build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
   --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
 
+step "use hints: host time per Llama layer, one call per tensor vs one per layer"
+ZEROALLOC_DEVICE=cuda build/bench/hint_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+  2>&1 | grep -E "median|Benchmark" | tee "$out/hint_bench.txt"
+
 step "migration throughput: the migrator vs cudaMemcpyAsync"
 build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -6
 
