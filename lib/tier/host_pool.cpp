@@ -198,6 +198,8 @@ host_chunk host_pool::acquire(std::size_t bytes) {
       slabs_.push_back(std::move(made));
       figures_.created_bytes += size;
       ++figures_.created_on_demand;
+      log().debug("host tier: created {} of pinned memory on demand for a chunk of {}",
+                  format_bytes(size), format_bytes(bytes));
       continue;
     }
     if (!release_free_slabs_locked(size, lock)) throw_exhausted(bytes);
