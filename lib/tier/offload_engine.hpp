@@ -28,6 +28,21 @@
 // (training) thread never waits for that: it waits only when the chunk it is about to use
 // is still on the host or moving (a miss), and that time is reported as compute waiting on
 // fetches. Without hints the engine still works, from the pressure path alone.
+//
+// Note [Tiers that come next]: the engine decides where each chunk lives and the migrator
+// moves a chunk between device and pinned host memory at a fixed address; both need no
+// change for the next two sources of bytes, which plug in at these points:
+//   - NVMe, behind the host tier: its chunks cannot be mapped, so a chunk reaches it only
+//     from a host chunk (io_uring writes from the host chunk's staging address) and comes
+//     back into one before a fetch. Where an eviction now fails with the host tier full
+//     (host_memory_exhausted, caught in launch_evictions), the engine spills
+//     the host-resident chunk used farthest ahead to NVMe first; bring_back reads an
+//     NVMe-resident chunk into a host chunk, then fetches it as today.
+//   - ZeRO partitions: a parameter chunk that another rank owns is resident remotely; its
+//     fetch is an all-gather into a device chunk instead of a copy from a host chunk, and the
+//     learned order schedules gathers as it schedules fetches (bring_back and the
+//     prefetcher's wishes). Evicting it frees the device chunk with no copy out.
+// Residency (migrator::where) gains a kind for each; the hints and the policy stay.
 #pragma once
 
 #include <condition_variable>
