@@ -30,8 +30,8 @@
 // fetches. Without hints the engine still works, from the pressure path alone.
 //
 // Note [Tiers that come next]: the engine decides where each chunk lives and the migrator
-// moves a chunk between device and pinned host memory at a fixed address; both need no
-// change for the next two sources of bytes, which plug in at these points:
+// moves a chunk between device and pinned host memory at a fixed address. The next two
+// sources of bytes plug in beside those moves, which stay as they are:
 //   - NVMe, behind the host tier: its chunks cannot be mapped, so a chunk reaches it only
 //     from a host chunk (io_uring writes from the host chunk's staging address) and comes
 //     back into one before a fetch. Where an eviction now fails with the host tier full
