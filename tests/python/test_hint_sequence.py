@@ -94,7 +94,8 @@ def recorder(monkeypatch):
         monkeypatch.setattr(zt, "_end", recorder.end)
         for parameter in model.parameters():  # what zt.offload's adoption does
             parameter._zeroalloc_adopted = True
-            parameter.register_post_accumulate_grad_hook(lambda p: zt._end((p,)))
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(zt._end_backward)
         zt._adoptions[0] += 1
         return recorder
 
@@ -214,6 +215,64 @@ def test_a_module_used_twice_and_a_tied_weight_begin_one_backward_use(recorder, 
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     calls = record.take()
     assert record.unbalanced() == {}, (record.unbalanced(), calls)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30])  # each module alone; the whole model
+def test_checkpointed_layers_end_every_use(recorder, hooked, reentrant, group_bytes):
+    import torch.utils.checkpoint as checkpoint
+
+    class Checkpointed(Model):
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint.checkpoint(lambda y, layer=layer: layer(y)["hidden"], x,
+                                          use_reentrant=reentrant)
+            return self.head(x)
+
+    model = Checkpointed()
+    record = recorder(model)
+    hooked(model, group_bytes=group_bytes)
+    model(torch.randn(3, 16, requires_grad=True)).sum().backward()
+    assert record.unbalanced() == {}
+
+
+def test_uses_no_gradient_reaches_end_with_the_backward(recorder, hooked):
+    class Partly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen, self.trained = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.unused = torch.nn.Linear(8, 8)  # an expert no token reached
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return self.frozen(x) + self.trained(x)
+
+    model = Partly()
+    record = recorder(model)
+    hooked(model, group_bytes=1 << 20)  # one group: its backward begins all of them
+    model(torch.randn(2, 8)).sum().backward()
+    assert record.unbalanced() == {}
+    x = torch.randn(2, 8, requires_grad=True)
+    torch.autograd.grad(model(x).sum(), x)  # no parameter's gradient accumulated
+    assert record.unbalanced() == {}
+
+
+def test_a_module_returning_a_parameter_adds_no_hook_to_it(recorder, hooked):
+    class Position(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self):
+            return self.table
+
+    model = Position()
+    record = recorder(model)
+    hooked(model, group_bytes=1 << 20)
+    for _ in range(3):
+        model().sum().backward()
+    assert len(model.table._backward_hooks or {}) == 0
+    assert record.unbalanced() == {}
 
 
 def test_the_automatic_mode_lets_a_dropped_model_go(recorder):

@@ -161,8 +161,7 @@ def _adopt(parameters, optimizer=None) -> list:
             parameter._zeroalloc_adopted = True
             _adoptions[0] += 1
             if parameter.requires_grad:
-                hooks.append(parameter.register_post_accumulate_grad_hook(
-                    lambda p: _end((p,))))
+                hooks.append(parameter.register_post_accumulate_grad_hook(_end_backward))
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
@@ -183,7 +182,7 @@ def _output_tensors(output, found: list, depth: int = 0) -> list:
     """The tensors that require grad in a module's output: a tensor, or tensors inside
     tuples, lists and mappings (a transformers ModelOutput is a mapping), a few levels deep."""
     if torch.is_tensor(output):
-        if output.requires_grad:
+        if output.requires_grad and output.grad_fn is not None:  # a leaf's hook would stay
             found.append(output)
     elif depth < 4 and isinstance(output, (tuple, list, Mapping)):
         for each in (output.values() if isinstance(output, Mapping) else output):
@@ -192,20 +191,51 @@ def _output_tensors(output, found: list, depth: int = 0) -> list:
 
 
 def _begin_backward(own: list) -> None:
-    """Use-begins for the parameters in `own` that this backward has not begun yet. A
-    parameter's backward use ends once, when its gradient is accumulated (after every use
-    of it in the graph), so it must begin once too: a module called twice in a forward, a
-    weight tied between two modules, a layer recomputed under checkpointing would each
-    begin it again, leaving a use open until the step ends (pinning its chunks)."""
+    """Note [Backward uses]: a parameter's backward use begins when the backward reaches the
+    first module using it (a hook on that module's output gradient) and ends when its
+    gradient is accumulated (after every use of it in the graph). So it begins once per
+    backward: a module called twice, a weight tied between two modules and a layer
+    recomputed under checkpointing would begin it again. And what the backward began and
+    did not accumulate into (frozen parameters, experts no token reached, autograd.grad,
+    the outer backward around a reentrant checkpoint's inner one) ends when that backward
+    ends: open, it would pin its chunks until the step's end, or for good outside training."""
     task = _graph_task()
-    if task is None:  # outside the autograd engine, or a PyTorch without task ids
+    if task is None:  # a PyTorch without graph task ids: as before, one begin per hook
         _begin(own)
         return
-    fresh = [p for p in own if getattr(p, "_zeroalloc_backward", None) != task]
+    begun = _backward_open.get(task)
+    if begun is None:
+        begun = _backward_open[task] = {}
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda task=task: _close_backward(task))
+    fresh = [p for p in own if id(p) not in begun]
     for parameter in fresh:
-        parameter._zeroalloc_backward = task
+        begun[id(parameter)] = parameter
     if fresh:
         _begin(fresh)
+
+
+def _end_backward(parameter) -> None:
+    """The post-accumulate-grad hook: ends the backward use this backward began."""
+    task = _graph_task()
+    if task is None:
+        if not hasattr(torch._C, "_current_graph_task_id"):
+            _end((parameter,))  # no task ids: uses were begun untracked
+        return
+    begun = _backward_open.get(task)
+    if begun is not None and begun.pop(id(parameter), None) is not None:
+        _end((parameter,))
+
+
+def _close_backward(task) -> None:
+    """At the end of a backward: ends the uses it began and never accumulated into."""
+    left = list(_backward_open.pop(task, {}).values())
+    if left:
+        _end(left)
+
+
+#: graph task id -> {id(parameter): parameter} begun in that backward, not yet ended.
+_backward_open: dict = {}
 
 
 def _graph_task():
@@ -417,7 +447,7 @@ def _install_hint_hooks(model, group_bytes: int) -> list:
         for member in (ref() for ref in group.members):
             if member is not top:
                 hooks.append(member.register_forward_pre_hook(group.member_before))
-                hooks.append(member.register_forward_hook(group.member_after))
+                hooks.append(_always_called(member.register_forward_hook, group.member_after))
     return hooks
 
 
