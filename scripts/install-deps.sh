@@ -3,7 +3,7 @@
 # The CUDA Toolkit 13 (with NCCL) is expected at /usr/local/cuda (NVIDIA's packages).
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config ccache libspdlog-dev libfmt-dev libnuma-dev liburing-dev
-          libgtest-dev libbenchmark-dev python3 python3-setuptools)
+          libgtest-dev libbenchmark-dev python3 python3-setuptools python3-venv)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
