@@ -225,8 +225,7 @@ void zeroalloc_use_begins_many(const void* const* pointers, size_t count,
                                zeroalloc_stream_t stream);
 void zeroalloc_use_in_place_many(const void* const* pointers, size_t count,
                                  zeroalloc_stream_t stream);
-void zeroalloc_use_ends_many(const void* const* pointers, size_t count,
-                             zeroalloc_stream_t stream);
+void zeroalloc_use_ends_many(const void* const* pointers, size_t count, zeroalloc_stream_t stream);
 
 /** Hint: a training step ended; the access order recorded during it becomes the learned one. */
 void zeroalloc_step_boundary(void);

@@ -112,12 +112,9 @@ def test_state_dict_round_trip_while_offloaded(tmp_path):
     """)
 
 
-def test_a_layer_is_hinted_in_one_call_and_its_parts_called_alone_still_are():
-    out = run_python("""
-        import torch, zeroalloc, zeroalloc.torch as zt
-        from zeroalloc import _offload
-        zt.install()
-
+# Two Linear(256, 256) in a block, and `begun`: how many allocations each use-begins call
+# into the library carries (the hint groups' tests).
+BLOCK_AND_COUNTER = """
         class Block(torch.nn.Module):  # two Linear(256, 256): 526,336 bytes
             def __init__(self):
                 super().__init__()
@@ -130,6 +127,15 @@ def test_a_layer_is_hinted_in_one_call_and_its_parts_called_alone_still_are():
         counting = _offload.use_begins_many
         _offload.use_begins_many = lambda pointers, stream=0: (
             begun.append(len(pointers)), counting(pointers, stream))[1]
+"""
+
+
+def test_a_layer_is_hinted_in_one_call_and_its_parts_called_alone_still_are():
+    out = run_python("""
+        import torch, zeroalloc, zeroalloc.torch as zt
+        from zeroalloc import _offload
+        zt.install()
+""" + BLOCK_AND_COUNTER + """
 
         def hints(model, optimizer, **options):
             zt.offload(model, optimizer, **options)
@@ -166,19 +172,7 @@ def test_the_automatic_mode_groups_hints_the_same_way():
         from zeroalloc import _offload
         zt.install()
         zt.enable_automatic_offload(hint_group_bytes=1 << 20)
-
-        class Block(torch.nn.Module):  # two Linear(256, 256): 526,336 bytes
-            def __init__(self):
-                super().__init__()
-                self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
-
-            def forward(self, x):
-                return self.b(torch.relu(self.a(x)))
-
-        begun = []
-        counting = _offload.use_begins_many
-        _offload.use_begins_many = lambda pointers, stream=0: (
-            begun.append(len(pointers)), counting(pointers, stream))[1]
+""" + BLOCK_AND_COUNTER + """
         torch.manual_seed(0)
         model = torch.nn.Sequential(Block(), Block()).cuda()
         x = torch.randn(4, 256, device="cuda")
