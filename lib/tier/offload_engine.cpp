@@ -92,9 +92,7 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
 }
 
 std::vector<chunk_info> offload_engine::chunks_of(const void* pointer) const {
-  std::vector<chunk_info> chunks;
-  allocator_.chunks_of_allocation(pointer, chunks);
-  return chunks;
+  return chunks_of(std::span<const void* const>(&pointer, 1));
 }
 
 std::vector<chunk_info> offload_engine::chunks_of(std::span<const void* const> pointers) const {
