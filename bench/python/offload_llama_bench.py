@@ -56,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window-bytes", default="",
                         help="offload mode: zt.offload's window_bytes; several, comma-separated, "
                         "run the offload mode once for each")
+    parser.add_argument("--overlap-bytes", default="",
+                        help="offload mode: zt.offload's overlap_bytes (states moved while "
+                        "forward and backward run; 0: none); several, comma-separated, run "
+                        "the offload mode once for each")
+    parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches (forward and backward) per optimizer step")
     parser.add_argument("--checkpointing", action="store_true",
@@ -117,10 +122,14 @@ def worker(args) -> int:
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode == "offload":
+        options = {}
         if args.window_bytes:
-            zt.offload(model, optimizer, window_bytes=int(args.window_bytes))
-        else:
-            zt.offload(model, optimizer)
+            options["window_bytes"] = int(args.window_bytes)
+        if args.overlap_bytes:
+            options["overlap_bytes"] = int(args.overlap_bytes)
+        if args.stage_after >= 0:
+            zt._STAGE_AFTER = args.stage_after
+        zt.offload(model, optimizer, **options)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -170,7 +179,11 @@ def worker(args) -> int:
                 moved = {k: figures[k] - previous[k] for k in figures
                          if isinstance(figures[k], (int, float)) and k in previous
                          and figures[k] != previous[k]}
-                print(f"step {index}: {time.perf_counter() - started:.3f} s; device holds "
+                step_phases = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
+                overlap = zt.step_figures(optimizer) if mode == "offload" else {}
+                print(f"step {index}: {time.perf_counter() - started:.3f} s "
+                      f"(fwd/bwd/step {'/'.join(f'{p:.3f}' for p in step_phases)}; "
+                      f"overlap {overlap}); device holds "
                       f"{figures['device_held'] / 2**30:.2f} GiB, reserved "
                       f"{figures['reserved'] / 2**30:.2f} GiB; changes: " +
                       ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
@@ -237,13 +250,16 @@ def worker(args) -> int:
         result["peak_reserved"] = stats["total"]["reserved_bytes"]["peak"]
         result["limit_bytes"] = stats["limit_bytes"]
         result["offload"] = stats.get("offload")
+        if mode == "offload":
+            result["overlap"] = zt.step_figures(optimizer)
     print("result " + json.dumps(result), flush=True)
     if mode == "fsdp2":
         torch.distributed.destroy_process_group()
     return 0
 
 
-def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> dict:
+def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
+             overlap_bytes: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -256,9 +272,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> d
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
-                 "vocab", "batch", "seq", "profile_dir", "accumulate"):
+                 "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--window-bytes", window_bytes]
+    command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += [f"--{flag.replace('_', '-')}" for flag in ("checkpointing", "no_autocast_cache")
                 if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
@@ -267,6 +283,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "") -> d
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         suffix = f"_{int(window_bytes) >> 20}MiB" if window_bytes else ""
+        suffix += f"_ov{int(overlap_bytes) >> 20}MiB" if overlap_bytes else ""
         (Path(args.log_dir) / f"{mode}{suffix}.log").write_text(result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     if result.returncode != 0 or not lines:
@@ -295,14 +312,20 @@ def main() -> int:
             states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
             limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
         sizes = args.window_bytes.split(",") if args.window_bytes else [""]
+        overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
         for size in sizes:
-            name = f"offload_{int(size) >> 20}MiB" if len(sizes) > 1 else "offload"
-            results[name] = run_mode(args, "offload", limit, size)
+            for overlap in overlaps:
+                name = "offload"
+                if len(sizes) > 1:
+                    name += f"_{int(size) >> 20}MiB"
+                if len(overlaps) > 1:
+                    name += f"_ov{int(overlap) >> 20}M"
+                results[name] = run_mode(args, "offload", limit, size, overlap)
     if "fsdp2" in modes:
         results["fsdp2"] = run_mode(args, "fsdp2")
     native_step = results.get("native", {}).get("step_s")
     fsdp_tokens = results.get("fsdp2", {}).get("tokens_per_s")
-    print(f"\n{'mode':10} {'step s':>8} {'tokens/s':>10} {'vs native':>10} {'vs fsdp2':>9}  notes")
+    print(f"\n{'mode':14} {'step s':>8} {'tokens/s':>10} {'vs native':>10} {'vs fsdp2':>9}  notes")
     for mode, result in results.items():
         if "error" in result:
             print(f"{mode:10} failed")
@@ -316,6 +339,10 @@ def main() -> int:
                      f"{figures['bytes_to_device'] / 2**30:.1f} GiB in; hit rate "
                      f"{figures['prefetch_hit_rate']:.3f}; device waited "
                      f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
+            overlap = result.get("overlap") or {}
+            if overlap.get("steps"):
+                notes += (f"; staged {overlap['staged_bytes'] / overlap['steps'] / 2**30:.2f}, "
+                          f"kept {overlap['kept_bytes'] / overlap['steps'] / 2**30:.2f} GiB/step")
         elif "peak_allocated" in result:
             notes = (f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB, reserved "
                      f"{result['peak_reserved'] / 2**30:.1f} GiB")
@@ -323,7 +350,7 @@ def main() -> int:
             **result["phases_s"]) + f"{result['model_tflops']:.0f} model TFLOPS; " + notes
         vs_native = result["step_s"] / native_step if native_step else float("nan")
         vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else float("nan")
-        print(f"{mode:10} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
+        print(f"{mode:14} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
               f"{vs_native:10.3f} {vs_fsdp:9.2f}  {notes}")
     print(json.dumps({"bench": "offload_llama", "results": results}))
     return 0

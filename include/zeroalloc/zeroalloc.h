@@ -21,6 +21,7 @@
 #define ZEROALLOC_ZEROALLOC_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h> /* ssize_t */
 
 #ifdef __cplusplus
@@ -109,6 +110,18 @@ zeroalloc_class zeroalloc_set_thread_class(zeroalloc_class allocation_class);
 
 /** Resets the peak statistics of `device` (all classes) to the current values. */
 void zeroalloc_reset_peak_stats(int device);
+
+/**
+ * Room for a new allocation of `allocation_class` on `device`: `*largest_free` receives the
+ * class's largest cached free block (a request up to that size is served without new
+ * memory), `*unallocated` the limit minus the bytes allocated in every class (cached free
+ * memory included: using it may take releasing the cache). A cheap read (no JSON), for a
+ * caller deciding whether an optional buffer fits now (zeroalloc.torch stages optimizer
+ * states during backward with it). Returns 0, or -1 with zeroalloc_last_error() set when
+ * `device` or the class is not valid or a pointer is NULL.
+ */
+int zeroalloc_room(int device, zeroalloc_class allocation_class, uint64_t* largest_free,
+                   uint64_t* unallocated);
 
 /**
  * Writes the statistics of `device` as a JSON object into `buffer` (at most `length`

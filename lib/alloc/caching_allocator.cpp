@@ -239,6 +239,11 @@ void caching_allocator::set_host_landing_handler(host_landing_handler handler) {
   host_landing_handler_ = std::move(handler);
 }
 
+std::uint64_t caching_allocator::allocated_bytes() const {
+  return static_cast<std::uint64_t>(
+      std::max<std::int64_t>(0, stats_.total.allocated_bytes.current()));
+}
+
 std::size_t caching_allocator::largest_free_block(allocation_class cls) const {
   return std::max(heaps_[2 * class_index(cls)]->largest_free_block(),
                   heaps_[2 * class_index(cls) + 1]->largest_free_block());

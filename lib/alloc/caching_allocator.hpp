@@ -100,6 +100,8 @@ class caching_allocator {
   [[nodiscard]] stats_snapshot stats() const;
   /// Sets every peak to its current value.
   void reset_peak_stats();
+  /// Bytes of live allocations, every class.
+  [[nodiscard]] std::uint64_t allocated_bytes() const;
   /// Largest free block of a class: the biggest request it could serve without new memory.
   [[nodiscard]] std::size_t largest_free_block(allocation_class cls) const;
   /// A live allocation, for reports.

@@ -161,6 +161,24 @@ ZA_EXPORT zeroalloc_class zeroalloc_set_thread_class(zeroalloc_class cls) {
   return previous;
 }
 
+ZA_EXPORT int zeroalloc_room(int device, zeroalloc_class cls, uint64_t* largest_free,
+                             uint64_t* unallocated) {
+  return guarded("zeroalloc_room", -1, [&] {
+    if (!valid_class(cls)) {
+      throw std::invalid_argument("no such allocation class: pass a zeroalloc_class value");
+    }
+    if (largest_free == nullptr || unallocated == nullptr) {
+      throw std::invalid_argument("largest_free and unallocated must not be NULL");
+    }
+    const zeroalloc::caching_allocator& owner = runtime::get().allocator(device);
+    const std::uint64_t limit = owner.limit_bytes();
+    const std::uint64_t allocated = owner.allocated_bytes();
+    *largest_free = owner.largest_free_block(static_cast<allocation_class>(cls));
+    *unallocated = limit > allocated ? limit - allocated : 0;
+    return 0;
+  });
+}
+
 ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
   guarded_void("zeroalloc_reset_peak_stats",
                [&] { runtime::get().allocator(device).reset_peak_stats(); });

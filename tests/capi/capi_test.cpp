@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -108,6 +109,37 @@ TEST_F(CApiTest, ThreadClassRoutesAllocationsToTheirClass) {
   EXPECT_EQ(text.find("\"allocated_bytes\":{\"current\":3145728", at),
             text.find("\"allocated_bytes\"", at));
   zeroalloc_free(state, 3 << 20, 0, nullptr);
+}
+
+TEST_F(CApiTest, RoomShowsAFreedBlockOfItsClassAndTheMemoryLeftUnderTheLimit) {
+  std::uint64_t largest = 0;
+  std::uint64_t unallocated = 0;
+  zeroalloc_empty_cache();
+  ASSERT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_GRADIENT, &largest, &unallocated), 0)
+      << zeroalloc_last_error();
+  const std::uint64_t unallocated_before = unallocated;
+  EXPECT_GT(unallocated_before, std::uint64_t{64} << 20);
+  void* pointer = zeroalloc_malloc_class(48 << 20, 0, nullptr, ZEROALLOC_CLASS_GRADIENT);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_GRADIENT, &largest, &unallocated), 0);
+  EXPECT_EQ(unallocated, unallocated_before - (std::uint64_t{48} << 20));  // live: not room
+  zeroalloc_free(pointer, 48 << 20, 0, nullptr);
+  ASSERT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_GRADIENT, &largest, &unallocated), 0);
+  EXPECT_GE(largest, std::uint64_t{48} << 20);  // the freed block, cached in its class
+  EXPECT_EQ(unallocated, unallocated_before);   // cached free memory counts as room
+  ASSERT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_PARAMETER, &largest, &unallocated), 0);
+  EXPECT_LT(largest, std::uint64_t{48} << 20);  // not another class's
+  zeroalloc_empty_cache();
+
+  int bad_class = 9;
+  zeroalloc_class cls;
+  std::memcpy(&cls, &bad_class, sizeof cls);
+  EXPECT_EQ(zeroalloc_room(0, cls, &largest, &unallocated), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("zeroalloc_room: no such allocation class"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_OTHER, nullptr, &unallocated), -1);
+  EXPECT_EQ(zeroalloc_room(999, ZEROALLOC_CLASS_OTHER, &largest, &unallocated), -1);
 }
 
 TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {

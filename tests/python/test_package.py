@@ -208,7 +208,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_report_write", "zeroalloc_report_render",
                                       "zeroalloc_options_json", "zeroalloc_set_thread_class",
                                       "zeroalloc_offload", "zeroalloc_fetch",
-                                      "zeroalloc_residency"})
+                                      "zeroalloc_residency", "zeroalloc_room"})
     assert not missing, f"not declared in zeroalloc._library: {missing}"
     stream = lib.zeroalloc_stream_create(0)
     assert stream, zeroalloc._library.last_error()

@@ -80,6 +80,8 @@ def library() -> ctypes.CDLL:
             "zeroalloc_record_stream": ([ctypes.c_void_p, c_stream], None),
             "zeroalloc_set_thread_class": ([ctypes.c_int], ctypes.c_int),
             "zeroalloc_reset_peak_stats": ([ctypes.c_int], None),
+            "zeroalloc_room": ([ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
             "zeroalloc_stats_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],
                                      ctypes.c_int),
             "zeroalloc_snapshot_json": ([ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import Iterator
 
 from zeroalloc._library import ZeroallocError, last_error, library, read_json
@@ -22,6 +23,18 @@ def device_count() -> int:
 def raw_stats(device: int = 0) -> dict:
     """The library's statistics of `device`, as zeroalloc_stats_json writes them."""
     return read_json(library().zeroalloc_stats_json, device)
+
+
+def room(device: int, name: str) -> tuple:
+    """(largest cached free block of class `name`, the limit minus every class's allocated
+    bytes) on `device`: a request up to the first is served without new memory; one up to
+    the second fits under the limit, perhaps after releasing the cache. A cheap read,
+    unlike raw_stats."""
+    largest, unallocated = ctypes.c_uint64(), ctypes.c_uint64()
+    if library().zeroalloc_room(device, CLASSES.index(name), ctypes.byref(largest),
+                                ctypes.byref(unallocated)) != 0:
+        raise ZeroallocError(last_error())
+    return largest.value, unallocated.value
 
 
 def memory_stats(device: int = 0) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 import contextlib
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -19,7 +20,7 @@ from typing import Iterable
 
 from zeroalloc import _offload
 from zeroalloc._library import ZeroallocError, function_address, library_path
-from zeroalloc._stats import allocation_class, raw_stats
+from zeroalloc._stats import allocation_class, raw_stats, room
 
 _allocator = None
 
@@ -67,18 +68,41 @@ def offload_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
     """Moves the tensor's storage to pinned host memory; its address, and every view of it,
     stay valid (kernels reach it over PCIe until it comes back). With `wait=False`, queue no
     work on the tensor until `residency(tensor)` stops answering "moving". Memory it shares
-    a chunk with, in use by a hinted module or optimizer step, stays on the device."""
-    _offload.offload_pointer(tensor.untyped_storage().data_ptr(), wait)
+    a chunk with, in use by a hinted module or optimizer step, stays on the device. An
+    optimizer state that the last windowed step kept in device scratch (Note [Overlapping
+    the step]) is written back first, and its own tensor is moved."""
+    _offload.offload_pointer(_home_of(tensor).untyped_storage().data_ptr(), wait)
 
 
 def fetch_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
-    """Brings the tensor's storage back to device memory."""
-    _offload.fetch_pointer(tensor.untyped_storage().data_ptr(), wait)
+    """Brings the tensor's storage back to device memory (a kept optimizer state: its own
+    tensor's, as offload_tensor)."""
+    _offload.fetch_pointer(_home_of(tensor).untyped_storage().data_ptr(), wait)
 
 
 def residency(tensor: "torch.Tensor") -> str:
-    """Where the tensor's storage is: "device", "host", "split" or "moving"."""
-    return _offload.residency_of(tensor.untyped_storage().data_ptr())
+    """Where the tensor's storage is: "device", "host", "split" or "moving" (a kept optimizer
+    state: its own tensor's, as offload_tensor)."""
+    return _offload.residency_of(_home_of(tensor).untyped_storage().data_ptr())
+
+
+#: id(tensor in a state dict) -> the windowed step that kept it in scratch after a step.
+_kept_states: dict = {}
+
+
+def _home_of(tensor):
+    """The tensor itself, or for an optimizer state kept in scratch, its own tensor, once
+    written back (the scratch is not the optimizer-state class's, and moving it would race
+    the write-back)."""
+    stepper = _kept_states.get(id(tensor))
+    if stepper is None:
+        return tensor
+    for entry in stepper.kept:
+        if entry[0].get(entry[1]) is tensor:
+            home = entry[2]
+            stepper.write_back_kept(wait=True)
+            return home
+    return tensor
 
 
 def _stream() -> int:
@@ -123,6 +147,11 @@ class OffloadHandle:
             hook.remove()
         self._hooks = []
         if self._optimizer is not None:
+            stepper = getattr(self._optimizer, "_zeroalloc_stepper", None)
+            if stepper is not None:  # states it kept or staged go home first
+                stepper.settle()
+                _overlapping.discard(stepper)
+                del self._optimizer._zeroalloc_stepper
             self._optimizer.step = self._original_step
             self._optimizer = None
 
@@ -199,6 +228,8 @@ def _begin_backward(own: list) -> None:
     did not accumulate into (frozen parameters, experts no token reached, autograd.grad,
     the outer backward around a reentrant checkpoint's inner one) ends when that backward
     ends: open, it would pin its chunks until the step's end, or for good outside training."""
+    if _overlapping:
+        _module_hint(False)
     task = _graph_task()
     if task is None:  # a PyTorch without graph task ids: as before, one begin per hook
         _begin(own)
@@ -218,6 +249,9 @@ def _begin_backward(own: list) -> None:
 def _end_backward(parameter) -> None:
     """The post-accumulate-grad hook: ends the backward use this backward began."""
     task = _graph_task()
+    for stepper in tuple(_overlapping):
+        if id(parameter) in stepper.members:
+            stepper.accumulated(task)
     if task is None:
         if not hasattr(torch._C, "_current_graph_task_id"):
             _end((parameter,))  # no task ids: uses were begun untracked
@@ -262,6 +296,8 @@ def _hint_backward(own: list, output) -> None:
 def _before_forward(module, _inputs) -> None:
     own = _managed(module)
     if own:
+        if _overlapping:
+            _module_hint(True)
         _begin(own)
 
 
@@ -301,6 +337,8 @@ class _HintGroup:
     def before(self, _module, _inputs) -> None:
         own = self.parameters()
         self.open().append(own)
+        if _overlapping:
+            _module_hint(True)
         _begin(own)
 
     def after(self, _module, _inputs, output) -> None:  # always called, also on an error
@@ -452,7 +490,8 @@ def _install_hint_hooks(model, group_bytes: int) -> list:
 
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
-            window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20) -> OffloadHandle:
+            window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
+            overlap_bytes: int = 0) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
     and pinned host memory: two lines in a training script, after ``install()``::
 
@@ -465,20 +504,23 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     order of a step and fetches ahead (one hint per subtree of at most `hint_group_bytes` of
     parameters, Note [Hint groups]); the optimizer steps in windows of about
     `window_bytes` of parameters and states, so that only one window must be on the device at
-    a time (PyTorch's foreach and fused optimizers would touch every state at once).
+    a time (PyTorch's foreach and fused optimizers would touch every state at once), and
+    moves up to `overlap_bytes` of host-resident states each way while forward and backward
+    run (Note [Overlapping the step]; 2 << 30 measured best on an H200; 0, the default for
+    now: none).
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _require_offload_engine()
     hooks = _adopt(model.parameters(), optimizer)
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
-        optimizer.step = _windowed_step(optimizer, original_step, window_bytes)
+        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes)
         _readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step)
 
 
-def enable_automatic_offload(window_bytes: int = 1 << 30,
-                             hint_group_bytes: int = 256 << 20) -> None:
+def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
+                             overlap_bytes: int = 0) -> None:
     """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
     package's start-up hook): every optimizer created from now on has its parameters and
     states managed as offload() does, and global module hooks send the use hints, grouped
@@ -497,7 +539,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30,
         self._zeroalloc_adopted = True
         parameters = [p for group in self.param_groups for p in group["params"]]
         _adopt(parameters, self)
-        self.step = _windowed_step(self, self.step, window_bytes)
+        self.step = _windowed_step(self, self.step, window_bytes, overlap_bytes)
         _readopt_after_load(self)
 
     torch.optim.Optimizer.__init__ = init
@@ -511,9 +553,10 @@ def _remove(entries: list, entry) -> None:
             return
 
 
-def _windowed_step(optimizer, original_step, window_bytes: int):
+def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0):
     """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
-    method (LR schedulers wrap it through __func__ and __self__).
+    method (LR schedulers wrap it through __func__ and __self__); `overlap_bytes` of states
+    are moved while forward and backward run (Note [Overlapping the step]).
 
     Note [Stepping states where they are]: optimizer states are touched once per step, in one
     pass, so they are not fetched (a remap of host memory costs more than the transfer): each
@@ -522,35 +565,156 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
     optimizer's own kernels, and copied back on another stream. Copies in and out overlap
     each other and the kernels; the results are bit for bit those of a step on the device
     (bench/python/optimizer_step_bench.py compares this with stepping over PCIe, with
-    fetching and evicting, and with a CPU Adam). States that are not contiguous, or do not
-    fit the scratch sized before the step, are reached where they are. The step's
-    temporaries (foreach intermediates) are allocated with the activations; states the step
-    creates move into the optimizer-state class after their window. Every hint opened is
-    closed, and the copies are waited for in the step's stream, also when a window fails.
+    fetching and evicting, and with a CPU Adam). States that are not contiguous are reached
+    where they are. The step's temporaries (foreach intermediates) are allocated with the
+    activations; states the step creates move into the optimizer-state class after their
+    window. Every hint opened is closed, and the copies are waited for in the step's
+    stream, also when a window fails.
     Note [Windows and buffers]: copies in and out run at once, each at the PCIe rate, while
     the kernels take a fraction of that. A window's copy out follows its copy in and its
     step, so the step costs the bytes bounced one way plus about one window (the out stream
     waits for the first, the in stream has nothing left during the last). Smaller windows
     shorten that and add per-window costs (Python, launches): from 128 MiB to 1 GiB the step
     measured the same (bench/RESULTS.md). Ramping the sizes at the ends does not help: the
-    out stream then waits for the first large window instead. With two scratch buffers a
-    window's copy in would wait for the write-back of the window just before it, which
-    waits for that window's step, adding half a window's kernels to every window; with
-    three it waits for one long done.
+    out stream then waits for the first large window instead. Window n uses scratch buffer
+    n mod B, B at least three: with two, a window's copy in would wait for the write-back
+    of the window just before it, which waits for that window's step, adding half a
+    window's kernels to every window; with three it waits for one long done. Copies in are
+    queued up to B - 1 windows ahead.
+    Note [Overlapping the step]: even so the step costs the host-resident states' bytes
+    over PCIe one way, while the link idles during forward and backward. So the first
+    windows' states are staged into scratch during the backward before a step (their
+    values are final since the last step), and the last windows' states stay in scratch
+    after the step, in the state dict (so a reader sees their values), and are written
+    back during the next forward; each at most `overlap_bytes`. Staging begins once 60% of
+    the last backward's gradient accumulations are done (learned from the step before,
+    so with gradient accumulation it happens in the last backward only), one window per
+    accumulation, while the device has room under its limit for it plus a margin (the
+    backward frees activations as it goes); it needs the same windows as the last step
+    with the same state tensors, else what was staged is dropped. States are kept only
+    when module hints ran between the last two steps (a training loop: the next forward's
+    first hint writes them back, and a later hint puts the state tensors back once the
+    copies are done); the next step, load_state_dict and OffloadHandle.remove() write them
+    back first. Staged and kept states stay pinned (use_in_place) until their copies end,
+    also across the step boundary.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
-    span several devices steps in one piece, without windows."""
+    span several devices steps in one piece, without windows. Between a step and the next
+    forward, the last windows' state tensors are device scratch: writing into them is
+    kept, replacing them is honoured; their storage is not the optimizer-state class's."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
-    streams: dict = {}  # device index -> (copy in, copy out)
-    warned: list = []  # the several-devices warning, once
+    stepper = _WindowedStep(optimizer, original_step, window_bytes, overlap_bytes)
+    optimizer._zeroalloc_stepper = stepper
 
-    def state_items(parameter):
-        return [(key, value) for key, value in optimizer.state.get(parameter, {}).items()
-                if torch.is_tensor(value) and value.is_cuda and value.dim() > 0
-                and value.numel() > 0]
+    def step(self, closure=None, **kwargs):
+        return stepper.step(closure, **kwargs)
 
-    def windows(groups):
+    step._zeroalloc_windowed = True
+    return types.MethodType(step, optimizer)
+
+
+#: Windowed steps that move states between steps (Note [Overlapping the step]): module hints
+#: and gradient accumulations reach them. Weak: a dropped optimizer takes its step along.
+_overlapping: "weakref.WeakSet" = weakref.WeakSet()
+_STAGE_AFTER = 0.6  # of the last backward's accumulations
+_STAGE_RETRY = 4  # accumulations to wait after finding no room
+
+
+def _module_hint(forward: bool) -> None:
+    """A forward or backward module hint: windowed steps learn that a training loop runs,
+    and write back what the last step kept on the device; a forward drops what was staged
+    for a step that did not come."""
+    for stepper in tuple(_overlapping):
+        stepper.module_hint(forward)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512
+
+
+def _where(tensor) -> str:
+    """The tensor's residency; "foreign" for memory the engine does not manage."""
+    try:
+        return _offload.residency_of(tensor.untyped_storage().data_ptr())
+    except ZeroallocError:
+        return "foreign"
+
+
+def _bounced(tensor, places) -> bool:
+    """Whether a state is copied through scratch: off the device, and laid out so that a
+    contiguous copy has the same strides (else the kernels reach it where it is)."""
+    return tensor.is_contiguous() and places[id(tensor)] not in ("device", "foreign")
+
+
+class _WindowedStep:
+    """The windowed step of one optimizer and what it holds between steps. An entry is
+    [state dict, key, home tensor, scratch view or None, pinned, parameter]."""
+
+    def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int):
+        self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
+        self.original_step = original_step
+        self.window_bytes = window_bytes
+        self.overlap_bytes = overlap_bytes
+        self.streams: dict = {}  # device index -> (copy in, copy out)
+        self.warned = False
+        self.cache = None  # parameter id -> its states, during a step
+        # Scratch: window n uses slot n mod len(slots); free[slot]: its last write-back.
+        self.slots: list = []
+        self.free: list = []
+        self.slot_bytes = 0
+        self.retired: list = []  # buffers replaced by larger ones, freed after the step
+        # Learned from the last step (Note [Overlapping the step]).
+        self.plan: list = []  # its windows
+        self.plan_bytes = 0  # the scratch of its largest window
+        self.per_step = 0  # gradient accumulations between the last two steps
+        self.last_backward = 0  # of those, in the backward just before the step
+        self.accumulations = 0  # since the last step
+        self.in_backward = 0  # in the running backward
+        self.task = None
+        # Ids of the parameters it steps: only their accumulations count.
+        self.members = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.hinted = False  # a module hint since the last step
+        # Held between steps.
+        self.staged: list = []  # (entries, copies done event or None) of windows 0, 1, ...
+        self.staged_bytes = 0
+        self.staging_stream = None
+        self.staging_device = None
+        self.limit_bytes = 0
+        self.staging_done = False
+        self.next_attempt = 0
+        self.next_window = None  # (number, residencies, scratch bytes) of the next to stage
+        self.kept: list = []  # entries whose states stay in scratch after the step
+        self.written = None  # event: the kept states' write-back is done
+        self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
+                        "kept_bytes": 0, "written_back_during_forward": 0,
+                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
+        if overlap_bytes > 0:
+            _overlapping.add(self)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def items(self, parameter) -> list:
+        if self.cache is not None:
+            found = self.cache.get(id(parameter))
+            if found is not None:
+                return found
+        found = [(key, value) for key, value in self.optimizer.state.get(parameter, {}).items()
+                 if torch.is_tensor(value) and value.is_cuda and value.dim() > 0
+                 and value.numel() > 0]
+        if self.cache is not None:
+            self.cache[id(parameter)] = found
+        return found
+
+    def forget(self, parameters) -> None:
+        for parameter in parameters:
+            self.cache.pop(id(parameter), None)
+
+    def budget(self) -> int:
+        """Bytes of states moved between steps: overlap_bytes, at most an eighth of the
+        device's limit (read at the last step)."""
+        return min(self.overlap_bytes, self.limit_bytes // 8)
+
+    def windows(self, groups) -> list:
         """Windows over the parameters with gradients, from the groups as they were before
         any window narrowed them."""
         found, current, size = [], [], 0
@@ -559,7 +723,7 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                 if parameter.grad is None:
                     continue
                 cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
-                if current and size + cost > window_bytes:
+                if current and size + cost > self.window_bytes:
                     found.append(current)
                     current, size = [], 0
                 current.append(parameter)
@@ -568,176 +732,397 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
             found.append(current)
         return found
 
-    def where(tensor) -> str:
-        """The tensor's residency; "foreign" for memory the engine does not manage."""
-        try:
-            return _offload.residency_of(tensor.untyped_storage().data_ptr())
-        except ZeroallocError:
-            return "foreign"
-
-    def padded(nbytes: int) -> int:
-        return -(-nbytes // 512) * 512
-
-    def residencies(found) -> dict:
-        """Each state's residency at the start of the step, by id: asked once per state (a
-        call into the library each). A state the engine moves before its window is pinned
-        is still stepped correctly: in place if it left the device, through a redundant
-        copy if it came back."""
-        return {id(value): where(value) for window in found for parameter in window
-                for _, value in state_items(parameter)}
-
-    def bounced(tensor, places) -> bool:
-        """Whether a state is copied through scratch: off the device, and laid out so that a
-        contiguous copy has the same strides (else the kernels reach it where it is)."""
-        return tensor.is_contiguous() and places[id(tensor)] not in ("device", "foreign")
-
-    def stage(window, buffer, free, copy_in, staged, places):
-        """Pins the window's states where they are and starts copying the host-resident ones
-        into views of `buffer` (device scratch, once the event `free` says its last window
-        is written back; what does not fit is used where it is); returns the entries
-        [state dict, key, home, scratch or None, pinned], each also appended to `staged` as
-        soon as it is pinned."""
-        entries, offset = [], 0
-        capacity = buffer.numel() if buffer is not None else 0
-        found = [(optimizer.state.get(parameter, {}), key, home)
-                 for parameter in window for key, home in state_items(parameter)]
-        # Pinned (one call for the window) before any copy of them is queued.
-        pinned_entries = []
-        for state, key, home in found:
-            pinned = places[id(home)] != "foreign"
-            entries.append([state, key, home, None, pinned])
-            if pinned:
-                pinned_entries.append(entries[-1])
-        if pinned_entries:
-            staged.extend(pinned_entries)  # before the call: a failure still ends them
-            _offload.use_in_place_many(_pointers(entry[2] for entry in pinned_entries),
-                                       copy_in.cuda_stream)
-        staged.extend(entry for entry in entries if not entry[4])
-        for entry in entries:
-            home = entry[2]
-            nbytes = home.numel() * home.element_size()
-            if entry[4] and bounced(home, places) and offset + padded(nbytes) <= capacity:
-                entry[3] = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
-                offset += padded(nbytes)
-        if offset:
-            if free is not None:
-                copy_in.wait_event(free)  # the buffer's last step and write-back
-            with torch.cuda.stream(copy_in):
-                for entry in entries:
-                    if entry[3] is not None:
-                        entry[3].copy_(entry[2], non_blocking=True)
-        return entries
-
-    def scratch_bytes(window, places):
+    def scratch_bytes(self, window, places) -> int:
         """Room for the window's bounced states: those on the device need none, and the
         buffers come out of the memory the activations just left (larger ones would make
         that class grow, and push more states to the host)."""
-        return sum(padded(value.numel() * value.element_size())
-                   for parameter in window for _, value in state_items(parameter)
-                   if bounced(value, places))
+        return sum(_padded(value.numel() * value.element_size())
+                   for parameter in window for _, value in self.items(parameter)
+                   if _bounced(value, places))
 
-    def adopt_new_states(fresh):
+    def streams_of(self, device):
+        if device.index not in self.streams:
+            self.streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self.streams[device.index]
+
+    def stage(self, window, slot: int, places, copy_in, main, held: list):
+        """Pins the window's states where they are (their entries go into `held` first: a
+        failure still ends them) and starts copying the bounced ones into scratch slot
+        `slot`, after that slot's last write-back; returns (entries, event after the
+        copies, or None when nothing is copied)."""
+        entries = []
+        for parameter in window:
+            state = self.optimizer.state.get(parameter, {})
+            for key, home in self.items(parameter):
+                entries.append([state, key, home, None, places[id(home)] != "foreign",
+                                parameter])
+        pinned = [entry for entry in entries if entry[4]]
+        held.extend(entries)
+        if pinned:
+            _offload.use_in_place_many(_pointers(entry[2] for entry in pinned),
+                                       copy_in.cuda_stream)
+        bounced = [entry for entry in pinned if _bounced(entry[2], places)]
+        if not bounced:
+            return entries, None
+        need = sum(_padded(entry[2].numel() * entry[2].element_size()) for entry in bounced)
+        while len(self.slots) <= slot:
+            self.slots.append(None)
+            self.free.append(None)
+        buffer = self.slots[slot]
+        if buffer is None or buffer.numel() < need:
+            if buffer is not None:
+                self.retired.append(buffer)
+            with allocation_class("other"):
+                buffer = torch.empty(max(need, self.slot_bytes), dtype=torch.uint8,
+                                     device=window[0].device)
+            self.slots[slot] = buffer
+            copy_in.wait_stream(main)  # the memory may be what main's last kernels used
+        offset = 0
+        for entry in bounced:
+            home = entry[2]
+            nbytes = home.numel() * home.element_size()
+            entry[3] = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
+            offset += _padded(nbytes)
+        if self.free[slot] is not None:
+            copy_in.wait_event(self.free[slot])  # the slot's last step and write-back
+        with torch.cuda.stream(copy_in):
+            for entry in bounced:
+                entry[3].copy_(entry[2], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_in)
+        return entries, done
+
+    # -- between steps (Note [Overlapping the step]) ---------------------------------------
+    def module_hint(self, forward: bool) -> None:
+        self.hinted = True
+        if self.kept:
+            self.write_back_kept(wait=False)
+        if forward and self.staged:  # staged for a step that did not come: unpin, free
+            self.drop_staged()
+            self.staging_done = True
+
+    def accumulated(self, task) -> None:
+        """A gradient accumulation into a managed parameter: may stage the next step's first
+        windows. A failure stops staging until the next step and never reaches the
+        backward."""
+        if task != self.task:
+            self.task, self.in_backward = task, 0
+        self.in_backward += 1
+        self.accumulations += 1
+        if (self.staging_done or not self.plan or not self.per_step
+                or self.accumulations < self.next_attempt):
+            return
+        if self.accumulations < self.per_step - (1 - _STAGE_AFTER) * self.last_backward:
+            return
+        started = time.perf_counter()
+        try:
+            self.stage_next()
+        except Exception as error:  # noqa: BLE001 (the step does without)
+            self.staging_done = True
+            try:
+                self.drop_staged()
+            except Exception:  # noqa: BLE001
+                pass
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"zeroalloc: staging optimizer states during backward failed "
+                              f"({error}); the step copies them itself")
+        finally:
+            self.figures["staging_host_s"] += time.perf_counter() - started
+
+    def stage_next(self) -> None:
+        number = len(self.staged)
+        if number >= len(self.plan) or self.staged_bytes >= self.budget():
+            self.staging_done = True
+            return
+        window = self.plan[number]
+        device = window[0].device
+        main = torch.cuda.current_stream(device)
+        copy_in, copy_out = self.streams_of(device)
+        if self.staging_stream is None:
+            self.write_back_kept(wait=True)  # done long ago: the homes hold the values
+            self.staging_stream = main
+            self.staging_device = device
+            self.slot_bytes = self.plan_bytes
+            copy_in.wait_stream(main)
+            copy_in.wait_stream(copy_out)  # the last step's write-backs
+        elif self.staging_stream != main:
+            self.staging_done = True
+            return
+        if self.next_window is None or self.next_window[0] != number:
+            # Asked once per window (a library call per state), not on every attempt.
+            places = {id(value): _where(value) for parameter in window
+                      for _, value in self.items(parameter)}
+            self.next_window = (number, places, self.scratch_bytes(window, places))
+        _, places, need = self.next_window
+        if need:
+            # A cached block the backward freed, or room under the limit with a margin left
+            # for the rest of the backward (the first steps may release the cache for it;
+            # the block stays cached for later ones).
+            largest, unallocated = room(device.index, "other")
+            size, margin = max(need, self.slot_bytes), max(1 << 30, self.limit_bytes // 16)
+            if largest < size and unallocated < size + margin:
+                self.next_attempt = self.accumulations + _STAGE_RETRY
+                self.figures["staging_no_room"] += 1
+                return
+        if not self.staged:
+            self.figures["staging_began_at"] = self.accumulations / max(1, self.per_step)
+        held: list = []
+        try:
+            self.staged.append(self.stage(window, number, places, copy_in, main, held))
+        except BaseException:
+            self.end_uses(held, copy_in)
+            raise
+        self.staged_bytes += need
+        self.next_window = None
+        self.figures["staged_windows"] += 1
+        self.figures["staged_bytes"] += need
+
+    def end_uses(self, entries, stream) -> None:
+        pinned = [entry for entry in entries if entry[4]]
+        if pinned:
+            _offload.use_ends_many(_pointers(entry[2] for entry in pinned), stream.cuda_stream)
+
+    def drop_staged(self) -> None:
+        """Ends what was staged and frees its scratch after its copies."""
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
+        self.staging_stream = None
+        if not staged:
+            return
+        copy_in = self.streams_of(self.staging_device)[0]
+        for entries, _ in staged:
+            self.end_uses(entries, copy_in)
+        for buffer in self.slots:
+            if buffer is not None:
+                buffer.record_stream(copy_in)
+        self.slots, self.free = [], []
+
+    def take_staged(self, found, main) -> list:
+        """What the backward staged, when it is what this step would stage (else dropped)."""
+        if not self.staged:
+            return []
+        valid = self.staging_stream == main and len(found) >= len(self.staged)
+        for number, (entries, _) in enumerate(self.staged):
+            if not valid:
+                break
+            window, planned = found[number], self.plan[number]
+            valid = (len(window) == len(planned)
+                     and all(a is b for a, b in zip(window, planned))
+                     and len(entries) == sum(len(self.items(p)) for p in window)
+                     and all(self.optimizer.state.get(entry[5]) is entry[0]
+                             and entry[0].get(entry[1]) is entry[2] for entry in entries))
+        if not valid:
+            self.drop_staged()
+            return []
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
+        self.staging_stream = None
+        return staged
+
+    def write_back_kept(self, wait: bool) -> None:
+        """Writes back the states the last step kept in scratch (copy out, after the current
+        stream) and, once that is done, puts the states' own tensors back in the state
+        dicts. `wait`: the current stream waits for it, so they are back now."""
+        if not self.kept:
+            return
+        device = self.kept[0][2].device
+        main = torch.cuda.current_stream(device)
+        if self.written is None:
+            copy_out = self.streams_of(device)[1]
+            copy_out.wait_stream(main)
+            with torch.cuda.stream(copy_out):
+                for entry in self.kept:
+                    state, key, home, _, _, parameter = entry
+                    current = state.get(key)
+                    entry[3] = current
+                    if (self.optimizer.state.get(parameter) is not state
+                            or not torch.is_tensor(current) or current.shape != home.shape
+                            or current.device != home.device):
+                        entry[3] = None  # replaced (load_state_dict): nothing to write back
+                        continue
+                    if current is not home:
+                        home.copy_(current, non_blocking=True)
+                self.end_uses(self.kept, copy_out)
+            self.written = torch.cuda.Event()
+            self.written.record(copy_out)
+            for entry in self.kept:  # the stream's own memory from here: no more pins
+                entry[4] = False
+        if wait:
+            main.wait_event(self.written)
+        elif not self.written.query():
+            return
+        else:
+            self.figures["written_back_during_forward"] += 1
+        for entry in self.kept:
+            state, key, home, copied = entry[0], entry[1], entry[2], entry[3]
+            if copied is not None and state.get(key) is copied:
+                state[key] = home
+            if _kept_states.get(id(copied)) is self:
+                del _kept_states[id(copied)]
+        self.kept, self.written = [], None
+
+    def repin(self) -> None:
+        """After a step boundary (which closes every use): pins again what this step holds."""
+        held = [entry for entry in self.kept if entry[4]]
+        held += [entry for entries, _ in self.staged for entry in entries if entry[4]]
+        if held:
+            _offload.use_in_place_many(_pointers(entry[2] for entry in held), _stream())
+
+    def settle(self) -> None:
+        """Writes back what was kept and drops what was staged (load_state_dict, remove())."""
+        self.write_back_kept(wait=True)
+        self.drop_staged()
+
+    # -- the step --------------------------------------------------------------------------
+    def adopt_new_states(self, fresh) -> None:
         """States the optimizer created in this window (in the step's class, "other") move
         into the optimizer-state class, where the engine may page them."""
         for parameter in fresh:
-            state = optimizer.state.get(parameter, {})
-            for key, value in state_items(parameter):
+            state = self.optimizer.state.get(parameter, {})
+            for key, value in self.items(parameter):
                 state[key] = _move_into_class(value, "optimizer_state")
 
+    def keep_from(self, found, staged, places) -> int:
+        """The first of the last windows whose bounced states stay in scratch after the step
+        (len(found): none)."""
+        first, total = len(found), 0
+        if self.overlap_bytes <= 0:
+            return first
+        self.limit_bytes = raw_stats(found[0][0].device.index)["limit_bytes"]
+        if not self.hinted:
+            return first
+        budget = self.budget()
+        while first > 0 and len(found) - first < max(3, len(staged) + 2):
+            number = first - 1
+            if number < len(staged):
+                cost = sum(_padded(e[2].numel() * e[2].element_size())
+                           for e in staged[number][0] if e[3] is not None)
+            else:
+                cost = self.scratch_bytes(found[number], places)
+            if total + cost > budget:
+                break
+            total += cost
+            first = number
+        return first
+
     def step(self, closure=None, **kwargs):
+        optimizer = self.optimizer
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        saved = [group["params"] for group in self.param_groups]
-        found = windows(saved)
-        staged = []  # entries pinned and not yet ended, of this window and the next
-        swapped = []  # entries whose scratch is in the state dict now
+        self.cache = {}
+        saved = [group["params"] for group in optimizer.param_groups]
+        held: list = []  # entries pinned and not yet ended
+        swapped: list = []  # entries whose scratch is in the state dict now
+        kept: list = []  # entries of the last windows, kept in scratch (succeeded only)
         begun = None  # the window whose parameters' use is open
         copies = None
-        buffers = []
         succeeded = False
-        devices = {p.device for window in found for p in window}
-        if len(devices) > 1 and not warned:
-            warned.append(True)
-            warnings.warn("zeroalloc: the optimizer's parameters span several devices "
-                          f"({sorted(str(d) for d in devices)}); its step runs in one piece, "
-                          "reaching host-resident states where they are (slower)")
+        found: list = []
         try:
+            self.write_back_kept(wait=True)
+            found = self.windows(saved)
+            devices = {p.device for window in found for p in window}
+            if len(devices) > 1 and not self.warned:
+                self.warned = True
+                warnings.warn("zeroalloc: the optimizer's parameters span several devices "
+                              f"({sorted(str(d) for d in devices)}); its step runs in one "
+                              "piece, reaching host-resident states where they are (slower)")
             if not found or len(devices) > 1:
+                self.drop_staged()
                 with allocation_class("other"):
-                    original_step(**kwargs)
+                    self.original_step(**kwargs)
             else:
                 device = found[0][0].device
-                if device.index not in streams:
-                    streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-                copies = streams[device.index]
+                copies = self.streams_of(device)
                 copy_in, copy_out = copies
                 main = torch.cuda.current_stream(device)
-                # Scratch buffers taken in turn by the windows, allocated in this step's
-                # stream order: the copy streams wait for what ran before on that memory,
-                # and for the last step's write-backs. Three (Note [Windows and buffers]).
-                places = residencies(found)
-                size = max(scratch_bytes(window, places) for window in found)
-                if size:
-                    with allocation_class("other"):
-                        buffers = [torch.empty(size, dtype=torch.uint8, device=device)
-                                   for _ in range(min(3, len(found)))]
-                free = [None] * len(buffers)  # per buffer: its last write-back done
-                copy_in.wait_stream(main)
-                copy_in.wait_stream(copy_out)
-                upcoming = stage(found[0], buffers[0] if buffers else None, None, copy_in,
-                                 staged, places)
+                staged = self.take_staged(found, main)
+                for entries, _ in staged:
+                    held.extend(entries)
+                # Each state's residency, asked once (a call into the library each). A state
+                # the engine moves before its window is pinned is still stepped correctly:
+                # in place if it left the device, through a redundant copy if it came back.
+                places = {id(value): _where(value) for window in found[len(staged):]
+                          for parameter in window for _, value in self.items(parameter)}
+                sizes = [sum(_padded(e[2].numel() * e[2].element_size())
+                             for e in entries if e[3] is not None) for entries, _ in staged]
+                sizes += [self.scratch_bytes(window, places) for window in found[len(staged):]]
+                self.slot_bytes = max(sizes)
+                keep_from = self.keep_from(found, staged, places)
+                count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
+                while len(self.slots) < count:
+                    self.slots.append(None)
+                    self.free.append(None)
+                copy_in.wait_stream(main)  # the scratch is allocated in main's order
+                copy_in.wait_stream(copy_out)  # and the last step's write-backs
+                queued = [entries for entries, _ in staged]  # per window, up to count ahead
+                ready = [done for _, done in staged]
                 for number, window in enumerate(found):
-                    entries = upcoming
-                    main.wait_stream(copy_in)
-                    if number + 1 < len(found):
-                        slot = (number + 1) % len(buffers) if buffers else 0
-                        upcoming = stage(found[number + 1], buffers[slot] if buffers else None,
-                                         free[slot] if buffers else None, copy_in, staged,
-                                         places)
+                    while len(queued) < len(found) and len(queued) < number + count:
+                        entries, done = self.stage(found[len(queued)], len(queued) % count,
+                                                   places, copy_in, main, held)
+                        queued.append(entries)
+                        ready.append(done)
+                    entries = queued[number]
+                    if ready[number] is not None:
+                        main.wait_event(ready[number])
                     for entry in entries:
                         if entry[3] is not None:
                             entry[0][entry[1]] = entry[3]
                             swapped.append(entry)
                     chosen = {id(p) for p in window}
-                    fresh = [p for p in window if not state_items(p)]
+                    fresh = [p for p in window if not self.items(p)]
                     _begin(window, main.cuda_stream)
                     begun = window
-                    for group, params in zip(self.param_groups, saved):
+                    for group, params in zip(optimizer.param_groups, saved):
                         group["params"] = [p for p in params if id(p) in chosen]
                     # Temporaries of the step (foreach intermediates) go with activations.
                     with allocation_class("other"):
-                        original_step(**kwargs)
+                        self.original_step(**kwargs)
                     _end(window, main.cuda_stream)
                     begun = None
+                    self.forget(window)  # the optimizer may have created or replaced states
+                    keep = number >= keep_from
+                    if keep:
+                        self.figures["kept_windows"] += 1
+                        self.figures["kept_bytes"] += sum(
+                            _padded(e[2].numel() * e[2].element_size())
+                            for e in entries if e[3] is not None)
+                    ending = [e for e in entries if e[4] and not (keep and e[3] is not None)]
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
                         for entry in entries:
-                            state, key, home, scratch, pinned = entry
-                            if scratch is not None:
-                                current = state[key]
-                                home.copy_(current, non_blocking=True)
-                                if current is not scratch:  # the optimizer replaced it
-                                    current.record_stream(copy_out)
-                                state[key] = home
-                                _remove(swapped, entry)
+                            state, key, home, scratch, _, _ = entry
+                            if scratch is None:
+                                continue
+                            _remove(swapped, entry)
+                            if keep:
+                                kept.append(entry)
+                                continue
+                            current = state[key]
+                            home.copy_(current, non_blocking=True)
+                            if current is not scratch:  # the optimizer replaced it
+                                current.record_stream(copy_out)
+                            state[key] = home
                         # Every end on copy_out, which follows main: the chunk's fence
                         # covers both the step and the write-back.
-                        _offload.use_ends_many(
-                            _pointers(entry[2] for entry in entries if entry[4]),
-                            copy_out.cuda_stream)
-                        ended = {id(entry) for entry in entries}
-                        staged[:] = [entry for entry in staged if id(entry) not in ended]
-                        if buffers:
-                            free[number % len(buffers)] = torch.cuda.Event()
-                            free[number % len(buffers)].record(copy_out)
-                    adopt_new_states(fresh)  # after the write-backs: a failure here loses none
+                        if ending:
+                            _offload.use_ends_many(_pointers(e[2] for e in ending),
+                                                   copy_out.cuda_stream)
+                        done_ids = {id(e) for e in entries}
+                        held[:] = [e for e in held if id(e) not in done_ids]
+                        if not keep:
+                            slot = number % count
+                            self.free[slot] = torch.cuda.Event()
+                            self.free[slot].record(copy_out)
+                    self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
+                    self.forget(fresh)
             succeeded = True
         finally:
-            for state, key, home, _, _ in swapped:  # a window failed: its states stay as they were
-                state[key] = home
-            for group, params in zip(self.param_groups, saved):
+            for entry in swapped:  # a window failed: its states stay as they were
+                entry[0][entry[1]] = entry[2]
+            for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = params
             fence, wait_error = 0, None
             if copies is not None:
@@ -748,21 +1133,52 @@ def _windowed_step(optimizer, original_step, window_bytes: int):
                     main.wait_stream(copies[1])  # every copy; later reads see the write-backs
                 except Exception as error:  # a device error; a failed step's own error wins
                     wait_error = error
+            self.kept = kept
+            if not succeeded and kept:
+                try:  # stepped: written back now
+                    self.write_back_kept(wait=True)
+                except Exception as error:  # noqa: BLE001
+                    wait_error = wait_error or error
             # Pinned by a window that failed or never ran.
-            _offload.use_ends_many(_pointers(entry[2] for entry in staged if entry[4]), fence)
+            _offload.use_ends_many(_pointers(entry[2] for entry in held if entry[4]), fence)
             if begun is not None:
                 _end(begun, fence)
-            del buffers
+            self.slots, self.free, self.retired = [], [], []
+            self.cache = None
             if wait_error is not None and succeeded:
                 raise wait_error
         _offload.step_boundary()
+        for stepper in tuple(_overlapping):
+            stepper.repin()
+        for entry in self.kept:
+            _kept_states[id(entry[0].get(entry[1]))] = self
         _HintGroup.reset_all()
         for hints in _automatic:
             hints.reset()
+        # Learned for the next step.
+        self.figures["steps"] += 1
+        self.members = {id(p) for params in saved for p in params}
+        self.plan = found
+        self.plan_bytes = self.slot_bytes
+        self.per_step, self.last_backward = self.accumulations, self.in_backward
+        self.accumulations = self.in_backward = 0
+        self.task = None
+        self.hinted = False
+        self.staging_done = False
+        self.next_attempt = 0
+        self.next_window = None
         return loss
 
-    step._zeroalloc_windowed = True
-    return types.MethodType(step, optimizer)
+
+def step_figures(optimizer) -> dict:
+    """What the windowed step of `optimizer` (offload()) moved while forward and backward ran,
+    over its steps: windows and bytes staged during backward, kept on the device after a
+    step, and writes-back finished during a forward (Note [Overlapping the step])."""
+    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    if stepper is None:
+        raise ZeroallocError("this optimizer's step is not zeroalloc's windowed step: "
+                             "pass it to zeroalloc.torch.offload() first")
+    return dict(stepper.figures)
 
 
 def _readopt_after_load(optimizer) -> None:
@@ -773,6 +1189,9 @@ def _readopt_after_load(optimizer) -> None:
     original_load = optimizer.load_state_dict
 
     def load_state_dict(self, state_dict):
+        stepper = getattr(self, "_zeroalloc_stepper", None)
+        if stepper is not None:  # states kept or staged by the last step go home first
+            stepper.settle()
         original_load(state_dict)
         _adopt([], self)
 
