@@ -234,6 +234,10 @@ void caching_allocator::set_pressure_handler(pressure_handler handler) {
   pressure_handler_ = std::move(handler);
 }
 
+void caching_allocator::set_chunk_observer(const chunk_observer& observer) {
+  for (auto& each : heaps_) each->set_chunk_observer(observer);
+}
+
 void caching_allocator::set_host_landing_handler(host_landing_handler handler) {
   std::lock_guard lock(settings_mutex_);
   host_landing_handler_ = std::move(handler);

@@ -95,6 +95,11 @@ class caching_allocator {
   /// stream: the engine brings it back, ordered before that stream's next work. Optional.
   using host_landing_handler = std::function<void(void* pointer, stream_handle stream)>;
   void set_host_landing_handler(host_landing_handler handler);
+  /// Told of each physical chunk a segment of any class gains (+1) or loses (-1), with a
+  /// heap's lock held (heap::set_chunk_observer). Set before the allocator is used.
+  using chunk_observer =
+      std::function<void(allocation_class cls, std::size_t chunk_bytes, int change)>;
+  void set_chunk_observer(const chunk_observer& observer);
 
   /// Every figure of every class, read now.
   [[nodiscard]] stats_snapshot stats() const;

@@ -323,6 +323,7 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
     figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes));
   });
   ++counts_.segments_donated;
+  tell_chunks(given.chunks, -1);
   retiring_.push_back(std::move(old_addresses));
   segments_.erase(chosen);
   return true;
@@ -394,6 +395,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   whole->owner = owned.get();
   whole->stream = stream;
   owned->first = whole;
+  tell_chunks(owned->chunks, +1);
   segments_.push_back(std::move(owned));
   stats_.apply(class_, [&](live_gauges& figures) {
     figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
@@ -604,6 +606,16 @@ void heap::process_pending(bool wait) {
   pending_.erase(done, pending_.end());
 }
 
+void heap::set_chunk_observer(chunk_observer observer) {
+  std::lock_guard lock(mutex_);
+  chunk_observer_ = std::move(observer);
+}
+
+void heap::tell_chunks(const std::vector<physical_handle>& chunks, int change) {
+  if (!chunk_observer_) return;
+  for (const physical_handle& chunk : chunks) chunk_observer_(class_, chunk.bytes, change);
+}
+
 std::uint64_t heap::release_free_segments() {
   std::lock_guard lock(mutex_);
   process_pending(true);
@@ -627,6 +639,7 @@ std::uint64_t heap::release_free_segments() {
       recycle_block(piece);
       piece = next;
     }
+    tell_chunks(idle.chunks, -1);
     arena_.decommit(idle.address, idle.chunks);
     return_addresses(idle.address, idle.bytes);
     released += idle.bytes;

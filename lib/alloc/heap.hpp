@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -87,6 +88,13 @@ class heap {
   void forget_stream(stream_handle stream);
   /// Waits for pending frees, then unmaps every fully free segment. Returns bytes unmapped.
   std::uint64_t release_free_segments();
+
+  /// Told of each physical chunk a segment of this heap gains (`change` +1: mapped) or loses
+  /// (-1: released, donated), with the heap's lock held: it must be brief and must not call
+  /// into the heap. Set before the heap is used (the host tier anticipates chunk sizes).
+  using chunk_observer =
+      std::function<void(allocation_class cls, std::size_t chunk_bytes, int change)>;
+  void set_chunk_observer(chunk_observer observer);
 
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
@@ -175,6 +183,7 @@ class heap {
   block* new_block();
   void recycle_block(block* unused);
   event_handle obtain_event();
+  void tell_chunks(const std::vector<physical_handle>& chunks, int change);
 
   chunk_arena& arena_;
   device& device_;
@@ -187,6 +196,7 @@ class heap {
   // A spin lock: the sections it guards are a few hundred instructions, except
   // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
   mutable spin_lock mutex_;
+  chunk_observer chunk_observer_;
   heap_counts counts_;
   free_ranges free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;

@@ -209,6 +209,11 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   allocator.set_host_landing_handler([engine](void* pointer, stream_handle stream) {
     engine->allocated_on_host(pointer, stream);
   });
+  // The sizes of the optimizer states' chunks, for pinned memory made ahead of need (Note
+  // [Anticipated sizes] in tier/host_pool.hpp): what pressure sends to the host first.
+  allocator.set_chunk_observer([pool](allocation_class cls, std::size_t bytes, int change) {
+    if (cls == allocation_class::optimizer_state) pool->expect_chunks(bytes, change);
+  });
   host_pools_[ordinal].store(pool, std::memory_order_release);
   engines_[ordinal].store(engine, std::memory_order_release);
   log().info("device {}: offload to host memory on, up to {} ({})", ordinal, format_bytes(limit),

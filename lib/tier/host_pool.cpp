@@ -88,6 +88,7 @@ void host_pool::stop_prefill() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
+    work_.notify_all();
   }
   if (prefill_thread_.joinable()) prefill_thread_.join();
 }
@@ -102,54 +103,147 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
   const auto started = std::chrono::steady_clock::now();
   log().info("host tier: creating {} of pinned host memory on {} in the background ({})",
              format_bytes(target), device_.name(), limit_source_);
-  std::uint64_t made = 0;
+  std::uint64_t made = 0;  // by the prefill, anticipated sizes included
   std::uint64_t next_report = target / 4;
   std::string failure;
-  while (slab_bytes != 0) {
-    std::size_t size = 0;
-    {
-      std::lock_guard lock(mutex_);
-      size = slices_ ? new_slab_bytes(device_.granularity()) : slab_bytes;
-      if (stopping_ || made >= target || size == 0 || reserved_bytes_ + size > limit_bytes_) break;
-      reserved_bytes_ += size;
+  bool filling = slab_bytes != 0;
+  auto finish_filling = [&] {  // with the lock held
+    filling = false;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (!failure.empty()) {
+      log().warn(
+          "host tier: stopped after {} of pinned host memory: {}; offloading is limited to "
+          "what was created (lower ZEROALLOC_HOST_LIMIT to silence this)",
+          format_bytes(made), failure);
+    } else {
+      log().info("host tier: {} of pinned host memory ready in {:.1f} s", format_bytes(made),
+                 seconds);
     }
+    prefilling_ = false;
+    created_.notify_all();
+  };
+  // Then, where slabs are whole chunks, the sizes the allocator's paged classes want (Note
+  // [Anticipated sizes]), until stopped.
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    std::size_t size = failure.empty() ? wanted_size_locked() : 0;
+    const bool anticipated = size != 0;
+    if (!anticipated && filling) {
+      size = slices_ ? new_slab_bytes(device_.granularity()) : slab_bytes;
+      if (!failure.empty() || made >= target || size == 0 ||
+          reserved_bytes_ + size > limit_bytes_) {
+        finish_filling();
+        continue;
+      }
+    }
+    if (size == 0) {
+      if (filling) finish_filling();
+      if (slices_) break;  // nothing is ever anticipated
+      work_.wait(lock);
+      continue;
+    }
+    std::vector<std::unique_ptr<slab>> surplus;
+    if (reserved_bytes_ + size > limit_bytes_) {
+      surplus = take_surplus_locked(size);
+      if (surplus.empty()) {
+        stalled_[size] = change_;  // until a slab is freed or the wanted sizes change
+        continue;
+      }
+    }
+    reserved_bytes_ += size;
+    lock.unlock();
+    for (const auto& gone : surplus) destroy_slab(*gone);
     std::unique_ptr<slab> made_slab;
+    std::string error;
     try {
       made_slab = create_slab(size);
-    } catch (const std::exception& error) {
-      std::lock_guard lock(mutex_);
+    } catch (const std::exception& failed) {
+      error = failed.what();
+    }
+    lock.lock();
+    for (const auto& gone : surplus) {
+      free_staging_.give_back(gone->staging_address, gone->handle.bytes);
+      figures_.created_bytes -= gone->handle.bytes;
+    }
+    if (!error.empty()) {
       reserved_bytes_ -= size;
-      failure = error.what();
-      break;
+      failure = error;
+      if (!filling) {
+        log().warn(
+            "host tier: creating {} of pinned host memory in the background failed: {}; "
+            "chunks of that size are created when first needed",
+            format_bytes(size), failure);
+      }
+      continue;
     }
-    made += size;
-    {
-      std::lock_guard lock(mutex_);
-      slabs_.push_back(std::move(made_slab));
-      figures_.created_bytes += size;
-    }
+    slabs_.push_back(std::move(made_slab));
+    figures_.created_bytes += size;
     created_.notify_all();
-    if (made >= next_report && made < target) {
-      log().info("host tier: {} of {} pinned", format_bytes(made), format_bytes(target));
-      next_report += target / 4;
+    if (filling) {
+      made += size;
+      if (made >= next_report && made < target) {
+        log().info("host tier: {} of {} pinned", format_bytes(made), format_bytes(target));
+        next_report += target / 4;
+      }
+    } else {
+      log().debug("host tier: created a slab of {} in the background for a chunk size in use",
+                  format_bytes(size));
     }
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (!failure.empty()) {
-    log().warn(
-        "host tier: stopped after {} of pinned host memory: {}; offloading is limited to "
-        "what was created (lower ZEROALLOC_HOST_LIMIT to silence this)",
-        format_bytes(made), failure);
-  } else {
-    log().info("host tier: {} of pinned host memory ready in {:.1f} s", format_bytes(made),
-               seconds);
+  if (filling) finish_filling();
+}
+
+void host_pool::expect_chunks(std::size_t bytes, int change) {
+  if (slices_ || bytes == 0 || change == 0) return;
+  std::lock_guard lock(mutex_);
+  std::int64_t& wanted = wanted_[bytes];
+  wanted = std::max<std::int64_t>(0, wanted + change);
+  ++change_;
+  work_.notify_one();
+}
+
+std::size_t host_pool::wanted_size_locked() const {
+  std::unordered_map<std::size_t, std::int64_t> have;
+  for (const auto& each : slabs_) ++have[each->handle.bytes];
+  for (const auto& [bytes, wanted] : wanted_) {
+    if (have[bytes] >= wanted) continue;
+    const auto stalled = stalled_.find(bytes);
+    if (stalled != stalled_.end() && stalled->second == change_) continue;
+    return bytes;
   }
-  {
-    std::lock_guard lock(mutex_);
-    prefilling_ = false;
+  return 0;
+}
+
+std::vector<std::unique_ptr<host_pool::slab>> host_pool::take_surplus_locked(std::size_t bytes) {
+  std::unordered_map<std::size_t, std::int64_t> spare;  // slabs beyond the chunks of a size
+  for (const auto& each : slabs_) ++spare[each->handle.bytes];
+  for (auto& [size, count] : spare) {
+    const auto wanted = wanted_.find(size);
+    if (wanted != wanted_.end()) count -= wanted->second;
   }
-  created_.notify_all();
+  std::vector<std::unique_ptr<slab>> taken;
+  std::uint64_t freed = 0;
+  for (auto it = slabs_.begin();
+       it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
+    const slab& candidate = **it;
+    std::int64_t& left = spare[candidate.handle.bytes];
+    if (left > 0 && candidate.free_bytes == candidate.handle.bytes &&
+        candidate.handle.bytes != bytes) {
+      --left;
+      freed += candidate.handle.bytes;
+      taken.push_back(std::move(*it));
+      it = slabs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (reserved_bytes_ - freed + bytes > limit_bytes_) {  // not enough: keep them
+    for (auto& each : taken) slabs_.push_back(std::move(each));
+    return {};
+  }
+  reserved_bytes_ -= freed;
+  return taken;
 }
 
 host_chunk host_pool::take_slice_locked(std::size_t bytes) {
@@ -242,6 +336,10 @@ void host_pool::release(const host_chunk& chunk) {
     owner.free.give_back(chunk.handle.offset, chunk.handle.bytes);
     owner.free_bytes += chunk.handle.bytes;
     figures_.in_use_bytes -= chunk.handle.bytes;
+    if (!stalled_.empty()) {  // a free slab may be what a stalled size waits for
+      ++change_;
+      work_.notify_one();
+    }
     return;
   }
   log().error("host tier: a chunk of {} came back that no slab owns; ignored",

@@ -18,7 +18,20 @@
 // is exactly one chunk and only chunks of the same size reuse it; the CUDA 13 driver on the
 // H200 is one (bench/python/vmm_map_probe.py: cuMemMap refuses a non-zero offset and a size
 // below the allocation's), so there the prefill makes chunk-sized slabs and other sizes are
-// created when first needed (Note [Host chunk sizes] in tier/offload_engine.cpp).
+// created when first needed (Note [Host chunk sizes] in tier/offload_engine.cpp), unless
+// anticipated (Note [Anticipated sizes]).
+//
+// Note [Anticipated sizes]: on such a driver, the allocator tells the pool about every
+// physical chunk the optimizer states' segments gain or lose (expect_chunks), and the
+// background thread keeps one slab of each size per such chunk: while it prefills, it makes
+// the wanted sizes first; once the budget is spent, it turns free slabs of sizes with more
+// slabs than chunks (the prefill's, typically) into wanted ones. Optimizer states are
+// allocated a step before pressure first offloads them, so their odd-sized last chunks find
+// a slab ready instead of pinned memory created on the training path. Only the states':
+// they go to the host first (farthest next use), and slabs for every parameter and gradient
+// chunk would take the budget from the chunk-sized slabs the states need at 13B (a third of
+// a 100 MiB tensor's chunks is odd-sized). What the limit cannot hold, and other classes'
+// odd sizes, are created on demand, as before.
 #pragma once
 
 #include <condition_variable>
@@ -90,6 +103,11 @@ class host_pool {
   /// Gives a chunk back for reuse. Nothing may still be queued that touches it.
   void release(const host_chunk& chunk);
 
+  /// Where slabs are whole chunks: `change` chunks of `bytes` (negative: gone) exist in
+  /// classes the engine pages; the background thread keeps a slab for each (Note
+  /// [Anticipated sizes]). Cheap; no-op where slabs are sliced.
+  void expect_chunks(std::size_t bytes, int change);
+
   /// How many chunks of each size acquire() can hand out without creating pinned memory,
   /// or nullopt when any size fits in free space (slabs are sliced).
   [[nodiscard]] std::optional<std::unordered_map<std::size_t, std::size_t>> ready_chunks() const;
@@ -112,6 +130,10 @@ class host_pool {
   bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;
   void prefill(std::size_t slab_bytes, std::uint64_t bytes);
+  std::size_t wanted_size_locked() const;  // a size with fewer slabs than chunks, or 0
+  // Detaches wholly free slabs of sizes with more slabs than chunks until `bytes` fit
+  // under the limit; empty (and nothing detached) when they cannot.
+  std::vector<std::unique_ptr<slab>> take_surplus_locked(std::size_t bytes);
   std::size_t new_slab_bytes(std::size_t at_least) const;
 
   device& device_;
@@ -124,6 +146,10 @@ class host_pool {
 
   mutable std::mutex mutex_;
   std::condition_variable created_;
+  std::condition_variable work_;  // the background thread: sizes wanted, slabs freed, stop
+  std::unordered_map<std::size_t, std::int64_t> wanted_;    // chunk size -> chunks paged
+  std::unordered_map<std::size_t, std::uint64_t> stalled_;  // size -> change_ when it could not
+  std::uint64_t change_ = 0;  // counts expect_chunks and release calls
   free_ranges free_staging_;  // unused staging addresses
   std::vector<std::unique_ptr<slab>> slabs_;
   host_pool_figures figures_;

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <iterator>
+#include <thread>
 
 #include "support/test_device.hpp"
 
@@ -65,6 +67,47 @@ TEST_F(HostPoolTest, PrefillCreatesChunksInTheBackgroundUpToTheLimit) {
   for (int i = 0; i < 3; ++i) taken.push_back(pool.acquire(8 * MiB));
   EXPECT_EQ(pool.figures().created_on_demand, 0u) << "the training path waited for creation";
   EXPECT_THROW(pool.acquire(8 * MiB), host_memory_exhausted);
+  for (const host_chunk& chunk : taken) pool.release(chunk);
+}
+
+// Note [Anticipated sizes]: where slabs are whole chunks, sizes the paged classes hold are
+// made in the background, by turning prefilled slabs nobody wants into them within the limit.
+TEST_F(HostPoolTest, AnticipatedChunkSizesAreCreatedInTheBackgroundWithinTheLimit) {
+  if (device_->maps_slices()) GTEST_SKIP() << "skipped: slabs are sliced here, any size fits";
+  host_pool pool(*device_, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
+  pool.start_prefill(16 * MiB, 1 * GiB);
+  pool.wait_for_prefill();
+  ASSERT_EQ(pool.figures().created_bytes, 64 * MiB);  // four 16 MiB slabs fill the budget
+  pool.expect_chunks(16 * MiB, 2);                    // paged chunks: two of 16 MiB, two of 6 MiB
+  pool.expect_chunks(6 * MiB, 2);
+  auto ready = [&](std::size_t bytes) {
+    const auto counts = pool.ready_chunks();
+    const auto found = counts->find(bytes);
+    return found == counts->end() ? std::size_t{0} : found->second;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (ready(6 * MiB) < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(ready(6 * MiB), 2u);
+  EXPECT_EQ(ready(16 * MiB), 3u);  // one surplus slab became two of 6 MiB
+  EXPECT_LE(pool.figures().created_bytes, 64 * MiB) << "the limit was exceeded";
+  std::vector<host_chunk> taken;
+  for (std::size_t bytes : {6 * MiB, 6 * MiB, 16 * MiB, 16 * MiB}) {
+    taken.push_back(pool.acquire(bytes));
+  }
+  EXPECT_EQ(pool.figures().created_on_demand, 0u) << "the training path waited for creation";
+
+  // More wanted than the limit holds: what fits is made, the rest waits, nothing spins
+  // past the limit, and the pool still stops.
+  pool.expect_chunks(10 * MiB, 8);
+  const auto later = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (ready(10 * MiB) < 2 && std::chrono::steady_clock::now() < later) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(ready(10 * MiB), 2u);  // the spare 16 MiB slab went: 44 in use + 2 x 10 = 64 MiB
+  EXPECT_LE(pool.figures().created_bytes, 64 * MiB);
   for (const host_chunk& chunk : taken) pool.release(chunk);
 }
 
