@@ -127,7 +127,7 @@ plain, plain_optimizer = build()
 managed, managed_optimizer = build()
 # Windows of two layers (parameters and two states each); two windows of states overlap.
 zt.offload(managed, managed_optimizer, window_bytes=6 * layer_bytes + 1,
-           hint_group_bytes=layer_bytes + 4096, overlap_bytes=5 * layer_bytes)
+           hint_group_bytes=layer_bytes + 4096, overlap_bytes=9 * layer_bytes)
 torch.manual_seed(1)
 data = [(torch.randn(2, 64, width, device="cuda"), torch.randint(0, 10, (2, 64), device="cuda"))
         for _ in range(12)]
@@ -197,7 +197,7 @@ assert in_use() == 0, in_use()
 # Another model's backward does not make this optimizer stage (only its own parameters'
 # gradients count).
 other, other_optimizer = build()
-zt.offload(other, other_optimizer, overlap_bytes=5 * layer_bytes)
+zt.offload(other, other_optimizer, overlap_bytes=9 * layer_bytes)
 before = zt.step_figures(managed_optimizer)["staged_windows"]
 for inputs, labels in data[:3]:
     train(other, other_optimizer, inputs, labels, 1)

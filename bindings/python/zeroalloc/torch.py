@@ -229,7 +229,7 @@ def _begin_backward(own: list) -> None:
     the outer backward around a reentrant checkpoint's inner one) ends when that backward
     ends: open, it would pin its chunks until the step's end, or for good outside training."""
     if _overlapping:
-        _module_hint(False)
+        _module_hint(own, False)
     task = _graph_task()
     if task is None:  # a PyTorch without graph task ids: as before, one begin per hook
         _begin(own)
@@ -297,7 +297,7 @@ def _before_forward(module, _inputs) -> None:
     own = _managed(module)
     if own:
         if _overlapping:
-            _module_hint(True)
+            _module_hint(own, True)
         _begin(own)
 
 
@@ -338,7 +338,7 @@ class _HintGroup:
         own = self.parameters()
         self.open().append(own)
         if _overlapping:
-            _module_hint(True)
+            _module_hint(own, True)
         _begin(own)
 
     def after(self, _module, _inputs, output) -> None:  # always called, also on an error
@@ -585,13 +585,16 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     over PCIe one way, while the link idles during forward and backward. So the first
     windows' states are staged into scratch during the backward before a step (their
     values are final since the last step), and the last windows' states stay in scratch
-    after the step, in the state dict (so a reader sees their values), and are written
-    back during the next forward; each at most `overlap_bytes`. Staging begins once 60% of
-    the last backward's gradient accumulations are done (learned from the step before,
-    so with gradient accumulation it happens in the last backward only), one window per
-    accumulation, while the device has room under its limit for it plus a margin (the
-    backward frees activations as it goes); it needs the same windows as the last step
-    with the same state tensors, else what was staged is dropped. States are kept only
+    after the step, in the state dict (so a reader sees their values; state_dict() puts
+    the states' own tensors back first), and are written back during the next forward;
+    each at most `overlap_bytes` of device memory (a window's buffer counts whole).
+    Staging begins once 60% of the last backward's accumulations into the optimizer's
+    parameters are done (learned from the step before, so with gradient accumulation it
+    happens in the last backward only), one window per accumulation, while the device has
+    room under its limit for it plus a margin (the backward frees activations as it goes);
+    windows with nothing on the host are left to the step. It needs the same windows as
+    the last step with the same, unwritten state tensors, else what was staged is
+    dropped, as it is when a forward of the model comes before the step. States are kept only
     when module hints ran between the last two steps (a training loop: the next forward's
     first hint writes them back, and a later hint puts the state tensors back once the
     copies are done); the next step, load_state_dict and OffloadHandle.remove() write them
@@ -600,8 +603,12 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
-    forward, the last windows' state tensors are device scratch: writing into them is
-    kept, replacing them is honoured; their storage is not the optimizer-state class's."""
+    forward, the last windows' state tensors are device scratch: writing into them before
+    the next forward is kept, replacing them is honoured; their storage is not the
+    optimizer-state class's (offload_tensor, fetch_tensor and residency act on the states'
+    own tensors). A state written in place between the backward that staged it and the
+    step is staged again (its version counter changed). Not thread-safe: one thread's
+    forwards and steps per optimizer (DataParallel replicas would race)."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
     stepper = _WindowedStep(optimizer, original_step, window_bytes, overlap_bytes)
@@ -621,12 +628,19 @@ _STAGE_AFTER = 0.6  # of the last backward's accumulations
 _STAGE_RETRY = 4  # accumulations to wait after finding no room
 
 
-def _module_hint(forward: bool) -> None:
-    """A forward or backward module hint: windowed steps learn that a training loop runs,
-    and write back what the last step kept on the device; a forward drops what was staged
-    for a step that did not come."""
+def _module_hint(own: list, forward: bool) -> None:
+    """A forward or backward module hint for the parameters `own`: windowed steps learn that
+    a training loop runs, and write back what the last step kept on the device; a forward of
+    their own model outside any backward (not a checkpointed layer's recomputation) drops
+    what was staged for a step that did not come."""
     for stepper in tuple(_overlapping):
-        stepper.module_hint(forward)
+        stepper.module_hint(own, forward)
+
+
+def _is_paged_state(value) -> bool:
+    """A state the windowed step pins and may bounce: a non-empty tensor on a GPU (the step
+    count of foreach optimizers is a scalar on the CPU)."""
+    return torch.is_tensor(value) and value.is_cuda and value.dim() > 0 and value.numel() > 0
 
 
 def _padded(nbytes: int) -> int:
@@ -649,7 +663,8 @@ def _bounced(tensor, places) -> bool:
 
 class _WindowedStep:
     """The windowed step of one optimizer and what it holds between steps. An entry is
-    [state dict, key, home tensor, scratch view or None, pinned, parameter]."""
+    [state dict, key, home tensor, scratch view or None, pinned, parameter, the home's
+    version counter when it was staged]."""
 
     def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int):
         self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
@@ -699,8 +714,7 @@ class _WindowedStep:
             if found is not None:
                 return found
         found = [(key, value) for key, value in self.optimizer.state.get(parameter, {}).items()
-                 if torch.is_tensor(value) and value.is_cuda and value.dim() > 0
-                 and value.numel() > 0]
+                 if _is_paged_state(value)]
         if self.cache is not None:
             self.cache[id(parameter)] = found
         return found
@@ -755,7 +769,7 @@ class _WindowedStep:
             state = self.optimizer.state.get(parameter, {})
             for key, home in self.items(parameter):
                 entries.append([state, key, home, None, places[id(home)] != "foreign",
-                                parameter])
+                                parameter, home._version])
         pinned = [entry for entry in entries if entry[4]]
         held.extend(entries)
         if pinned:
@@ -793,12 +807,13 @@ class _WindowedStep:
         return entries, done
 
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
-    def module_hint(self, forward: bool) -> None:
+    def module_hint(self, own: list, forward: bool) -> None:
         self.hinted = True
         if self.kept:
             self.write_back_kept(wait=False)
-        if forward and self.staged:  # staged for a step that did not come: unpin, free
-            self.drop_staged()
+        if (forward and self.staged and _graph_task() is None
+                and any(id(p) in self.members for p in own)):
+            self.drop_staged()  # staged for a step that did not come: unpin, free
             self.staging_done = True
 
     def accumulated(self, task) -> None:
@@ -832,7 +847,7 @@ class _WindowedStep:
 
     def stage_next(self) -> None:
         number = len(self.staged)
-        if number >= len(self.plan) or self.staged_bytes >= self.budget():
+        if number >= len(self.plan):
             self.staging_done = True
             return
         window = self.plan[number]
@@ -855,17 +870,25 @@ class _WindowedStep:
                       for _, value in self.items(parameter)}
             self.next_window = (number, places, self.scratch_bytes(window, places))
         _, places, need = self.next_window
+        if not need:  # nothing to copy: the step pins it, no earlier
+            self.staged.append(None)
+            self.next_window = None
+            return
+        size = max(need, self.slot_bytes)  # the slot's buffer, what the device holds
+        if self.staged_bytes + size > self.budget():
+            self.staging_done = True
+            return
         if need:
             # A cached block the backward freed, or room under the limit with a margin left
             # for the rest of the backward (the first steps may release the cache for it;
             # the block stays cached for later ones).
             largest, unallocated = room(device.index, "other")
-            size, margin = max(need, self.slot_bytes), max(1 << 30, self.limit_bytes // 16)
+            margin = max(1 << 30, self.limit_bytes // 16)
             if largest < size and unallocated < size + margin:
                 self.next_attempt = self.accumulations + _STAGE_RETRY
                 self.figures["staging_no_room"] += 1
                 return
-        if not self.staged:
+        if not any(self.staged):
             self.figures["staging_began_at"] = self.accumulations / max(1, self.per_step)
         held: list = []
         try:
@@ -873,7 +896,7 @@ class _WindowedStep:
         except BaseException:
             self.end_uses(held, copy_in)
             raise
-        self.staged_bytes += need
+        self.staged_bytes += size
         self.next_window = None
         self.figures["staged_windows"] += 1
         self.figures["staged_bytes"] += need
@@ -887,35 +910,44 @@ class _WindowedStep:
         """Ends what was staged and frees its scratch after its copies."""
         staged, self.staged, self.staged_bytes = self.staged, [], 0
         self.staging_stream = None
-        if not staged:
+        if self.staging_device is None:
             return
         copy_in = self.streams_of(self.staging_device)[0]
-        for entries, _ in staged:
-            self.end_uses(entries, copy_in)
+        for each in staged:
+            if each is not None:
+                self.end_uses(each[0], copy_in)
         for buffer in self.slots:
             if buffer is not None:
                 buffer.record_stream(copy_in)
         self.slots, self.free = [], []
+        self.staging_device = None
 
     def take_staged(self, found, main) -> list:
         """What the backward staged, when it is what this step would stage (else dropped)."""
-        if not self.staged:
+        if not any(self.staged):
+            self.drop_staged()  # also a slot a failed staging left
             return []
         valid = self.staging_stream == main and len(found) >= len(self.staged)
-        for number, (entries, _) in enumerate(self.staged):
+        for number, each in enumerate(self.staged):
             if not valid:
                 break
+            if each is None:
+                continue
+            entries = each[0]
             window, planned = found[number], self.plan[number]
+            # Same parameters, same state tensors, none written since it was staged.
             valid = (len(window) == len(planned)
                      and all(a is b for a, b in zip(window, planned))
                      and len(entries) == sum(len(self.items(p)) for p in window)
                      and all(self.optimizer.state.get(entry[5]) is entry[0]
-                             and entry[0].get(entry[1]) is entry[2] for entry in entries))
+                             and entry[0].get(entry[1]) is entry[2]
+                             and entry[2]._version == entry[6] for entry in entries))
         if not valid:
             self.drop_staged()
             return []
         staged, self.staged, self.staged_bytes = self.staged, [], 0
         self.staging_stream = None
+        self.staging_device = None
         return staged
 
     def write_back_kept(self, wait: bool) -> None:
@@ -931,16 +963,17 @@ class _WindowedStep:
             copy_out.wait_stream(main)
             with torch.cuda.stream(copy_out):
                 for entry in self.kept:
-                    state, key, home, _, _, parameter = entry
+                    state, key, home, parameter = entry[0], entry[1], entry[2], entry[5]
                     current = state.get(key)
                     entry[3] = current
                     if (self.optimizer.state.get(parameter) is not state
                             or not torch.is_tensor(current) or current.shape != home.shape
-                            or current.device != home.device):
+                            or current.device != home.device or current.dtype != home.dtype):
                         entry[3] = None  # replaced (load_state_dict): nothing to write back
                         continue
                     if current is not home:
                         home.copy_(current, non_blocking=True)
+                        current.record_stream(copy_out)  # freed in another stream's order
                 self.end_uses(self.kept, copy_out)
             self.written = torch.cuda.Event()
             self.written.record(copy_out)
@@ -956,14 +989,15 @@ class _WindowedStep:
             state, key, home, copied = entry[0], entry[1], entry[2], entry[3]
             if copied is not None and state.get(key) is copied:
                 state[key] = home
-            if _kept_states.get(id(copied)) is self:
-                del _kept_states[id(copied)]
+        for registered in [key for key, owner in _kept_states.items() if owner is self]:
+            del _kept_states[registered]
         self.kept, self.written = [], None
 
     def repin(self) -> None:
         """After a step boundary (which closes every use): pins again what this step holds."""
         held = [entry for entry in self.kept if entry[4]]
-        held += [entry for entries, _ in self.staged for entry in entries if entry[4]]
+        held += [entry for each in self.staged if each is not None for entry in each[0]
+                 if entry[4]]
         if held:
             _offload.use_in_place_many(_pointers(entry[2] for entry in held), _stream())
 
@@ -993,11 +1027,11 @@ class _WindowedStep:
         budget = self.budget()
         while first > 0 and len(found) - first < max(3, len(staged) + 2):
             number = first - 1
-            if number < len(staged):
-                cost = sum(_padded(e[2].numel() * e[2].element_size())
-                           for e in staged[number][0] if e[3] is not None)
+            if number < len(staged) and staged[number] is not None:
+                bounced = any(e[3] is not None for e in staged[number][0])
             else:
-                cost = self.scratch_bytes(found[number], places)
+                bounced = self.scratch_bytes(found[number], places) > 0
+            cost = self.slot_bytes if bounced else 0  # a kept window holds its slot's buffer
             if total + cost > budget:
                 break
             total += cost
@@ -1037,17 +1071,22 @@ class _WindowedStep:
                 copies = self.streams_of(device)
                 copy_in, copy_out = copies
                 main = torch.cuda.current_stream(device)
+                # Windows the backward staged (None: one with nothing to copy, left to now).
                 staged = self.take_staged(found, main)
-                for entries, _ in staged:
-                    held.extend(entries)
+                for each in staged:
+                    if each is not None:
+                        held.extend(each[0])
                 # Each state's residency, asked once (a call into the library each). A state
                 # the engine moves before its window is pinned is still stepped correctly:
                 # in place if it left the device, through a redundant copy if it came back.
-                places = {id(value): _where(value) for window in found[len(staged):]
+                unstaged = [window for number, window in enumerate(found)
+                            if number >= len(staged) or staged[number] is None]
+                places = {id(value): _where(value) for window in unstaged
                           for parameter in window for _, value in self.items(parameter)}
                 sizes = [sum(_padded(e[2].numel() * e[2].element_size())
-                             for e in entries if e[3] is not None) for entries, _ in staged]
-                sizes += [self.scratch_bytes(window, places) for window in found[len(staged):]]
+                             for e in each[0] if e[3] is not None)
+                         for each in staged if each is not None]
+                sizes += [self.scratch_bytes(window, places) for window in unstaged]
                 self.slot_bytes = max(sizes)
                 keep_from = self.keep_from(found, staged, places)
                 count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
@@ -1056,14 +1095,19 @@ class _WindowedStep:
                     self.free.append(None)
                 copy_in.wait_stream(main)  # the scratch is allocated in main's order
                 copy_in.wait_stream(copy_out)  # and the last step's write-backs
-                queued = [entries for entries, _ in staged]  # per window, up to count ahead
-                ready = [done for _, done in staged]
+                # Per window: its entries and copies' event, staged up to count ahead.
+                queued = [None] * len(found)
+                ready = [None] * len(found)
+                for number, each in enumerate(staged):
+                    if each is not None:
+                        queued[number], ready[number] = each
+                cursor = 0  # the next window that may need staging
                 for number, window in enumerate(found):
-                    while len(queued) < len(found) and len(queued) < number + count:
-                        entries, done = self.stage(found[len(queued)], len(queued) % count,
-                                                   places, copy_in, main, held)
-                        queued.append(entries)
-                        ready.append(done)
+                    while cursor < len(found) and cursor < number + count:
+                        if queued[cursor] is None:
+                            queued[cursor], ready[cursor] = self.stage(
+                                found[cursor], cursor % count, places, copy_in, main, held)
+                        cursor += 1
                     entries = queued[number]
                     if ready[number] is not None:
                         main.wait_event(ready[number])
@@ -1093,7 +1137,7 @@ class _WindowedStep:
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
                         for entry in entries:
-                            state, key, home, scratch, _, _ = entry
+                            state, key, home, scratch = entry[:4]
                             if scratch is None:
                                 continue
                             _remove(swapped, entry)
@@ -1133,7 +1177,7 @@ class _WindowedStep:
                     main.wait_stream(copies[1])  # every copy; later reads see the write-backs
                 except Exception as error:  # a device error; a failed step's own error wins
                     wait_error = error
-            self.kept = kept
+            self.kept.extend(kept)  # empty, unless writing back the last step's failed
             if not succeeded and kept:
                 try:  # stepped: written back now
                     self.write_back_kept(wait=True)
@@ -1183,7 +1227,9 @@ def step_figures(optimizer) -> dict:
 
 def _readopt_after_load(optimizer) -> None:
     """optimizer.load_state_dict rebuilds the states in the default class: move them back
-    into the optimizer-state class, where the engine may page them."""
+    into the optimizer-state class, where the engine may page them. Both it and state_dict
+    first put back the states the windowed step kept in scratch (Note [Overlapping the
+    step])."""
     if getattr(optimizer.load_state_dict, "_zeroalloc_readopts", False):
         return
     original_load = optimizer.load_state_dict
@@ -1197,3 +1243,12 @@ def _readopt_after_load(optimizer) -> None:
 
     load_state_dict._zeroalloc_readopts = True
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    original_state_dict = optimizer.state_dict
+
+    def state_dict(self):
+        stepper = getattr(self, "_zeroalloc_stepper", None)
+        if stepper is not None:  # kept states: their own tensors, not views of a slot
+            stepper.write_back_kept(wait=True)
+        return original_state_dict()
+
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)

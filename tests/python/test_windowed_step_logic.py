@@ -1,0 +1,219 @@
+"""The windowed step's bookkeeping (Note [Overlapping the step] in zeroalloc/torch.py) on CPU
+tensors, with CUDA streams and events and the engine replaced by stand-ins: training through
+it with states staged during backward and kept after the step gives plain training's numbers
+bit for bit, with gradient accumulation, state_dict and load_state_dict between a step and
+the next forward, and a backward with no step after it; every pin it takes ends, once, and
+nothing stays pinned or registered when it settles. The stream ordering itself is tested on
+the GPU (test_windowed_step.py).
+
+    python3 -m pytest tests/python/test_windowed_step_logic.py
+"""
+
+import contextlib
+import copy
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+import zeroalloc.torch as zt  # noqa: E402
+
+
+class FakeStream:
+    cuda_stream = 1
+
+    def __init__(self, device=None):
+        self.device = torch.device("cpu") if device is None else device
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class Engine:
+    """Stands in for the engine: pins (use_in_place / use_ends) per storage, closed at a step
+    boundary as the engine closes them; a pin may not end twice."""
+
+    def __init__(self):
+        self.pins = Counter()
+        self.in_place = 0
+        self.boundaries = 0
+
+    def use_in_place_many(self, pointers, stream=0):
+        self.in_place += len(pointers)
+        self.pins.update(pointers)
+
+    def use_ends_many(self, pointers, stream=0):
+        for pointer in pointers:
+            if self.pins[pointer] > 0:  # ends of parameter uses outnumber none here
+                self.pins[pointer] -= 1
+
+    def use_begins_many(self, pointers, stream=0):
+        pass
+
+    def step_boundary(self):
+        self.pins.clear()
+        self.boundaries += 1
+
+    def residency_of(self, pointer):
+        return "host"  # every state is bounced through scratch
+
+    def open(self):
+        return sum(count for count in self.pins.values() if count > 0)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    fake = Engine()
+    main = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    for name in ("use_in_place_many", "use_ends_many", "use_begins_many", "step_boundary",
+                 "residency_of"):
+        monkeypatch.setattr(zt._offload, name, getattr(fake, name))
+    monkeypatch.setattr(zt, "_is_paged_state",
+                        lambda v: torch.is_tensor(v) and v.dim() > 0 and v.numel() > 0)
+    monkeypatch.setattr(zt, "_stream", lambda: 1)
+    monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
+    monkeypatch.setattr(zt, "raw_stats", lambda device=0: {"limit_bytes": 1 << 40})
+    monkeypatch.setattr(zt, "room", lambda device, name: (1 << 40, 1 << 40))
+    monkeypatch.setattr(zt, "_move_into_class", lambda tensor, name: tensor.clone())
+    yield fake
+    zt._overlapping.clear()
+    zt._kept_states.clear()
+
+
+WIDTH, LAYERS = 32, 8
+LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH),
+                                                      torch.nn.Tanh())
+                                  for _ in range(LAYERS)], torch.nn.Linear(WIDTH, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def managed(overlap_bytes):
+    """What zt.offload installs, without the library: hint hooks, gradient hooks, the
+    windowed step and the state-dict wrappers."""
+    model, optimizer = build()
+    for parameter in model.parameters():
+        parameter._zeroalloc_adopted = True
+        parameter.register_post_accumulate_grad_hook(zt._end_backward)
+    zt._install_hint_hooks(model, LAYER_BYTES + 1024)
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
+                                       overlap_bytes)
+    zt._readopt_after_load(optimizer)
+    return model, optimizer
+
+
+def train(model, optimizer, inputs, labels, micro=1):
+    for m in range(micro):
+        loss = torch.nn.functional.cross_entropy(model(inputs[m]), labels[m]) / micro
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def same(plain, plain_optimizer, model, optimizer):
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain_optimizer.state[a][key], optimizer.state[b][key]), key
+
+
+def data(steps):
+    torch.manual_seed(1)
+    return [(torch.randn(2, 16, WIDTH), torch.randint(0, 4, (2, 16))) for _ in range(steps)]
+
+
+def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    stepper = optimizer._zeroalloc_stepper
+    homes = {}
+    for number, (inputs, labels) in enumerate(data(10)):
+        micro = 2 if 3 <= number < 5 else 1
+        train(plain, plain_optimizer, inputs, labels, micro)
+        train(model, optimizer, inputs, labels, micro)
+        if number == 0:
+            homes = {id(v) for s in optimizer.state.values() for v in s.values()}
+        if number >= 2:
+            assert stepper.kept, "the last windows' states were not kept after the step"
+            kept = [e[0][e[1]] for e in stepper.kept]
+            assert all(id(t) not in homes for t in kept)  # scratch in the state dict
+            assert zt._kept_states
+        if number == 6:  # state_dict writes the kept states back: their own tensors
+            saved = optimizer.state_dict()
+            assert {id(v) for s in saved["state"].values() for v in s.values()
+                    if torch.is_tensor(v) and v.dim() > 0} <= homes
+            assert not stepper.kept and not zt._kept_states
+        if number == 7:
+            optimizer.load_state_dict(copy.deepcopy(plain_optimizer.state_dict()))
+            homes = {id(v) for s in optimizer.state.values() for v in s.values()}
+        same(plain, plain_optimizer, model, optimizer)
+    figures = zt.step_figures(optimizer)
+    assert figures["staged_windows"] >= 2 * 7 and figures["kept_windows"] >= 2 * 7, figures
+    # What is pinned now: the kept states' own tensors; a forward writes them back.
+    assert engine.open() == sum(1 for e in stepper.kept if e[4])
+    with torch.no_grad():
+        model(data(1)[0][0][0])
+        model(data(1)[0][0][0])  # the write-back's event is done: own tensors back
+    assert engine.open() == 0 and not stepper.kept and not zt._kept_states
+    # A backward with no step after it stages; the next forward unpins what it staged.
+    inputs, labels = data(1)[0]
+    torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+    assert any(stepper.staged) and engine.open() > 0
+    with torch.no_grad():
+        model(inputs[0])
+    assert engine.open() == 0 and not stepper.staged
+
+
+def test_a_state_written_between_staging_and_step_is_staged_again(engine):
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    steps = data(4)
+    for inputs, labels in steps[:2]:
+        train(plain, plain_optimizer, inputs, labels)
+        train(model, optimizer, inputs, labels)
+    inputs, labels = steps[2]
+    for net, opt in ((plain, plain_optimizer), (model, optimizer)):
+        torch.nn.functional.cross_entropy(net(inputs[0]), labels[0]).backward()
+        for state in opt.state.values():
+            state["exp_avg"].mul_(0.5)  # after this backward staged (for `model`)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    same(plain, plain_optimizer, model, optimizer)
+
+
+def test_another_models_backward_does_not_make_an_optimizer_stage(engine):
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    other, other_optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    steps = data(4)
+    for inputs, labels in steps[:2]:
+        train(model, optimizer, inputs, labels)
+    with torch.no_grad():  # writes back what the last step kept
+        model(steps[0][0][0]); model(steps[0][0][0])
+    before = zt.step_figures(optimizer)["staged_windows"]
+    for inputs, labels in steps[2:]:
+        train(other, other_optimizer, inputs, labels)
+    assert zt.step_figures(optimizer)["staged_windows"] == before
+    assert not optimizer._zeroalloc_stepper.staged
