@@ -68,16 +68,27 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
 void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                                                  std::size_t requested_bytes, stream_handle stream,
                                                  allocation_class cls, bool& on_host) {
-  // Out of new memory: give back every cached free segment (of every class) and retry;
-  // then let the pressure handler free memory, and retry once more.
+  // Out of new memory: give back cached free segments (of every class), the largest first,
+  // as many as the new segment needs, and retry; then all of them (Note [Releasing what is
+  // needed]); then let the pressure handler free memory, and retry once more.
   stats_.apply(
       cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
-  const std::uint64_t released = release_all_cached();
+  const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
+  std::uint64_t released = release_cached(needed);
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
   if (void* pointer =
           heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
     return pointer;
+  released = release_all_cached();
+  if (released > 0) {
+    log().info("allocating {} of {} on {}: released the rest of the cache, {}, and retrying",
+               format_bytes(rounded_bytes), class_name(cls), device_.name(),
+               format_bytes(released));
+    if (void* pointer =
+            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
+      return pointer;
+  }
   pressure_handler handler;
   {
     std::lock_guard lock(settings_mutex_);
@@ -101,6 +112,22 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   }
   if (observer) observer(message);
   throw out_of_memory(message);
+}
+
+// Note [Releasing what is needed]: an allocation that finds no room under the limit used to
+// release every cached free segment of every class. After a step's large scratch buffers
+// that was gigabytes of activations' cache, mapped again by the next forward, one map call
+// per chunk. Now the largest free segments go first, only as many bytes as the new segment
+// needs (idle pooled chunks are released by the arena itself when sizes do not match); the
+// whole cache goes only if that was not enough (fragmentation, pinned chunks).
+std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
+  std::lock_guard lock(reclaim_mutex_);
+  std::uint64_t released = 0;
+  for (auto& each : heaps_) {
+    if (released >= enough) break;
+    released += each->release_free_segments(enough - released);
+  }
+  return released;
 }
 
 std::uint64_t caching_allocator::release_all_cached() {

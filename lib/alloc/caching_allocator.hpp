@@ -156,6 +156,7 @@ class caching_allocator {
                                 stream_handle stream, allocation_class cls, bool& on_host);
   void bring_back_from_host(void* pointer, stream_handle stream);
   std::uint64_t release_all_cached();
+  std::uint64_t release_cached(std::uint64_t enough);  // Note [Releasing what is needed]
   [[nodiscard]] std::string out_of_memory_message(std::size_t bytes, allocation_class cls) const;
 
   device& device_;

@@ -616,7 +616,7 @@ void heap::tell_chunks(const std::vector<physical_handle>& chunks, int change) {
   for (const physical_handle& chunk : chunks) chunk_observer_(class_, chunk.bytes, change);
 }
 
-std::uint64_t heap::release_free_segments() {
+std::uint64_t heap::release_free_segments(std::uint64_t enough) {
   std::lock_guard lock(mutex_);
   process_pending(true);
   retire_donated(true);
@@ -624,6 +624,17 @@ std::uint64_t heap::release_free_segments() {
   auto unused = std::stable_partition(segments_.begin(), segments_.end(), [](const auto& owned) {
     return owned->busy_blocks != 0 || owned->pinned_chunks != 0;
   });
+  if (enough != UINT64_MAX) {  // the largest free segments that release `enough`, kept last
+    std::stable_sort(unused, segments_.end(),
+                     [](const auto& a, const auto& b) { return a->bytes < b->bytes; });
+    std::uint64_t chosen = 0;
+    auto first = segments_.end();
+    while (first != unused && chosen < enough) {
+      --first;
+      chosen += (*first)->bytes;
+    }
+    unused = first;
+  }
   for (auto it = unused; it != segments_.end(); ++it) {
     segment& idle = **it;
     // Work queued before the frees may still touch the segment: unmap only after it ran.

@@ -86,8 +86,9 @@ class heap {
   /// Detaches every block tagged with `stream` (which the caller has synchronized and is
   /// about to destroy), so that no event is ever recorded on it again.
   void forget_stream(stream_handle stream);
-  /// Waits for pending frees, then unmaps every fully free segment. Returns bytes unmapped.
-  std::uint64_t release_free_segments();
+  /// Waits for pending frees, then unmaps fully free segments, largest first, until
+  /// `enough` bytes are unmapped (all of them by default). Returns bytes unmapped.
+  std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX);
 
   /// Told of each physical chunk a segment of this heap gains (`change` +1: mapped) or loses
   /// (-1: released, donated), with the heap's lock held: it must be brief and must not call

@@ -275,6 +275,33 @@ TEST_F(CachingAllocatorTest, FreeMemoryOfAnotherClassServesARequestWithoutNewMem
   allocator->deallocate(state);
 }
 
+// Note [Releasing what is needed]: a request that needs new memory under the limit releases
+// the cached free segments it needs, largest first, and leaves the rest of the cache.
+TEST_F(CachingAllocatorTest, ANewSegmentReleasesOnlyTheCacheItNeeds) {
+  auto allocator = make_allocator(128 * MiB);  // 8 MiB chunks
+  std::vector<void*> activations;
+  for (int i = 0; i < 12; ++i)  // twelve 10 MiB segments: more than donations can gather
+    activations.push_back(allocator->allocate(10 * MiB, nullptr, allocation_class::other));
+  for (void* each : activations) allocator->deallocate(each);
+  ASSERT_EQ(allocator->stats().of(allocation_class::other).reserved_bytes.current,
+            static_cast<std::int64_t>(120 * MiB));
+  void* state = allocator->allocate(96 * MiB, nullptr, allocation_class::optimizer_state);
+  ASSERT_NE(state, nullptr);
+  fill(state, 0x5A, 96 * MiB);
+  EXPECT_TRUE(holds(state, 0x5A, 96 * MiB));
+  const stats_snapshot stats = allocator->stats();
+  EXPECT_LE(static_cast<std::uint64_t>(stats.total.reserved_bytes.peak), 128 * MiB);
+  EXPECT_EQ(stats.total.failures, 0u);
+  EXPECT_GE(stats.of(allocation_class::other).reserved_bytes.current,
+            static_cast<std::int64_t>(20 * MiB))
+      << "the whole cache was released for a request that needed part of it";
+  void* again = allocator->allocate(10 * MiB, nullptr, allocation_class::other);
+  EXPECT_EQ(allocator->stats().of(allocation_class::other).cache_hits, 1u)
+      << "the kept cache did not serve the next activation";
+  allocator->deallocate(again);
+  allocator->deallocate(state);
+}
+
 // Note [Splitting free runs off a segment]: a run of whole free chunks inside a segment whose
 // other blocks are live serves another class; the live blocks keep their bytes.
 TEST_F(CachingAllocatorTest, AFreeRunInsideABusySegmentServesAnotherClass) {
