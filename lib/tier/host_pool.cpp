@@ -222,16 +222,25 @@ std::vector<std::unique_ptr<host_pool::slab>> host_pool::take_surplus_locked(std
     const auto wanted = wanted_.find(size);
     if (wanted != wanted_.end()) count -= wanted->second;
   }
+  std::vector<std::unique_ptr<slab>> taken =
+      detach_free_slabs_locked(bytes, [&](const slab& candidate) {
+        std::int64_t& left = spare[candidate.handle.bytes];
+        if (left <= 0 || candidate.handle.bytes == bytes) return false;
+        --left;
+        return true;
+      });
+  for (const auto& each : taken) reserved_bytes_ -= each->handle.bytes;
+  return taken;
+}
+
+std::vector<std::unique_ptr<host_pool::slab>> host_pool::detach_free_slabs_locked(
+    std::size_t bytes, const std::function<bool(const slab&)>& may_go) {
   std::vector<std::unique_ptr<slab>> taken;
   std::uint64_t freed = 0;
   for (auto it = slabs_.begin();
        it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
-    const slab& candidate = **it;
-    std::int64_t& left = spare[candidate.handle.bytes];
-    if (left > 0 && candidate.free_bytes == candidate.handle.bytes &&
-        candidate.handle.bytes != bytes) {
-      --left;
-      freed += candidate.handle.bytes;
+    if ((*it)->free_bytes == (*it)->handle.bytes && may_go(**it)) {
+      freed += (*it)->handle.bytes;
       taken.push_back(std::move(*it));
       it = slabs_.erase(it);
     } else {
@@ -240,9 +249,8 @@ std::vector<std::unique_ptr<host_pool::slab>> host_pool::take_surplus_locked(std
   }
   if (reserved_bytes_ - freed + bytes > limit_bytes_) {  // not enough: keep them
     for (auto& each : taken) slabs_.push_back(std::move(each));
-    return {};
+    taken.clear();
   }
-  reserved_bytes_ -= freed;
   return taken;
 }
 
@@ -301,22 +309,11 @@ host_chunk host_pool::acquire(std::size_t bytes) {
 }
 
 bool host_pool::release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
-  std::vector<std::unique_ptr<slab>> victims;
+  const std::vector<std::unique_ptr<slab>> victims =
+      detach_free_slabs_locked(bytes, [](const slab&) { return true; });
+  if (victims.empty()) return reserved_bytes_ + bytes <= limit_bytes_;
   std::uint64_t freed = 0;
-  for (auto it = slabs_.begin();
-       it != slabs_.end() && reserved_bytes_ - freed + bytes > limit_bytes_;) {
-    if ((*it)->free_bytes == (*it)->handle.bytes) {
-      freed += (*it)->handle.bytes;
-      victims.push_back(std::move(*it));
-      it = slabs_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  if (reserved_bytes_ - freed + bytes > limit_bytes_) {  // not enough: keep them
-    for (auto& victim : victims) slabs_.push_back(std::move(victim));
-    return false;
-  }
+  for (const auto& victim : victims) freed += victim->handle.bytes;
   lock.unlock();
   for (const auto& victim : victims) destroy_slab(*victim);
   lock.lock();

@@ -37,6 +37,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -134,6 +135,10 @@ class host_pool {
   // Detaches wholly free slabs of sizes with more slabs than chunks until `bytes` fit
   // under the limit; empty (and nothing detached) when they cannot.
   std::vector<std::unique_ptr<slab>> take_surplus_locked(std::size_t bytes);
+  // Detaches wholly free slabs that `may_go` accepts until `bytes` fit under the limit;
+  // empty (and nothing detached) when they cannot. The caller accounts for them.
+  std::vector<std::unique_ptr<slab>> detach_free_slabs_locked(
+      std::size_t bytes, const std::function<bool(const slab&)>& may_go);
   std::size_t new_slab_bytes(std::size_t at_least) const;
 
   device& device_;

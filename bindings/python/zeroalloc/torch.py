@@ -878,16 +878,15 @@ class _WindowedStep:
         if self.staged_bytes + size > self.budget():
             self.staging_done = True
             return
-        if need:
-            # A cached block the backward freed, or room under the limit with a margin left
-            # for the rest of the backward (the first steps may release the cache for it;
-            # the block stays cached for later ones).
-            largest, unallocated = room(device.index, "other")
-            margin = max(1 << 30, self.limit_bytes // 16)
-            if largest < size and unallocated < size + margin:
-                self.next_attempt = self.accumulations + _STAGE_RETRY
-                self.figures["staging_no_room"] += 1
-                return
+        # A cached block the backward freed, or room under the limit with a margin left for
+        # the rest of the backward (the first steps may release cache for it; the block
+        # stays cached for later ones).
+        largest, unallocated = room(device.index, "other")
+        margin = max(1 << 30, self.limit_bytes // 16)
+        if largest < size and unallocated < size + margin:
+            self.next_attempt = self.accumulations + _STAGE_RETRY
+            self.figures["staging_no_room"] += 1
+            return
         if not any(self.staged):
             self.figures["staging_began_at"] = self.accumulations / max(1, self.per_step)
         held: list = []
