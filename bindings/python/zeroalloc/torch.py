@@ -647,6 +647,16 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // 512) * 512
 
 
+def _scratch_size(tensor) -> int:
+    """A state's bytes in a scratch buffer (each starts 512-byte aligned)."""
+    return _padded(tensor.numel() * tensor.element_size())
+
+
+def _copied_bytes(entries) -> int:
+    """Scratch taken by the entries whose state is copied through it."""
+    return sum(_scratch_size(entry[2]) for entry in entries if entry[3] is not None)
+
+
 def _where(tensor) -> str:
     """The tensor's residency; "foreign" for memory the engine does not manage."""
     try:
@@ -750,9 +760,8 @@ class _WindowedStep:
         """Room for the window's bounced states: those on the device need none, and the
         buffers come out of the memory the activations just left (larger ones would make
         that class grow, and push more states to the host)."""
-        return sum(_padded(value.numel() * value.element_size())
-                   for parameter in window for _, value in self.items(parameter)
-                   if _bounced(value, places))
+        return sum(_scratch_size(value) for parameter in window
+                   for _, value in self.items(parameter) if _bounced(value, places))
 
     def streams_of(self, device):
         if device.index not in self.streams:
@@ -778,7 +787,7 @@ class _WindowedStep:
         bounced = [entry for entry in pinned if _bounced(entry[2], places)]
         if not bounced:
             return entries, None
-        need = sum(_padded(entry[2].numel() * entry[2].element_size()) for entry in bounced)
+        need = sum(_scratch_size(entry[2]) for entry in bounced)
         while len(self.slots) <= slot:
             self.slots.append(None)
             self.free.append(None)
@@ -1082,9 +1091,7 @@ class _WindowedStep:
                             if number >= len(staged) or staged[number] is None]
                 places = {id(value): _where(value) for window in unstaged
                           for parameter in window for _, value in self.items(parameter)}
-                sizes = [sum(_padded(e[2].numel() * e[2].element_size())
-                             for e in each[0] if e[3] is not None)
-                         for each in staged if each is not None]
+                sizes = [_copied_bytes(each[0]) for each in staged if each is not None]
                 sizes += [self.scratch_bytes(window, places) for window in unstaged]
                 self.slot_bytes = max(sizes)
                 keep_from = self.keep_from(found, staged, places)
@@ -1129,9 +1136,7 @@ class _WindowedStep:
                     keep = number >= keep_from
                     if keep:
                         self.figures["kept_windows"] += 1
-                        self.figures["kept_bytes"] += sum(
-                            _padded(e[2].numel() * e[2].element_size())
-                            for e in entries if e[3] is not None)
+                        self.figures["kept_bytes"] += _copied_bytes(entries)
                     ending = [e for e in entries if e[4] and not (keep and e[3] is not None)]
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
