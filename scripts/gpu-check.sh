@@ -35,7 +35,10 @@ ZEROALLOC_DEVICE=cuda build/bench/hint_bench --benchmark_repetitions=5 --benchma
   2>&1 | grep -E "median|Benchmark" | tee "$out/hint_bench.txt"
 
 step "migration throughput: the migrator vs cudaMemcpyAsync"
-build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -6
+build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -7
+
+step "what a remap costs, idle and while copies run (Note [What a remap costs])"
+build/bench/remap_bench --chunks 16 2>&1 | tee "$out/remap.txt" | tail -12
 
 # GPU_CHECK_SKIP: names of steps to leave out, when their figures are recorded: torch_empty,
 # preload_overhead, demo (about 40 s), optimizer_step (about 60 s), llama (about 140 s). Everything together runs

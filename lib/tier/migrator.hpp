@@ -15,6 +15,22 @@
 //     end of the migration (a use-begins hint calls wait_until_settled first), because
 //     such writes would land in the backing being left.
 // The two copy streams run at once: a fetch overlaps an eviction.
+//
+// Note [What a remap costs]: bench/tier/remap_bench on an H200 (CUDA 13, bench/RESULTS.md).
+// Mapping host memory costs the driver per 4 KiB page (it maps host memory with small
+// pages): on an idle GPU, moving a 64 MiB chunk to its host handle costs 570-780 us
+// (cuMemSetAccess 550-750), and back to a device handle 180-220 us (cuMemUnmap of the host
+// pages 150-180); a device-to-device remap costs 40-60 us. Neither the host memory's kind
+// (HOST or HOST_NUMA), a second mapping of it, nor the size of the address reservation
+// changes that. While copies run, each remap takes
+// about three times as long (1.1-1.2 ms per 64 MiB, whatever the copies' size) and the
+// copies lose 7-10% of their rate; the driver serialises remaps across threads. So a move
+// both ways (two remaps of 64 MiB, about 2.3 ms under copies) takes longer than its copies
+// (1.3 ms at 100 GB/s), and the migrator's rate is bound by remaps, not by PCIe: about 0.90
+// of cudaMemcpyAsync one way to the host, 0.60 both ways at once. The engine's bulk traffic
+// therefore avoids remaps: the windowed optimizer step copies host-resident states through
+// device scratch and back (tier by copy, not by mapping), and a steady training step remaps
+// nothing (bench/RESULTS.md, the Llama runs).
 #pragma once
 
 #include <condition_variable>
