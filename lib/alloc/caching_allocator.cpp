@@ -104,11 +104,18 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
-  const std::string message = out_of_memory_message(rounded_bytes, cls);
+  std::string message = out_of_memory_message(rounded_bytes, cls);
   out_of_memory_observer observer;
+  pressure_note note;
   {
     std::lock_guard lock(settings_mutex_);
     observer = out_of_memory_observer_;
+    note = pressure_note_;
+  }
+  if (note && handler) {
+    if (const std::string why = note(); !why.empty()) {
+      message += " Offloading could not make room: " + why;
+    }
   }
   if (observer) observer(message);
   throw out_of_memory(message);
@@ -259,6 +266,11 @@ std::vector<caching_allocator::allocation_record> caching_allocator::largest_all
 void caching_allocator::set_pressure_handler(pressure_handler handler) {
   std::lock_guard lock(settings_mutex_);
   pressure_handler_ = std::move(handler);
+}
+
+void caching_allocator::set_pressure_note(pressure_note note) {
+  std::lock_guard lock(settings_mutex_);
+  pressure_note_ = std::move(note);
 }
 
 void caching_allocator::set_chunk_observer(const chunk_observer& observer) {

@@ -90,6 +90,11 @@ class caching_allocator {
   /// returns the bytes it freed (the offload engine will evict here). Optional.
   using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
   void set_pressure_handler(pressure_handler handler);
+  /// Asked, without locks held, when an allocation fails after the pressure handler ran:
+  /// why it could not free more (the host tier is full, say), or empty. Appended to the
+  /// out-of-memory message. Optional.
+  using pressure_note = std::function<std::string()>;
+  void set_pressure_note(pressure_note note);
   /// Called, without locks held, when a new allocation lies in memory the offload engine
   /// moved to the host (cached free space of an offloaded chunk), with the allocation's
   /// stream: the engine brings it back, ordered before that stream's next work. Optional.
@@ -173,6 +178,7 @@ class caching_allocator {
   mutable std::mutex settings_mutex_;
   std::string limit_source_;
   pressure_handler pressure_handler_;
+  pressure_note pressure_note_;
   host_landing_handler host_landing_handler_;
   out_of_memory_observer out_of_memory_observer_;
 };

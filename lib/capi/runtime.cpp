@@ -206,6 +206,7 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   offload_engine* engine = owned_engines_.back().get();
   allocator.set_pressure_handler(
       [engine](std::size_t bytes) { return engine->relieve_pressure(bytes); });
+  allocator.set_pressure_note([engine] { return engine->pressure_note(); });
   allocator.set_host_landing_handler([engine](void* pointer, stream_handle stream) {
     engine->allocated_on_host(pointer, stream);
   });

@@ -245,8 +245,21 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
       device_.copy_async(reinterpret_cast<void*>(address),
                          reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                          in_stream_);
+      if (verify_) {
+        // Read back before the event users wait on: once it completes, their kernels may
+        // write the chunk, and a checksum taken later would see their bytes.
+        moving.arrived.resize(chunk.handle.bytes / sizeof(std::uint64_t));
+        device_.copy_async(moving.arrived.data(), reinterpret_cast<const void*>(address),
+                           chunk.handle.bytes, in_stream_);
+      }
       device_.record_event(moving.copied, in_stream_);
     } catch (...) {
+      if (!moving.arrived.empty()) {
+        try {  // the read-back may still be writing into `arrived`
+          device_.synchronize_stream(in_stream_);
+        } catch (...) {  // the stream failed: nothing is writing any more
+        }
+      }
       if (moving.remapped_early) allocator_.remap_pinned_chunk(address, host.handle);
       if (moving.copied != nullptr) return_event(moving.copied);
       allocator_.arena().return_chunk(moving.device_chunk);
@@ -328,7 +341,7 @@ void migrator::finish(transfer& done) {
   if (verify_) {
     std::uint64_t after = 0;
     try {
-      after = checksum_of(address, bytes, stream);
+      after = done.remapped_early ? fnv1a(done.arrived) : checksum_of(address, bytes, stream);
     } catch (const std::exception& failure) {
       log().error(
           "ZEROALLOC_VERIFY: the chunk at {:#x} moved to the {} but could not be read "

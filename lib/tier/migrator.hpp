@@ -120,7 +120,10 @@ class migrator {
     physical_handle device_chunk;  // source (to host: the old backing) or destination
     std::uintptr_t staging = 0;    // to device: where device_chunk is mapped for the copy
     event_handle copied = nullptr;
-    std::uint64_t checksum = 0;   // ZEROALLOC_VERIFY: of the bytes before the copy
+    std::uint64_t checksum = 0;  // ZEROALLOC_VERIFY: of the bytes before the copy
+    // ZEROALLOC_VERIFY, a fetch remapped early: the bytes as they arrived, read in stream
+    // order before the copy's event (its users may write the chunk from then on).
+    std::vector<std::uint64_t> arrived;
     bool remapped_early = false;  // to device, idle: mapped before the copy
     bool committed = false;       // the chunk maps its new backing (Note [Committing a move])
   };

@@ -68,7 +68,8 @@ bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_evi
 // (about 0.2 ms per MiB) or wait for the pool's background fill, and the hints of the
 // training thread and the prefetcher would wait behind it.
 std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned_eviction>& planned,
-                                                             bool full_is_an_error) {
+                                                             bool full_is_an_error,
+                                                             std::string* full) {
   std::vector<std::uintptr_t> started;
   std::size_t next = 0;
   try {
@@ -78,11 +79,12 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
       migrator_.start_claimed_eviction(each.chunk, each.fence != nullptr ? &after : nullptr);
       started.push_back(each.chunk.address);
     }
-  } catch (const host_memory_exhausted& full) {
+  } catch (const host_memory_exhausted& exhausted) {
     for (++next; next < planned.size(); ++next)
       migrator_.cancel_eviction(planned[next].chunk.address);
     if (full_is_an_error) throw;
-    log().warn("offload: {}", full.what());
+    log().warn("offload: {}", exhausted.what());
+    if (full != nullptr) *full = exhausted.what();
   } catch (...) {
     for (++next; next < planned.size(); ++next)
       migrator_.cancel_eviction(planned[next].chunk.address);
@@ -533,12 +535,14 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
       plan_eviction(chosen, planned);
     }
   }
-  const std::vector<std::uintptr_t> evicted = launch_evictions(planned);
+  std::string full;
+  const std::vector<std::uintptr_t> evicted = launch_evictions(planned, false, &full);
   std::uint64_t bytes = 0;
   for (std::size_t i = 0; i < evicted.size(); ++i) bytes += planned[i].chunk.handle.bytes;
   {
     std::lock_guard lock(mutex_);
     figures_.pressure_evictions += evicted.size();
+    pressure_note_ = std::move(full);
   }
   for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
   if (!evicted.empty()) {
@@ -546,6 +550,11 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
                 format_bytes(bytes_needed));
   }
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
+}
+
+std::string offload_engine::pressure_note() const {
+  std::lock_guard lock(mutex_);
+  return pressure_note_;
 }
 
 void offload_engine::allocated_on_host(const void* pointer, stream_handle stream) {

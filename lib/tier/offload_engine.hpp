@@ -51,6 +51,7 @@
 #include <deque>
 #include <mutex>
 #include <span>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -123,6 +124,9 @@ class offload_engine {
   /// The allocator's pressure handler: evicts idle chunks, waiting for them, until
   /// `bytes_needed` of device memory is free or nothing more can go. Returns bytes evicted.
   std::uint64_t relieve_pressure(std::size_t bytes_needed);
+  /// The allocator's pressure note: why the last relieve_pressure could not move more (the
+  /// host tier's message, naming ZEROALLOC_HOST_LIMIT), or empty.
+  std::string pressure_note() const;
 
   /// Moves every chunk of the allocation at `pointer` (waiting when `wait`), except chunks
   /// with a use open (they may hold another allocation in use). False when `pointer` is not
@@ -178,10 +182,11 @@ class offload_engine {
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);
   /// Starts the planned evictions in order; returns the addresses started (the first of
-  /// `planned`). A full host tier cancels the rest: with a warning, or rethrown when
-  /// `full_is_an_error`. Caller does not hold mutex_.
+  /// `planned`). A full host tier cancels the rest: with a warning (and its message in
+  /// `full`, when given), or rethrown when `full_is_an_error`. Caller does not hold mutex_.
   std::vector<std::uintptr_t> launch_evictions(std::vector<planned_eviction>& planned,
-                                               bool full_is_an_error = false);
+                                               bool full_is_an_error = false,
+                                               std::string* full = nullptr);
   /// Closes a use of each chunk and records its use-ends fence on `stream`. Caller holds
   /// mutex_.
   void end_uses(const std::vector<chunk_info>& chunks, stream_handle stream);
@@ -220,6 +225,7 @@ class offload_engine {
   std::uint64_t tick_ = 0;
   std::deque<std::uintptr_t> wishes_;  // chunks to prefetch, nearest first
   offload_figures figures_;
+  std::string pressure_note_;  // set by relieve_pressure when the host tier was full
   struct timed_wait {
     event_handle before;
     event_handle after;

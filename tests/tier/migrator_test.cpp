@@ -263,6 +263,31 @@ TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
   allocator_->deallocate(pointer);
 }
 
+// ZEROALLOC_VERIFY must not mistake a user's write for damage: a chunk fetched as idle is
+// mapped at once, and a kernel ordered after its arrival (order_after_arrival) may write it
+// before the migrator's worker gets to the chunk. The check reads what arrived, in stream
+// order; read later, it saw the kernel's bytes and aborted a correct program.
+TEST_F(MigratorTest, VerifyModeChecksWhatArrivedNotWhatAKernelWroteAfterwards) {
+  start(/*verify=*/true);
+  migrator& engine = *migrator_;
+  stream_handle stream = device_->create_stream();
+  void* pointer = allocator_->allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
+  write_random(pointer, 48 * MiB, 5);
+  for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
+  engine.drain();
+  for (const chunk_info& chunk : chunks_of(pointer)) {
+    ASSERT_TRUE(engine.fetch_async(chunk.address, /*chunk_idle=*/true, chunk.generation));
+    ASSERT_TRUE(engine.order_after_arrival(chunk.address, stream));
+    device_->fill_async(reinterpret_cast<void*>(chunk.address), 0x5a, chunk.handle.bytes, stream);
+  }
+  engine.drain();
+  device_->synchronize_stream(stream);
+  EXPECT_EQ(engine.figures().verified_chunks, 2 * chunks_of(pointer).size());
+  EXPECT_EQ(read_back(*device_, pointer, 48 * MiB), std::vector<std::uint8_t>(48 * MiB, 0x5a));
+  allocator_->deallocate(pointer);
+  device_->destroy_stream(stream);
+}
+
 // Random evictions and fetches racing with "kernels" on several streams. A kernel is a
 // delay then a fill of one allocation with a fresh value, enqueued on the allocation's
 // stream or on another stream after record_stream; before enqueueing one, the test waits

@@ -32,6 +32,7 @@ class OffloadEngineTest : public ::testing::Test {
   void TearDown() override {
     if (allocator_) {
       allocator_->set_pressure_handler(nullptr);
+      allocator_->set_pressure_note(nullptr);
       allocator_->set_host_landing_handler(nullptr);
       allocator_->empty_cache();
     }
@@ -46,6 +47,7 @@ class OffloadEngineTest : public ::testing::Test {
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
     allocator_->set_pressure_handler(
         [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
+    allocator_->set_pressure_note([this] { return engine_->pressure_note(); });
     allocator_->set_host_landing_handler([this](void* pointer, stream_handle stream) {
       engine_->allocated_on_host(pointer, stream);
     });
@@ -116,6 +118,33 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
     EXPECT_NE(std::string(failure.what()).find(expected), std::string::npos) << failure.what();
   }
   allocator_->deallocate(activations);
+  for (void* state : states) allocator_->deallocate(state);
+}
+
+TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLimit) {
+  // Two chunks of host memory, six chunks of states: the host fills before the activations
+  // find room, and the error says which limit to raise; the states keep their bytes.
+  pool_ = std::make_unique<host_pool>(*device_, 2 * kChunkBytes, "ZEROALLOC_HOST_LIMIT=16MiB");
+  start(48 * MiB, 0);
+  std::vector<void*> states;
+  for (int i = 0; i < 6; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(i + 1), kChunkBytes, nullptr);
+  }
+  try {
+    allocator_->allocate(32 * MiB, nullptr, allocation_class::other);
+    ADD_FAILURE() << "32 MiB fit beside 48 MiB of states under a 48 MiB limit with 16 MiB of "
+                     "host memory";
+  } catch (const out_of_memory& failure) {
+    const std::string message = failure.what();
+    EXPECT_NE(message.find("host tier is full"), std::string::npos) << message;
+    EXPECT_NE(message.find("ZEROALLOC_HOST_LIMIT"), std::string::npos) << message;
+    EXPECT_NE(message.find("ZEROALLOC_MEMORY_LIMIT"), std::string::npos) << message;
+  }
+  EXPECT_LE(engine_->mover().figures().host_resident_bytes, 2 * kChunkBytes);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE(holds(states[i], static_cast<std::uint8_t>(i + 1), kChunkBytes)) << i;
+  }
   for (void* state : states) allocator_->deallocate(state);
 }
 
