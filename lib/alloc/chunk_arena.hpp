@@ -35,6 +35,10 @@ struct chunk_info {
   /// Changes whenever a block of its segment is allocated or freed: hints about the chunk's
   /// uses hold only while it stays the same.
   std::uint64_t generation = 0;
+  /// When a block of its segment was last allocated or freed, on a clock shared by every
+  /// heap of the process: how recently the program touched it, as far as the allocator
+  /// sees (Note [Residency policy] uses it where no hint says more).
+  std::uint64_t last_activity = 0;
 };
 
 class chunk_arena {

@@ -1,6 +1,7 @@
 #include "alloc/heap.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 
 #include "core/errors.hpp"
@@ -12,6 +13,13 @@ namespace zeroalloc {
 namespace {
 
 constexpr std::size_t kMinBlockBytes = 512;
+
+// The clock of segment::last_activity, one for the process: allocations and frees in any
+// heap tick it, so chunks of different classes compare.
+std::uint64_t next_activity() {
+  static std::atomic<std::uint64_t> clock{0};
+  return clock.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 constexpr std::size_t kSmallSegmentBytes = 2 * MiB;
 constexpr std::size_t kSmallRequestBytes = 1 * MiB;
 constexpr std::size_t kMediumRequestBytes = 10 * MiB;
@@ -255,6 +263,7 @@ segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner
                         whole.chunks.begin() + static_cast<std::ptrdiff_t>(to));
     for (const physical_handle& chunk : part->chunks) part->bytes += chunk.bytes;
     part->generation = whole.generation + 1;
+    part->last_activity = whole.last_activity;
     part->first = head;
     head->previous = nullptr;
     for (block* piece = head; piece != nullptr; piece = piece->next) {
@@ -441,6 +450,7 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   chosen->requested_bytes = requested_bytes;
   ++chosen->owner->busy_blocks;
   ++chosen->owner->generation;
+  chosen->owner->last_activity = next_activity();
   live_.insert(chosen->address, chosen);
 
   const auto bytes = static_cast<std::int64_t>(chosen->bytes);
@@ -543,6 +553,7 @@ void heap::forget_stream(stream_handle stream) {
 void heap::release_block(block* freed) {
   --freed->owner->busy_blocks;
   ++freed->owner->generation;
+  freed->owner->last_activity = next_activity();
   insert_free(freed);
   unmerged_.push_back(freed);
   const std::size_t most_unmerged =
@@ -811,7 +822,8 @@ void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into, st
          inside = inside->next) {
       live = live || inside->allocated || inside->pending;
     }
-    into.push_back({address, chunk, static_cast<int>(class_), streams, live, owner.generation});
+    into.push_back({address, chunk, static_cast<int>(class_), streams, live, owner.generation,
+                    owner.last_activity});
     address = end;
   }
 }

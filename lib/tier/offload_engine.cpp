@@ -132,6 +132,7 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     std::size_t bytes;
     std::uint64_t distance;
     std::uint64_t last_use;
+    std::uint64_t last_activity;
     std::uint64_t generation;
     int rank;  // 0, then 1: free space, then 2: a gradient, only when nothing else can go
   };
@@ -164,7 +165,8 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
       continue;
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
-                          state == chunks_.end() ? 0 : state->second.last_use, chunk.generation,
+                          state == chunks_.end() ? 0 : state->second.last_use, chunk.last_activity,
+                          chunk.generation,
                           gradient     ? 2
                           : free_space ? 1
                                        : 0});
@@ -172,7 +174,8 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
   std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
     if (a.rank != b.rank) return a.rank < b.rank;
     if (a.distance != b.distance) return a.distance > b.distance;  // farthest next use first
-    return a.last_use < b.last_use;                                // then least recently used
+    if (a.last_use != b.last_use) return a.last_use < b.last_use;  // then least recently used
+    return a.last_activity < b.last_activity;  // then least recently allocated or freed in
   });
   // Note [Host chunk sizes]: where the driver maps only whole allocations (every driver
   // measured so far), a chunk can go only to a pinned host chunk of exactly its size, and

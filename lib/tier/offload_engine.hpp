@@ -5,7 +5,9 @@
 // allocation that would fail, or a fetch that needs room) the engine evicts the idle chunk
 // whose next use is farthest away in the access order it learned in the previous step
 // (Belady's rule on a recorded order, as DeepSpeed and Colossal-AI's Gemini do), and the
-// least recently used one before an order is known. Parameters and optimizer states are
+// least recently used one before an order is known; where no hint says when a chunk was
+// used (a program without hints, or chunks never hinted), the one whose segment saw the
+// least recent allocation or free (chunk_info::last_activity). Parameters and optimizer states are
 // evicted; activations never: they are written and read within a step. Gradients mostly are
 // too, and are freed after each step (zero_grad): evicted, they would come back as
 // host-resident free space that the next backward writes over PCIe. So they go only when an

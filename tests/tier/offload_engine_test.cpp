@@ -330,6 +330,39 @@ TEST_F(OffloadEngineTest, BeforeAnyOrderIsKnownTheLeastRecentlyUsedChunkGoesFirs
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// With no hint at all, the allocator's order is what the engine knows: the state whose
+// memory was least recently allocated or freed goes first (not whichever the chunk list
+// happens to name first).
+TEST_F(OffloadEngineTest, WithoutHintsTheLeastRecentlyAllocatedOrFreedChunkGoesFirst) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  constexpr std::size_t kStateBytes = 2 * kChunkBytes;  // a segment of its own, two chunks
+  auto allocate = [&] {
+    return allocator_->allocate(kStateBytes, nullptr, allocation_class::optimizer_state);
+  };
+  std::vector<void*> states;
+  for (int i = 0; i < 4; ++i) states.push_back(allocate());
+  // Reallocated in the order 0, 3, 1: state 2 is the one the program touched longest ago.
+  for (int i : {0, 3, 1}) {
+    allocator_->deallocate(states[i]);
+    states[i] = allocate();
+  }
+  device_->synchronize_stream(nullptr);
+  ASSERT_GT(engine.relieve_pressure(kStateBytes), 0u);
+  auto on_host = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    std::size_t count = 0;
+    for (const chunk_info& chunk : chunks) {
+      count += engine.mover().where(chunk.address) == residency::host ? 1 : 0;
+    }
+    return count;
+  };
+  EXPECT_EQ(on_host(states[2]), 2u);
+  for (int i : {0, 1, 3}) EXPECT_EQ(on_host(states[i]), 0u) << i;
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // Optimizer states hinted as used in place (Note [Used in place]) stay where they are: the
 // one on the host is never fetched, by the hint or by the prefetcher, and is kept out of the
 // learned order; while the use is open, pressure cannot move either state.
