@@ -97,6 +97,7 @@ def engine(monkeypatch):
     yield fake
     zt._overlapping.clear()
     zt._kept_states.clear()
+    zt._writing_back.clear()
 
 
 WIDTH, LAYERS = 32, 8
@@ -111,14 +112,14 @@ def build():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
 
-def managed(overlap_bytes):
-    """What zt.offload installs, without the library: hint hooks, gradient hooks, the
-    windowed step and the state-dict wrappers."""
+def managed(overlap_bytes, group_bytes=LAYER_BYTES + 1024):
+    """What zt.offload installs, without the library: hint hooks (groups of at most
+    `group_bytes`), gradient hooks, the windowed step and the state-dict wrappers."""
     model, optimizer = build()
     for parameter in model.parameters():
         parameter._zeroalloc_adopted = True
         parameter.register_post_accumulate_grad_hook(zt._end_backward)
-    zt._install_hint_hooks(model, LAYER_BYTES + 1024)
+    zt._install_hint_hooks(model, group_bytes)
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
                                        overlap_bytes)
     zt._readopt_after_load(optimizer)
@@ -217,3 +218,40 @@ def test_another_models_backward_does_not_make_an_optimizer_stage(engine):
         train(other, other_optimizer, inputs, labels)
     assert zt.step_figures(optimizer)["staged_windows"] == before
     assert not optimizer._zeroalloc_stepper.staged
+
+
+class SlowEvent(FakeEvent):
+    """An event whose work is not done the first time it is asked."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def query(self):
+        self.asked += 1
+        return self.asked > 1
+
+
+def test_a_model_hinted_as_one_group_frees_the_kept_scratch_during_its_forward(
+        engine, monkeypatch):
+    # One hint group for the whole model: its first hint starts the write-back, and no other
+    # hint comes before the backward; the forwards of its modules put the states back once
+    # the copies are done, so the scratch is not held through the forward's peak.
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES, group_bytes=1 << 30)
+    stepper = optimizer._zeroalloc_stepper
+    monkeypatch.setattr(torch.cuda, "Event", SlowEvent)
+    homes = {}
+    for number, (inputs, labels) in enumerate(data(4)):
+        train(model, optimizer, inputs, labels)
+        if number == 0:
+            homes = {id(v) for s in optimizer.state.values() for v in s.values()}
+    assert stepper.kept, "the last windows' states were not kept after the step"
+    seen = []
+    hook = model[LAYERS // 2].register_forward_pre_hook(
+        lambda module, inputs: seen.append(len(stepper.kept)))
+    with torch.no_grad():
+        model(data(1)[0][0][0])
+    hook.remove()
+    assert seen == [0], "the kept scratch was still held in the middle of the forward"
+    assert not zt._kept_states and not zt._writing_back
+    assert {id(v) for s in optimizer.state.values() for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0} <= homes

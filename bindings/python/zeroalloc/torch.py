@@ -351,6 +351,8 @@ class _HintGroup:
             _hint_backward(own, output)
 
     def member_before(self, module, inputs) -> None:
+        if _writing_back:
+            _finish_write_backs()
         if not self.open():  # called on its own, outside `top`'s forward (in this thread)
             _before_forward(module, inputs)
 
@@ -415,6 +417,8 @@ class _AutomaticHints:
         return found
 
     def before(self, module, inputs) -> None:
+        if _writing_back:
+            _finish_write_backs()
         stack = self.stack()
         if stack and id(module) in stack[-1].covered and module is not stack[-1].top():
             return
@@ -596,8 +600,10 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     the last step with the same, unwritten state tensors, else what was staged is
     dropped, as it is when a forward of the model comes before the step. States are kept only
     when module hints ran between the last two steps (a training loop: the next forward's
-    first hint writes them back, and a later hint puts the state tensors back once the
-    copies are done); the next step, load_state_dict and OffloadHandle.remove() write them
+    first hint writes them back, and the forward of any hinted module after that puts the
+    state tensors back and frees the scratch once the copies are done: a model hinted as
+    one group would otherwise hold it until its backward, at its forward's peak); the next
+    step, load_state_dict and OffloadHandle.remove() write them
     back first. Staged and kept states stay pinned (use_in_place) until their copies end,
     also across the step boundary.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
@@ -624,8 +630,18 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
 #: Windowed steps that move states between steps (Note [Overlapping the step]): module hints
 #: and gradient accumulations reach them. Weak: a dropped optimizer takes its step along.
 _overlapping: "weakref.WeakSet" = weakref.WeakSet()
+#: Windowed steps whose kept states are being written back: every hinted module's forward
+#: asks whether the copies are done, to free the scratch early (Note [Overlapping the step]).
+_writing_back: "weakref.WeakSet" = weakref.WeakSet()
 _STAGE_AFTER = 0.6  # of the last backward's accumulations
 _STAGE_RETRY = 4  # accumulations to wait after finding no room
+
+
+def _finish_write_backs() -> None:
+    """Puts back the state tensors of kept states whose write-back is done, freeing their
+    scratch."""
+    for stepper in tuple(_writing_back):
+        stepper.write_back_kept(wait=False)
 
 
 def _module_hint(own: list, forward: bool) -> None:
@@ -985,6 +1001,7 @@ class _WindowedStep:
                 self.end_uses(self.kept, copy_out)
             self.written = torch.cuda.Event()
             self.written.record(copy_out)
+            _writing_back.add(self)
             for entry in self.kept:  # the stream's own memory from here: no more pins
                 entry[4] = False
         if wait:
@@ -999,6 +1016,7 @@ class _WindowedStep:
                 state[key] = home
         for registered in [key for key, owner in _kept_states.items() if owner is self]:
             del _kept_states[registered]
+        _writing_back.discard(self)
         self.kept, self.written = [], None
 
     def repin(self) -> None:
