@@ -1,8 +1,10 @@
 // A device that forwards every call to another one and fails the unmaps a test picks out,
 // the way a driver does (device_error), so that tests can check what a failed CUDA call in
-// the middle of a migration leaves behind.
+// the middle of a migration leaves behind; and damages the bytes of a copy a test picks out
+// (a write that lands in memory being moved), for ZEROALLOC_VERIFY to find.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -22,6 +24,14 @@ class faulty_device final : public device {
   void fail_next_unmap(std::function<bool(std::uintptr_t)> which) {
     std::lock_guard lock(mutex_);
     fail_unmap_ = std::move(which);
+  }
+  /// From now on, the `nth` copy_async (counting from 1) whose source the predicate accepts
+  /// is followed, in its stream, by a fill of the first 64 bytes of its destination with
+  /// 0x5a; then the predicate is dropped.
+  void damage_copy(std::function<bool(const void* source)> which, int nth) {
+    std::lock_guard lock(mutex_);
+    damage_ = std::move(which);
+    damage_countdown_ = nth;
   }
   [[nodiscard]] int failed_unmaps() const {
     std::lock_guard lock(mutex_);
@@ -82,6 +92,15 @@ class faulty_device final : public device {
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override {
     inner_->copy_async(destination, source, bytes, stream);
+    bool damage = false;
+    {
+      std::lock_guard lock(mutex_);
+      if (damage_ && damage_(source) && --damage_countdown_ == 0) {
+        damage_ = nullptr;
+        damage = true;
+      }
+    }
+    if (damage) inner_->fill_async(destination, 0x5a, std::min<std::size_t>(bytes, 64), stream);
   }
   void fill_async(void* destination, std::uint8_t value, std::size_t bytes,
                   stream_handle stream) override {
@@ -96,6 +115,8 @@ class faulty_device final : public device {
   mutable std::mutex mutex_;
   std::function<bool(std::uintptr_t)> fail_unmap_;
   int failed_unmaps_ = 0;
+  std::function<bool(const void*)> damage_;
+  int damage_countdown_ = 0;
 };
 
 }  // namespace zeroalloc::testing

@@ -263,6 +263,31 @@ TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
   allocator_->deallocate(pointer);
 }
 
+// ZEROALLOC_VERIFY is there to catch bytes that change while a chunk moves: a copy damaged
+// in flight stops the process, with a message that names the chunk and the direction.
+TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto moved_with_damage = [] {
+    auto faulty = std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB));
+    testing::faulty_device& device = *faulty;
+    allocator_settings settings;
+    settings.chunk_bytes = kChunkBytes;
+    caching_allocator allocator(device, settings);
+    host_pool pool(device, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
+    migrator engine(allocator, pool, /*verify=*/true);
+    void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
+    device.synchronize_stream(nullptr);
+    // The chunk is read twice on its way out: for the checksum, then by the move's copy.
+    device.damage_copy([pointer](const void* source) { return source == pointer; }, 2);
+    engine.evict_async(reinterpret_cast<std::uintptr_t>(pointer));
+    engine.drain();
+  };
+  EXPECT_DEATH(moved_with_damage(),
+               "ZEROALLOC_VERIFY: the chunk at 0x[0-9a-f]+ .* changed while "
+               "moving to the host");
+}
+
 // ZEROALLOC_VERIFY must not mistake a user's write for damage: a chunk fetched as idle is
 // mapped at once, and a kernel ordered after its arrival (order_after_arrival) may write it
 // before the migrator's worker gets to the chunk. The check reads what arrived, in stream
