@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
+    parser.add_argument("--gradient-class", action="store_true",
+                        help="offload mode: zt.offload's gradient_class=True (gradients copied "
+                        "into their own allocation class once a step)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches (forward and backward) per optimizer step")
     parser.add_argument("--checkpointing", action="store_true",
@@ -129,6 +132,8 @@ def worker(args) -> int:
             options["overlap_bytes"] = int(args.overlap_bytes)
         if args.stage_after >= 0:
             zt._STAGE_AFTER = args.stage_after
+        if args.gradient_class:
+            options["gradient_class"] = True
         zt.offload(model, optimizer, **options)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
@@ -275,7 +280,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
-    command += [f"--{flag.replace('_', '-')}" for flag in ("checkpointing", "no_autocast_cache")
+    command += [f"--{flag.replace('_', '-')}"
+                for flag in ("checkpointing", "no_autocast_cache", "gradient_class")
                 if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)

@@ -209,10 +209,10 @@ def test_the_automatic_mode_groups_hints_the_same_way():
     assert "automatic hint groups ok" in out
 
 
-def train(offload: str) -> list:
+def train(offload: str, *extra: str) -> list:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--allocator", "zeroalloc", "--steps", str(STEPS),
-         "--library", str(LIBRARY), "--offload", offload],
+         "--library", str(LIBRARY), "--offload", offload, *extra],
         env=environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     stats = [line for line in result.stdout.splitlines() if line.startswith("stats ")]
@@ -236,6 +236,18 @@ def test_losses_with_everything_offloaded_after_each_step_equal_the_device_run()
     assert figures["bytes_to_host"] > 0 and figures["bytes_to_device"] > 0
     assert figures["steps"] == STEPS
     assert hooked_stats["offload"]["uses"] > 0
+
+
+def test_gradients_in_their_class_train_bit_for_bit(tmp_path):
+    """Note [Gradients' class]: with gradient_class=True each parameter's gradient lives in
+    the gradient class (copied there once a step); the numbers are those of the run on the
+    device, also with everything offloaded after each step."""
+    on_device, _ = train("off")
+    hooked, stats = train("every-step", "--gradient-class")
+    assert hooked == on_device, "gradients in their class changed the numbers"
+    gradients = stats["classes"]["gradient"]["allocated_bytes"]["peak"]
+    print(f"gradient class: peak {gradients >> 20} MiB allocated")
+    assert gradients > 0
 
 
 def test_environment_alone_offloads_an_unmodified_script(tmp_path):

@@ -112,13 +112,15 @@ def build():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
 
-def managed(overlap_bytes, group_bytes=LAYER_BYTES + 1024):
+def managed(overlap_bytes, group_bytes=LAYER_BYTES + 1024, gradient_class=False):
     """What zt.offload installs, without the library: hint hooks (groups of at most
     `group_bytes`), gradient hooks, the windowed step and the state-dict wrappers."""
     model, optimizer = build()
     for parameter in model.parameters():
         parameter._zeroalloc_adopted = True
         parameter.register_post_accumulate_grad_hook(zt._end_backward)
+        if gradient_class:
+            parameter.register_hook(zt._gradient_into_class(parameter))
     zt._install_hint_hooks(model, group_bytes)
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
                                        overlap_bytes)
@@ -255,3 +257,50 @@ def test_a_model_hinted_as_one_group_frees_the_kept_scratch_during_its_forward(
     assert not zt._kept_states and not zt._writing_back
     assert {id(v) for s in optimizer.state.values() for v in s.values()
             if torch.is_tensor(v) and v.dim() > 0} <= homes
+
+
+def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch):
+    # Note [Gradients' class]: the first gradient of each parameter in a backward is copied
+    # into the gradient class and adopted as .grad; later micro-batches add into it.
+    entered = Counter()
+    inside = [None]
+    made = []  # storage allocated while the gradient class was current
+
+    @contextlib.contextmanager
+    def recording(name):
+        entered[name] += 1
+        inside[0] = name
+        try:
+            yield
+        finally:
+            inside[0] = None
+
+    original_empty_like = torch.empty_like
+
+    def empty_like(*args, **kwargs):
+        tensor = original_empty_like(*args, **kwargs)
+        if inside[0] == "gradient":
+            made.append(tensor.data_ptr())
+        return tensor
+
+    monkeypatch.setattr(zt, "allocation_class", recording)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES, gradient_class=True)
+    parameters = len(list(model.parameters()))
+    for number, (inputs, labels) in enumerate(data(6)):
+        micro = 2 if number in (2, 3) else 1
+        for net in (plain, model):
+            entered.clear()
+            made.clear()
+            for m in range(micro):
+                loss = torch.nn.functional.cross_entropy(net(inputs[m]), labels[m]) / micro
+                loss.backward()
+        assert entered["gradient"] == parameters, entered  # once each, per step
+        assert sorted(b.grad.data_ptr() for b in model.parameters()) == sorted(made)
+        for a, b in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for opt in (plain_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        same(plain, plain_optimizer, model, optimizer)

@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
                         help="hooks: zeroalloc.torch.offload(model, optimizer); every-step: "
                              "also move every parameter and optimizer state to the host "
                              "after each step (needs ZEROALLOC_OFFLOAD=host)")
+    parser.add_argument("--gradient-class", action="store_true",
+                        help="with --offload: zt.offload(..., gradient_class=True)")
     parser.add_argument("--library", default=default_library(),
                         help="path of libzeroalloc.so (default: $ZEROALLOC_LIBRARY or "
                              "<repo>/build/libzeroalloc.so)")
@@ -194,7 +196,7 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
         os.environ["ZEROALLOC_LIBRARY"] = library_path  # the library this process runs on
         import zeroalloc.torch as zt
-        zt.offload(model, optimizer)
+        zt.offload(model, optimizer, gradient_class=args.gradient_class)
 
     def offload_everything():
         for parameter in model.parameters():

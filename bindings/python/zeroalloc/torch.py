@@ -178,9 +178,10 @@ def _require_offload_engine() -> None:
 _adoptions = [0]
 
 
-def _adopt(parameters, optimizer=None) -> list:
+def _adopt(parameters, optimizer=None, gradient_class: bool = False) -> list:
     """Moves parameters (and the optimizer's existing states) into their allocation classes
-    and hints the end of each parameter's backward use; returns the hooks."""
+    and hints the end of each parameter's backward use; with `gradient_class`, gradients go
+    into theirs too (Note [Gradients' class]). Returns the hooks."""
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
@@ -191,12 +192,39 @@ def _adopt(parameters, optimizer=None) -> list:
             _adoptions[0] += 1
             if parameter.requires_grad:
                 hooks.append(parameter.register_post_accumulate_grad_hook(_end_backward))
+                if gradient_class:
+                    if parameter.grad is not None and not parameter.grad.is_sparse:
+                        parameter.grad = _move_into_class(parameter.grad, "gradient")
+                    hooks.append(parameter.register_hook(_gradient_into_class(parameter)))
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
                     if torch.is_tensor(value) and value.is_cuda:
                         state[key] = _move_into_class(value, "optimizer_state")
     return hooks
+
+
+def _gradient_into_class(parameter):
+    """Note [Gradients' class]: autograd allocates a parameter's gradient in the kernel that
+    computes it, on its own thread and in the activations' class, and the accumulation into
+    an empty `.grad` adopts that tensor as it is. So the hook on the parameter copies the
+    first gradient of a backward into the gradient class (the accumulation then adopts the
+    copy); later ones, with `.grad` there, are added into it in place. The copy costs each
+    gradient's bytes once a step, read and written on the device. In their own class,
+    gradients are what pressure moves last, and only when an allocation would fail (Note
+    [Residency policy]); in the activations' class they could not move at all."""
+    owner = weakref.ref(parameter)
+
+    def hook(gradient):
+        held = owner()
+        if held is None or held.grad is not None or gradient.is_sparse:
+            return None
+        with allocation_class("gradient"):
+            moved = torch.empty_like(gradient, memory_format=torch.preserve_format)
+        moved.copy_(gradient)
+        return moved
+
+    return hook
 
 
 def _managed(module) -> list:
@@ -495,7 +523,7 @@ def _install_hint_hooks(model, group_bytes: int) -> list:
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
             window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
-            overlap_bytes: int = 2 << 30) -> OffloadHandle:
+            overlap_bytes: int = 2 << 30, gradient_class: bool = False) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
     and pinned host memory: two lines in a training script, after ``install()``::
 
@@ -511,10 +539,12 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     a time (PyTorch's foreach and fused optimizers would touch every state at once), and
     moves up to `overlap_bytes` of host-resident states each way while forward and backward
     run (Note [Overlapping the step]; the default, 2 << 30, measured best on an H200; 0:
-    none).
+    none). With `gradient_class`, each parameter's gradient is copied into the gradient
+    class once a step, where pressure can move it as a last resort (Note [Gradients'
+    class]); without, gradients stay with the activations and never move.
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _require_offload_engine()
-    hooks = _adopt(model.parameters(), optimizer)
+    hooks = _adopt(model.parameters(), optimizer, gradient_class)
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
@@ -524,7 +554,8 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
-                             overlap_bytes: int = 2 << 30) -> None:
+                             overlap_bytes: int = 2 << 30,
+                             gradient_class: bool = False) -> None:
     """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
     package's start-up hook): every optimizer created from now on has its parameters and
     states managed as offload() does, and global module hooks send the use hints, grouped
@@ -542,7 +573,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
             return
         self._zeroalloc_adopted = True
         parameters = [p for group in self.param_groups for p in group["params"]]
-        _adopt(parameters, self)
+        _adopt(parameters, self, gradient_class)
         self.step = _windowed_step(self, self.step, window_bytes, overlap_bytes)
         _readopt_after_load(self)
 
