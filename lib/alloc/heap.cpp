@@ -871,22 +871,13 @@ bool heap::pin_chunk(std::uintptr_t address, chunk_info& into) {
   return true;
 }
 
-// Note [Remapping outside the lock]: a remap to or from host memory takes the driver 0.2 to
-// 2 ms (Note [What a remap costs] in tier/migrator.hpp), and every allocation, free and
-// hint of the class would wait for it behind mutex_. The driver calls run without it: the
-// chunk is pinned, so its segment is neither cut, donated nor released meanwhile, and only
-// the pin's holder remaps it. Until the entry is updated, readers see the old backing,
-// which the migrator still reports as moving.
 physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
-  physical_handle previous;
-  {
-    std::lock_guard lock(mutex_);
-    auto [owner, index] = chunk_at(address);
-    ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes &&
-                   std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end(),
-               "no pinned chunk of ", replacement.bytes, " bytes at ", address);
-    previous = owner->chunks[index];
-  }
+  std::lock_guard lock(mutex_);
+  auto [owner, index] = chunk_at(address);
+  ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes &&
+                 std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end(),
+             "no pinned chunk of ", replacement.bytes, " bytes at ", address);
+  const physical_handle previous = owner->chunks[index];
   device_.unmap(address, previous.bytes);
   try {
     device_.map(address, replacement);
@@ -894,8 +885,6 @@ physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle
     device_.map(address, previous);  // the bytes stay where they were
     throw;
   }
-  std::lock_guard lock(mutex_);
-  auto [owner, index] = chunk_at(address);
   owner->chunks[index] = replacement;
   if (previous.location == memory_location::host) --owner->host_chunks;
   if (replacement.location == memory_location::host) ++owner->host_chunks;
