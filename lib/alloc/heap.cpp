@@ -459,11 +459,18 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   });
   ++counts_.allocations;
   if (from_cache) ++counts_.cache_hits;
-  if (on_host != nullptr && chosen->owner->host_chunks != 0) {
+  // Note [Landing in a moving chunk]: a chunk the migrator is moving (pinned) may hold free
+  // space that this block takes. Its copy may have read the bytes already: writes made now
+  // would land in the backing being left and be lost at the remap. So such a block is
+  // reported like one on the host: the caller waits for the move, then brings it back.
+  if (on_host != nullptr &&
+      (chosen->owner->host_chunks != 0 || chosen->owner->pinned_chunks != 0)) {
     std::uintptr_t start = chosen->owner->address;
     for (const physical_handle& chunk : chosen->owner->chunks) {
-      if (chunk.location == memory_location::host && start < chosen->address + chosen->bytes &&
-          chosen->address < start + chunk.bytes) {
+      const bool overlaps =
+          start < chosen->address + chosen->bytes && chosen->address < start + chunk.bytes;
+      if (overlaps && (chunk.location == memory_location::host ||
+                       std::find(pinned_.begin(), pinned_.end(), start) != pinned_.end())) {
         *on_host = true;
         break;
       }

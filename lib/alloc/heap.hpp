@@ -78,7 +78,7 @@ class heap {
   /// when new memory is needed and
   /// the arena has none (the caller releases cache and retries).
   /// `on_host`, when given, is set when the block lies (partly) in a chunk the offload engine
-  /// moved to host memory.
+  /// moved to host memory or is moving (Note [Landing in a moving chunk]).
   void* allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream,
                  bool* on_host = nullptr);
   /// Frees; false when `pointer` is not a live allocation of this heap.

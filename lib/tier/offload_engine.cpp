@@ -562,6 +562,8 @@ std::string offload_engine::pressure_note() const {
 
 void offload_engine::allocated_on_host(const void* pointer, stream_handle stream) {
   for (const chunk_info& chunk : chunks_of(pointer)) {
+    // Note [Landing in a moving chunk] in alloc/heap.cpp: the move ends first.
+    migrator_.wait_until_settled(chunk.address);
     if (migrator_.where(chunk.address) != residency::host) continue;
     // Another block of the chunk may be in use (a hint open on it): it stays for now.
     if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,

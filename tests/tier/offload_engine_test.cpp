@@ -148,6 +148,40 @@ TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLi
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// Note [Landing in a moving chunk]: an allocation that takes free space in a chunk whose
+// move to the host has started returns only once the move is over, so that what the
+// program writes next is not left behind in the old backing.
+TEST_F(OffloadEngineTest, AnAllocationInAChunkBeingMovedWaitsForTheMoveAndKeepsItsBytes) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* kept = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  void* freed = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(kept, 0x11, kChunkBytes, nullptr);
+  device_->synchronize_stream(nullptr);
+  const std::uintptr_t chunk = first_chunk(freed);
+  allocator_->deallocate(freed);  // its chunk now holds free space only
+  // The move's copy waits behind 100 ms of other work.
+  stream_handle busy = device_->create_stream();
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); },
+                               busy);
+  event_handle later = device_->create_event();
+  device_->record_event(later, busy);
+  const std::vector<event_handle> after{later};
+  ASSERT_TRUE(engine.mover().evict_async(chunk, &after));
+  void* landed = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  ASSERT_EQ(first_chunk(landed), chunk) << "the allocation did not take the moving chunk";
+  EXPECT_NE(engine.mover().where(chunk), residency::moving_to_host)
+      << "the allocation returned while its chunk was still moving";
+  device_->fill_async(landed, 0x22, kChunkBytes, nullptr);
+  engine.mover().drain();
+  EXPECT_TRUE(holds(landed, 0x22, kChunkBytes));
+  EXPECT_TRUE(holds(kept, 0x11, kChunkBytes));
+  allocator_->deallocate(landed);
+  allocator_->deallocate(kept);
+  device_->destroy_event(later);
+  device_->destroy_stream(busy);
+}
+
 TEST_F(OffloadEngineTest, ExplicitEvictAndFetchMoveAWholeAllocation) {
   start(256 * MiB, 0);
   offload_engine& engine = *engine_;
