@@ -228,6 +228,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
   }
   if (chunk_idle) {
     std::uint64_t early_remap_ns = 0;
+    bool copies_queued = false;  // copies that may run into memory given back on failure
     // Nothing queued touches the chunk: map the device chunk now and let its bytes arrive
     // in stream order (Note [Fault-free migration]); users wait on the copy's event.
     try {
@@ -245,6 +246,7 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
       device_.copy_async(reinterpret_cast<void*>(address),
                          reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                          in_stream_);
+      copies_queued = true;
       if (verify_) {
         // Read back before the event users wait on: once it completes, their kernels may
         // write the chunk, and a checksum taken later would see their bytes.
@@ -254,8 +256,8 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
       }
       device_.record_event(moving.copied, in_stream_);
     } catch (...) {
-      if (!moving.arrived.empty()) {
-        try {  // the read-back may still be writing into `arrived`
+      if (copies_queued) {
+        try {  // the copy in, and the read-back into `arrived`, may still run
           device_.synchronize_stream(in_stream_);
         } catch (...) {  // the stream failed: nothing is writing any more
         }

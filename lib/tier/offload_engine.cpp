@@ -545,7 +545,11 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   {
     std::lock_guard lock(mutex_);
     figures_.pressure_evictions += evicted.size();
-    pressure_note_ = std::move(full);
+    if (!full.empty()) {
+      pressure_notes_[std::this_thread::get_id()] = std::move(full);
+    } else if (!evicted.empty()) {
+      pressure_notes_.erase(std::this_thread::get_id());
+    }
   }
   for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
   if (!evicted.empty()) {
@@ -555,9 +559,13 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
 }
 
-std::string offload_engine::pressure_note() const {
+std::string offload_engine::pressure_note() {
   std::lock_guard lock(mutex_);
-  return pressure_note_;
+  auto found = pressure_notes_.find(std::this_thread::get_id());
+  if (found == pressure_notes_.end()) return {};
+  std::string note = std::move(found->second);
+  pressure_notes_.erase(found);
+  return note;
 }
 
 void offload_engine::allocated_on_host(const void* pointer, stream_handle stream) {

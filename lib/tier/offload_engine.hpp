@@ -126,9 +126,10 @@ class offload_engine {
   /// The allocator's pressure handler: evicts idle chunks, waiting for them, until
   /// `bytes_needed` of device memory is free or nothing more can go. Returns bytes evicted.
   std::uint64_t relieve_pressure(std::size_t bytes_needed);
-  /// The allocator's pressure note: why the last relieve_pressure could not move more (the
-  /// host tier's message, naming ZEROALLOC_HOST_LIMIT), or empty.
-  std::string pressure_note() const;
+  /// The allocator's pressure note: why this thread's last relieve_pressure that moved
+  /// nothing more could not (the host tier's message, naming ZEROALLOC_HOST_LIMIT), or
+  /// empty; read once.
+  std::string pressure_note();
 
   /// Moves every chunk of the allocation at `pointer` (waiting when `wait`), except chunks
   /// with a use open (they may hold another allocation in use). False when `pointer` is not
@@ -227,7 +228,9 @@ class offload_engine {
   std::uint64_t tick_ = 0;
   std::deque<std::uintptr_t> wishes_;  // chunks to prefetch, nearest first
   offload_figures figures_;
-  std::string pressure_note_;  // set by relieve_pressure when the host tier was full
+  // Per thread (each allocation's failure is its own): set by relieve_pressure when the
+  // host tier was full, cleared when it moved something.
+  std::unordered_map<std::thread::id, std::string> pressure_notes_;
   struct timed_wait {
     event_handle before;
     event_handle after;

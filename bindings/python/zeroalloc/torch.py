@@ -217,10 +217,14 @@ def _gradient_into_class(parameter):
 
     def hook(gradient):
         held = owner()
-        if held is None or held.grad is not None or gradient.is_sparse:
+        # Under create_graph the accumulation copies whatever it gets: nothing to gain.
+        if (held is None or held.grad is not None or gradient.is_sparse
+                or torch.is_grad_enabled()):
             return None
         with allocation_class("gradient"):
-            moved = torch.empty_like(gradient, memory_format=torch.preserve_format)
+            # The parameter's strides: the accumulation adopts only a gradient laid out like
+            # its parameter, and copies any other (in the activations' class).
+            moved = torch.empty_like(held, memory_format=torch.preserve_format)
         moved.copy_(gradient)
         return moved
 
