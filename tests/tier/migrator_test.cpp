@@ -22,6 +22,23 @@ using testing::read_back;
 
 constexpr std::size_t kChunkBytes = 8 * MiB;
 
+// An allocator and a host pool over a faulty_device wrapping the test device, for tests
+// that inject failures.
+struct faulty_stack {
+  explicit faulty_stack(std::uint64_t host_bytes)
+      : device(std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB))),
+        allocator(*device, settings()),
+        pool(*device, host_bytes, "ZEROALLOC_HOST_LIMIT (test)") {}
+  static allocator_settings settings() {
+    allocator_settings chosen;
+    chosen.chunk_bytes = kChunkBytes;
+    return chosen;
+  }
+  std::unique_ptr<testing::faulty_device> device;
+  caching_allocator allocator;
+  host_pool pool;
+};
+
 class MigratorTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -98,12 +115,10 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
 // staging address fails after that, the chunk is on the device with its bytes, the device
 // chunk behind it serves nothing else, and the staging address is not used again.
 TEST_F(MigratorTest, AFailedUnmapAfterAFetchLosesNoBytesAndSharesNoMemory) {
-  auto faulty = std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB));
-  testing::faulty_device& device = *faulty;
-  allocator_settings settings;
-  settings.chunk_bytes = kChunkBytes;
-  caching_allocator allocator(device, settings);
-  host_pool pool(device, 256 * MiB, "ZEROALLOC_HOST_LIMIT=256MiB");
+  faulty_stack stack(256 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  host_pool& pool = stack.pool;
   {
     migrator engine(allocator, pool, false);
     void* first = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
@@ -268,13 +283,10 @@ TEST_F(MigratorTest, VerifyModeChecksEveryMovedChunk) {
 TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto moved_with_damage = [] {
-    auto faulty = std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB));
-    testing::faulty_device& device = *faulty;
-    allocator_settings settings;
-    settings.chunk_bytes = kChunkBytes;
-    caching_allocator allocator(device, settings);
-    host_pool pool(device, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
-    migrator engine(allocator, pool, /*verify=*/true);
+    faulty_stack stack(64 * MiB);
+    testing::faulty_device& device = *stack.device;
+    caching_allocator& allocator = stack.allocator;
+    migrator engine(allocator, stack.pool, /*verify=*/true);
     void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
     device.synchronize_stream(nullptr);
