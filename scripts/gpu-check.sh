@@ -62,7 +62,7 @@ ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s -rs tests/p
   >"$out/pytest.log" 2>&1 || status=1
 tail -8 "$out/pytest.log"
 echo "-- figures printed by the Python tests"
-grep -E "^(every-step offload|Trainer under offload|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
+grep -E "^(every-step offload|Trainer under|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
   "$out/pytest.log" || true
 
 step "demo: a Llama-style model trained under a limit through offload, against the whole device"

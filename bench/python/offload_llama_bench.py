@@ -61,9 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
-    parser.add_argument("--gradient-class", action="store_true",
-                        help="offload mode: zt.offload's gradient_class=True (gradients copied "
-                        "into their own allocation class once a step)")
+    parser.add_argument("--gradient-class", default="",
+                        help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
+                        "copied into their own allocation class once a step); 0,1 runs the "
+                        "offload mode once for each")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches (forward and backward) per optimizer step")
     parser.add_argument("--checkpointing", action="store_true",
@@ -133,7 +134,7 @@ def worker(args) -> int:
         if args.stage_after >= 0:
             zt._STAGE_AFTER = args.stage_after
         if args.gradient_class:
-            options["gradient_class"] = True
+            options["gradient_class"] = args.gradient_class == "1"
         zt.offload(model, optimizer, **options)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
@@ -255,6 +256,7 @@ def worker(args) -> int:
         result["peak_reserved"] = stats["total"]["reserved_bytes"]["peak"]
         result["limit_bytes"] = stats["limit_bytes"]
         result["offload"] = stats.get("offload")
+        result["classes"] = stats.get("classes")
         if mode == "offload":
             result["overlap"] = zt.step_figures(optimizer)
     print("result " + json.dumps(result), flush=True)
@@ -264,7 +266,7 @@ def worker(args) -> int:
 
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
-             overlap_bytes: str = "") -> dict:
+             overlap_bytes: str = "", gradient_class: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -280,9 +282,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
+    command += ["--gradient-class", gradient_class]
     command += [f"--{flag.replace('_', '-')}"
-                for flag in ("checkpointing", "no_autocast_cache", "gradient_class")
-                if getattr(args, flag)]
+                for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
@@ -290,6 +292,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         suffix = f"_{int(window_bytes) >> 20}MiB" if window_bytes else ""
         suffix += f"_ov{int(overlap_bytes) >> 20}MiB" if overlap_bytes else ""
+        suffix += f"_grad{gradient_class}" if gradient_class else ""
         (Path(args.log_dir) / f"{mode}{suffix}.log").write_text(result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     if result.returncode != 0 or not lines:
@@ -305,6 +308,9 @@ def main() -> int:
     if args.worker:
         return worker(args)
     modes = args.modes.split(",")
+    if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
+        print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
+        return 2
     results = {}
     if "native" in modes or ("offload" in modes and not args.limit_gib):
         results["native"] = run_mode(args, "native")
@@ -319,14 +325,18 @@ def main() -> int:
             limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
         sizes = args.window_bytes.split(",") if args.window_bytes else [""]
         overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
+        gradients = args.gradient_class.split(",") if args.gradient_class else [""]
         for size in sizes:
             for overlap in overlaps:
-                name = "offload"
-                if len(sizes) > 1:
-                    name += f"_{int(size) >> 20}MiB"
-                if len(overlaps) > 1:
-                    name += f"_ov{int(overlap) >> 20}M"
-                results[name] = run_mode(args, "offload", limit, size, overlap)
+                for gradient in gradients:
+                    name = "offload"
+                    if len(sizes) > 1:
+                        name += f"_{int(size) >> 20}MiB"
+                    if len(overlaps) > 1:
+                        name += f"_ov{int(overlap) >> 20}M"
+                    if len(gradients) > 1:
+                        name += f"_grad{gradient}"
+                    results[name] = run_mode(args, "offload", limit, size, overlap, gradient)
     if "fsdp2" in modes:
         results["fsdp2"] = run_mode(args, "fsdp2")
     native_step = results.get("native", {}).get("step_s")

@@ -227,6 +227,30 @@ copy_run copy_while(remap_set* remaps, int copies, CUdeviceptr source, void* tar
   return run;
 }
 
+// Remaps per second when `threads` threads each flip their own 64 MiB chunks of one set
+// back and forth on an idle GPU: whether the driver runs remaps of different chunks at once.
+double parallel_remaps(remap_set& set, int threads, CUcontext context, int rounds) {
+  std::vector<std::thread> workers;
+  const std::size_t per_thread = set.on_device.size() / static_cast<std::size_t>(threads);
+  const auto start = clock_type::now();
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      cuCtxSetCurrent(context);
+      for (int round = 0; round < rounds; ++round) {
+        for (std::size_t i = 0; i < per_thread; ++i) {
+          double times[3];
+          set.flip(static_cast<std::size_t>(t) * per_thread + i, times);
+        }
+      }
+    });
+  }
+  for (std::thread& worker : workers) worker.join();
+  const double seconds = microseconds(start) * 1e-6;
+  return static_cast<double>(per_thread * static_cast<std::size_t>(threads) *
+                             static_cast<std::size_t>(rounds)) /
+         seconds;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -258,6 +282,17 @@ int main(int argc, char** argv) {
   per_call_costs(64 * kMiB, count, CU_MEM_LOCATION_TYPE_HOST, 0, "HOST");
   // The migrator's case: each host handle is also mapped at a staging address.
   per_call_costs(64 * kMiB, count, CU_MEM_LOCATION_TYPE_HOST_NUMA, numa, "HOST_NUMA", true);
+
+  {
+    remap_set set(64 * kMiB, 16, CU_MEM_LOCATION_TYPE_HOST_NUMA, numa);
+    std::printf(
+        "\nremaps of 64 MiB chunks at once on an idle GPU (16 chunks, 4 rounds each way)\n");
+    const double one = parallel_remaps(set, 1, context, 8);
+    for (int threads : {1, 2, 4, 8}) {
+      const double rate = threads == 1 ? one : parallel_remaps(set, threads, context, 8);
+      std::printf("%d thread(s): %7.0f remaps/s (%.2f x one thread)\n", threads, rate, rate / one);
+    }
+  }
 
   CUdeviceptr source = 0;
   void* target = nullptr;

@@ -86,6 +86,14 @@ class caching_allocator {
   /// Physical device memory held: mapped segments and idle pooled chunks.
   [[nodiscard]] std::uint64_t held_bytes() const { return limiter_.used_bytes(); }
 
+  /// Note [Idle classes' cache]: bytes of the cache of classes with nothing allocated (the
+  /// gradients' between a step and the next backward), which release_idle_cache() would give
+  /// back; cheaper to take than anything live is to move.
+  [[nodiscard]] std::uint64_t idle_cache_bytes() const;
+  /// Releases the cache of every class with nothing allocated (waits for the work queued on
+  /// it: call it off the training thread, or where a wait is due anyway); returns the bytes.
+  std::uint64_t release_idle_cache();
+
   /// Called, without locks held, when an allocation fails even after the cache was released;
   /// returns the bytes it freed (the offload engine will evict here). Optional.
   using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;

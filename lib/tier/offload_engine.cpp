@@ -425,9 +425,10 @@ std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
   std::vector<planned_eviction> planned;
   const std::uint64_t limit = allocator_.limit_bytes();
   const std::uint64_t held = allocator_.held_bytes();
+  // An idle class's cache counts as free: a fetch that needs it releases it (bring_back).
   const std::uint64_t free_now = (limit > held ? limit - held : 0) +
                                  allocator_.arena().pooled_bytes() +
-                                 migrator_.bytes_leaving_device();
+                                 migrator_.bytes_leaving_device() + allocator_.idle_cache_bytes();
   if (free_now >= settings_.prefetch_bytes) return planned;
   const auto started = std::chrono::steady_clock::now();
   const std::vector<victim> victims = choose_victims(settings_.prefetch_bytes - free_now,
@@ -484,8 +485,10 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
       migrator_.wait_until_settled(address);
       continue;
     }
-    // On the host, and no device memory within the limit: make room from chunks needed
+    // On the host, and no device memory within the limit: the cache of idle classes goes
+    // first (Note [Idle classes' cache] in alloc/caching_allocator.cpp), then chunks needed
     // later than this one.
+    if (allocator_.release_idle_cache() > 0) continue;
     std::vector<planned_eviction> planned;
     {
       std::lock_guard lock(mutex_);

@@ -2,7 +2,8 @@
 (ZEROALLOC_OFFLOAD=host and the package's start-up hook), and with autocast, gradient
 accumulation and gradient clipping as the Trainer does them: the losses follow those of
 a run without zeroalloc (within a tolerance: the Trainer's kernels are not all
-deterministic), and the offload engine saw the steps.
+deterministic), and the offload engine saw the steps; and the same under a
+ZEROALLOC_MEMORY_LIMIT below the plain run's peak, where states must move to the host.
 
     python3 -m pytest -s tests/python/test_offload_trainer.py
 """
@@ -54,10 +55,14 @@ TRAINING = textwrap.dedent(f"""
     if hasattr(preloaded, "zeroalloc_stats_json"):
         import zeroalloc
         print("stats " + json.dumps(zeroalloc.raw_stats(0)))
+    else:
+        print("peak " + json.dumps(torch.cuda.max_memory_reserved()))
 """)
 
 
 def train(tmp_path, name: str, **environment) -> subprocess.CompletedProcess:
+    """Runs TRAINING in a fresh Python with the package's start-up hook on its path and no
+    ZEROALLOC_* variable but those given."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env.pop("PYTHONPATH", None)
     env.update(environment)
@@ -80,17 +85,46 @@ def figures(result, prefix):
     return json.loads(line[len(prefix) + 1:])
 
 
-def test_trainer_with_offload_from_the_environment_alone(tmp_path):
-    plain = train(tmp_path, "plain")
-    offloaded = train(tmp_path, "offloaded", LD_PRELOAD=str(LIBRARY), ZEROALLOC_OFFLOAD="host",
-                      ZEROALLOC_HOST_LIMIT="8GiB", ZEROALLOC_DEVICE="cuda")
-    expected = figures(plain, "losses")
-    got = figures(offloaded, "losses")
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The run without zeroalloc: its losses and its peak of reserved device memory."""
+    return train(tmp_path_factory.mktemp("plain"), "plain")
+
+
+def check_losses(got, expected):
     assert len(got) == len(expected) == STEPS
     for step, (a, b) in enumerate(zip(got, expected)):
         assert abs(a - b) <= 2e-2 * abs(b) + 1e-3, f"step {step}: {a} vs {b}"
+
+
+def test_trainer_with_offload_from_the_environment_alone(tmp_path, plain):
+    offloaded = train(tmp_path, "offloaded", LD_PRELOAD=str(LIBRARY), ZEROALLOC_OFFLOAD="host",
+                      ZEROALLOC_HOST_LIMIT="8GiB", ZEROALLOC_DEVICE="cuda")
+    got = figures(offloaded, "losses")
+    check_losses(got, figures(plain, "losses"))
     stats = figures(offloaded, "stats")
     print(f"Trainer under offload: {stats['offload']['uses']} use hints, "
           f"{stats['offload']['steps']} steps; losses {got[0]:.4f} -> {got[-1]:.4f}")
     assert stats["offload"]["steps"] == STEPS
     assert stats["classes"]["optimizer_state"]["allocated_bytes"]["peak"] > 0
+
+
+def test_trainer_under_a_limit_below_its_peak_moves_states_and_keeps_its_losses(tmp_path, plain):
+    # 48 MiB under the plain run's 672 MiB (on an H200): the states of this small model
+    # (168 MB) must go to the host in part. Far lower, what is left on the device (weights
+    # in use through the forward, gradients, the activations) no longer fits: only the
+    # optimizer states and, with gradient_class, the gradients can move.
+    limit = figures(plain, "peak") - (48 << 20)
+    offloaded = train(tmp_path, "limited", LD_PRELOAD=str(LIBRARY), ZEROALLOC_OFFLOAD="host",
+                      ZEROALLOC_HOST_LIMIT="8GiB", ZEROALLOC_DEVICE="cuda",
+                      ZEROALLOC_MEMORY_LIMIT=str(limit))
+    got = figures(offloaded, "losses")
+    check_losses(got, figures(plain, "losses"))
+    stats = figures(offloaded, "stats")
+    moved = stats["offload"]
+    print(f"Trainer under a limit of {limit / 2**20:.0f} MiB: {moved['bytes_to_host'] / 2**20:.0f} "
+          f"MiB to the host, {moved['bytes_to_device'] / 2**20:.0f} MiB back, prefetch hit rate "
+          f"{moved['prefetch_hit_rate']:.3f}; losses {got[0]:.4f} -> {got[-1]:.4f}")
+    assert stats["offload"]["steps"] == STEPS
+    assert moved["bytes_to_host"] > 0 and moved["bytes_to_device"] > 0
+    assert stats["limit_bytes"] == limit  # the limit was in force

@@ -539,6 +539,59 @@ TEST_F(OffloadEngineTest, GradientsAreEvictedLast) {
   allocator_->deallocate(state);
 }
 
+// Note [Idle classes' cache]: the gradients' cache, held from one step's end to the next
+// backward with nothing in it, is what a fetch takes room from, before any live chunk moves.
+TEST_F(OffloadEngineTest, AFetchTakesTheCacheOfAClassWithNothingAllocatedBeforeAnythingLive) {
+  start(48 * MiB, 0);
+  offload_engine& engine = *engine_;
+  // Requests of 10 MiB or more get segments of their own size.
+  void* layer = allocator_->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  void* state = allocator_->allocate(16 * MiB, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(layer, 0x11, 16 * MiB, nullptr);
+  device_->fill_async(state, 0x22, 16 * MiB, nullptr);
+  ASSERT_TRUE(engine.evict(layer, /*wait=*/true));
+  void* activations = allocator_->allocate(8 * MiB, nullptr, allocation_class::other);
+  void* gradient = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
+  allocator_->deallocate(gradient);  // zero_grad: the class keeps its cache, nothing in it
+  const std::uint64_t gradients_cache =
+      allocator_->stats().of(allocation_class::gradient).reserved_bytes.current;
+  ASSERT_EQ(gradients_cache, 16 * MiB);
+  EXPECT_EQ(allocator_->idle_cache_bytes(), gradients_cache);
+
+  ASSERT_TRUE(engine.fetch(layer, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(layer), residency::device);
+  EXPECT_EQ(where_first_chunk(state), residency::device) << "a live state moved for the fetch";
+  EXPECT_EQ(engine.mover().figures().bytes_to_host, 16 * MiB) << "only the layer's eviction";
+  EXPECT_EQ(allocator_->stats().of(allocation_class::gradient).reserved_bytes.current, 0);
+  EXPECT_LE(allocator_->held_bytes(), 48 * MiB);
+  EXPECT_TRUE(holds(layer, 0x11, 16 * MiB));
+  EXPECT_TRUE(holds(state, 0x22, 16 * MiB));
+  for (void* pointer : {layer, state, activations}) allocator_->deallocate(pointer);
+}
+
+// An idle class's cache counts as free room for the prefetch window: the headroom that
+// use_ends keeps is not made by moving a hinted, released layer to the host.
+TEST_F(OffloadEngineTest, HeadroomCountsTheCacheOfAClassWithNothingAllocatedAsFree) {
+  start(48 * MiB, 16 * MiB);
+  offload_engine& engine = *engine_;
+  void* layer = allocator_->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  void* activations = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  void* gradient = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
+  allocator_->deallocate(gradient);  // 16 MiB of idle cache; nothing else free
+  engine.use_begins(layer, nullptr);
+  engine.use_ends(layer, nullptr);
+  engine.step_boundary();
+  engine.use_begins(layer, nullptr);
+  engine.use_ends(layer, nullptr);
+  device_->synchronize_stream(nullptr);
+  engine.use_ends(activations, nullptr);  // asks for headroom with the layer's use over
+  engine.mover().drain();
+  EXPECT_EQ(where_first_chunk(layer), residency::device)
+      << "the layer went to the host while 16 MiB of idle cache made the headroom";
+  EXPECT_EQ(engine.figures().evictions, 0u);
+  for (void* pointer : {layer, activations}) allocator_->deallocate(pointer);
+}
+
 // Evictions that nobody waits for (headroom for the prefetch window) take only chunks whose
 // every use was hinted: work on an unhinted chunk may be queued after the move starts,
 // which the move would lose (Note [Fault-free migration]). The hinted parameter may go; the
