@@ -90,6 +90,10 @@ class caching_allocator {
   /// gradients' between a step and the next backward), which release_idle_cache() would give
   /// back; cheaper to take than anything live is to move.
   [[nodiscard]] std::uint64_t idle_cache_bytes() const;
+  /// Bytes of mapped segments of `cls` now (on the device or moved to the host); no lock.
+  [[nodiscard]] std::int64_t reserved_bytes(allocation_class cls) const {
+    return stats_.classes[class_index(cls)].reserved_bytes.current();
+  }
   /// Releases the cache of every class with nothing allocated (waits for the work queued on
   /// it: call it off the training thread, or where a wait is due anyway); returns the bytes.
   std::uint64_t release_idle_cache();

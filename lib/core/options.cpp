@@ -34,6 +34,12 @@ const std::vector<option_spec> kTable = {
      "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
      "back before they are needed; the host pool is created in the background at start-up. "
      "none: everything stays on the device."},
+    {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
+     "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
+     "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
+     "move to the host as a last resort: training fits under a lower limit, at a cost in "
+     "speed where the states alone could make room. 0: gradients stay with the activations "
+     "and never move."},
     {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_share, "0.5", "",
      "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
      "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
@@ -274,6 +280,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       if (!known) reject(name, value, form);
       const bool on = word == "1" || word == "true" || word == "yes" || word == "on";
       if (name == "ZEROALLOC_VERIFY") parsed.verify = on;
+      if (name == "ZEROALLOC_OFFLOAD_GRADIENTS") parsed.offload_gradients = on;
       if (name == "ZEROALLOC_SIM_MAPS_SLICES") parsed.sim_maps_slices = on;
     } else if (spec.kind == option_kind::text) {
       if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);

@@ -62,6 +62,7 @@ struct options {
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
   bool sim_maps_slices = true;         ///< ZEROALLOC_SIM_MAPS_SLICES
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
+  bool offload_gradients = false;      ///< ZEROALLOC_OFFLOAD_GRADIENTS (read by the Python side)
   memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
   bool verify = false;                 ///< ZEROALLOC_VERIFY
   std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES

@@ -540,6 +540,10 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
     for (const victim& chosen : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
       plan_eviction(chosen, planned);
     }
+    if (planned.empty()) {
+      pressure_notes_[std::this_thread::get_id()] = nothing_movable_note();
+      return 0;
+    }
   }
   std::string full;
   const std::vector<std::uintptr_t> evicted = launch_evictions(planned, false, &full);
@@ -560,6 +564,21 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
                 format_bytes(bytes_needed));
   }
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
+}
+
+// Note [Nothing movable]: an allocation fails with nothing on the device that the engine
+// may move. Say what stays and why; gradients allocated with the activations (the default
+// of the Python package) are the one thing the user can make movable.
+std::string offload_engine::nothing_movable_note() const {
+  std::string note =
+      "nothing it may move is left on the device (activations and parameters in use stay";
+  if (allocator_.reserved_bytes(allocation_class::gradient) == 0) {
+    note +=
+        "; so do gradients allocated with the activations: zeroalloc.torch.offload(..., "
+        "gradient_class=True) or ZEROALLOC_OFFLOAD_GRADIENTS=1 puts them in their own class, "
+        "where they can move, at a cost in speed";
+  }
+  return note + ")";
 }
 
 std::string offload_engine::pressure_note() {

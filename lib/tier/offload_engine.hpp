@@ -130,6 +130,8 @@ class offload_engine {
   /// nothing more could not (the host tier's message, naming ZEROALLOC_HOST_LIMIT), or
   /// empty; read once.
   std::string pressure_note();
+  /// Note [Nothing movable]: the pressure note when no chunk on the device may move.
+  [[nodiscard]] std::string nothing_movable_note() const;
 
   /// Moves every chunk of the allocation at `pointer` (waiting when `wait`), except chunks
   /// with a use open (they may hold another allocation in use). False when `pointer` is not

@@ -304,3 +304,29 @@ def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch
             opt.step()
             opt.zero_grad(set_to_none=True)
         same(plain, plain_optimizer, model, optimizer)
+
+
+def test_gradient_class_follows_zeroalloc_offload_gradients_when_not_given():
+    # In fresh processes: the library reads ZEROALLOC_* once, and this process must not set
+    # them (pytest runs other files' subprocesses from it).
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "build" / "libzeroalloc.so").exists() and "ZEROALLOC_LIBRARY" not in os.environ:
+        pytest.skip("skipped: build/libzeroalloc.so is not built")
+    code = "import zeroalloc.torch as zt; print(zt.gradient_class_default())"
+
+    def default_with(**environment):
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith("ZEROALLOC_") or key == "ZEROALLOC_LIBRARY"}
+        env.update(PYTHONPATH=str(root / "bindings" / "python"), ZEROALLOC_DEVICE="sim",
+                   **environment)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True)
+
+    assert default_with().stdout.split() == ["False"]
+    assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS="1").stdout.split() == ["True"]
+    assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS="off").stdout.split() == ["False"]
+    bad = default_with(ZEROALLOC_OFFLOAD_GRADIENTS="maybe")
+    assert bad.returncode != 0
+    assert "ZEROALLOC_OFFLOAD_GRADIENTS='maybe' is not valid" in bad.stderr, bad.stderr[-2000:]

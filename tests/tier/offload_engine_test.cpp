@@ -148,6 +148,42 @@ TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLi
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// Note [Nothing movable]: when nothing on the device may move (activations; a layer in
+// use), the error says so, and, while gradients live with the activations, how to let them
+// move.
+TEST_F(OffloadEngineTest, WithNothingMovableTheMessageSaysWhatStaysAndHowGradientsCanMove) {
+  start(32 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* activations = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  void* layer = allocator_->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  engine.use_begins(layer, nullptr);
+  auto failure_of = [&] {
+    try {
+      allocator_->deallocate(allocator_->allocate(16 * MiB, nullptr, allocation_class::other));
+    } catch (const out_of_memory& failure) {
+      return std::string(failure.what());
+    }
+    return std::string("no failure");
+  };
+  std::string message = failure_of();
+  EXPECT_NE(message.find("nothing it may move is left on the device"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("ZEROALLOC_OFFLOAD_GRADIENTS=1"), std::string::npos) << message;
+  EXPECT_EQ(engine.mover().figures().bytes_to_host, 0u);
+  // Gradients in their own class (in use here, so they stay): the advice would be wrong.
+  allocator_->deallocate(activations);
+  void* gradient = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
+  engine.use_begins(gradient, nullptr);
+  message = failure_of();
+  EXPECT_NE(message.find("nothing it may move is left on the device"), std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("ZEROALLOC_OFFLOAD_GRADIENTS"), std::string::npos) << message;
+  engine.use_ends(gradient, nullptr);
+  engine.use_ends(layer, nullptr);
+  allocator_->deallocate(gradient);
+  allocator_->deallocate(layer);
+}
+
 // Note [Landing in a moving chunk]: an allocation that takes free space in a chunk whose
 // move to the host has started returns only once the move is over, so that what the
 // program writes next is not left behind in the old backing.

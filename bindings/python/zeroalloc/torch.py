@@ -156,13 +156,29 @@ class OffloadHandle:
             self._optimizer = None
 
 
-def _offload_setting() -> str:
-    """ZEROALLOC_OFFLOAD as the library parsed it (asks no device for anything)."""
+def _setting(name: str, fallback: str) -> str:
+    """The variable `name` as the library read and checked it, else its default (asks no
+    device for anything)."""
     from zeroalloc._library import library, read_json
-    for option in read_json(library().zeroalloc_options_json).get("options", []):
-        if option.get("name") == "ZEROALLOC_OFFLOAD":
-            return (option.get("value") or option.get("default") or "none").strip().lower()
-    return "none"
+    report = read_json(library().zeroalloc_options_json)
+    if not report.get("valid", True):
+        raise ZeroallocError(report.get("error") or f"{name} could not be read")
+    for option in report.get("options", []):
+        if option.get("name") == name:
+            return (option.get("value") or option.get("default") or fallback).strip().lower()
+    return fallback
+
+
+def _offload_setting() -> str:
+    """ZEROALLOC_OFFLOAD as the library parsed it."""
+    return _setting("ZEROALLOC_OFFLOAD", "none")
+
+
+def gradient_class_default() -> bool:
+    """ZEROALLOC_OFFLOAD_GRADIENTS as the library parsed it (the library rejects a value that
+    is not a yes or a no at start-up): what offload() and the automatic mode do with
+    gradients when `gradient_class` is not given."""
+    return _setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
 
 
 def _require_offload_engine() -> None:
@@ -527,7 +543,7 @@ def _install_hint_hooks(model, group_bytes: int) -> list:
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
             window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
-            overlap_bytes: int = 2 << 30, gradient_class: bool = False) -> OffloadHandle:
+            overlap_bytes: int = 2 << 30, gradient_class: "bool | None" = None) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
     and pinned host memory: two lines in a training script, after ``install()``::
 
@@ -545,9 +561,14 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     run (Note [Overlapping the step]; the default, 2 << 30, measured best on an H200; 0:
     none). With `gradient_class`, each parameter's gradient is copied into the gradient
     class once a step, where pressure can move it as a last resort (Note [Gradients'
-    class]); without, gradients stay with the activations and never move.
+    class]); without, gradients stay with the activations and never move. Not given, it is
+    ZEROALLOC_OFFLOAD_GRADIENTS (default 0): off, since gradients in their own class no
+    longer reuse the memory the backward frees (bench/RESULTS.md: 1.4 x the step at 1.3B
+    where the states alone make room), but on lets a run train under a lower limit.
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _require_offload_engine()
+    if gradient_class is None:
+        gradient_class = gradient_class_default()
     hooks = _adopt(model.parameters(), optimizer, gradient_class)
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
@@ -559,12 +580,14 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
                              overlap_bytes: int = 2 << 30,
-                             gradient_class: bool = False) -> None:
+                             gradient_class: "bool | None" = None) -> None:
     """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
     package's start-up hook): every optimizer created from now on has its parameters and
     states managed as offload() does, and global module hooks send the use hints, grouped
     as offload() groups them (Note [Hint groups])."""
     _require_offload_engine()
+    if gradient_class is None:
+        gradient_class = gradient_class_default()
     hints = _AutomaticHints(hint_group_bytes)
     _automatic.append(hints)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
