@@ -12,6 +12,10 @@
 // memory per heap). Then 64 x 64 MiB device -> host copies (and, "both", as many host ->
 // device at once on another stream), in copies of 64 or 4 MiB, alone and while another
 // thread remaps 64 MiB chunks back and forth: the copies' GB/s and the time of each remap.
+// Last, the same with the copies made by a kernel (tier/copy_kernel.cu) instead of the copy
+// engines, at several grid sizes, to the host, both ways, and from device memory to device
+// memory: whether a remap waits for the copy engines, for traffic over the link, or for any
+// kernel.
 #include <cuda.h>
 
 #include <algorithm>
@@ -23,6 +27,10 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#if ZEROALLOC_HAVE_COPY_KERNEL
+#include "copy_kernel_fatbin.h"
+#endif
 
 namespace {
 
@@ -162,8 +170,23 @@ struct copy_run {
   double us_per_remap = 0;  // while the copies ran
 };
 
+// The copy kernel and its grid, when copies are made by the GPU's cores.
+struct kernel_copier {
+  CUfunction function = nullptr;
+  unsigned blocks = 0;
+  bool on_device = false;  // device memory to device memory: no bytes cross the link
+
+  void copy(CUdeviceptr target, CUdeviceptr source, std::size_t bytes, CUstream stream) const {
+    unsigned long long count = bytes / 16;
+    void* arguments[] = {&target, &source, &count};
+    check(cuLaunchKernel(function, blocks, 1, 1, 512, 1, 1, 0, stream, arguments, nullptr),
+          "cuLaunchKernel");
+  }
+};
+
 copy_run copy_while(remap_set* remaps, int copies, CUdeviceptr source, void* target,
-                    CUstream stream, CUstream back_stream, CUcontext context, std::size_t piece) {
+                    CUstream stream, CUstream back_stream, CUcontext context, std::size_t piece,
+                    const kernel_copier* kernel = nullptr) {
   std::atomic<bool> done{false};
   std::atomic<int> flipped{0};
   std::thread remapper;
@@ -189,6 +212,17 @@ copy_run copy_while(remap_set* remaps, int copies, CUdeviceptr source, void* tar
   const int flipped_before = flipped.load();
   const auto copies_started = clock_type::now();
   for (int i = 0; i < copies; ++i) {
+    const auto host = reinterpret_cast<CUdeviceptr>(target);  // unified addressing
+    if (kernel != nullptr) {
+      const CUdeviceptr into =
+          kernel->on_device ? source + (16 + i % 16) * bytes : host + (i % 16) * bytes;
+      kernel->copy(into, source + (i % 16) * bytes, bytes, stream);
+      if (back_stream != nullptr) {
+        kernel->copy(source + (16 + i % 16) * bytes, host + (16 + i % 16) * bytes, bytes,
+                     back_stream);
+      }
+      continue;
+    }
     for (std::size_t offset = 0; offset < bytes; offset += piece) {
       check(cuMemcpyDtoHAsync(static_cast<char*>(target) + (i % 16) * bytes + offset,
                               source + (i % 16) * bytes + offset, piece, stream),
@@ -320,6 +354,41 @@ int main(int argc, char** argv) {
           remapping.us_per_remap);
     }
   }
+
+#if ZEROALLOC_HAVE_COPY_KERNEL
+  CUmodule module = nullptr;
+  check(cuModuleLoadData(&module, copy_kernel_fatbin), "cuModuleLoadData(copy kernel)");
+  kernel_copier kernel;
+  check(cuModuleGetFunction(&kernel.function, module, "zeroalloc_copy_16"), "cuModuleGetFunction");
+  int processors = 0;
+  check(cuDeviceGetAttribute(&processors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+        "cuDeviceGetAttribute");
+  std::printf(
+      "\nthe same 64 x 64 MiB copies made by a kernel (blocks of 512 threads; both: one kernel "
+      "each way, at once; on device: device memory to device memory), alone and while another "
+      "thread remaps chunks\n");
+  for (int kind = 0; kind < 3; ++kind) {
+    const CUstream back = kind == 1 ? back_stream : nullptr;
+    kernel.on_device = kind == 2;
+    const char* direction = kind == 0 ? "to host" : kind == 1 ? "both" : "device";
+    for (unsigned blocks : {8u, 32u, static_cast<unsigned>(processors)}) {
+      kernel.blocks = blocks;
+      copy_while(nullptr, 4, source, target, stream, back, context, 64 * kMiB, &kernel);
+      const copy_run alone =
+          copy_while(nullptr, 64, source, target, stream, back, context, 64 * kMiB, &kernel);
+      remap_set set(64 * kMiB, count, CU_MEM_LOCATION_TYPE_HOST_NUMA, numa);
+      const copy_run remapping =
+          copy_while(&set, 64, source, target, stream, back, context, 64 * kMiB, &kernel);
+      std::printf(
+          "%-7s kernel, %3u blocks: alone %6.1f GB/s | while 64 MiB chunks remap: %6.1f GB/s, "
+          "%d remaps, %.0f us each\n",
+          direction, blocks, alone.gbps, remapping.gbps, remapping.remaps, remapping.us_per_remap);
+    }
+  }
+  cuModuleUnload(module);
+#else
+  std::printf("\ncopies made by a kernel: skipped (built without nvcc)\n");
+#endif
 
   cuStreamDestroy(back_stream);
   cuStreamDestroy(stream);

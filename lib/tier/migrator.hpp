@@ -27,10 +27,16 @@
 // copies lose 7-10% of their rate; the driver serialises remaps across threads. So a move
 // both ways (two remaps of 64 MiB, about 2.3 ms under copies) takes longer than its copies
 // (1.3 ms at 100 GB/s), and the migrator's rate is bound by remaps, not by PCIe: about 0.90
-// of cudaMemcpyAsync one way to the host, 0.60 both ways at once. The engine's bulk traffic
-// therefore avoids remaps: the windowed optimizer step copies host-resident states through
-// device scratch and back (tier by copy, not by mapping), and a steady training step remaps
-// nothing (bench/RESULTS.md, the Llama runs).
+// of cudaMemcpyAsync one way to the host, 0.60 both ways at once. Copying with the GPU's
+// cores instead of its copy engines (a kernel of 16-byte loads and stores) is no way out:
+// such a kernel moves 52.5 GB/s to the host but only 63-68 GB/s both ways, and while a
+// kernel reads or writes host memory each remap waits 5.5-16 ms (more, the larger its grid),
+// against 0.4-0.9 ms while a kernel copies device memory at up to 1.7 TB/s. So remaps stall
+// behind traffic over the link in general, not behind the copy engines; a kernel reaching a
+// host-resident chunk (a missed prefetch) slows every remap made meanwhile. The engine's
+// bulk traffic therefore avoids remaps: the windowed optimizer step copies host-resident
+// states through device scratch and back (tier by copy, not by mapping), and a steady
+// training step remaps nothing (bench/RESULTS.md, the Llama runs).
 #pragma once
 
 #include <condition_variable>
