@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -76,10 +77,17 @@ bool interception_active() {
   static const bool active = [] {
     const char* preload = std::getenv("LD_PRELOAD");
     const char* disable = std::getenv("ZEROALLOC_DISABLE");
-    // The same words the options table accepts for a boolean.
-    const bool disabled =
-        disable != nullptr && (std::strcmp(disable, "1") == 0 || strcasecmp(disable, "true") == 0 ||
-                               strcasecmp(disable, "yes") == 0 || strcasecmp(disable, "on") == 0);
+    // The same words the options table accepts for a boolean, with the spaces around them
+    // trimmed as it trims them (no allocation: this runs inside the first intercepted call).
+    char word[8] = {};
+    if (disable != nullptr) {
+      while (std::isspace(static_cast<unsigned char>(*disable))) ++disable;
+      std::size_t length = std::strlen(disable);
+      while (length > 0 && std::isspace(static_cast<unsigned char>(disable[length - 1]))) --length;
+      if (length < sizeof(word)) std::memcpy(word, disable, length);
+    }
+    const bool disabled = std::strcmp(word, "1") == 0 || strcasecmp(word, "true") == 0 ||
+                          strcasecmp(word, "yes") == 0 || strcasecmp(word, "on") == 0;
     return preload != nullptr && std::strstr(preload, "libzeroalloc") != nullptr && !disabled;
   }();
   return active;

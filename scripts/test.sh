@@ -22,19 +22,25 @@ echo "== the Python package (tests needing PyTorch and a GPU skip themselves her
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest 2>/dev/null \
   || apt-get install -y -qq python3-pytest
 py=python3
-# PyTorch on the CPU runs the module hooks' hint-sequence tests (tests/python/
-# test_hint_sequence.py), in a virtual environment of its own; ZEROALLOC_TEST_TORCH=0 skips it.
+# PyTorch on the CPU runs the module hooks' hint-sequence tests and the windowed step's
+# bookkeeping tests (tests/python/test_hint_sequence.py, test_windowed_step_logic.py), in a
+# virtual environment of its own. A failed install stops the run: those tests would skip
+# and hide what they check. TEST_WITHOUT_TORCH=1 runs without them, and says so.
 venv=build/torch-venv
-if [[ ${ZEROALLOC_TEST_TORCH:-1} == 1 ]] && ! python3 -c "import torch" 2>/dev/null; then
+if [[ ${TEST_WITHOUT_TORCH:-0} == 1 ]]; then
+  echo "TEST_WITHOUT_TORCH=1: the tests that need PyTorch skip"
+elif ! python3 -c "import torch" 2>/dev/null; then
   if ! "$venv/bin/python" -c "import torch, pytest" 2>/dev/null; then
     echo "installing PyTorch (CPU use) into $venv"
     if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch pytest; }; then
-      echo "PyTorch could not be installed: the tests that need it skip"
+      echo "PyTorch could not be installed into $venv (see pip's message above); fix the" \
+           "network or the index, or set TEST_WITHOUT_TORCH=1 to run without its tests" >&2
+      exit 1
     fi
   fi
-  if "$venv/bin/python" -c "import torch, pytest" 2>/dev/null; then py=$venv/bin/python; fi
+  py=$venv/bin/python
 fi
-ZEROALLOC_DEVICE=sim "$py" -m pytest -q tests/python
+ZEROALLOC_DEVICE=sim "$py" -m pytest -q -rs tests/python
 echo "== the same under AddressSanitizer + UndefinedBehaviorSanitizer"
 ASAN_OPTIONS=detect_leaks=1 run_suite build-asan -DZEROALLOC_SANITIZE=address,undefined -DZEROALLOC_BUILD_DEMO=OFF
 echo "== the same under ThreadSanitizer"

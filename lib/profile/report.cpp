@@ -306,8 +306,7 @@ std::optional<std::string> reporter::write_to(const std::string& prefix,
           reason, each->backing().name(),
           format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.lifetime_peak)),
           format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.lifetime_peak)),
-          figures.total.allocations, figures.total.retries, figures.total.failures, prefix_,
-          prefix_);
+          figures.total.allocations, figures.total.retries, figures.total.failures, prefix, prefix);
     }
     return std::nullopt;
   } catch (const std::exception& failure) {

@@ -212,8 +212,13 @@ def test_a_module_used_twice_and_a_tied_weight_begin_one_backward_use(recorder, 
     model = Tied()
     record = recorder(model)
     hooked(model, group_bytes=1)  # each module hints itself
-    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    loss = model(torch.tensor([[1, 2, 3]])).sum()
+    forward = begins(record.take())
+    assert Counter(forward) == {("embed.weight",): 2, ("twice.weight", "twice.bias"): 2}
+    loss.backward()
     calls = record.take()
+    # Two forward uses each, one backward use each: the gradients end them once.
+    assert Counter(begins(calls)) == {("embed.weight",): 1, ("twice.weight", "twice.bias"): 1}
     assert record.unbalanced() == {}, (record.unbalanced(), calls)
 
 
@@ -232,7 +237,14 @@ def test_checkpointed_layers_end_every_use(recorder, hooked, reentrant, group_by
     model = Checkpointed()
     record = recorder(model)
     hooked(model, group_bytes=group_bytes)
-    model(torch.randn(3, 16, requires_grad=True)).sum().backward()
+    loss = model(torch.randn(3, 16, requires_grad=True)).sum()
+    names = [name for name, _ in model.named_parameters()]
+    forward = Counter(name for group in begins(record.take()) for name in group)
+    assert forward == {name: 1 for name in names}
+    loss.backward()
+    # The backward begins every parameter's use (the recomputation may begin it again).
+    backward = Counter(name for group in begins(record.take()) for name in group)
+    assert set(backward) == set(names) and min(backward.values()) >= 1, backward
     assert record.unbalanced() == {}
 
 
@@ -250,10 +262,21 @@ def test_uses_no_gradient_reaches_end_with_the_backward(recorder, hooked):
     model = Partly()
     record = recorder(model)
     hooked(model, group_bytes=1 << 20)  # one group: its backward begins all of them
-    model(torch.randn(2, 8)).sum().backward()
+    everything = tuple(name for name, _ in model.named_parameters())
+    loss = model(torch.randn(2, 8)).sum()
+    record.take()
+    loss.backward()
+    calls = record.take()
+    assert begins(calls) == [everything]
+    # The trained layer's gradients end its uses; the backward's end ends the rest.
+    assert calls[-1] == ("end", ("frozen.weight", "frozen.bias", "unused.weight",
+                                 "unused.bias")), calls
     assert record.unbalanced() == {}
     x = torch.randn(2, 8, requires_grad=True)
-    torch.autograd.grad(model(x).sum(), x)  # no parameter's gradient accumulated
+    loss = model(x).sum()
+    record.take()
+    torch.autograd.grad(loss, x)  # no parameter's gradient accumulated
+    assert record.take() == [("begin", everything), ("end", everything)]
     assert record.unbalanced() == {}
 
 
@@ -271,6 +294,7 @@ def test_a_module_returning_a_parameter_adds_no_hook_to_it(recorder, hooked):
     hooked(model, group_bytes=1 << 20)
     for _ in range(3):
         model().sum().backward()
+    assert record.take() == [("begin", ("table",)), ("end", ("table",))] * 3
     assert len(model.table._backward_hooks or {}) == 0
     assert record.unbalanced() == {}
 

@@ -155,6 +155,12 @@ def test_doctor_prints_every_check_and_passes_on_a_working_setup():
         assert row in result.stdout, result.stdout
     failed = [line for line in result.stdout.splitlines() if "  FAIL  " in line]
     assert (result.returncode == 0) == (not failed), result.stdout
+    # What this test runs with is a working set-up: the library loads, the variables parse,
+    # and whatever a machine lacks (a driver, a GPU) is a warning, not a failure.
+    for row in ("libzeroalloc.so", "ZEROALLOC_* variables", "CUDA runtime"):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(row))
+        assert "  PASS  " in line, result.stdout
+    assert not failed and result.returncode == 0, result.stdout
 
 
 def test_doctor_fails_on_a_malformed_variable_and_names_it():
@@ -228,3 +234,32 @@ def test_summary_and_stats_show_offload_when_it_is_on():
     assert result.returncode == 0, result.stderr
     assert "offload to host memory: 16.00 MiB there now" in result.stdout, result.stdout
     assert "stat 16777216" in result.stdout
+
+
+def test_a_library_preloaded_by_name_is_the_one_the_package_uses(tmp_path):
+    # LD_PRELOAD=libzeroalloc.so, found by the dynamic loader along LD_LIBRARY_PATH (an
+    # installed copy, not the build tree's): the package must use that copy, not load a
+    # second allocator from the build tree.
+    built = Path(os.environ.get("ZEROALLOC_LIBRARY") or ROOT / "build" / "libzeroalloc.so")
+    library = tmp_path / "libzeroalloc.so"
+    library.write_bytes(built.read_bytes())
+    code = textwrap.dedent("""
+        import ctypes, json
+        import zeroalloc
+        from zeroalloc._library import library_path
+        preloaded = ctypes.CDLL(None)  # the process's global symbols: the preloaded copy
+        pointer = zeroalloc.library().zeroalloc_malloc(1 << 20, 0, None)
+        assert pointer, zeroalloc._library.last_error()
+        buffer = ctypes.create_string_buffer(1 << 20)
+        preloaded.zeroalloc_stats_json(0, buffer, len(buffer))
+        print(library_path(), json.loads(buffer.value)["total"]["allocations"])
+        """)
+    env = {key: value for key, value in os.environ.items() if key != "ZEROALLOC_LIBRARY"}
+    env.update(PYTHONPATH=str(PACKAGE), LD_PRELOAD=library.name,
+               LD_LIBRARY_PATH=str(library.parent))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    path, allocations = result.stdout.split()
+    assert Path(path).resolve() == library.resolve()
+    assert int(allocations) == 1, "the allocation went to a second copy of the library"

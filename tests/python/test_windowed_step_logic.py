@@ -44,11 +44,14 @@ class FakeEvent:
 
 
 class Engine:
-    """Stands in for the engine: pins (use_in_place / use_ends) per storage, closed at a step
-    boundary as the engine closes them; a pin may not end twice."""
+    """Stands in for the engine: pins (use_in_place) and uses (use_begins) per storage, each
+    closed by a use_ends, and all closed at a step boundary as the engine closes them; an
+    end with nothing open (a pin ended twice) is recorded in `stray_ends`."""
 
     def __init__(self):
         self.pins = Counter()
+        self.uses = Counter()
+        self.stray_ends = []
         self.in_place = 0
         self.boundaries = 0
 
@@ -58,14 +61,19 @@ class Engine:
 
     def use_ends_many(self, pointers, stream=0):
         for pointer in pointers:
-            if self.pins[pointer] > 0:  # ends of parameter uses outnumber none here
+            if self.pins[pointer] > 0:
                 self.pins[pointer] -= 1
+            elif self.uses[pointer] > 0:
+                self.uses[pointer] -= 1
+            else:
+                self.stray_ends.append(pointer)
 
     def use_begins_many(self, pointers, stream=0):
-        pass
+        self.uses.update(pointers)
 
     def step_boundary(self):
         self.pins.clear()
+        self.uses.clear()
         self.boundaries += 1
 
     def residency_of(self, pointer):
@@ -188,6 +196,7 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
     with torch.no_grad():
         model(inputs[0])
     assert engine.open() == 0 and not stepper.staged
+    assert engine.stray_ends == []  # no pin or use ended twice
 
 
 def test_a_state_written_between_staging_and_step_is_staged_again(engine):

@@ -27,11 +27,32 @@ def _candidates() -> list[Path]:
 
 
 def preloaded_library() -> Path | None:
-    """The libzeroalloc.so in LD_PRELOAD, if this process preloads one."""
+    """The libzeroalloc.so in LD_PRELOAD, if this process preloads one: the entry itself when
+    it is a path, else (a bare name the dynamic loader found along its search path) the file
+    the process has mapped under that name, so that the package uses the preloaded copy and
+    never loads a second one (two allocators in one process)."""
     for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
         path = Path(entry)
-        if path.name.startswith("libzeroalloc") and path.is_file():
+        if not path.name.startswith("libzeroalloc"):
+            continue
+        mapped = _mapped_file(path.name)
+        if mapped is not None:
+            return mapped
+        if "/" in entry and path.is_file():
             return path
+    return None
+
+
+def _mapped_file(name: str) -> Path | None:
+    """The file this process has mapped whose name is `name` (from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and Path(fields[5].strip()).name == name:
+                    return Path(fields[5].strip())
+    except OSError:
+        pass
     return None
 
 

@@ -41,6 +41,11 @@ def offload_requested() -> bool:
 def on_torch_imported(torch_module) -> None:
     """Runs right after ``import torch`` has finished, before the script continues."""
     # Offload pages PyTorch's tensors, so it needs zeroalloc as PyTorch's allocator.
+    if "ZEROALLOC_TORCH" in os.environ and torch_allocator_choice() == "native" and \
+            offload_requested():
+        import warnings
+        warnings.warn("zeroalloc: ZEROALLOC_OFFLOAD=host makes zeroalloc PyTorch's allocator "
+                      "(offload pages PyTorch's tensors); ZEROALLOC_TORCH=native is overridden")
     if torch_allocator_choice() == "zeroalloc" or offload_requested():
         import zeroalloc.torch as zt
         zt.install()

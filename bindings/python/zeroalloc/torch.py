@@ -157,8 +157,9 @@ class OffloadHandle:
 
 
 def _setting(name: str, fallback: str) -> str:
-    """The variable `name` as the library read and checked it, else its default (asks no
-    device for anything)."""
+    """The variable `name` as the environment holds it now, checked by the library's own
+    parser, else its default (asks no device for anything). The library read its settings
+    once, at its first call: change them before that, not after."""
     from zeroalloc._library import library, read_json
     report = read_json(library().zeroalloc_options_json)
     if not report.get("valid", True):
@@ -170,13 +171,13 @@ def _setting(name: str, fallback: str) -> str:
 
 
 def _offload_setting() -> str:
-    """ZEROALLOC_OFFLOAD as the library parsed it."""
+    """ZEROALLOC_OFFLOAD, checked as the library checks it."""
     return _setting("ZEROALLOC_OFFLOAD", "none")
 
 
 def gradient_class_default() -> bool:
-    """ZEROALLOC_OFFLOAD_GRADIENTS as the library parsed it (the library rejects a value that
-    is not a yes or a no at start-up): what offload() and the automatic mode do with
+    """ZEROALLOC_OFFLOAD_GRADIENTS, checked as the library checks it (the library rejects a
+    value that is not a yes or a no at start-up): what offload() and the automatic mode do with
     gradients when `gradient_class` is not given."""
     return _setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
 
