@@ -32,8 +32,10 @@ struct chunk_info {
   int allocation_class = 0;    ///< the class of its segment (allocation_class as int)
   std::vector<stream_handle> streams;  ///< streams its segment's blocks were used on
   bool holds_live_blocks = false;      ///< an allocated (or pending-free) block overlaps it
-  /// Changes whenever a block of its segment is allocated or freed: hints about the chunk's
-  /// uses hold only while it stays the same.
+  /// Changes whenever a block of its segment is allocated or freed, and differs between any
+  /// two segments the process ever had (a value of the shared clock below, not a count that
+  /// restarts): hints about the chunk's uses hold only while it stays the same, also when a
+  /// later segment takes the same addresses.
   std::uint64_t generation = 0;
   /// When a block of its segment was last allocated or freed, on a clock shared by every
   /// heap of the process: how recently the program touched it, as far as the allocator

@@ -14,8 +14,10 @@ namespace {
 
 constexpr std::size_t kMinBlockBytes = 512;
 
-// The clock of segment::last_activity, one for the process: allocations and frees in any
-// heap tick it, so chunks of different classes compare.
+// The clock of segment::last_activity and segment::generation, one for the process:
+// allocations and frees in any heap tick it, so chunks of different classes compare, and a
+// segment made at addresses an earlier one had never starts at that one's generation (the
+// offload engine's hints about the earlier segment's chunks must not match it).
 std::uint64_t next_activity() {
   static std::atomic<std::uint64_t> clock{0};
   return clock.fetch_add(1, std::memory_order_relaxed) + 1;
@@ -262,7 +264,7 @@ segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner
     part->chunks.assign(whole.chunks.begin() + static_cast<std::ptrdiff_t>(from),
                         whole.chunks.begin() + static_cast<std::ptrdiff_t>(to));
     for (const physical_handle& chunk : part->chunks) part->bytes += chunk.bytes;
-    part->generation = whole.generation + 1;
+    part->generation = next_activity();
     part->last_activity = whole.last_activity;
     part->first = head;
     head->previous = nullptr;
@@ -380,6 +382,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   auto owned = std::make_unique<segment>();
   owned->address = address;
   owned->bytes = bytes;
+  owned->generation = next_activity();
   auto pool_donations = [&] {
     if (donated.chunks.empty()) return;
     // The donors' queued work may still touch these chunks; only `stream` waited for it.
@@ -449,8 +452,7 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
   chosen->allocated = true;
   chosen->requested_bytes = requested_bytes;
   ++chosen->owner->busy_blocks;
-  ++chosen->owner->generation;
-  chosen->owner->last_activity = next_activity();
+  chosen->owner->generation = chosen->owner->last_activity = next_activity();
   live_.insert(chosen->address, chosen);
 
   const auto bytes = static_cast<std::int64_t>(chosen->bytes);
@@ -506,7 +508,9 @@ bool heap::deallocate(std::uintptr_t pointer) {
   ++counts_.frees;
   if (waits_for_other_streams) {
     freed->pending_events = std::move(fences);
-    freed->other_streams.clear();
+    // other_streams stays until the events complete: while the block is pending, work on
+    // those streams may still touch it, and the offload engine fences a chunk's moves on
+    // every stream its blocks were used on (streams_of).
     freed->pending = true;
     pending_.push_back(freed);
     return true;
@@ -559,8 +563,7 @@ void heap::forget_stream(stream_handle stream) {
 // still whole for it.
 void heap::release_block(block* freed) {
   --freed->owner->busy_blocks;
-  ++freed->owner->generation;
-  freed->owner->last_activity = next_activity();
+  freed->owner->generation = freed->owner->last_activity = next_activity();
   insert_free(freed);
   unmerged_.push_back(freed);
   const std::size_t most_unmerged =
@@ -615,6 +618,7 @@ void heap::process_pending(bool wait) {
     }
     for (event_handle event : waiting->pending_events) spare_events_.push_back(event);
     waiting->pending_events.clear();
+    waiting->other_streams.clear();
     waiting->pending = false;
     const auto bytes = static_cast<std::int64_t>(waiting->bytes);
     stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(-bytes); });

@@ -102,6 +102,27 @@ TEST_F(CachingAllocatorTest, FreedMemoryIsReusedFromTheCache) {
   allocator->deallocate(second);
 }
 
+// The offload engine trusts what it was told about a chunk's uses (the event after its last
+// hinted use) only while the chunk's generation stays what it was: a segment made later at
+// the same addresses must not start where the released one stood, or the engine would move
+// its chunks fenced only by the old segment's long-finished event, while unhinted work on
+// the new one may still run.
+TEST_F(CachingAllocatorTest, ASegmentMadeWhereAReleasedOneWasHasANewGeneration) {
+  auto allocator = make_allocator();
+  std::vector<chunk_info> chunks;
+  void* first = allocator->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  allocator->chunks_of_allocation(first, chunks);
+  const std::uint64_t generation_in_use = chunks.at(0).generation;
+  allocator->deallocate(first);
+  allocator->empty_cache();  // the segment is released, its addresses free
+  void* second = allocator->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  ASSERT_EQ(second, first) << "the new segment did not take the released one's addresses";
+  chunks.clear();
+  allocator->chunks_of_allocation(second, chunks);
+  EXPECT_NE(chunks.at(0).generation, generation_in_use);
+  allocator->deallocate(second);
+}
+
 TEST_F(CachingAllocatorTest, BytesStayIntactThroughSplitsAndMerges) {
   auto allocator = make_allocator();
   std::mt19937 random(7);
@@ -191,6 +212,36 @@ TEST_F(CachingAllocatorTest, BlockFreedOnOneStreamIsReusedOnAnotherOnlyAfterItsW
   allocator->forget_stream(second);
   device_->destroy_stream(first);
   device_->destroy_stream(second);
+}
+
+// A block freed while a record_stream stream may still use it stays pending; until then the
+// streams the offload engine fences a move of its chunk on must include that stream.
+TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStreams) {
+  auto allocator = make_allocator();
+  stream_handle producer = device_->create_stream();
+  stream_handle consumer = device_->create_stream();
+  void* pointer = allocator->allocate(16 * MiB, producer, allocation_class::gradient);
+  ASSERT_TRUE(allocator->record_stream(pointer, consumer));
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); },
+                               consumer);
+  std::vector<chunk_info> chunks;
+  allocator->chunks_of_allocation(pointer, chunks);
+  const std::uintptr_t first = chunks.at(0).address;
+  allocator->deallocate(pointer);  // pending: the consumer is still asleep
+  chunks.clear();
+  allocator->list_chunks(chunks);
+  const auto chunk = std::find_if(chunks.begin(), chunks.end(),
+                                  [&](const chunk_info& each) { return each.address == first; });
+  ASSERT_NE(chunk, chunks.end());
+  EXPECT_TRUE(chunk->holds_live_blocks);
+  EXPECT_NE(std::find(chunk->streams.begin(), chunk->streams.end(), consumer), chunk->streams.end())
+      << "a move of the chunk would not wait for the consumer's work";
+  device_->synchronize_stream(consumer);
+  allocator->empty_cache();
+  allocator->forget_stream(producer);
+  allocator->forget_stream(consumer);
+  device_->destroy_stream(producer);
+  device_->destroy_stream(consumer);
 }
 
 TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
