@@ -189,18 +189,33 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
 }
 
 bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation) {
+  return claim_fetch(address) && start_claimed_fetch(address, chunk_idle, idle_generation);
+}
+
+bool migrator::claim_fetch(std::uintptr_t address) {
+  std::lock_guard lock(mutex_);
+  auto found = on_host_.find(address);
+  if (found == on_host_.end() || moving_.contains(address)) return false;
+  // Note [Claiming a chunk]: a chunk is "moving" from the moment one thread decides to
+  // move it, before its remap or copy. Claimed only after the remap, a use beginning in
+  // between on another thread saw "host", queued its writes without waiting for the
+  // arriving bytes, and the copy-in overwrote them (a prefetch against a use, found by
+  // OffloadEngineTest.WindowsFetchedAheadAndEvictedBehindKeepEveryWrite with prefetch on).
+  moving_[address] = residency::moving_to_device;
+  return true;
+}
+
+bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
+                                   std::uint64_t idle_generation) {
   host_chunk host;
   {
     std::lock_guard lock(mutex_);
     auto found = on_host_.find(address);
-    if (found == on_host_.end() || moving_.contains(address)) return false;
-    host = found->second;
-    // Note [Claiming a chunk]: a chunk is "moving" from the moment one thread decides to
-    // move it, before its remap or copy. Claimed only after the remap, a use beginning in
-    // between on another thread saw "host", queued its writes without waiting for the
-    // arriving bytes, and the copy-in overwrote them (a prefetch against a use, found by
-    // OffloadEngineTest.WindowsFetchedAheadAndEvictedBehindKeepEveryWrite with prefetch on).
-    moving_[address] = residency::moving_to_device;
+    if (found != on_host_.end()) host = found->second;
+  }
+  if (!host.valid()) {  // its segment went while the claim was being made
+    release_claim(address);
+    return false;
   }
   chunk_info chunk;
   if (!allocator_.pin_chunk(address, chunk)) {

@@ -103,6 +103,14 @@ class migrator {
   /// `chunk_idle` holds only while the chunk's generation is still `idle_generation`.
   bool fetch_async(std::uintptr_t address, bool chunk_idle = false,
                    std::uint64_t idle_generation = 0);
+  /// fetch_async in two steps, as claim_eviction: claim_fetch marks a host-resident chunk
+  /// moving to the device (uses that begin now wait for the move), so that a caller can
+  /// decide under its own lock whether the chunk is idle and claim it in the same breath;
+  /// false when the chunk is not on the host or is moving. Every successful claim must be
+  /// followed by exactly one start_claimed_fetch, which gives the claim up when it returns
+  /// false or throws.
+  bool claim_fetch(std::uintptr_t address);
+  bool start_claimed_fetch(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation);
   /// For a chunk fetched as idle (mapped on the device at once, its bytes still arriving):
   /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
   /// other chunk. No host thread waits.

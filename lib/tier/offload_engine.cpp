@@ -458,22 +458,28 @@ void offload_engine::step_boundary() {
 
 bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
                                 bool ordered_use) {
-  bool idle = false;
-  std::uint64_t idle_generation = 0;
-  {
-    // Only hints can say that no queued work touches a host-resident chunk.
-    std::lock_guard lock(mutex_);
-    auto state = chunks_.find(address);
-    if (state != chunks_.end() && !urgent && state->second.open_uses > 0) {
-      return false;  // in use right now: a prefetch must not move it under its user
-    }
-    idle = ordered_use && state != chunks_.end() && state->second.hinted &&
-           !state->second.used_on_host && !learned_order_.empty();
-    if (idle) idle_generation = state->second.released_generation;
-  }
   bool started = false;
   for (int attempt = 0; attempt < 4 && !started; ++attempt) {
-    if (migrator_.fetch_async(address, idle, idle_generation)) {
+    // Note [Idle at the claim]: whether no queued work touches the host-resident chunk (only
+    // hints can say) is decided at every attempt, and the chunk is claimed under the same
+    // lock a use's begin takes. Decided once before the attempts, a use that began and
+    // queued work on the chunk while this thread waited for room (evictions, the cache's
+    // release) went unseen, and the fetch copied the chunk without waiting for that work.
+    bool idle = false;
+    std::uint64_t idle_generation = 0;
+    bool claimed = false;
+    {
+      std::lock_guard lock(mutex_);
+      auto state = chunks_.find(address);
+      if (state != chunks_.end() && !urgent && state->second.open_uses > 0) {
+        return false;  // in use right now: a prefetch must not move it under its user
+      }
+      idle = ordered_use && state != chunks_.end() && state->second.hinted &&
+             !state->second.used_on_host && !learned_order_.empty();
+      if (idle) idle_generation = state->second.released_generation;
+      claimed = migrator_.claim_fetch(address);
+    }
+    if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation)) {
       started = true;
       std::lock_guard lock(mutex_);
       chunks_[address].used_on_host = false;  // the fetch waited for those uses
