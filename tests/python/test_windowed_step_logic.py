@@ -339,3 +339,77 @@ def test_gradient_class_follows_zeroalloc_offload_gradients_when_not_given():
     bad = default_with(ZEROALLOC_OFFLOAD_GRADIENTS="maybe")
     assert bad.returncode != 0
     assert "ZEROALLOC_OFFLOAD_GRADIENTS='maybe' is not valid" in bad.stderr, bad.stderr[-2000:]
+
+
+class Delegating(torch.optim.Optimizer):
+    """Steps its parameters through an inner optimizer of its own, as
+    ZeroRedundancyOptimizer does: its step does not follow its param_groups."""
+
+    def __init__(self, params):
+        params = list(params)
+        super().__init__(params, {})
+        self.inner = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.parametrize("kind", ["delegating", "lbfgs"])
+def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_parameter_once(
+        engine, kind):
+    # Note [Steps that follow param_groups]: windows narrow param_groups; a step that ignores
+    # them stepped every parameter once per window (several windows here), and LBFGS, which
+    # needs its closure, failed.
+    def make():
+        model, _ = build()
+        if kind == "lbfgs":
+            return model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+        return model, Delegating(model.parameters())
+
+    plain, plain_optimizer = make()
+    model, optimizer = make()
+    with pytest.warns(UserWarning, match="runs in one piece"):
+        optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1)
+    for inputs, labels in data(3):
+        for net, opt in ((plain, plain_optimizer), (model, optimizer)):
+            def closure(net=net, opt=opt):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(net(inputs[0]), labels[0])
+                loss.backward()
+                return loss
+
+            if kind == "lbfgs":
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_dropped_optimizer_with_kept_states_is_freed(engine):
+    import gc
+    import weakref
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    for inputs, labels in data(3):
+        train(model, optimizer, inputs, labels)
+    assert optimizer._zeroalloc_stepper.kept and zt._kept_states
+    dropped = weakref.ref(optimizer)
+    del model, optimizer
+    gc.collect()
+    assert dropped() is None, "the registry of kept states keeps the optimizer alive"
+    assert not zt._kept_states
+
+
+def test_an_lr_scheduler_made_before_the_windowed_step_does_not_warn(engine):
+    import warnings
+    model, optimizer = build()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1)
+    inputs, labels = data(1)[0]
+    torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)

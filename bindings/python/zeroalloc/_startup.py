@@ -71,8 +71,12 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
             try:
                 on_torch_imported(module)
             except Exception as error:  # torch stays importable; the user is told why
+                swapped = "zeroalloc.torch" in sys.modules and \
+                    sys.modules["zeroalloc.torch"].installed()
+                then = ("zeroalloc is PyTorch's allocator, without offload" if swapped
+                        else "PyTorch goes on with its own allocator")
                 print(f"zeroalloc: could not set up what the environment asks for at "
-                      f"`import torch`: {error}; PyTorch goes on with its own allocator "
+                      f"`import torch`: {error}; {then} "
                       "(set ZEROALLOC_DISABLE=1 to silence this)", file=sys.stderr)
 
         spec.loader.exec_module = exec_module

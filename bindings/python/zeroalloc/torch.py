@@ -54,6 +54,16 @@ def install() -> None:
             "Call it at the top of the script, or use zeroalloc.torch.mem_pool() to route "
             "chosen tensors instead.")
     torch.cuda.memory.change_current_allocator(_pluggable_allocator())
+    _installed[0] = True
+
+
+#: Whether install() made zeroalloc PyTorch's allocator in this process.
+_installed = [False]
+
+
+def installed() -> bool:
+    """Whether install() has made zeroalloc PyTorch's allocator in this process."""
+    return _installed[0]
 
 
 def mem_pool() -> "torch.cuda.MemPool":
@@ -87,7 +97,8 @@ def residency(tensor: "torch.Tensor") -> str:
 
 
 #: id(tensor in a state dict) -> the windowed step that kept it in scratch after a step.
-_kept_states: dict = {}
+#: Weak: a dropped optimizer takes its step, its states and their scratch along.
+_kept_states: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def _home_of(tensor):
@@ -137,15 +148,19 @@ def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
 class OffloadHandle:
     """What offload() installed; remove() takes the hooks out again."""
 
-    def __init__(self, hooks: list, optimizer, original_step):
+    def __init__(self, hooks: list, optimizer, original_step, parameters=()):
         self._hooks = hooks
         self._optimizer = optimizer
         self._original_step = original_step
+        self._parameters = list(parameters)
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for parameter in self._parameters:  # a later offload() hooks them again
+            parameter.__dict__.pop("_zeroalloc_hooked", None)
+        self._parameters = []
         if self._optimizer is not None:
             stepper = getattr(self._optimizer, "_zeroalloc_stepper", None)
             if stepper is not None:  # states it kept or staged go home first
@@ -202,12 +217,16 @@ def _adopt(parameters, optimizer=None, gradient_class: bool = False) -> list:
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
-            if not parameter.is_cuda or getattr(parameter, "_zeroalloc_adopted", False):
+            if not parameter.is_cuda:
                 continue
-            parameter.data = _move_into_class(parameter.data, "parameter")
-            parameter._zeroalloc_adopted = True
-            _adoptions[0] += 1
+            if not getattr(parameter, "_zeroalloc_adopted", False):
+                parameter.data = _move_into_class(parameter.data, "parameter")
+                parameter._zeroalloc_adopted = True
+                _adoptions[0] += 1
+            if getattr(parameter, "_zeroalloc_hooked", False):
+                continue
             if parameter.requires_grad:
+                parameter._zeroalloc_hooked = True
                 hooks.append(parameter.register_post_accumulate_grad_hook(_end_backward))
                 if gradient_class:
                     if parameter.grad is not None and not parameter.grad.is_sparse:
@@ -570,13 +589,14 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     _require_offload_engine()
     if gradient_class is None:
         gradient_class = gradient_class_default()
-    hooks = _adopt(model.parameters(), optimizer, gradient_class)
+    parameters = list(model.parameters())
+    hooks = _adopt(parameters, optimizer, gradient_class)
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes)
         _readopt_after_load(optimizer)
-    return OffloadHandle(hooks, optimizer, original_step)
+    return OffloadHandle(hooks, optimizer, original_step, parameters)
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
@@ -614,6 +634,16 @@ def _remove(entries: list, entry) -> None:
         if each is entry:
             del entries[index]
             return
+
+
+def _steps_by_param_groups(optimizer) -> bool:
+    """Whether the optimizer's step steps exactly the parameters of its param_groups (Note
+    [Steps that follow param_groups]): the class that defines its step is one of torch.optim's
+    own, and not LBFGS."""
+    for cls in type(optimizer).__mro__:
+        if "step" in vars(cls):
+            return (cls.__module__.startswith("torch.optim.") and cls.__name__ != "LBFGS")
+    return False
 
 
 def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0):
@@ -672,7 +702,8 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     the next forward is kept, replacing them is honoured; their storage is not the
     optimizer-state class's (offload_tensor, fetch_tensor and residency act on the states'
     own tensors). A state written in place between the backward that staged it and the
-    step is staged again (its version counter changed). Not thread-safe: one thread's
+    step is staged again (its version counter changed); a write the counter does not see
+    (through .data, DLPack or a kernel of one's own) is overwritten by the staged copy. Not thread-safe: one thread's
     forwards and steps per optimizer (DataParallel replicas would race)."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
@@ -683,6 +714,11 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
         return stepper.step(closure, **kwargs)
 
     step._zeroalloc_windowed = True
+    if getattr(original_step, "_wrapped_by_lr_sched", False):
+        # An LR scheduler made before offload() wrapped the step to see it called; its
+        # wrapper still runs (each window calls it), so say so, or the scheduler warns that
+        # the step was overridden after it.
+        step._wrapped_by_lr_sched = True
     return types.MethodType(step, optimizer)
 
 
@@ -756,6 +792,18 @@ class _WindowedStep:
         self.original_step = original_step
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
+        # Note [Steps that follow param_groups]: a window is stepped by narrowing param_groups
+        # and calling the optimizer's own step, which is right only for a step that steps
+        # exactly the parameters of param_groups, once: PyTorch's own optimizers (LBFGS
+        # excepted: it steps a list of its own, and needs its closure). Any other (a
+        # ZeroRedundancyOptimizer steps its whole shard through an inner optimizer; a
+        # subclass may override step) steps in one piece, each parameter once.
+        self.by_groups = _steps_by_param_groups(optimizer)
+        if not self.by_groups:
+            warnings.warn(f"zeroalloc: {type(optimizer).__name__}.step does not step the "
+                          "parameters of param_groups as torch.optim's optimizers do, so it "
+                          "runs in one piece, not in windows: host-resident states are reached "
+                          "where they are (slower)")
         self.streams: dict = {}  # device index -> (copy in, copy out)
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step
@@ -1126,7 +1174,7 @@ class _WindowedStep:
     def step(self, closure=None, **kwargs):
         optimizer = self.optimizer
         loss = None
-        if closure is not None:
+        if closure is not None and self.by_groups:  # evaluated once, then the windows step
             with torch.enable_grad():
                 loss = closure()
         self.cache = {}
@@ -1140,7 +1188,7 @@ class _WindowedStep:
         found: list = []
         try:
             self.write_back_kept(wait=True)
-            found = self.windows(saved)
+            found = self.windows(saved) if self.by_groups else []
             devices = {p.device for window in found for p in window}
             if len(devices) > 1 and not self.warned:
                 self.warned = True
@@ -1148,9 +1196,13 @@ class _WindowedStep:
                               f"({sorted(str(d) for d in devices)}); its step runs in one "
                               "piece, reaching host-resident states where they are (slower)")
             if not found or len(devices) > 1:
+                found = []  # nothing to stage for the next step either
                 self.drop_staged()
                 with allocation_class("other"):
-                    self.original_step(**kwargs)
+                    if closure is not None and not self.by_groups:
+                        loss = self.original_step(closure, **kwargs)
+                    else:
+                        self.original_step(**kwargs)
             else:
                 device = found[0][0].device
                 copies = self.streams_of(device)
