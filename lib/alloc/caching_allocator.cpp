@@ -421,13 +421,6 @@ bool caching_allocator::pin_chunk(std::uintptr_t address, chunk_info& into) {
   return owner != nullptr && owner->pin_chunk(address, into);
 }
 
-physical_handle caching_allocator::replace_pinned_chunk(std::uintptr_t address,
-                                                        physical_handle replacement) {
-  heap* owner = heap_at(address);
-  ZA_REQUIRE(owner != nullptr, "no chunk of this allocator at ", address);
-  return owner->replace_pinned_chunk(address, replacement);
-}
-
 physical_handle caching_allocator::remap_pinned_chunk(std::uintptr_t address,
                                                       physical_handle replacement) {
   heap* owner = heap_at(address);

@@ -154,7 +154,6 @@ class caching_allocator {
   /// Appends the chunks the live allocation at `pointer` spans; false when there is none.
   bool chunks_of_allocation(const void* pointer, std::vector<chunk_info>& into) const;
   bool pin_chunk(std::uintptr_t address, chunk_info& into);
-  physical_handle replace_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   void unpin_chunk(std::uintptr_t address);
   [[nodiscard]] chunk_arena& arena() { return arena_; }

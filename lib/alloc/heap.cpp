@@ -902,12 +902,6 @@ physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle
   return previous;
 }
 
-physical_handle heap::replace_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
-  const physical_handle previous = remap_pinned_chunk(address, replacement);
-  unpin_chunk(address);
-  return previous;
-}
-
 void heap::unpin_chunk(std::uintptr_t address) {
   std::lock_guard lock(mutex_);
   auto [owner, index] = chunk_at(address);

@@ -121,13 +121,12 @@ class heap {
   /// there is no such allocation.
   bool chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>& into) const;
   /// Pins the chunk mapped at `address` so that its segment is neither unmapped nor given
-  /// to another class until unpin_chunk or replace_pinned_chunk; fills `into`. False when no
-  /// chunk starts there, or it is pinned already.
+  /// to another class until unpin_chunk; fills `into`. False when no chunk starts there, or
+  /// it is pinned already.
   bool pin_chunk(std::uintptr_t address, chunk_info& into);
   /// Maps `replacement` at the pinned chunk's address instead of its handle (which it
-  /// returns) and unpins it. No queued work may touch the chunk (the engine fences it).
-  physical_handle replace_pinned_chunk(std::uintptr_t address, physical_handle replacement);
-  /// As replace_pinned_chunk, but the chunk stays pinned.
+  /// returns); the chunk stays pinned. No queued work may touch the chunk (the engine
+  /// fences it). On failure the old handle is mapped back.
   physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   void unpin_chunk(std::uintptr_t address);
 

@@ -340,7 +340,9 @@ void migrator::finish(transfer& done) {
     // would hand its host slice to return_host_chunk before it could be found.
     left_behind = allocator_.remap_pinned_chunk(address, done.host.handle);
   } else if (!done.remapped_early) {
-    allocator_.replace_pinned_chunk(address, done.device_chunk);  // the host chunk: below
+    // Stays pinned through the verification below, which reads the chunk's addresses: a
+    // segment released in between would leave them unmapped, or mapping another's bytes.
+    allocator_.remap_pinned_chunk(address, done.device_chunk);  // the host chunk: below
   }
   done.committed = true;
   if (done.to_host) {
@@ -376,6 +378,7 @@ void migrator::finish(transfer& done) {
       std::abort();
     }
   }
+  if (!done.to_host && !done.remapped_early) allocator_.unpin_chunk(address);
   if (!done.to_host) pool_.release(done.host);
   const auto remap_ns =
       static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -398,7 +401,7 @@ void migrator::finish(transfer& done) {
     figures_.host_resident_bytes -= bytes;
   }
   if (verify_) ++figures_.verified_chunks;
-  spare_events_.push_back(done.copied);
+  spare_events_.push_back(std::exchange(done.copied, nullptr));
   moving_.erase(address);
   arriving_.erase(address);
   if (done.to_host) {
@@ -419,8 +422,8 @@ void migrator::worker() {
       finish(oldest);
     } catch (const std::exception& failure) {
       // Before the commit (Note [Committing a move]) the chunk keeps its old backing
-      // (replace_pinned_chunk and remap_pinned_chunk map it back on failure); a failure
-      // after it (the bookkeeping only) leaves the move standing.
+      // (remap_pinned_chunk maps it back on failure); a failure after it (the bookkeeping
+      // only) leaves the move standing.
       log().error("offload: moving the chunk at {:#x} to the {} failed: {}", oldest.chunk.address,
                   oldest.to_host ? "host" : "device", failure.what());
       if (oldest.committed) {
@@ -450,6 +453,7 @@ void migrator::worker() {
       if (oldest.to_host) bytes_leaving_device_ -= oldest.chunk.handle.bytes;
       moving_.erase(oldest.chunk.address);
       arriving_.erase(oldest.chunk.address);
+      if (oldest.copied != nullptr) spare_events_.push_back(oldest.copied);  // not leaked
     }
     lock.lock();
     in_flight_.pop_front();

@@ -457,7 +457,7 @@ void offload_engine::step_boundary() {
 }
 
 bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
-                                bool ordered_use) {
+                                bool ordered_use, bool* fetched) {
   bool started = false;
   for (int attempt = 0; attempt < 4 && !started; ++attempt) {
     // Note [Idle at the claim]: whether no queued work touches the host-resident chunk (only
@@ -513,6 +513,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     if (evicted.empty()) return false;
     for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
   }
+  if (fetched != nullptr) *fetched = started;
   if (started && wait) migrator_.wait_until_settled(address);
   return started;
 }
@@ -529,8 +530,9 @@ void offload_engine::prefetch_worker() {
     lock.unlock();
     bool started = false;
     try {
-      started = bytes != 0 &&
-                bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true);
+      if (bytes != 0) {
+        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true, &started);
+      }
     } catch (const std::exception& failure) {
       log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
     }
@@ -606,7 +608,11 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
                     /*ordered_use=*/true)) {
       continue;
     }
-    if (!wait_for_arrival(chunk.address, stream)) migrator_.wait_until_settled(chunk.address);
+    // Ordered after the bytes without timing the wait: an allocation is not a use, and
+    // the prefetch hit rate counts uses only.
+    if (!migrator_.order_after_arrival(chunk.address, stream)) {
+      migrator_.wait_until_settled(chunk.address);
+    }
   }
 }
 

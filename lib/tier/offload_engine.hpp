@@ -201,9 +201,11 @@ class offload_engine {
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
   /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
   /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an
-  /// idle chunk may be mapped before they arrive; a plain fetch() may not.
+  /// idle chunk may be mapped before they arrive; a plain fetch() may not. True when the
+  /// chunk is on the device or on its way; `fetched`, when given, says whether this call
+  /// started the fetch (a chunk found on the device already is no prefetch).
   bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
-                  bool ordered_use);
+                  bool ordered_use, bool* fetched = nullptr);
   void prefetch_worker();
   /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
   /// False when the chunk is not arriving. Caller does not hold mutex_.
