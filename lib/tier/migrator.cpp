@@ -291,6 +291,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     changed_.notify_all();
     return true;
   }
+  bool copy_queued = false;
   try {
     moving.staging = take_staging_slot();
     device_.map(moving.staging, moving.device_chunk);
@@ -300,8 +301,15 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     device_.copy_async(reinterpret_cast<void*>(moving.staging),
                        reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                        in_stream_);
+    copy_queued = true;
     device_.record_event(moving.copied, in_stream_);
   } catch (...) {
+    if (copy_queued) {
+      try {  // the copy may still write into the device chunk mapped at the staging address
+        device_.synchronize_stream(in_stream_);
+      } catch (...) {  // the stream failed: nothing is writing any more
+      }
+    }
     if (moving.staging != 0) {
       try {
         device_.unmap(moving.staging, moving.device_chunk.bytes);

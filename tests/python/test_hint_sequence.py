@@ -316,3 +316,34 @@ def test_the_automatic_mode_lets_a_dropped_model_go(recorder):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_hints_for_tensors_on_several_devices_are_fenced_on_each_devices_stream(monkeypatch):
+    # A model split over two GPUs in one process: each part's hints go on its own device's
+    # current stream, not the current device's (a fence there would not cover the part).
+    import types
+
+    class OnDevice:
+        def __init__(self, index, pointer):
+            self.index, self.pointer = index, pointer
+
+        def get_device(self):
+            return self.index
+
+        def untyped_storage(self):
+            return types.SimpleNamespace(data_ptr=lambda: self.pointer)
+
+    monkeypatch.setattr(zt, "_stream", lambda device_index=None: 100 + (device_index or 0))
+    calls = []
+
+    def record(pointers, stream):
+        calls.append((pointers, stream))
+
+    zt._hint(record, [OnDevice(0, 1), OnDevice(1, 2), OnDevice(0, 3)], 0)
+    assert sorted(calls) == [([1, 3], 100), ([2], 101)]
+    calls.clear()
+    zt._hint(record, (OnDevice(1, 2),), 0)
+    assert calls == [([2], 101)]
+    calls.clear()
+    zt._hint(record, [OnDevice(1, 2)], 7)  # a stream given is the stream used
+    assert calls == [([2], 7)]

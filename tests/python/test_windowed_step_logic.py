@@ -97,7 +97,7 @@ def engine(monkeypatch):
         monkeypatch.setattr(zt._offload, name, getattr(fake, name))
     monkeypatch.setattr(zt, "_is_paged_state",
                         lambda v: torch.is_tensor(v) and v.dim() > 0 and v.numel() > 0)
-    monkeypatch.setattr(zt, "_stream", lambda: 1)
+    monkeypatch.setattr(zt, "_stream", lambda device_index=None: 1)
     monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
     monkeypatch.setattr(zt, "raw_stats", lambda device=0: {"limit_bytes": 1 << 40})
     monkeypatch.setattr(zt, "room", lambda device, name: (1 << 40, 1 << 40))

@@ -116,26 +116,47 @@ def _home_of(tensor):
     return tensor
 
 
-def _stream() -> int:
-    """The current stream of the current device, as an integer: the hooks ask for it once
-    per module, and torch.cuda.current_stream() builds a Stream object each time."""
+def _stream(device_index: "int | None" = None) -> int:
+    """The current stream of a device (the current device when none is named), as an
+    integer: the hooks ask for it once per module, and torch.cuda.current_stream() builds a
+    Stream object each time."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:
-        return torch.cuda.current_stream().cuda_stream
-    return raw(torch._C._cuda_getDevice())
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
 
 
 def _pointers(tensors: Iterable["torch.Tensor"]) -> list:
     return [tensor.untyped_storage().data_ptr() for tensor in tensors]
 
 
+def _hint(call, tensors: Iterable["torch.Tensor"], stream: int) -> None:
+    """One library call per device of the tensors, each fenced on that device's current
+    stream unless `stream` is given: a model split over several GPUs in one process runs
+    each part on its own device's stream, and a fence on another device's stream would let
+    the engine move a chunk that the part's kernels still read."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    if stream or not tensors:
+        call(_pointers(tensors), stream or _stream())
+        return
+    index = tensors[0].get_device()  # -1 for a tensor on the CPU
+    if all(tensor.get_device() == index for tensor in tensors):
+        call(_pointers(tensors), _stream(index if index >= 0 else None))
+        return
+    by_device: dict = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.get_device(), []).append(tensor)
+    for index, part in by_device.items():
+        call(_pointers(part), _stream(index if index >= 0 else None))
+
+
 def _begin(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
-    """Use-begins hints for the tensors, in one call into the library."""
-    _offload.use_begins_many(_pointers(tensors), stream or _stream())
+    """Use-begins hints for the tensors, in one call into the library per device."""
+    _hint(_offload.use_begins_many, tensors, stream)
 
 
 def _end(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
-    _offload.use_ends_many(_pointers(tensors), stream or _stream())
+    _hint(_offload.use_ends_many, tensors, stream)
 
 
 def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
@@ -1132,7 +1153,7 @@ class _WindowedStep:
         held += [entry for each in self.staged if each is not None for entry in each[0]
                  if entry[4]]
         if held:
-            _offload.use_in_place_many(_pointers(entry[2] for entry in held), _stream())
+            _hint(_offload.use_in_place_many, [entry[2] for entry in held], 0)
 
     def settle(self) -> None:
         """Writes back what was kept and drops what was staged (load_state_dict, remove())."""
