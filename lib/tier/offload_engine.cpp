@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -42,7 +43,7 @@ offload_engine::~offload_engine() {
   migrator_.drain();  // no copy may still wait on the events below
   collect_waits(/*all=*/true);
   for (auto& [address, state] : chunks_) {
-    if (state.released != nullptr) device_.destroy_event(state.released);
+    for (const auto& [stream, event] : state.released) device_.destroy_event(event);
   }
   for (event_handle event : spare_timing_events_) device_.destroy_event(event);
 }
@@ -50,15 +51,14 @@ offload_engine::~offload_engine() {
 bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_eviction>& into) {
   // The last use-ends fence covers the chunk only while no block of its segment has been
   // allocated or freed since (work on those is not hinted): else fence every stream.
-  event_handle fence = nullptr;
+  std::vector<event_handle> fences;
   auto state = chunks_.find(chosen.address);
-  if (state != chunks_.end() && state->second.released != nullptr &&
-      state->second.released_generation == chosen.generation) {
-    fence = state->second.released;
+  if (state != chunks_.end() && state->second.released_generation == chosen.generation) {
+    for (const auto& [stream, event] : state->second.released) fences.push_back(event);
   }
   chunk_info claimed;
   if (!migrator_.claim_eviction(chosen.address, claimed)) return false;
-  into.push_back({claimed, fence});
+  into.push_back({claimed, std::move(fences)});
   return true;
 }
 
@@ -75,8 +75,7 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
   try {
     for (; next < planned.size(); ++next) {
       const planned_eviction& each = planned[next];
-      const std::vector<event_handle> after{each.fence};
-      migrator_.start_claimed_eviction(each.chunk, each.fence != nullptr ? &after : nullptr);
+      migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences);
       started.push_back(each.chunk.address);
     }
   } catch (const host_memory_exhausted& exhausted) {
@@ -159,9 +158,10 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     // hinted chunk's user promises not to queue (Note [Fault-free migration]): evictions
     // ahead of need take chunks whose every use was hinted and whose last use has run.
     if (only_released &&
-        (state == chunks_.end() || !state->second.hinted || state->second.released == nullptr ||
+        (state == chunks_.end() || !state->second.hinted || state->second.released.empty() ||
          state->second.released_generation != chunk.generation ||
-         !device_.event_completed(state->second.released))) {
+         !std::all_of(state->second.released.begin(), state->second.released.end(),
+                      [&](const auto& each) { return device_.event_completed(each.second); }))) {
       continue;
     }
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
@@ -406,10 +406,19 @@ void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_hand
     if (state.open_uses > 0) --state.open_uses;
     if (chunk.address == std::exchange(previous, chunk.address)) continue;  // one record does
     try {
-      if (state.released == nullptr) state.released = device_.create_event();
-      // An eviction already waiting on the previous recording keeps its point (events are
-      // captured when waited on); later evictions wait for this use.
-      device_.record_event(state.released, stream);
+      // Note [Released on every stream]: one event per stream the chunk's uses ended on,
+      // each at the last use that ended there. One event re-recorded on whichever stream
+      // came last lost the points of the others: a use ended on a copy stream, then another
+      // on the compute stream, and an eviction fenced by that event alone could copy the
+      // chunk while the copy stream still wrote it. An eviction already waiting on an
+      // earlier recording keeps its point (events are captured when waited on).
+      auto mine = std::find_if(state.released.begin(), state.released.end(),
+                               [&](const auto& each) { return each.first == stream; });
+      if (mine == state.released.end()) {
+        state.released.emplace_back(stream, device_.create_event());
+        mine = std::prev(state.released.end());
+      }
+      device_.record_event(mine->second, stream);
       state.released_generation = chunk.generation;
     } catch (...) {
       // No point marks this use's end: the chunk is not idle for evictions ahead of need
@@ -632,7 +641,7 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     });
     for (const chunk_info& chunk : chunks) {
       chunk_info claimed;
-      if (migrator_.claim_eviction(chunk.address, claimed)) planned.push_back({claimed, nullptr});
+      if (migrator_.claim_eviction(chunk.address, claimed)) planned.push_back({claimed, {}});
     }
   }
   launch_evictions(planned, /*full_is_an_error=*/true);  // the caller asked for this move

@@ -151,8 +151,10 @@ class offload_engine {
     std::uint64_t last_use = 0;  // tick of the last use-begins
     std::size_t bytes = 0;
     int allocation_class = 0;
-    event_handle released = nullptr;        // recorded at the last use-ends, on its stream
-    std::uint64_t released_generation = 0;  // the chunk's generation then
+    // Per stream the chunk's uses ended on, an event recorded at the last of them there
+    // (Note [Released on every stream]).
+    std::vector<std::pair<stream_handle, event_handle>> released;
+    std::uint64_t released_generation = 0;  // the chunk's generation at the last use-ends
     bool hinted = false;                    // every use so far came with hints
     bool used_on_host = false;              // work ran on it while it was on the host
   };
@@ -181,7 +183,7 @@ class offload_engine {
   /// engine's lock]), behind `fence` (the chunk's last use-ends event) when there is one.
   struct planned_eviction {
     chunk_info chunk;
-    event_handle fence = nullptr;
+    std::vector<event_handle> fences;  // empty: fence on every stream of the chunk
   };
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -437,6 +438,41 @@ TEST_F(OffloadEngineTest, WithoutHintsTheLeastRecentlyAllocatedOrFreedChunkGoesF
 // Optimizer states hinted as used in place (Note [Used in place]) stay where they are: the
 // one on the host is never fetched, by the hint or by the prefetcher, and is kept out of the
 // learned order; while the use is open, pressure cannot move either state.
+// Note [Released on every stream]: a chunk whose uses ended on two streams moves only after
+// the work of both; the event of the stream whose use ended last covered that one alone.
+TEST_F(OffloadEngineTest, AnEvictionWaitsForTheLastUseOnEveryStreamTheChunkWasUsedOn) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle slow = device_->create_stream();
+  stream_handle quick = device_->create_stream();
+  void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x21, kChunkBytes, nullptr);
+  device_->synchronize_stream(nullptr);
+  std::atomic<bool> slow_work_done{false};
+  engine.use_begins(state, slow);
+  device_->host_function_async(
+      [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        slow_work_done = true;
+      },
+      slow);
+  engine.use_ends(state, slow);
+  engine.use_begins(state, quick);
+  engine.use_ends(state, quick);
+  device_->synchronize_stream(quick);
+  ASSERT_GE(engine.relieve_pressure(kChunkBytes), kChunkBytes);
+  engine.mover().drain();
+  EXPECT_TRUE(slow_work_done) << "the chunk moved while the slow stream's work could use it";
+  EXPECT_EQ(where_first_chunk(state), residency::host);
+  EXPECT_TRUE(holds(state, 0x21, kChunkBytes));
+  device_->synchronize_stream(slow);
+  allocator_->deallocate(state);
+  allocator_->forget_stream(slow);
+  allocator_->forget_stream(quick);
+  device_->destroy_stream(slow);
+  device_->destroy_stream(quick);
+}
+
 TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringTheUse) {
   start(256 * MiB, 64 * MiB);
   offload_engine& engine = *engine_;
