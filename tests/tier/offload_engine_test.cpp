@@ -771,7 +771,8 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
       static_cast<double>(figures.waited_ns - after_first_steps.waited_ns) / 1e6);
   // Fetched ahead along the learned order, again and again (how often that was in time is
   // a speed figure: printed here, measured by the benchmarks on the GPU).
-  EXPECT_GE(figures.prefetches, static_cast<std::uint64_t>(kLayers));
+  // (Only fetches it started count, not chunks it found on the device: 19-42 in runs here.)
+  EXPECT_GE(figures.prefetches, static_cast<std::uint64_t>(kSteps));
   // Every use had its chunk back on the device (ahead of time or fetched for it): none
   // reached it over PCIe.
   EXPECT_EQ(figures.used_on_host - after_first_steps.used_on_host, 0u);
