@@ -413,3 +413,40 @@ def test_an_lr_scheduler_made_before_the_windowed_step_does_not_warn(engine):
         optimizer.step()
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
+
+
+def test_parameters_unfrozen_or_added_after_offload_get_their_hooks_at_the_next_step(engine):
+    model, optimizer = build()
+    adopted = []
+
+    def adopt(parameters):
+        for parameter in parameters:  # what _adopt marks
+            parameter._zeroalloc_hooked = True
+        adopted.append([id(p) for p in parameters])
+        return []
+
+    head = model[-1]
+    head.requires_grad_(False)  # frozen when offload() ran
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter._zeroalloc_hooked = True
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
+                                       adopt=adopt)
+    inputs, labels = data(1)[0]
+
+    def step():
+        torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    assert adopted == []  # nothing new
+    head.requires_grad_(True)
+    step()
+    assert adopted == [[id(head.weight), id(head.bias)]]
+    extra = torch.nn.Parameter(torch.randn(4))
+    optimizer.add_param_group({"params": [extra]})
+    step()
+    assert adopted[-1] == [id(extra)]
+    step()
+    assert len(adopted) == 2  # each once

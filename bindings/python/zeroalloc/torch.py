@@ -187,6 +187,11 @@ class OffloadHandle:
             if stepper is not None:  # states it kept or staged go home first
                 stepper.settle()
                 _overlapping.discard(stepper)
+                for hook in stepper.late_hooks:
+                    hook.remove()
+                for group in self._optimizer.param_groups:
+                    for parameter in group["params"]:
+                        parameter.__dict__.pop("_zeroalloc_hooked", None)
                 del self._optimizer._zeroalloc_stepper
             self._optimizer.step = self._original_step
             self._optimizer = None
@@ -615,7 +620,8 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
-        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes)
+        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
+                                        adopt=lambda late: _adopt(late, None, gradient_class))
         _readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step, parameters)
 
@@ -643,7 +649,8 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         self._zeroalloc_adopted = True
         parameters = [p for group in self.param_groups for p in group["params"]]
         _adopt(parameters, self, gradient_class)
-        self.step = _windowed_step(self, self.step, window_bytes, overlap_bytes)
+        self.step = _windowed_step(self, self.step, window_bytes, overlap_bytes,
+                                   adopt=lambda late: _adopt(late, None, gradient_class))
         _readopt_after_load(self)
 
     torch.optim.Optimizer.__init__ = init
@@ -667,7 +674,8 @@ def _steps_by_param_groups(optimizer) -> bool:
     return False
 
 
-def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0):
+def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0,
+                   adopt=None):
     """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
     method (LR schedulers wrap it through __func__ and __self__); `overlap_bytes` of states
     are moved while forward and backward run (Note [Overlapping the step]).
@@ -728,7 +736,7 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     forwards and steps per optimizer (DataParallel replicas would race)."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
-    stepper = _WindowedStep(optimizer, original_step, window_bytes, overlap_bytes)
+    stepper = _WindowedStep(optimizer, original_step, window_bytes, overlap_bytes, adopt)
     optimizer._zeroalloc_stepper = stepper
 
     def step(self, closure=None, **kwargs):
@@ -808,8 +816,13 @@ class _WindowedStep:
     [state dict, key, home tensor, scratch view or None, pinned, parameter, the home's
     version counter when it was staged]."""
 
-    def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int):
+    def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
+                 adopt=None):
         self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
+        # Parameters that need hooks after offload() (a group added with add_param_group, a
+        # parameter unfrozen since) get them at the next step: adopt(parameters) -> hooks.
+        self.adopt = adopt
+        self.late_hooks: list = []
         self.original_step = original_step
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
@@ -1195,6 +1208,11 @@ class _WindowedStep:
     def step(self, closure=None, **kwargs):
         optimizer = self.optimizer
         loss = None
+        if self.adopt is not None:
+            late = [p for group in optimizer.param_groups for p in group["params"]
+                    if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
+            if late:
+                self.late_hooks += self.adopt(late)
         if closure is not None and self.by_groups:  # evaluated once, then the windows step
             with torch.enable_grad():
                 loss = closure()
