@@ -27,6 +27,14 @@ std::string stats_text(int device) {
   return buffer.data();
 }
 
+// The device's allocated bytes now, from the statistics.
+long long total_allocated_bytes() {
+  const std::string text = stats_text(0);
+  const std::string key = "\"total\":{\"allocated_bytes\":{\"current\":";
+  const std::size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stoll(text.substr(at + key.size()));
+}
+
 class CApiTest : public ::testing::Test {
  protected:
   // Under CTest ZEROALLOC_DEVICE names the device the suite runs on, and a library that
@@ -153,13 +161,20 @@ TEST_F(CApiTest, RoomShowsAFreedBlockOfItsClassAndTheMemoryLeftUnderTheLimit) {
 TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {
   zeroalloc_set_memory_fraction(1.5, 0);
   EXPECT_NE(std::string(zeroalloc_last_error()).find("outside (0, 1]"), std::string::npos);
+  // 1 GiB fits the device (the simulated one has 2 GiB) but not a thousandth of it.
+  const ssize_t bytes = ssize_t{1} << 30;
   zeroalloc_set_memory_fraction(0.001, 0);
-  void* huge = zeroalloc_malloc(ssize_t{1} << 40, 0, nullptr);
-  EXPECT_EQ(huge, nullptr);
+  void* refused = zeroalloc_malloc(bytes, 0, nullptr);
+  EXPECT_EQ(refused, nullptr);
   EXPECT_NE(std::string(zeroalloc_last_error()).find("set_per_process_memory_fraction(0.001)"),
             std::string::npos)
       << zeroalloc_last_error();
   zeroalloc_set_memory_fraction(1.0, 0);
+  void* served = zeroalloc_malloc(bytes, 0, nullptr);
+  EXPECT_NE(served, nullptr) << "the whole device refused what a thousandth of it did: "
+                             << zeroalloc_last_error();
+  zeroalloc_free(served, bytes, 0, nullptr);
+  zeroalloc_empty_cache();
 }
 
 TEST_F(CApiTest, EmptyCacheReleasesFreeSegments) {
@@ -174,9 +189,13 @@ TEST_F(CApiTest, EmptyCacheReleasesFreeSegments) {
 TEST_F(CApiTest, StreamsOfTheDeviceCanBeCreatedAndUsed) {
   zeroalloc_stream_t stream = zeroalloc_stream_create(0);
   ASSERT_NE(stream, nullptr) << zeroalloc_last_error();
+  const long long before = total_allocated_bytes();
   void* pointer = zeroalloc_malloc(4096, 0, stream);
-  zeroalloc_record_stream(pointer, nullptr);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  EXPECT_EQ(total_allocated_bytes(), before + 4096);
+  zeroalloc_record_stream(pointer, nullptr);  // used on the default stream too
   zeroalloc_free(pointer, 4096, 0, stream);
+  EXPECT_EQ(total_allocated_bytes(), before);
   zeroalloc_stream_destroy(0, stream);
 }
 
