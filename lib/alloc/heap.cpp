@@ -510,7 +510,10 @@ bool heap::deallocate(std::uintptr_t pointer) {
     freed->pending_events = std::move(fences);
     // other_streams stays until the events complete: while the block is pending, work on
     // those streams may still touch it, and the offload engine fences a chunk's moves on
-    // every stream its blocks were used on (streams_of).
+    // every stream its blocks were used on (streams_of). The generation changes now, not
+    // when the block is released: hints about the chunk (its use-ends' events) do not
+    // cover the recorded streams' work, so they must stop matching.
+    freed->owner->generation = next_activity();
     freed->pending = true;
     pending_.push_back(freed);
     return true;

@@ -215,7 +215,8 @@ TEST_F(CachingAllocatorTest, BlockFreedOnOneStreamIsReusedOnAnotherOnlyAfterItsW
 }
 
 // A block freed while a record_stream stream may still use it stays pending; until then the
-// streams the offload engine fences a move of its chunk on must include that stream.
+// streams the offload engine fences a move of its chunk on must include that stream, and the
+// chunk's generation has moved on from the one its use hints were given in.
 TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStreams) {
   auto allocator = make_allocator();
   stream_handle producer = device_->create_stream();
@@ -227,6 +228,7 @@ TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStrea
   std::vector<chunk_info> chunks;
   allocator->chunks_of_allocation(pointer, chunks);
   const std::uintptr_t first = chunks.at(0).address;
+  const std::uint64_t generation_in_use = chunks.at(0).generation;
   allocator->deallocate(pointer);  // pending: the consumer is still asleep
   chunks.clear();
   allocator->list_chunks(chunks);
@@ -234,6 +236,8 @@ TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStrea
                                   [&](const chunk_info& each) { return each.address == first; });
   ASSERT_NE(chunk, chunks.end());
   EXPECT_TRUE(chunk->holds_live_blocks);
+  // Hints given while it was in use (their events) do not cover the consumer's work.
+  EXPECT_NE(chunk->generation, generation_in_use);
   EXPECT_NE(std::find(chunk->streams.begin(), chunk->streams.end(), consumer), chunk->streams.end())
       << "a move of the chunk would not wait for the consumer's work";
   device_->synchronize_stream(consumer);

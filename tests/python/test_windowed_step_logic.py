@@ -419,9 +419,10 @@ def test_parameters_unfrozen_or_added_after_offload_get_their_hooks_at_the_next_
     model, optimizer = build()
     adopted = []
 
-    def adopt(parameters):
+    def adopt(parameters, hooked):
         for parameter in parameters:  # what _adopt marks
             parameter._zeroalloc_hooked = True
+        hooked.extend(parameters)
         adopted.append([id(p) for p in parameters])
         return []
 
@@ -450,3 +451,19 @@ def test_parameters_unfrozen_or_added_after_offload_get_their_hooks_at_the_next_
     assert adopted[-1] == [id(extra)]
     step()
     assert len(adopted) == 2  # each once
+
+
+def test_a_plain_subclass_of_a_torch_optimizer_steps_in_windows(engine):
+    # Optimizer.__init__ writes a profiling wrapper of the inherited step onto a subclass
+    # made first: the step is still torch.optim's, and steps in windows.
+    import warnings
+
+    class Renamed(torch.optim.AdamW):
+        pass
+
+    model, _ = build()
+    optimizer = Renamed(model.parameters(), lr=1e-2, foreach=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1)
+    assert optimizer._zeroalloc_stepper.by_groups

@@ -49,8 +49,11 @@ def _mapped_file(name: str) -> Path | None:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and Path(fields[5].strip()).name == name:
-                    return Path(fields[5].strip())
+                if len(fields) < 6:
+                    continue
+                mapped = fields[5].strip().removesuffix(" (deleted)")  # replaced since
+                if Path(mapped).name == name:
+                    return Path(mapped)
     except OSError:
         pass
     return None

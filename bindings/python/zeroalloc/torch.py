@@ -169,19 +169,20 @@ def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
 class OffloadHandle:
     """What offload() installed; remove() takes the hooks out again."""
 
-    def __init__(self, hooks: list, optimizer, original_step, parameters=()):
+    def __init__(self, hooks: list, optimizer, original_step, hooked=()):
         self._hooks = hooks
         self._optimizer = optimizer
         self._original_step = original_step
-        self._parameters = list(parameters)
+        # The parameters whose hooks it installed, weakly (the handle must not keep a
+        # dropped model's memory).
+        self._hooked = [weakref.ref(parameter) for parameter in hooked]
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for parameter in self._parameters:  # a later offload() hooks them again
-            parameter.__dict__.pop("_zeroalloc_hooked", None)
-        self._parameters = []
+        _unmark_hooked(self._hooked)  # a later offload() hooks them again
+        self._hooked = []
         if self._optimizer is not None:
             stepper = getattr(self._optimizer, "_zeroalloc_stepper", None)
             if stepper is not None:  # states it kept or staged go home first
@@ -189,12 +190,18 @@ class OffloadHandle:
                 _overlapping.discard(stepper)
                 for hook in stepper.late_hooks:
                     hook.remove()
-                for group in self._optimizer.param_groups:
-                    for parameter in group["params"]:
-                        parameter.__dict__.pop("_zeroalloc_hooked", None)
+                _unmark_hooked(stepper.late_hooked)
                 del self._optimizer._zeroalloc_stepper
             self._optimizer.step = self._original_step
             self._optimizer = None
+
+
+def _unmark_hooked(references: list) -> None:
+    """Clears the hooked mark of the parameters (weak references) whose hooks were taken out."""
+    for reference in references:
+        parameter = reference()
+        if parameter is not None:
+            parameter.__dict__.pop("_zeroalloc_hooked", None)
 
 
 def _setting(name: str, fallback: str) -> str:
@@ -236,10 +243,12 @@ def _require_offload_engine() -> None:
 _adoptions = [0]
 
 
-def _adopt(parameters, optimizer=None, gradient_class: bool = False) -> list:
+def _adopt(parameters, optimizer=None, gradient_class: bool = False,
+           hooked: "list | None" = None) -> list:
     """Moves parameters (and the optimizer's existing states) into their allocation classes
     and hints the end of each parameter's backward use; with `gradient_class`, gradients go
-    into theirs too (Note [Gradients' class]). Returns the hooks."""
+    into theirs too (Note [Gradients' class]). Returns the hooks; appends the parameters it
+    hooked to `hooked`."""
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
@@ -253,6 +262,8 @@ def _adopt(parameters, optimizer=None, gradient_class: bool = False) -> list:
                 continue
             if parameter.requires_grad:
                 parameter._zeroalloc_hooked = True
+                if hooked is not None:
+                    hooked.append(parameter)
                 hooks.append(parameter.register_post_accumulate_grad_hook(_end_backward))
                 if gradient_class:
                     if parameter.grad is not None and not parameter.grad.is_sparse:
@@ -615,15 +626,16 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     _require_offload_engine()
     if gradient_class is None:
         gradient_class = gradient_class_default()
-    parameters = list(model.parameters())
-    hooks = _adopt(parameters, optimizer, gradient_class)
+    hooked: list = []
+    hooks = _adopt(model.parameters(), optimizer, gradient_class, hooked)
     hooks += _install_hint_hooks(model, hint_group_bytes)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
-        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
-                                        adopt=lambda late: _adopt(late, None, gradient_class))
+        optimizer.step = _windowed_step(
+            optimizer, original_step, window_bytes, overlap_bytes,
+            adopt=lambda late, into: _adopt(late, None, gradient_class, into))
         _readopt_after_load(optimizer)
-    return OffloadHandle(hooks, optimizer, original_step, parameters)
+    return OffloadHandle(hooks, optimizer, original_step, hooked)
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
@@ -650,7 +662,8 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         parameters = [p for group in self.param_groups for p in group["params"]]
         _adopt(parameters, self, gradient_class)
         self.step = _windowed_step(self, self.step, window_bytes, overlap_bytes,
-                                   adopt=lambda late: _adopt(late, None, gradient_class))
+                                   adopt=lambda late, into: _adopt(late, None, gradient_class,
+                                                                   into))
         _readopt_after_load(self)
 
     torch.optim.Optimizer.__init__ = init
@@ -668,9 +681,14 @@ def _steps_by_param_groups(optimizer) -> bool:
     """Whether the optimizer's step steps exactly the parameters of its param_groups (Note
     [Steps that follow param_groups]): the class that defines its step is one of torch.optim's
     own, and not LBFGS."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return False
     for cls in type(optimizer).__mro__:
         if "step" in vars(cls):
-            return (cls.__module__.startswith("torch.optim.") and cls.__name__ != "LBFGS")
+            # The function, not the class: Optimizer.__init__ may have written a profiling
+            # wrapper of an inherited step onto a plain subclass (functools.wraps keeps the
+            # wrapped function's module).
+            return getattr(vars(cls)["step"], "__module__", "").startswith("torch.optim.")
     return False
 
 
@@ -820,9 +838,11 @@ class _WindowedStep:
                  adopt=None):
         self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
         # Parameters that need hooks after offload() (a group added with add_param_group, a
-        # parameter unfrozen since) get them at the next step: adopt(parameters) -> hooks.
+        # parameter unfrozen since) get them at the next step: adopt(parameters, hooked) ->
+        # hooks, appending the parameters it hooked to `hooked`.
         self.adopt = adopt
         self.late_hooks: list = []
+        self.late_hooked: list = []  # weak references
         self.original_step = original_step
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
@@ -1212,7 +1232,9 @@ class _WindowedStep:
             late = [p for group in optimizer.param_groups for p in group["params"]
                     if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
             if late:
-                self.late_hooks += self.adopt(late)
+                hooked: list = []
+                self.late_hooks += self.adopt(late, hooked)
+                self.late_hooked += [weakref.ref(parameter) for parameter in hooked]
         if closure is not None and self.by_groups:  # evaluated once, then the windows step
             with torch.enable_grad():
                 loss = closure()
