@@ -49,15 +49,17 @@ offload_engine::~offload_engine() {
 }
 
 bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_eviction>& into) {
-  // The last use-ends fence covers the chunk only while no block of its segment has been
-  // allocated or freed since (work on those is not hinted): else fence every stream.
-  std::vector<event_handle> fences;
-  auto state = chunks_.find(chosen.address);
-  if (state != chunks_.end() && state->second.released_generation == chosen.generation) {
-    for (const auto& [stream, event] : state->second.released) fences.push_back(event);
-  }
+  // The last use-ends fences cover the chunk only while no block of its segment has been
+  // allocated or freed since (work on those is not hinted): else fence every stream. The
+  // generation compared is the one at the claim (the pin), after which an allocation in the
+  // chunk waits for the move; the victim's, read earlier, may be older.
   chunk_info claimed;
   if (!migrator_.claim_eviction(chosen.address, claimed)) return false;
+  std::vector<event_handle> fences;
+  auto state = chunks_.find(chosen.address);
+  if (state != chunks_.end() && state->second.released_generation == claimed.generation) {
+    for (const auto& [stream, event] : state->second.released) fences.push_back(event);
+  }
   into.push_back({claimed, std::move(fences)});
   return true;
 }
