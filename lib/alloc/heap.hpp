@@ -47,11 +47,10 @@ struct segment {
   std::uintptr_t address = 0;
   std::size_t bytes = 0;
   std::vector<physical_handle> chunks;
-  std::size_t busy_blocks = 0;    // allocated or pending
-  std::size_t pinned_chunks = 0;  // chunks the offload engine is moving (Note [Pinned chunks])
-  std::size_t host_chunks = 0;    // chunks backed by host memory now
-  std::uint64_t generation =
-      0;  // changes at each allocation and free in it (chunk_info::generation)
+  std::size_t busy_blocks = 0;      // allocated or pending
+  std::size_t pinned_chunks = 0;    // chunks the offload engine is moving (Note [Pinned chunks])
+  std::size_t host_chunks = 0;      // chunks backed by host memory now
+  std::uint64_t generation = 0;     // a new value at each allocation and free (chunk_info)
   std::uint64_t last_activity = 0;  // chunk_info::last_activity
   block* first = nullptr;
 };

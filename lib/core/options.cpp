@@ -45,8 +45,7 @@ const std::vector<option_spec> kTable = {
      "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
      "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
      "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
-     "comes from the GPU's NUMA node when that node has room, else "
-     "from any node."},
+     "comes from the GPU's NUMA node when that node has room, else from any node."},
     {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
      "How far ahead along the learned access order the offload engine brings chunks back to "
      "the device, in bytes; it keeps that much device memory free for them."},

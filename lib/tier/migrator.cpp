@@ -355,9 +355,7 @@ void migrator::finish(transfer& done) {
   done.committed = true;
   if (done.to_host) {
     allocator_.arena().return_chunk(left_behind);
-  } else if (done.remapped_early) {
-    allocator_.unpin_chunk(address);
-  } else {
+  } else if (!done.remapped_early) {
     try {
       device_.unmap(done.staging, bytes);
       return_staging_slot(done.staging);
@@ -386,8 +384,10 @@ void migrator::finish(transfer& done) {
       std::abort();
     }
   }
-  if (!done.to_host && !done.remapped_early) allocator_.unpin_chunk(address);
-  if (!done.to_host) pool_.release(done.host);
+  if (!done.to_host) {
+    allocator_.unpin_chunk(address);  // a fetch: after the verification that reads it
+    pool_.release(done.host);
+  }
   const auto remap_ns =
       static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                      std::chrono::steady_clock::now() - remap_started)

@@ -180,7 +180,7 @@ class offload_engine {
   std::vector<victim> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
                                      bool only_released);
   /// An eviction claimed under mutex_, to start outside it (Note [Evictions outside the
-  /// engine's lock]), behind `fence` (the chunk's last use-ends event) when there is one.
+  /// engine's lock]), behind `fences` (the chunk's last use-ends events) when there are any.
   struct planned_eviction {
     chunk_info chunk;
     std::vector<event_handle> fences;  // empty: fence on every stream of the chunk

@@ -225,8 +225,8 @@ def _offload_setting() -> str:
 
 def gradient_class_default() -> bool:
     """ZEROALLOC_OFFLOAD_GRADIENTS, checked as the library checks it (the library rejects a
-    value that is not a yes or a no at start-up): what offload() and the automatic mode do with
-    gradients when `gradient_class` is not given."""
+    value that is not a yes or a no at start-up): what offload() and the automatic mode do
+    with gradients when `gradient_class` is not given."""
     return _setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
 
 
@@ -750,8 +750,9 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
     optimizer-state class's (offload_tensor, fetch_tensor and residency act on the states'
     own tensors). A state written in place between the backward that staged it and the
     step is staged again (its version counter changed); a write the counter does not see
-    (through .data, DLPack or a kernel of one's own) is overwritten by the staged copy. Not thread-safe: one thread's
-    forwards and steps per optimizer (DataParallel replicas would race)."""
+    (through .data, DLPack or a kernel of one's own) is overwritten by the staged copy. Not
+    thread-safe: one thread's forwards and steps per optimizer (DataParallel replicas would
+    race)."""
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
     stepper = _WindowedStep(optimizer, original_step, window_bytes, overlap_bytes, adopt)
