@@ -1,13 +1,15 @@
-// A device that forwards every call to another one and fails the unmaps a test picks out,
-// the way a driver does (device_error), so that tests can check what a failed CUDA call in
-// the middle of a migration leaves behind; and damages the bytes of a copy a test picks out
-// (a write that lands in memory being moved), for ZEROALLOC_VERIFY to find.
+// A device that forwards every call to another one and fails the unmaps, or the event
+// records, a test picks out, the way a driver does (device_error), so that tests can check
+// what a failed CUDA call in the middle of a migration leaves behind; damages the bytes of a
+// copy a test picks out (a write that lands in memory being moved), for ZEROALLOC_VERIFY to
+// find; and counts the events alive, so that tests can see a failure path leak none.
 #pragma once
 
 #include <algorithm>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "core/errors.hpp"
@@ -33,9 +35,27 @@ class faulty_device final : public device {
     damage_ = std::move(which);
     damage_countdown_ = nth;
   }
+  /// From now on, the first copy_async whose source the predicate accepts arms a failure:
+  /// the next record_event made by the same thread throws (the event is not recorded, the
+  /// copy stays queued); then the predicate is dropped. This is a request failing after its
+  /// copy was queued.
+  void fail_record_after_copy(std::function<bool(const void* source)> which) {
+    std::lock_guard lock(mutex_);
+    fail_after_copy_ = std::move(which);
+    armed_thread_ = std::thread::id();
+  }
   [[nodiscard]] int failed_unmaps() const {
     std::lock_guard lock(mutex_);
     return failed_unmaps_;
+  }
+  [[nodiscard]] int failed_records() const {
+    std::lock_guard lock(mutex_);
+    return failed_records_;
+  }
+  /// Events created and not destroyed (timing events included).
+  [[nodiscard]] long events_alive() const {
+    std::lock_guard lock(mutex_);
+    return events_alive_;
   }
 
   [[nodiscard]] std::string name() const override { return inner_->name(); }
@@ -72,16 +92,39 @@ class faulty_device final : public device {
   }
   stream_handle create_stream() override { return inner_->create_stream(); }
   void destroy_stream(stream_handle stream) override { inner_->destroy_stream(stream); }
-  event_handle create_event() override { return inner_->create_event(); }
-  void destroy_event(event_handle event) override { inner_->destroy_event(event); }
+  event_handle create_event() override {
+    event_handle event = inner_->create_event();
+    std::lock_guard lock(mutex_);
+    ++events_alive_;
+    return event;
+  }
+  void destroy_event(event_handle event) override {
+    inner_->destroy_event(event);
+    if (event == nullptr) return;
+    std::lock_guard lock(mutex_);
+    --events_alive_;
+  }
   void record_event(event_handle event, stream_handle stream) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (armed_thread_ != std::thread::id() && armed_thread_ == std::this_thread::get_id()) {
+        armed_thread_ = std::thread::id();
+        ++failed_records_;
+        throw device_error("cuEventRecord failed (injected by the test)", 999);
+      }
+    }
     inner_->record_event(event, stream);
   }
   [[nodiscard]] bool event_completed(event_handle event) override {
     return inner_->event_completed(event);
   }
   void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
-  event_handle create_timing_event() override { return inner_->create_timing_event(); }
+  event_handle create_timing_event() override {
+    event_handle event = inner_->create_timing_event();
+    std::lock_guard lock(mutex_);
+    ++events_alive_;
+    return event;
+  }
   [[nodiscard]] float elapsed_ms(event_handle start, event_handle end) override {
     return inner_->elapsed_ms(start, end);
   }
@@ -95,6 +138,10 @@ class faulty_device final : public device {
     bool damage = false;
     {
       std::lock_guard lock(mutex_);
+      if (fail_after_copy_ && fail_after_copy_(source)) {
+        fail_after_copy_ = nullptr;
+        armed_thread_ = std::this_thread::get_id();
+      }
       if (damage_ && damage_(source) && --damage_countdown_ == 0) {
         damage_ = nullptr;
         damage = true;
@@ -115,6 +162,10 @@ class faulty_device final : public device {
   mutable std::mutex mutex_;
   std::function<bool(std::uintptr_t)> fail_unmap_;
   int failed_unmaps_ = 0;
+  std::function<bool(const void*)> fail_after_copy_;
+  std::thread::id armed_thread_;  // its next record_event fails; none when default
+  int failed_records_ = 0;
+  long events_alive_ = 0;
   std::function<bool(const void*)> damage_;
   int damage_countdown_ = 0;
 };

@@ -6,8 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -153,6 +156,132 @@ TEST_F(MigratorTest, AFailedUnmapAfterAFetchLosesNoBytesAndSharesNoMemory) {
     EXPECT_EQ(read_back(device, second, kChunkBytes), std::vector<std::uint8_t>(kChunkBytes, 0x33));
     allocator.deallocate(first);
     allocator.deallocate(second);
+  }
+  allocator.empty_cache();
+}
+
+// A fetch that fails after queuing its copy (here the record of its event fails) gives its
+// device chunk back only once that copy has run: given back before, the copy could still
+// write into memory that by then serves another allocation. The chunk stays on the host with
+// its bytes and can still come back. Both ways of fetching are failed: through a staging
+// address (a chunk that may be in use) and mapped at once (an idle chunk). Each copy is held
+// back, behind a "kernel" on the chunk's stream, until a thread opens it 200 ms later.
+TEST_F(MigratorTest, AFetchThatFailsAfterQueuingItsCopyWaitsForItAndKeepsTheChunkOnTheHost) {
+  faulty_stack stack(256 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  {
+    migrator engine(allocator, stack.pool, false);
+    stream_handle compute = device.create_stream();
+    void* first = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
+    void* second = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
+    device.fill_async(first, 0x11, kChunkBytes, compute);
+    device.fill_async(second, 0x22, kChunkBytes, compute);
+    device.synchronize_stream(compute);
+    std::vector<chunk_info> chunks;
+    ASSERT_TRUE(allocator.chunks_of_allocation(first, chunks));
+    ASSERT_TRUE(allocator.chunks_of_allocation(second, chunks));
+    ASSERT_EQ(chunks.size(), 2u);
+    const std::uintptr_t a = chunks[0].address;
+    const std::uintptr_t b = chunks[1].address;
+    ASSERT_TRUE(engine.evict_async(a));
+    ASSERT_TRUE(engine.evict_async(b));
+    engine.drain();
+    const std::vector<std::uint8_t> ones(kChunkBytes, 0x11);
+    const std::vector<std::uint8_t> twos(kChunkBytes, 0x22);
+    // Blocks `compute` until a thread opens it, 200 ms from now, after setting `opened`.
+    auto hold_compute = [&](std::atomic<bool>& opened) {
+      auto gate = std::make_shared<std::promise<void>>();
+      std::shared_future<void> open = gate->get_future().share();
+      device.host_function_async([open] { open.wait(); }, compute);
+      return std::thread([gate, &opened] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        opened = true;
+        gate->set_value();
+      });
+    };
+
+    std::atomic<bool> opened{false};
+    std::thread opener = hold_compute(opened);
+    device.fail_record_after_copy([](const void*) { return true; });
+    EXPECT_THROW(engine.fetch_async(a), device_error);  // not idle: through a staging address
+    EXPECT_TRUE(opened.load())
+        << "the failed fetch gave its device chunk back while its copy could still write it";
+    opener.join();
+    EXPECT_EQ(device.failed_records(), 1) << "the failure was not injected";
+    EXPECT_EQ(engine.where(a), residency::host);
+    EXPECT_EQ(read_back(device, first, kChunkBytes, compute), ones);
+
+    // The fetch of b copies through a staging address behind `compute` and holds up the
+    // copy-in stream, where the idle fetch of a queues its copy next.
+    std::atomic<bool> reopened{false};
+    opener = hold_compute(reopened);
+    ASSERT_TRUE(engine.fetch_async(b));
+    std::vector<chunk_info> now;
+    ASSERT_TRUE(allocator.chunks_of_allocation(first, now));
+    device.fail_record_after_copy([](const void*) { return true; });
+    EXPECT_THROW(engine.fetch_async(a, /*chunk_idle=*/true, now.at(0).generation), device_error);
+    EXPECT_TRUE(reopened.load())
+        << "the failed idle fetch mapped the chunk back while its copy could still run";
+    opener.join();
+    engine.drain();
+    EXPECT_EQ(device.failed_records(), 2);
+    EXPECT_EQ(engine.where(a), residency::host);
+    EXPECT_EQ(engine.where(b), residency::device);
+    EXPECT_EQ(read_back(device, first, kChunkBytes, compute), ones);
+    EXPECT_EQ(read_back(device, second, kChunkBytes, compute), twos);
+
+    ASSERT_TRUE(engine.fetch_async(a));
+    engine.drain();
+    EXPECT_EQ(engine.where(a), residency::device);
+    EXPECT_EQ(read_back(device, first, kChunkBytes, compute), ones);
+    EXPECT_EQ(stack.pool.figures().in_use_bytes, 0u);
+    allocator.deallocate(first);
+    allocator.deallocate(second);
+    allocator.forget_stream(compute);
+    device.destroy_stream(compute);
+  }
+  allocator.empty_cache();
+}
+
+// An eviction that fails at its remap (in the migrator's worker, after its copy) leaves the
+// chunk on the device with its bytes, gives its host memory back and keeps no event: a
+// program whose driver fails now and then keeps running, and keeps its memory.
+TEST_F(MigratorTest, AnEvictionThatFailsAtItsRemapKeepsTheChunkOnTheDeviceAndLeaksNothing) {
+  faulty_stack stack(64 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  {
+    migrator engine(allocator, stack.pool, false);
+    void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
+    device.synchronize_stream(nullptr);
+    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(pointer);
+    const std::vector<std::uint8_t> ones(kChunkBytes, 0x11);
+    long events_after_first = 0;
+    constexpr int kRounds = 40;
+    for (int round = 0; round < kRounds; ++round) {
+      device.fail_next_unmap([a](std::uintptr_t address) { return address == a; });
+      ASSERT_TRUE(engine.evict_async(a));
+      engine.drain();
+      ASSERT_EQ(engine.where(a), residency::device) << "round " << round;
+      if (round == 0) events_after_first = device.events_alive();
+    }
+    EXPECT_EQ(device.failed_unmaps(), kRounds) << "the failure was not injected";
+    EXPECT_EQ(device.events_alive(), events_after_first) << "a failed eviction kept its event";
+    EXPECT_EQ(stack.pool.figures().in_use_bytes, 0u) << "a failed eviction kept its host memory";
+    EXPECT_EQ(engine.figures().chunks_to_host, 0u);
+    EXPECT_EQ(engine.bytes_leaving_device(), 0u);
+    EXPECT_EQ(read_back(device, pointer, kChunkBytes), ones);
+
+    ASSERT_TRUE(engine.evict_async(a));  // the driver works again
+    engine.drain();
+    EXPECT_EQ(engine.where(a), residency::host);
+    EXPECT_EQ(read_back(device, pointer, kChunkBytes), ones);
+    ASSERT_TRUE(engine.fetch_async(a));
+    engine.drain();
+    EXPECT_EQ(read_back(device, pointer, kChunkBytes), ones);
+    allocator.deallocate(pointer);
   }
   allocator.empty_cache();
 }
