@@ -98,10 +98,14 @@ event_handle migrator::obtain_event() {
 void migrator::fence_behind_chunk_streams(const chunk_info& chunk, stream_handle copy_stream) {
   for (stream_handle stream : chunk.streams) {
     event_handle fence = obtain_event();
-    device_.record_event(fence, stream);
-    device_.stream_wait_event(copy_stream, fence);
-    std::lock_guard lock(mutex_);
-    spare_events_.push_back(fence);  // a recorded event may be re-recorded once waited on
+    try {
+      device_.record_event(fence, stream);
+      device_.stream_wait_event(copy_stream, fence);
+    } catch (...) {
+      return_event(fence);  // unrecorded, or recorded and not waited on: either is reusable
+      throw;
+    }
+    return_event(fence);  // a recorded event may be re-recorded once waited on
   }
 }
 
@@ -126,10 +130,11 @@ std::uint64_t migrator::checksum_of(std::uintptr_t address, std::size_t bytes,
   return fnv1a(words);
 }
 
-bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handle>* after) {
+bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handle>* after,
+                           bool and_chunk_streams) {
   chunk_info claimed;
   if (!claim_eviction(address, claimed)) return false;
-  start_claimed_eviction(claimed, after);
+  start_claimed_eviction(claimed, after, and_chunk_streams);
   return true;
 }
 
@@ -156,7 +161,8 @@ void migrator::cancel_eviction(std::uintptr_t address) {
 }
 
 void migrator::start_claimed_eviction(const chunk_info& chunk,
-                                      const std::vector<event_handle>* after) {
+                                      const std::vector<event_handle>* after,
+                                      bool and_chunk_streams) {
   const std::uintptr_t address = chunk.address;
   transfer moving;
   moving.chunk = chunk;
@@ -167,9 +173,8 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
     moving.copied = obtain_event();
     if (after != nullptr) {
       for (event_handle fence : *after) device_.stream_wait_event(out_stream_, fence);
-    } else {
-      fence_behind_chunk_streams(chunk, out_stream_);
     }
+    if (after == nullptr || and_chunk_streams) fence_behind_chunk_streams(chunk, out_stream_);
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, out_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.host.staging_address),
                        reinterpret_cast<const void*>(address), chunk.handle.bytes, out_stream_);
@@ -188,8 +193,9 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
   changed_.notify_all();
 }
 
-bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation) {
-  return claim_fetch(address) && start_claimed_fetch(address, chunk_idle, idle_generation);
+bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation,
+                           const std::vector<event_handle>* after) {
+  return claim_fetch(address) && start_claimed_fetch(address, chunk_idle, idle_generation, after);
 }
 
 bool migrator::claim_fetch(std::uintptr_t address) {
@@ -206,7 +212,8 @@ bool migrator::claim_fetch(std::uintptr_t address) {
 }
 
 bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
-                                   std::uint64_t idle_generation) {
+                                   std::uint64_t idle_generation,
+                                   const std::vector<event_handle>* after) {
   host_chunk host;
   {
     std::lock_guard lock(mutex_);
@@ -277,9 +284,27 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
         } catch (...) {  // the stream failed: nothing is writing any more
         }
       }
-      if (moving.remapped_early) allocator_.remap_pinned_chunk(address, host.handle);
+      bool stays_on_device = false;
+      if (moving.remapped_early) {
+        try {
+          allocator_.remap_pinned_chunk(address, host.handle);
+        } catch (const std::exception& again) {
+          // Its addresses still map the device chunk: that is where it is now, with the
+          // bytes the copy brought (synchronized above) or without them.
+          stays_on_device = true;
+          log().critical(
+              "offload: the chunk at {:#x} could not be mapped back to its host copy after "
+              "its fetch failed ({}); it stays on the device{}",
+              address, again.what(),
+              copies_queued ? "" : ", without its bytes: expect wrong results, restart");
+        }
+      }
       if (moving.copied != nullptr) return_event(moving.copied);
-      allocator_.arena().return_chunk(moving.device_chunk);
+      if (stays_on_device) {
+        forget_host_copy(moving);
+      } else {
+        allocator_.arena().return_chunk(moving.device_chunk);
+      }
       allocator_.unpin_chunk(address);
       release_claim(address);
       throw;
@@ -291,12 +316,17 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     changed_.notify_all();
     return true;
   }
+  bool mapped = false;
   bool copy_queued = false;
   try {
     moving.staging = take_staging_slot();
     device_.map(moving.staging, moving.device_chunk);
+    mapped = true;
     moving.copied = obtain_event();
-    if (!chunk_idle) fence_behind_chunk_streams(chunk, in_stream_);
+    fence_behind_chunk_streams(chunk, in_stream_);  // not idle: whatever may touch it
+    if (after != nullptr) {
+      for (event_handle fence : *after) device_.stream_wait_event(in_stream_, fence);
+    }
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, in_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.staging),
                        reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
@@ -310,15 +340,8 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       } catch (...) {  // the stream failed: nothing is writing any more
       }
     }
-    if (moving.staging != 0) {
-      try {
-        device_.unmap(moving.staging, moving.device_chunk.bytes);
-      } catch (...) {  // it was not mapped
-      }
-      return_staging_slot(moving.staging);
-    }
+    if (moving.staging != 0) give_back_staging(moving.staging, moving.device_chunk, mapped);
     if (moving.copied != nullptr) return_event(moving.copied);
-    allocator_.arena().return_chunk(moving.device_chunk);
     allocator_.unpin_chunk(address);
     release_claim(address);
     throw;
@@ -360,7 +383,11 @@ void migrator::finish(transfer& done) {
       device_.unmap(done.staging, bytes);
       return_staging_slot(done.staging);
     } catch (const std::exception& failure) {
-      retire_staging_slot(done.staging, bytes, failure.what());
+      retire_staging_slot(done.staging, bytes);
+      log().error(
+          "offload: unmapping the staging address {:#x} after a fetch failed ({}); the "
+          "fetch stands, the address is not used again",
+          done.staging, failure.what());
     }
   }
   if (verify_) {
@@ -439,22 +466,16 @@ void migrator::worker() {
       } else if (oldest.to_host) {
         pool_.release(oldest.host);
       } else if (oldest.remapped_early) {
-        try {  // the bytes are still in the host chunk: map it back
-          allocator_.remap_pinned_chunk(oldest.chunk.address, oldest.host.handle);
-          allocator_.arena().return_chunk(oldest.device_chunk);
-        } catch (const std::exception& again) {
-          log().critical(
-              "offload: the chunk at {:#x} could not be mapped back to its host "
-              "copy: {}",
-              oldest.chunk.address, again.what());
-        }
+        // Committed at its request: users were ordered after its copy and may have queued
+        // work on the device mapping, which mapping the host chunk back would lose. It
+        // stays on the device, its host copy goes back.
+        log().critical(
+            "offload: the bytes of the chunk at {:#x} may not have reached the device; it "
+            "stays there (expect wrong results, restart)",
+            oldest.chunk.address);
+        forget_host_copy(oldest);
       } else {
-        try {
-          device_.unmap(oldest.staging, oldest.device_chunk.bytes);
-        } catch (...) {  // already unmapped
-        }
-        return_staging_slot(oldest.staging);
-        allocator_.arena().return_chunk(oldest.device_chunk);
+        give_back_staging(oldest.staging, oldest.device_chunk, /*mapped=*/true);
       }
       allocator_.unpin_chunk(oldest.chunk.address);
       std::lock_guard relock(mutex_);
@@ -528,16 +549,12 @@ std::uintptr_t migrator::take_staging_slot() {
   return slot;
 }
 
-void migrator::retire_staging_slot(std::uintptr_t address, std::size_t bytes, const char* why) {
+void migrator::retire_staging_slot(std::uintptr_t address, std::size_t bytes) {
   {
     std::lock_guard lock(mutex_);
     retired_slots_.emplace_back(address, bytes);
   }
   changed_.notify_all();
-  log().error(
-      "offload: unmapping the staging address {:#x} after a fetch failed ({}); the "
-      "fetch stands, the address is not used again",
-      address, why);
 }
 
 void migrator::return_staging_slot(std::uintptr_t address) {
@@ -546,6 +563,35 @@ void migrator::return_staging_slot(std::uintptr_t address) {
     free_slots_.push_back(address);
   }
   changed_.notify_all();
+}
+
+void migrator::forget_host_copy(transfer& fetched) {
+  pool_.release(fetched.host);
+  std::lock_guard lock(mutex_);
+  on_host_.erase(fetched.chunk.address);
+  host_owner_.erase({fetched.host.handle.value, fetched.host.handle.offset});
+  ++figures_.chunks_to_device;
+  figures_.bytes_to_device += fetched.chunk.handle.bytes;
+  figures_.host_resident_bytes -= fetched.chunk.handle.bytes;
+}
+
+void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped) {
+  if (mapped) {
+    try {
+      device_.unmap(slot, device_chunk.bytes);
+    } catch (const std::exception& failure) {
+      // Still mapped there: neither the address nor the device chunk may serve anything
+      // else (a later map at the slot would fail; the chunk's memory would be shared).
+      retire_staging_slot(slot, device_chunk.bytes);
+      log().error(
+          "offload: unmapping the staging address {:#x} of a fetch that failed failed too "
+          "({}); the address and the {} of device memory it maps are not used again",
+          slot, failure.what(), format_bytes(device_chunk.bytes));
+      return;
+    }
+  }
+  return_staging_slot(slot);
+  allocator_.arena().return_chunk(device_chunk);
 }
 
 void migrator::return_host_chunk(physical_handle handle) {

@@ -83,17 +83,19 @@ class migrator {
 
   /// Starts moving the chunk mapped at `address` to host memory. Its copy waits for
   /// `after` (events recorded after the chunk's last use) when given, else for everything
-  /// queued so far on the streams the chunk's blocks were used on. False when it is not a
-  /// device-resident chunk of a live segment, or is moving already. Throws
-  /// host_memory_exhausted when the host tier is full.
-  bool evict_async(std::uintptr_t address, const std::vector<event_handle>* after = nullptr);
+  /// queued so far on the streams the chunk's blocks were used on; for both with
+  /// `and_chunk_streams`. False when it is not a device-resident chunk of a live segment, or
+  /// is moving already. Throws host_memory_exhausted when the host tier is full.
+  bool evict_async(std::uintptr_t address, const std::vector<event_handle>* after = nullptr,
+                   bool and_chunk_streams = false);
   /// evict_async in two steps, so that a caller can claim under its own lock and do the
   /// rest (which may create pinned host memory, milliseconds) outside it. claim_eviction
   /// pins the chunk and marks it moving to the host (uses that begin now wait for the move);
   /// false as evict_async. Every successful claim must be followed by exactly one
   /// start_claimed_eviction (which gives the claim up if it throws) or cancel_eviction.
   bool claim_eviction(std::uintptr_t address, chunk_info& claimed);
-  void start_claimed_eviction(const chunk_info& claimed, const std::vector<event_handle>* after);
+  void start_claimed_eviction(const chunk_info& claimed, const std::vector<event_handle>* after,
+                              bool and_chunk_streams = false);
   void cancel_eviction(std::uintptr_t address);
   /// Starts bringing the chunk back to the device. Its copy waits for the work queued on
   /// the chunk's streams unless `chunk_idle` says that none of it touches the chunk (the
@@ -101,8 +103,11 @@ class migrator {
   /// its bytes arrive behind an event (order_after_arrival). False when it is not on the
   /// host, or no device memory is free within the limit (evict something first).
   /// `chunk_idle` holds only while the chunk's generation is still `idle_generation`.
+  /// A fetch that is not idle also waits for `after` when given (events recorded at the
+  /// ends of hinted uses, which may have run on streams the allocator does not know).
   bool fetch_async(std::uintptr_t address, bool chunk_idle = false,
-                   std::uint64_t idle_generation = 0);
+                   std::uint64_t idle_generation = 0,
+                   const std::vector<event_handle>* after = nullptr);
   /// fetch_async in two steps, as claim_eviction: claim_fetch marks a host-resident chunk
   /// moving to the device (uses that begin now wait for the move), so that a caller can
   /// decide under its own lock whether the chunk is idle and claim it in the same breath;
@@ -110,7 +115,8 @@ class migrator {
   /// followed by exactly one start_claimed_fetch, which gives the claim up when it returns
   /// false or throws.
   bool claim_fetch(std::uintptr_t address);
-  bool start_claimed_fetch(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation);
+  bool start_claimed_fetch(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation,
+                           const std::vector<event_handle>* after = nullptr);
   /// For a chunk fetched as idle (mapped on the device at once, its bytes still arriving):
   /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
   /// other chunk. No host thread waits.
@@ -154,8 +160,14 @@ class migrator {
   void worker();
   std::uintptr_t take_staging_slot();
   /// Keeps a staging address whose unmap failed out of use (it still maps a chunk).
-  void retire_staging_slot(std::uintptr_t address, std::size_t bytes, const char* why);
+  void retire_staging_slot(std::uintptr_t address, std::size_t bytes);
   void return_staging_slot(std::uintptr_t address);
+  /// For a fetch that failed after its chunk was mapped on the device for good: its host
+  /// chunk goes back, and the chunk counts as on the device.
+  void forget_host_copy(transfer& fetched);
+  /// After a fetch through `slot` failed: unmaps the device chunk there (when `mapped`) and
+  /// gives both back; an unmap that fails retires both instead.
+  void give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped);
   void return_host_chunk(physical_handle handle);  // the arena's sink
 
   caching_allocator& allocator_;

@@ -41,11 +41,15 @@ offload_engine::~offload_engine() {
   wishes_changed_.notify_all();
   prefetcher_.join();
   migrator_.drain();  // no copy may still wait on the events below
-  collect_waits(/*all=*/true);
-  for (auto& [address, state] : chunks_) {
-    for (const auto& [stream, event] : state.released) device_.destroy_event(event);
+  try {
+    collect_waits(/*all=*/true);
+    for (auto& [address, state] : chunks_) {
+      for (const auto& [stream, event] : state.released) device_.destroy_event(event);
+    }
+    for (event_handle event : spare_timing_events_) device_.destroy_event(event);
+  } catch (const std::exception& failure) {
+    log().error("offload: releasing the engine's events failed: {}", failure.what());
   }
-  for (event_handle event : spare_timing_events_) device_.destroy_event(event);
 }
 
 bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_eviction>& into) {
@@ -55,13 +59,20 @@ bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_evi
   // chunk waits for the move; the victim's, read earlier, may be older.
   chunk_info claimed;
   if (!migrator_.claim_eviction(chosen.address, claimed)) return false;
-  std::vector<event_handle> fences;
-  auto state = chunks_.find(chosen.address);
-  if (state != chunks_.end() && state->second.released_generation == claimed.generation) {
-    for (const auto& [stream, event] : state->second.released) fences.push_back(event);
-  }
-  into.push_back({claimed, std::move(fences)});
+  into.push_back(fenced_eviction(claimed));
   return true;
+}
+
+offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_info& claimed) const {
+  planned_eviction planned{claimed, {}, true};
+  auto state = chunks_.find(claimed.address);
+  if (state == chunks_.end()) return planned;
+  // The ends of hinted uses are fenced whatever the generation: a use may have run on a
+  // stream the allocator does not know of (no record_stream), which only its hint names.
+  for (const auto& [stream, event] : state->second.released) planned.fences.push_back(event);
+  planned.fence_streams =
+      planned.fences.empty() || state->second.released_generation != claimed.generation;
+  return planned;
 }
 
 // Note [Evictions outside the engine's lock]: a victim is chosen and claimed under mutex_
@@ -77,7 +88,8 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
   try {
     for (; next < planned.size(); ++next) {
       const planned_eviction& each = planned[next];
-      migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences);
+      migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences,
+                                       each.fence_streams);
       started.push_back(each.chunk.address);
     }
   } catch (const host_memory_exhausted& exhausted) {
@@ -460,9 +472,14 @@ void offload_engine::step_boundary() {
     positions_[learned_order_[i]].push_back(i);
   }
   cursor_ = 0;
-  // A step ends with nothing in use: hints that never closed (parameters without gradients
-  // get no after-backward hint) must not pin their chunks on the device for good.
-  for (auto& [address, state] : chunks_) state.open_uses = 0;
+  // A step ends with nothing in use: hints that never closed (a caller that ends no
+  // backward use) must not pin their chunks on the device for good. But no use-ends fence
+  // covers the work such a use queued: until a use of the chunk ends again, its moves wait
+  // for its streams, and evictions ahead of need pass it over.
+  for (auto& [address, state] : chunks_) {
+    if (state.open_uses > 0) state.released_generation = std::numeric_limits<std::uint64_t>::max();
+    state.open_uses = 0;
+  }
   ++figures_.steps;
   figures_.learned_order_chunks = learned_order_.size();
 }
@@ -479,6 +496,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     bool idle = false;
     std::uint64_t idle_generation = 0;
     bool claimed = false;
+    std::vector<event_handle> use_ends;  // a fetch that is not idle waits for these too
     {
       std::lock_guard lock(mutex_);
       auto state = chunks_.find(address);
@@ -488,9 +506,13 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
       idle = ordered_use && state != chunks_.end() && state->second.hinted &&
              !state->second.used_on_host && !learned_order_.empty();
       if (idle) idle_generation = state->second.released_generation;
+      if (state != chunks_.end()) {
+        for (const auto& [stream, event] : state->second.released) use_ends.push_back(event);
+      }
       claimed = migrator_.claim_fetch(address);
     }
-    if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation)) {
+    if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation,
+                                                 use_ends.empty() ? nullptr : &use_ends)) {
       started = true;
       std::lock_guard lock(mutex_);
       chunks_[address].used_on_host = false;  // the fetch waited for those uses
@@ -643,7 +665,9 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     });
     for (const chunk_info& chunk : chunks) {
       chunk_info claimed;
-      if (migrator_.claim_eviction(chunk.address, claimed)) planned.push_back({claimed, {}});
+      if (migrator_.claim_eviction(chunk.address, claimed)) {
+        planned.push_back(fenced_eviction(claimed));
+      }
     }
   }
   launch_evictions(planned, /*full_is_an_error=*/true);  // the caller asked for this move

@@ -183,8 +183,13 @@ class offload_engine {
   /// engine's lock]), behind `fences` (the chunk's last use-ends events) when there are any.
   struct planned_eviction {
     chunk_info chunk;
-    std::vector<event_handle> fences;  // empty: fence on every stream of the chunk
+    std::vector<event_handle> fences;  // the chunk's use-ends fences
+    bool fence_streams = true;         // also every stream of the chunk (always when none)
   };
+  /// The eviction of a claimed chunk, with what its copy must wait for: its use-ends fences,
+  /// and its streams too unless those fences cover every use since the last allocation or
+  /// free in its segment. Caller holds mutex_.
+  planned_eviction fenced_eviction(const chunk_info& claimed) const;
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);

@@ -473,6 +473,72 @@ TEST_F(OffloadEngineTest, AnEvictionWaitsForTheLastUseOnEveryStreamTheChunkWasUs
   device_->destroy_stream(quick);
 }
 
+// A use hinted on a stream the allocator does not know of (no record_stream) is fenced by
+// its use-ends event, also once an allocation in the chunk's segment has made the engine
+// fence the chunk's own streams: the two together, not one instead of the other.
+TEST_F(OffloadEngineTest, AnEvictionWaitsForAHintedUseOnAnUnknownStreamAfterItsSegmentChanged) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle side = device_->create_stream();
+  void* state = allocator_->allocate(kChunkBytes / 2, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x21, kChunkBytes / 2, nullptr);
+  device_->synchronize_stream(nullptr);
+  std::atomic<bool> side_work_done{false};
+  engine.use_begins(state, side);
+  device_->host_function_async(
+      [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        side_work_done = true;
+      },
+      side);
+  engine.use_ends(state, side);
+  std::vector<chunk_info> before;
+  allocator_->chunks_of_allocation(state, before);
+  void* neighbour = allocator_->allocate(kChunkBytes / 2, nullptr, allocation_class::optimizer_state);
+  std::vector<chunk_info> after;
+  allocator_->chunks_of_allocation(state, after);
+  ASSERT_NE(before.at(0).generation, after.at(0).generation) << "the segment did not change";
+  ASSERT_TRUE(engine.evict(state, /*wait=*/true));
+  EXPECT_TRUE(side_work_done) << "the chunk moved while the side stream's work could use it";
+  EXPECT_EQ(where_first_chunk(state), residency::host);
+  EXPECT_TRUE(holds(state, 0x21, kChunkBytes / 2));
+  allocator_->deallocate(neighbour);
+  allocator_->deallocate(state);
+  device_->synchronize_stream(side);
+  device_->destroy_stream(side);
+}
+
+// A use that never ended (a caller that sends no end for it) is closed by the step
+// boundary, but no use-ends fence covers what it queued: the chunk's older use-ends event
+// has long completed. An eviction under pressure then waits for the chunk's streams.
+TEST_F(OffloadEngineTest, AUseLeftOpenAtTheStepBoundaryIsWaitedForByTheNextEviction) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle compute = device_->create_stream();
+  void* state = allocator_->allocate(kChunkBytes, compute, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x21, kChunkBytes, compute);
+  engine.use_begins(state, compute);
+  engine.use_ends(state, compute);
+  device_->synchronize_stream(compute);  // that use's end has passed
+  std::atomic<bool> open_work_done{false};
+  engine.use_begins(state, compute);
+  device_->host_function_async(
+      [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        open_work_done = true;
+      },
+      compute);
+  engine.step_boundary();
+  ASSERT_GE(engine.relieve_pressure(kChunkBytes), kChunkBytes);
+  engine.mover().drain();
+  EXPECT_TRUE(open_work_done) << "the chunk moved while the unended use's work could use it";
+  EXPECT_EQ(where_first_chunk(state), residency::host);
+  EXPECT_TRUE(holds(state, 0x21, kChunkBytes));
+  allocator_->deallocate(state);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
 TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringTheUse) {
   start(256 * MiB, 64 * MiB);
   offload_engine& engine = *engine_;
