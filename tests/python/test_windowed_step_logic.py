@@ -356,10 +356,19 @@ class Delegating(torch.optim.Optimizer):
 
 @pytest.mark.parametrize("kind", ["delegating", "lbfgs"])
 def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_parameter_once(
-        engine, kind):
+        engine, kind, monkeypatch):
     # Note [Steps that follow param_groups]: windows narrow param_groups; a step that ignores
     # them stepped every parameter once per window (several windows here), and LBFGS, which
-    # needs its closure, failed.
+    # needs its closure, failed. Stepped in one piece, its states are still pinned for the
+    # step (every use of the class hinted) and the states it creates join their class.
+    moved = []
+
+    def move(tensor, name):
+        moved.append(name)
+        return tensor.clone()
+
+    monkeypatch.setattr(zt, "_move_into_class", move)
+
     def make():
         model, _ = build()
         if kind == "lbfgs":
@@ -385,6 +394,13 @@ def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_paramet
                 opt.step()
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
+    # The delegating one keeps its states in its inner optimizer, out of sight.
+    created = sum(1 for state in optimizer.state.values() for value in state.values()
+                  if torch.is_tensor(value) and value.dim() > 0 and value.numel() > 0)
+    assert (created > 0) == (kind == "lbfgs")
+    assert moved == ["optimizer_state"] * created  # once each, after the step that made it
+    assert engine.in_place >= 2 * created  # the two steps after the first pinned them all
+    assert engine.open() == 0 and not engine.stray_ends
 
 
 def test_a_dropped_optimizer_with_kept_states_is_freed(engine):
@@ -422,7 +438,7 @@ def test_parameters_unfrozen_or_added_after_offload_get_their_hooks_at_the_next_
     def adopt(parameters, hooked):
         for parameter in parameters:  # what _adopt marks
             parameter._zeroalloc_hooked = True
-        hooked.extend(parameters)
+        hooked.extend((parameter, "_zeroalloc_hooked") for parameter in parameters)
         adopted.append([id(p) for p in parameters])
         return []
 
@@ -467,3 +483,53 @@ def test_a_plain_subclass_of_a_torch_optimizer_steps_in_windows(engine):
         warnings.simplefilter("error")
         optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1)
     assert optimizer._zeroalloc_stepper.by_groups
+
+
+def test_only_states_the_step_pins_join_the_optimizer_state_class(engine, monkeypatch):
+    # A fused or capturable Adam keeps its step count as a 0-dim tensor on the device; the
+    # windowed step never pins it, and unhinted use must not share the hinted class.
+    moved = []
+    monkeypatch.setattr(zt, "_move_into_class", lambda tensor, name: moved.append(name) or
+                        tensor.clone())
+    model, optimizer = build()
+    torch.nn.functional.cross_entropy(model(torch.randn(2, WIDTH)), torch.tensor([0, 1])).backward()
+    optimizer.step()
+    counts = [state["step"] for state in optimizer.state.values()]
+    assert all(torch.is_tensor(count) and count.dim() == 0 for count in counts)
+    zt._adopt([], optimizer)
+    assert moved == ["optimizer_state"] * (2 * len(counts))  # exp_avg and exp_avg_sq
+    assert all(state["step"] is count for state, count in zip(optimizer.state.values(), counts))
+
+
+def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_step(
+        engine, monkeypatch):
+    # With the package installed, ZEROALLOC_OFFLOAD=host starts the automatic mode, which
+    # wraps every optimizer's step when it is made: an explicit offload() then must apply
+    # its sizes to that step, add no second set of module hooks, and leave the automatic
+    # mode's step in place when its handle is removed.
+    monkeypatch.setattr(zt, "_require_offload_engine", lambda: None)
+    monkeypatch.setattr(zt, "_automatic", [type("Hints", (), {"reset": lambda self: None})()])
+    installed = []
+    monkeypatch.setattr(zt, "_install_hint_hooks",
+                        lambda model, group_bytes: installed.append(model) or [])
+    model, optimizer = build()
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 1 << 30, overlap_bytes=0)
+    wrapped = optimizer.step
+    stepper = optimizer._zeroalloc_stepper
+    handle = zt.offload(model, optimizer, window_bytes=6 * LAYER_BYTES + 1,
+                        overlap_bytes=1 << 20, gradient_class=False)
+    assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
+    assert stepper.window_bytes == 6 * LAYER_BYTES + 1 and stepper.overlap_bytes == 1 << 20
+    assert stepper in zt._overlapping
+    assert installed == []  # the automatic mode's global hooks hint every module
+    handle.remove()
+    assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
+    plain, plain_optimizer = build()
+    for inputs, labels in data(2):
+        for net, opt in ((plain, plain_optimizer), (model, optimizer)):
+            torch.nn.functional.cross_entropy(net(inputs[0]), labels[0]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert len(stepper.plan) > 1  # stepped in the new, smaller windows
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)

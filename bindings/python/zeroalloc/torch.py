@@ -174,8 +174,8 @@ class OffloadHandle:
         self._optimizer = optimizer
         self._original_step = original_step
         # The parameters whose hooks it installed, weakly (the handle must not keep a
-        # dropped model's memory).
-        self._hooked = [weakref.ref(parameter) for parameter in hooked]
+        # dropped model's memory), each with the mark of its hook.
+        self._hooked = [(weakref.ref(parameter), mark) for parameter, mark in hooked]
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -197,11 +197,11 @@ class OffloadHandle:
 
 
 def _unmark_hooked(references: list) -> None:
-    """Clears the hooked mark of the parameters (weak references) whose hooks were taken out."""
-    for reference in references:
+    """Clears the marks of the hooks taken out: (weak reference to a parameter, mark)."""
+    for reference, mark in references:
         parameter = reference()
         if parameter is not None:
-            parameter.__dict__.pop("_zeroalloc_hooked", None)
+            parameter.__dict__.pop(mark, None)
 
 
 def _setting(name: str, fallback: str) -> str:
@@ -248,7 +248,11 @@ def _adopt(parameters, optimizer=None, gradient_class: bool = False,
     """Moves parameters (and the optimizer's existing states) into their allocation classes
     and hints the end of each parameter's backward use; with `gradient_class`, gradients go
     into theirs too (Note [Gradients' class]). Returns the hooks; appends the parameters it
-    hooked to `hooked`."""
+    hooked to `hooked`, each as (parameter, the mark of its hook). A parameter hooked
+    before gets only what it lacks: the gradient class's hook when asked for now. Of the
+    optimizer's states only those the windowed step pins and hints move (a scalar step
+    count on the device stays with the activations: unhinted use must not share a hinted
+    class)."""
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
@@ -258,21 +262,24 @@ def _adopt(parameters, optimizer=None, gradient_class: bool = False,
                 parameter.data = _move_into_class(parameter.data, "parameter")
                 parameter._zeroalloc_adopted = True
                 _adoptions[0] += 1
-            if getattr(parameter, "_zeroalloc_hooked", False):
+            if not parameter.requires_grad:
                 continue
-            if parameter.requires_grad:
+            if not getattr(parameter, "_zeroalloc_hooked", False):
                 parameter._zeroalloc_hooked = True
                 if hooked is not None:
-                    hooked.append(parameter)
+                    hooked.append((parameter, "_zeroalloc_hooked"))
                 hooks.append(parameter.register_post_accumulate_grad_hook(_end_backward))
-                if gradient_class:
-                    if parameter.grad is not None and not parameter.grad.is_sparse:
-                        parameter.grad = _move_into_class(parameter.grad, "gradient")
-                    hooks.append(parameter.register_hook(_gradient_into_class(parameter)))
+            if gradient_class and not getattr(parameter, "_zeroalloc_gradient_hooked", False):
+                parameter._zeroalloc_gradient_hooked = True
+                if hooked is not None:
+                    hooked.append((parameter, "_zeroalloc_gradient_hooked"))
+                if parameter.grad is not None and not parameter.grad.is_sparse:
+                    parameter.grad = _move_into_class(parameter.grad, "gradient")
+                hooks.append(parameter.register_hook(_gradient_into_class(parameter)))
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
-                    if torch.is_tensor(value) and value.is_cuda:
+                    if _is_paged_state(value):
                         state[key] = _move_into_class(value, "optimizer_state")
     return hooks
 
@@ -628,12 +635,26 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
         gradient_class = gradient_class_default()
     hooked: list = []
     hooks = _adopt(model.parameters(), optimizer, gradient_class, hooked)
-    hooks += _install_hint_hooks(model, hint_group_bytes)
+    if not _automatic:  # the automatic mode's global hooks hint every module already
+        hooks += _install_hint_hooks(model, hint_group_bytes)
+    def adopt(late, into):
+        # Only parameters offload() moved (frozen then, unfrozen since): a parameter outside
+        # the model (a group added later) has no hint group, and unhinted use must not share
+        # the hinted parameter class, so it stays where it is, unmanaged.
+        late = [p for p in late if getattr(p, "_zeroalloc_adopted", False)]
+        return _adopt(late, None, gradient_class, into) if late else []
+
+    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    if stepper is not None:
+        # Stepped in windows already (the automatic mode wrapped it when it was made, or an
+        # earlier offload() did): this call's sizes apply from the next step, and the step
+        # stays the earlier wrapper's, which this handle does not take out.
+        stepper.configure(window_bytes, overlap_bytes, adopt)
+        return OffloadHandle(hooks, None, None, hooked)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
-        optimizer.step = _windowed_step(
-            optimizer, original_step, window_bytes, overlap_bytes,
-            adopt=lambda late, into: _adopt(late, None, gradient_class, into))
+        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
+                                        adopt=adopt)
         _readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step, hooked)
 
@@ -838,12 +859,13 @@ class _WindowedStep:
     def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
                  adopt=None):
         self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
-        # Parameters that need hooks after offload() (a group added with add_param_group, a
-        # parameter unfrozen since) get them at the next step: adopt(parameters, hooked) ->
-        # hooks, appending the parameters it hooked to `hooked`.
+        # Parameters that need hooks after offload() (a parameter unfrozen since; in the
+        # automatic mode, whose hints cover every module, also a group added with
+        # add_param_group) get them at the next step: adopt(parameters, hooked) -> hooks,
+        # appending (parameter, mark) for each hook to `hooked`.
         self.adopt = adopt
         self.late_hooks: list = []
-        self.late_hooked: list = []  # weak references
+        self.late_hooked: list = []  # (weak reference, mark), as OffloadHandle's
         self.original_step = original_step
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
@@ -1194,6 +1216,17 @@ class _WindowedStep:
         self.write_back_kept(wait=True)
         self.drop_staged()
 
+    def configure(self, window_bytes: int, overlap_bytes: int, adopt) -> None:
+        """New sizes (a later offload() of the same optimizer), from the next step on: what
+        was kept or staged goes home, and the windows are learned again."""
+        self.settle()
+        self.window_bytes, self.overlap_bytes, self.adopt = window_bytes, overlap_bytes, adopt
+        self.plan, self.plan_bytes = [], 0
+        if overlap_bytes > 0:
+            _overlapping.add(self)
+        else:
+            _overlapping.discard(self)
+
     # -- the step --------------------------------------------------------------------------
     def adopt_new_states(self, fresh) -> None:
         """States the optimizer created in this window (in the step's class, "other") move
@@ -1202,6 +1235,29 @@ class _WindowedStep:
             state = self.optimizer.state.get(parameter, {})
             for key, value in self.items(parameter):
                 state[key] = _move_into_class(value, "optimizer_state")
+
+    def step_in_one_piece(self, groups, closure, kwargs):
+        """The optimizer's own step over every parameter at once, its paged states pinned
+        where they are for it (hint every use of a class, or none), and the states it
+        creates moved into the optimizer-state class afterwards, as a window's are."""
+        parameters = [p for params in groups for p in params]
+        states = [value for p in parameters for _, value in self.items(p)]
+        fresh = [p for p in parameters if not self.items(p)]
+        if states:
+            _hint(_offload.use_in_place_many, states, 0)
+        try:
+            with allocation_class("other"):
+                if closure is not None and not self.by_groups:
+                    loss = self.original_step(closure, **kwargs)
+                else:
+                    loss = self.original_step(**kwargs)
+        finally:
+            if states:
+                _hint(_offload.use_ends_many, states, 0)
+        self.forget(fresh)  # the step may have created their states
+        self.adopt_new_states(fresh)
+        self.forget(fresh)
+        return loss
 
     def keep_from(self, found, staged, places) -> int:
         """The first of the last windows whose bounced states stay in scratch after the step
@@ -1235,7 +1291,7 @@ class _WindowedStep:
             if late:
                 hooked: list = []
                 self.late_hooks += self.adopt(late, hooked)
-                self.late_hooked += [weakref.ref(parameter) for parameter in hooked]
+                self.late_hooked += [(weakref.ref(parameter), mark) for parameter, mark in hooked]
         if closure is not None and self.by_groups:  # evaluated once, then the windows step
             with torch.enable_grad():
                 loss = closure()
@@ -1260,11 +1316,8 @@ class _WindowedStep:
             if not found or len(devices) > 1:
                 found = []  # nothing to stage for the next step either
                 self.drop_staged()
-                with allocation_class("other"):
-                    if closure is not None and not self.by_groups:
-                        loss = self.original_step(closure, **kwargs)
-                    else:
-                        self.original_step(**kwargs)
+                result = self.step_in_one_piece(saved, closure, kwargs)
+                loss = result if result is not None else loss
             else:
                 device = found[0][0].device
                 copies = self.streams_of(device)
@@ -1387,6 +1440,9 @@ class _WindowedStep:
             if wait_error is not None and succeeded:
                 raise wait_error
         _offload.step_boundary()
+        # The boundary closed every use; a backward that raised never ran the callback that
+        # forgets what it began (and holds those parameters).
+        _backward_open.clear()
         for stepper in tuple(_overlapping):
             stepper.repin()
         for entry in self.kept:
