@@ -87,3 +87,29 @@ def test_snapshot_opens_in_pytorchs_memory_viz():
         print(_memory_viz.trace(data))
     """)
     assert "total_allocated" in out
+
+
+def test_sharing_a_tensor_with_another_process_fails_clearly_and_native_tensors_still_share():
+    # Known limit (README): zeroalloc's memory is VMM memory, which CUDA's legacy IPC does
+    # not share. Through install(), PyTorch refuses with its own message; a tensor from
+    # zt.mem_pool() fails in cudaIpcGetMemHandle; a tensor of PyTorch's allocator shares.
+    # Each in its own process: a failed CUDA call must not decide the next case.
+    cases = {
+        "install": "zt.install()\nx = torch.ones(1 << 20, device='cuda')",
+        "mem_pool": "with torch.cuda.use_mem_pool(zt.mem_pool()):\n"
+                    "    x = torch.ones(1 << 20, device='cuda')",
+        "native": "x = torch.ones(1 << 20, device='cuda')",
+    }
+    said = {}
+    for name, setup in cases.items():
+        said[name] = run("import torch, zeroalloc.torch as zt\n"
+                         "from torch.multiprocessing.reductions import reduce_tensor\n"
+                         + setup + "\n"
+                         "try:\n"
+                         "    reduce_tensor(x)\n"
+                         "    print('shared')\n"
+                         "except Exception as error:\n"
+                         "    print('refused:', type(error).__name__, error)\n")
+    assert "refused:" in said["install"] and "shareIPcHandle" in said["install"], said
+    assert "refused:" in said["mem_pool"], said
+    assert said["native"].strip() == "shared", said
