@@ -545,6 +545,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     }
     if (evicted.empty()) return false;
     for (std::uintptr_t victim : evicted) migrator_.wait_until_settled(victim);
+    if (settings_.between_fetch_attempts) settings_.between_fetch_attempts(address);
   }
   if (fetched != nullptr) *fetched = started;
   if (started && wait) migrator_.wait_until_settled(address);

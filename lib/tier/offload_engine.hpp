@@ -51,6 +51,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -65,6 +66,10 @@ namespace zeroalloc {
 
 struct offload_settings {
   std::uint64_t prefetch_bytes = 512ull << 20;  ///< ZEROALLOC_PREFETCH_BYTES
+  /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
+  /// first found no room and evictions made some), with the chunk's address, so that a
+  /// test can put another thread's use exactly there. Empty in the library.
+  std::function<void(std::uintptr_t)> between_fetch_attempts;
 };
 
 /// The engine's counters, for statistics and reports.

@@ -6,9 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <future>
+#include <memory>
 #include <thread>
 
 #include "core/units.hpp"
@@ -42,10 +46,12 @@ class OffloadEngineTest : public ::testing::Test {
     allocator_.reset();
     pool_.reset();
   }
-  void start(std::uint64_t limit_bytes, std::uint64_t prefetch_bytes) {
+  void start(std::uint64_t limit_bytes, std::uint64_t prefetch_bytes,
+             std::function<void(std::uintptr_t)> between_fetch_attempts = nullptr) {
     allocator_->set_limit(limit_bytes, "ZEROALLOC_MEMORY_LIMIT (test)");
     offload_settings settings;
     settings.prefetch_bytes = prefetch_bytes;
+    settings.between_fetch_attempts = std::move(between_fetch_attempts);
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
     allocator_->set_pressure_handler(
         [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
@@ -537,6 +543,91 @@ TEST_F(OffloadEngineTest, AUseLeftOpenAtTheStepBoundaryIsWaitedForByTheNextEvict
   allocator_->deallocate(state);
   allocator_->forget_stream(compute);
   device_->destroy_stream(compute);
+}
+
+// Note [Idle at the claim]: a fetch decides whether its chunk is idle (no queued work
+// touches it: mapped on the device at once, bytes arriving behind an event) at each
+// attempt. Here its first attempt finds no room and evicts; before the second, another
+// use works on the chunk where it is, on the host, with a read queued behind a "kernel".
+// Decided once before the attempts, the chunk counted as idle: it was mapped on the
+// device, whose bytes had not arrived (the copy-in stream was held up), and that read saw
+// them. Decided at the claim, the fetch waits for the read.
+TEST_F(OffloadEngineTest, AUseBetweenTwoAttemptsOfAFetchMakesTheFetchWaitForIt) {
+  constexpr std::size_t kBytes = 2 * kChunkBytes;  // 10 MiB or more: a segment of its own
+  stream_handle reader = device_->create_stream();
+  stream_handle other = device_->create_stream();
+  std::vector<std::uint8_t> seen(kBytes, 0);
+  auto gate_reader = std::make_shared<std::promise<void>>();
+  auto gate_other = std::make_shared<std::promise<void>>();
+  void* state = nullptr;
+  void* held_up = nullptr;
+  bool hooked = false;
+  std::uintptr_t retried = 0;
+  start(3 * kBytes, 0, [&](std::uintptr_t address) {
+    if (hooked || state == nullptr) return;
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(state, chunks);
+    if (std::none_of(chunks.begin(), chunks.end(),
+                     [&](const chunk_info& chunk) { return chunk.address == address; })) {
+      return;
+    }
+    hooked = true;
+    retried = address;
+    allocator_->set_limit(256 * MiB, "ZEROALLOC_MEMORY_LIMIT (test)");
+    // Holds up the copy-in stream: a fetch that waits for `other`.
+    std::shared_future<void> open_other = gate_other->get_future().share();
+    device_->host_function_async([open_other] { open_other.wait(); }, other);
+    EXPECT_TRUE(engine_->mover().fetch_async(first_chunk(held_up)));
+    // Another use of the state, on the host, its read behind a slow "kernel".
+    engine_->use_in_place(state, reader);
+    std::shared_future<void> open_reader = gate_reader->get_future().share();
+    device_->host_function_async([open_reader] { open_reader.wait(); }, reader);
+    device_->copy_async(seen.data(), state, kBytes, reader);
+    engine_->use_ends(state, reader);
+  });
+  offload_engine& engine = *engine_;
+  state = allocator_->allocate(kBytes, reader, allocation_class::optimizer_state);
+  void* layer = allocator_->allocate(kBytes, nullptr, allocation_class::parameter);
+  held_up = allocator_->allocate(kBytes, other, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x11, kBytes, reader);
+  device_->fill_async(layer, 0x33, kBytes, nullptr);
+  device_->fill_async(held_up, 0x44, kBytes, other);
+  for (stream_handle stream : {reader, other, static_cast<stream_handle>(nullptr)}) {
+    device_->synchronize_stream(stream);
+  }
+  for (void* pointer : {state, layer}) {  // hinted, and an order learned
+    engine.use_begins(pointer, nullptr);
+    engine.use_ends(pointer, nullptr);
+  }
+  device_->synchronize_stream(nullptr);
+  engine.step_boundary();
+  ASSERT_TRUE(engine.evict(state, /*wait=*/true));
+  ASSERT_TRUE(engine.evict(held_up, /*wait=*/true));
+  // Their device chunks serve an activation: no room for the state until the layer goes.
+  void* activations = allocator_->allocate(2 * kBytes, nullptr, allocation_class::other);
+  ASSERT_EQ(allocator_->arena().pooled_bytes(), 0u);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    gate_reader->set_value();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    gate_other->set_value();
+  });
+  engine.use_begins(state, nullptr);  // on the host: fetched now, with a retry
+  engine.use_ends(state, nullptr);
+  opener.join();
+  engine.mover().drain();
+  device_->synchronize_stream(reader);
+  EXPECT_TRUE(hooked) << "the fetch did not retry: the test set-up is wrong";
+  EXPECT_EQ(seen, std::vector<std::uint8_t>(kBytes, 0x11))
+      << "a use queued between two attempts of a fetch read the device chunk before its bytes";
+  EXPECT_EQ(engine.mover().where(retried), residency::device);
+  EXPECT_TRUE(holds(state, 0x11, kBytes));
+  EXPECT_TRUE(holds(held_up, 0x44, kBytes));
+  for (void* pointer : {state, layer, held_up, activations}) allocator_->deallocate(pointer);
+  for (stream_handle stream : {reader, other}) {
+    allocator_->forget_stream(stream);
+    device_->destroy_stream(stream);
+  }
 }
 
 TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringTheUse) {
