@@ -340,7 +340,11 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       } catch (...) {  // the stream failed: nothing is writing any more
       }
     }
-    if (moving.staging != 0) give_back_staging(moving.staging, moving.device_chunk, mapped);
+    if (moving.staging != 0) {
+      give_back_staging(moving.staging, moving.device_chunk, mapped);
+    } else {
+      allocator_.arena().return_chunk(moving.device_chunk);  // no slot was free
+    }
     if (moving.copied != nullptr) return_event(moving.copied);
     allocator_.unpin_chunk(address);
     release_claim(address);
@@ -473,6 +477,10 @@ void migrator::worker() {
             "offload: the bytes of the chunk at {:#x} may not have reached the device; it "
             "stays there (expect wrong results, restart)",
             oldest.chunk.address);
+        try {  // the copy may still read the host chunk, which the pool may hand out next
+          device_.synchronize_stream(in_stream_);
+        } catch (...) {  // the stream failed: nothing reads it any more
+        }
         forget_host_copy(oldest);
       } else {
         give_back_staging(oldest.staging, oldest.device_chunk, /*mapped=*/true);

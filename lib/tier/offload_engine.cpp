@@ -668,6 +668,7 @@ bool offload_engine::evict(const void* pointer, bool wait) {
       chunk_info claimed;
       if (migrator_.claim_eviction(chunk.address, claimed)) {
         planned.push_back(fenced_eviction(claimed));
+        planned.back().fence_streams = true;  // asked for: unhinted work on it may be queued
       }
     }
   }

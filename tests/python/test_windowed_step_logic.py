@@ -375,6 +375,14 @@ def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_paramet
             return model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
         return model, Delegating(model.parameters())
 
+    open_at_boundaries = []
+    boundary = engine.step_boundary
+
+    def counted_boundary():
+        open_at_boundaries.append(engine.open())
+        boundary()
+
+    monkeypatch.setattr(zt._offload, "step_boundary", counted_boundary)
     plain, plain_optimizer = make()
     model, optimizer = make()
     with pytest.warns(UserWarning, match="runs in one piece"):
@@ -400,7 +408,7 @@ def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_paramet
     assert (created > 0) == (kind == "lbfgs")
     assert moved == ["optimizer_state"] * created  # once each, after the step that made it
     assert engine.in_place >= 2 * created  # the two steps after the first pinned them all
-    assert engine.open() == 0 and not engine.stray_ends
+    assert open_at_boundaries == [0, 0, 0] and not engine.stray_ends  # each pin ended
 
 
 def test_a_dropped_optimizer_with_kept_states_is_freed(engine):
@@ -522,8 +530,6 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     assert stepper.window_bytes == 6 * LAYER_BYTES + 1 and stepper.overlap_bytes == 1 << 20
     assert stepper in zt._overlapping
     assert installed == []  # the automatic mode's global hooks hint every module
-    handle.remove()
-    assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
     plain, plain_optimizer = build()
     for inputs, labels in data(2):
         for net, opt in ((plain, plain_optimizer), (model, optimizer)):
@@ -533,3 +539,7 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     assert len(stepper.plan) > 1  # stepped in the new, smaller windows
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)
+    handle.remove()  # the earlier sizes come back; the step stays the earlier wrapper's
+    assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
+    assert stepper.window_bytes == 1 << 30 and stepper.overlap_bytes == 0
+    assert stepper not in zt._overlapping and stepper.adopt is None

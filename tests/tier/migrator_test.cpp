@@ -6,12 +6,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "device/sim_device.hpp"
@@ -282,6 +284,63 @@ TEST_F(MigratorTest, AnEvictionThatFailsAtItsRemapKeepsTheChunkOnTheDeviceAndLea
     engine.drain();
     EXPECT_EQ(read_back(device, pointer, kChunkBytes), ones);
     allocator.deallocate(pointer);
+  }
+  allocator.empty_cache();
+}
+
+// With every staging address retired (each one's unmap failed after its fetch), a fetch
+// that needs one fails with a message saying so, and gives back the device chunk it took:
+// the memory under the limit does not shrink with every attempt.
+TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceMemory) {
+  faulty_stack stack(256 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  {
+    migrator engine(allocator, stack.pool, false);
+    constexpr int kSlots = 8;  // the migrator's staging addresses
+    std::vector<void*> pointers;
+    std::vector<std::uintptr_t> chunks;
+    for (int i = 0; i <= kSlots; ++i) {
+      pointers.push_back(
+          allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+      device.fill_async(pointers.back(), static_cast<std::uint8_t>(i + 1), kChunkBytes, nullptr);
+      std::vector<chunk_info> found;
+      ASSERT_TRUE(allocator.chunks_of_allocation(pointers.back(), found));
+      chunks.push_back(found.at(0).address);
+    }
+    device.synchronize_stream(nullptr);
+    for (std::uintptr_t chunk : chunks) ASSERT_TRUE(engine.evict_async(chunk));
+    engine.drain();
+    auto is_chunk = [&](std::uintptr_t address) {
+      return std::find(chunks.begin(), chunks.end(), address) != chunks.end();
+    };
+    for (int i = 0; i < kSlots; ++i) {  // each fetch stands; its staging address retires
+      device.fail_next_unmap([&](std::uintptr_t address) { return !is_chunk(address); });
+      ASSERT_TRUE(engine.fetch_async(chunks[i]));
+      engine.drain();
+    }
+    ASSERT_EQ(device.failed_unmaps(), kSlots);
+    const std::uint64_t held = allocator.held_bytes();
+    const std::uint64_t pooled = allocator.arena().pooled_bytes();
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      try {
+        engine.fetch_async(chunks[kSlots]);
+        ADD_FAILURE() << "a fetch without a staging address started";
+      } catch (const device_error& failure) {
+        EXPECT_NE(std::string(failure.what()).find("staging address"), std::string::npos)
+            << failure.what();
+      }
+    }
+    EXPECT_EQ(allocator.held_bytes(), held);
+    EXPECT_EQ(allocator.arena().pooled_bytes(), pooled) << "a failed fetch kept its device chunk";
+    EXPECT_EQ(engine.where(chunks[kSlots]), residency::host);
+    EXPECT_EQ(read_back(device, pointers[kSlots], kChunkBytes),
+              std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(kSlots + 1)));
+    for (int i = 0; i < kSlots; ++i) {
+      EXPECT_EQ(read_back(device, pointers[i], kChunkBytes),
+                std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(i + 1)));
+    }
+    for (void* pointer : pointers) allocator.deallocate(pointer);
   }
   allocator.empty_cache();
 }

@@ -169,8 +169,9 @@ def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
 class OffloadHandle:
     """What offload() installed; remove() takes the hooks out again."""
 
-    def __init__(self, hooks: list, optimizer, original_step, hooked=()):
+    def __init__(self, hooks: list, optimizer, original_step, hooked=(), restore=None):
         self._hooks = hooks
+        self._restore = restore  # a second offload() of a stepped optimizer: its sizes back
         self._optimizer = optimizer
         self._original_step = original_step
         # The parameters whose hooks it installed, weakly (the handle must not keep a
@@ -183,6 +184,9 @@ class OffloadHandle:
         self._hooks = []
         _unmark_hooked(self._hooked)  # a later offload() hooks them again
         self._hooked = []
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
         if self._optimizer is not None:
             stepper = getattr(self._optimizer, "_zeroalloc_stepper", None)
             if stepper is not None:  # states it kept or staged go home first
@@ -635,22 +639,28 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
         gradient_class = gradient_class_default()
     hooked: list = []
     hooks = _adopt(model.parameters(), optimizer, gradient_class, hooked)
-    if not _automatic:  # the automatic mode's global hooks hint every module already
+    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    if not _automatic and stepper is None:
+        # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
+        # earlier offload() of this optimizer.
         hooks += _install_hint_hooks(model, hint_group_bytes)
+
     def adopt(late, into):
-        # Only parameters offload() moved (frozen then, unfrozen since): a parameter outside
-        # the model (a group added later) has no hint group, and unhinted use must not share
-        # the hinted parameter class, so it stays where it is, unmanaged.
-        late = [p for p in late if getattr(p, "_zeroalloc_adopted", False)]
+        if not _automatic:
+            # Only parameters offload() moved (frozen then, unfrozen since): one outside the
+            # model (a group added later) has no hint group, and unhinted use must not
+            # share the hinted parameter class, so it stays where it is, unmanaged.
+            late = [p for p in late if getattr(p, "_zeroalloc_adopted", False)]
         return _adopt(late, None, gradient_class, into) if late else []
 
-    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
     if stepper is not None:
         # Stepped in windows already (the automatic mode wrapped it when it was made, or an
         # earlier offload() did): this call's sizes apply from the next step, and the step
-        # stays the earlier wrapper's, which this handle does not take out.
+        # stays the earlier wrapper's; removing this handle puts the earlier sizes back.
+        earlier = (stepper.window_bytes, stepper.overlap_bytes, stepper.adopt)
         stepper.configure(window_bytes, overlap_bytes, adopt)
-        return OffloadHandle(hooks, None, None, hooked)
+        return OffloadHandle(hooks, None, None, hooked,
+                             restore=lambda: stepper.configure(*earlier))
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
@@ -1243,9 +1253,9 @@ class _WindowedStep:
         parameters = [p for params in groups for p in params]
         states = [value for p in parameters for _, value in self.items(p)]
         fresh = [p for p in parameters if not self.items(p)]
-        if states:
-            _hint(_offload.use_in_place_many, states, 0)
         try:
+            if states:  # inside: a pin that fails half-way is still ended (surplus ends
+                _hint(_offload.use_in_place_many, states, 0)  # are ignored)
             with allocation_class("other"):
                 if closure is not None and not self.by_groups:
                     loss = self.original_step(closure, **kwargs)
