@@ -492,7 +492,8 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     // hints can say) is decided at every attempt, and the chunk is claimed under the same
     // lock a use's begin takes. Decided once before the attempts, a use that began and
     // queued work on the chunk while this thread waited for room (evictions, the cache's
-    // release) went unseen, and the fetch copied the chunk without waiting for that work.
+    // release) went unseen, and the fetch copied the chunk without waiting for that work
+    // (OffloadEngineTest.AUseBetweenTwoAttemptsOfAFetchMakesTheFetchWaitForIt).
     bool idle = false;
     std::uint64_t idle_generation = 0;
     bool claimed = false;
