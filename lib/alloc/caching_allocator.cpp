@@ -45,7 +45,11 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
   if (rounded < bytes)
     ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
   bool on_host = false;
-  void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
+  // Larger than the limit, no block can serve it (no segment is larger): the heap would
+  // turn other classes' cache into donations for nothing (allocate_after_pressure fails it).
+  void* pointer = rounded > limiter_.limit_bytes()
+                      ? nullptr
+                      : heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
   if (pointer == nullptr) pointer = allocate_after_pressure(rounded, bytes, stream, cls, on_host);
   if (on_host) bring_back_from_host(pointer, stream);
   return pointer;
@@ -65,15 +69,10 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
   }
 }
 
-void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
-                                                 std::size_t requested_bytes, stream_handle stream,
-                                                 allocation_class cls, bool& on_host) {
-  // Out of new memory: give back cached free segments (of every class), the largest first,
-  // as many as the new segment needs, and retry; then all of them (Note [Releasing what is
-  // needed]); then let the pressure handler free memory, and retry once more.
-  stats_.apply(
-      cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
-  const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
+void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
+                                                std::size_t requested_bytes,
+                                                stream_handle stream, allocation_class cls,
+                                                bool& on_host, const pressure_handler& handler) {
   std::uint64_t released = release_cached(needed);
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -89,18 +88,39 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
   }
+  // The handler frees device memory for a whole new segment, a few times if it must (the
+  // chunks it frees need not match the sizes the segment needs).
+  for (int round = 0; handler && round < 4 && handler(needed) > 0; ++round) {
+    if (void* pointer =
+            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
+      return pointer;
+  }
+  return nullptr;
+}
+
+void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
+                                                 std::size_t requested_bytes, stream_handle stream,
+                                                 allocation_class cls, bool& on_host) {
+  // Out of new memory: give back cached free segments (of every class), the largest first,
+  // as many as the new segment needs, and retry; then all of them (Note [Releasing what is
+  // needed]); then let the pressure handler free memory, and retry once more.
+  stats_.apply(
+      cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
+  const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
   pressure_handler handler;
   {
     std::lock_guard lock(settings_mutex_);
     handler = pressure_handler_;
   }
-  // The handler frees device memory for a whole new segment, a few times if it must (the
-  // chunks it frees need not match the sizes the segment needs).
-  const std::size_t segment_bytes = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
-  for (int round = 0; handler && round < 4 && handler(segment_bytes) > 0; ++round) {
-    if (void* pointer =
-            heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
-      return pointer;
+  if (needed > limiter_.limit_bytes()) {
+    // Nothing freed could make room: releasing the cache and moving every movable chunk
+    // to the host first would only slow the program down before the same failure.
+    log().info("allocating {} of {} on {}: its segment of {} exceeds the limit of {}",
+               format_bytes(rounded_bytes), class_name(cls), device_.name(),
+               format_bytes(needed), format_bytes(limiter_.limit_bytes()));
+  } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes,
+                                                    stream, cls, on_host, handler)) {
+    return pointer;
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
@@ -112,7 +132,7 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
     observer = out_of_memory_observer_;
     note = pressure_note_;
   }
-  if (note && handler) {
+  if (note && handler && needed <= limiter_.limit_bytes()) {
     if (const std::string why = note(); !why.empty()) {
       message += " Offloading could not make room: " + why;
     }

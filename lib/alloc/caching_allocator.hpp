@@ -170,6 +170,13 @@ class caching_allocator {
   /// `on_host`: as heap::allocate's.
   void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
                                 stream_handle stream, allocation_class cls, bool& on_host);
+  /// Releases cache (what the new segment of `needed` bytes needs, then all of it), then
+  /// asks `handler` to free memory, retrying the allocation after each; nullptr when none
+  /// made room.
+  void* make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
+                               std::size_t requested_bytes, stream_handle stream,
+                               allocation_class cls, bool& on_host,
+                               const pressure_handler& handler);
   void bring_back_from_host(void* pointer, stream_handle stream);
   std::uint64_t release_all_cached();
   std::uint64_t release_cached(std::uint64_t enough);  // Note [Releasing what is needed]
