@@ -378,17 +378,26 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   donated_memory donated;
   gather_donations(needed, stream, donated);
   const std::size_t bytes = std::max(needed, donated.bytes);
-  const std::uintptr_t address = *free_addresses_.take_best_fit(bytes);  // fits, checked above
-  auto owned = std::make_unique<segment>();
-  owned->address = address;
-  owned->bytes = bytes;
-  owned->generation = next_activity();
   auto pool_donations = [&] {
     if (donated.chunks.empty()) return;
     // The donors' queued work may still touch these chunks; only `stream` waited for it.
     device_.synchronize_stream(stream);
     arena_.keep_in_pool(donated.chunks);
   };
+  // Usually within the eighth checked above; a run split off a busy segment may give more.
+  const std::optional<std::uintptr_t> placed = free_addresses_.take_best_fit(bytes);
+  if (!placed) {
+    pool_donations();  // their memory serves the next request that fits
+    log().warn("address region of {} {} memory on {} has no {} left for {} of donations",
+               class_name(class_), kind_ == size_kind::small ? "small" : "large", device_.name(),
+               format_bytes(bytes), format_bytes(donated.bytes));
+    return nullptr;
+  }
+  const std::uintptr_t address = *placed;
+  auto owned = std::make_unique<segment>();
+  owned->address = address;
+  owned->bytes = bytes;
+  owned->generation = next_activity();
   try {
     if (!arena_.commit(address, bytes, donated.chunks, owned->chunks)) {
       pool_donations();
