@@ -199,12 +199,18 @@ int serve_allocation(void** pointer, std::size_t size, int device, void* stream)
 
 // Frees `pointer` if zeroalloc owns it. A free ordered on another stream than the block's
 // own first records that stream, so the block waits for it (Note [Stream-ordered reuse]).
-bool serve_free(void* pointer, void* stream, bool ordered_on_stream) {
+// A free ordered on no stream (cudaFree, cuMemFree) first waits for the device, as those
+// do: programs rely on it, and work on any stream may still use the memory, which the next
+// allocation on the legacy stream would otherwise get at once (`synchronize`: the real
+// cudaDeviceSynchronize or cuCtxSynchronize, called only for memory zeroalloc owns).
+bool serve_free(void* pointer, void* stream, bool ordered_on_stream, int (*synchronize)() = nullptr) {
   try {
     zeroalloc::runtime& started = zeroalloc::runtime::get();
     zeroalloc::caching_allocator* owner = started.owner_of(pointer);
     if (owner == nullptr) return false;
     if (ordered_on_stream) owner->record_stream(pointer, stream);
+    if (synchronize != nullptr) synchronize();  // its error, if any, is the device's, reported
+                                                // by the program's next call
     return owner->deallocate(pointer);
   } catch (...) {
     return false;
@@ -237,7 +243,9 @@ ZA_HOOK int cudaMalloc(void** pointer, std::size_t size) {
 ZA_HOOK int cudaFree(void* pointer) {
   // cudaFree(NULL) is the idiom that creates the context: it always reaches the real one.
   if (interception_active() && pointer != nullptr) {
-    if (serve_free(pointer, nullptr, false)) return kSuccess;
+    if (serve_free(pointer, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cudaDeviceSynchronize))) {
+      return kSuccess;
+    }
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
   return ZA_REAL(int (*)(void*), cudaFree)(pointer);
@@ -310,7 +318,9 @@ ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
 ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    if (serve_free(address, nullptr, false)) return kSuccess;
+    if (serve_free(address, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cuCtxSynchronize))) {
+      return kSuccess;
+    }
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
   return ZA_REAL(int (*)(device_pointer), cuMemFree_v2)(pointer);

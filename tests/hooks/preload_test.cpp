@@ -265,6 +265,27 @@ TEST_F(PreloadTest, DlsymOnTheDriversHandleServesCuMemAlloc) {
   dlclose(driver);
 }
 
+// cudaFree waits for the device, and programs rely on it: work queued on another stream
+// may still use the memory, which the next cudaMalloc could otherwise hand out at once.
+TEST_F(PreloadTest, CudaFreeOfServedMemoryWaitsForWorkOnEveryStream) {
+  if (simulated()) GTEST_SKIP() << "skipped: the simulated device has no CUDA streams";
+  cudaStream_t side = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  void* pointer = nullptr;
+  constexpr std::size_t kBytes = std::size_t{1} << 30;
+  const long long before = total_count("allocations");
+  ASSERT_EQ(cudaMalloc(&pointer, kBytes), cudaSuccess);
+  ASSERT_EQ(total_count("allocations"), before + 1) << "zeroalloc did not serve it";
+  for (int round = 0; round < 64; ++round) {  // about 20 ms of memsets at 3 TB/s
+    ASSERT_EQ(cudaMemsetAsync(pointer, round, kBytes, side), cudaSuccess);
+  }
+  ASSERT_EQ(cudaFree(pointer), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(side), cudaSuccess)
+      << "cudaFree returned while work on the freed memory still ran";
+  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(side), cudaSuccess);
+}
+
 // With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.
 TEST(PreloadDisabled, EveryCallGoesToTheRealRuntime) {
   if (std::getenv("ZEROALLOC_DISABLE") == nullptr)
