@@ -665,13 +665,28 @@ namespace {
 // Returned by the decision to mean "let glibc answer".
 void* const kForward = reinterpret_cast<void*>(~std::uintptr_t{0});
 
-bool called_from_zeroalloc(void* caller) {
-  static void* const own_base = [] {
+// Where this library is loaded. Not a function-local static: its initialisation guard,
+// held while dladdr waits for the loader's lock, would deadlock with a thread inside dlopen
+// (holding that lock) whose library constructor calls dlsym. Found when the library loads,
+// or by whichever caller comes first (found twice, it is the same).
+std::atomic<void*> own_base_address{nullptr};
+
+void* own_base() {
+  void* base = own_base_address.load(std::memory_order_acquire);
+  if (base == nullptr) {
     Dl_info self{};
-    return dladdr(reinterpret_cast<void*>(&by_name), &self) != 0 ? self.dli_fbase : nullptr;
-  }();
+    base = dladdr(reinterpret_cast<void*>(&by_name), &self) != 0 ? self.dli_fbase : nullptr;
+    own_base_address.store(base, std::memory_order_release);
+  }
+  return base;
+}
+
+__attribute__((constructor)) void remember_own_base() { own_base(); }
+
+bool called_from_zeroalloc(void* caller) {
+  void* const base = own_base();
   Dl_info info{};
-  return dladdr(caller, &info) != 0 && info.dli_fbase == own_base;
+  return dladdr(caller, &info) != 0 && info.dli_fbase == base;
 }
 
 }  // namespace
