@@ -203,14 +203,15 @@ int serve_allocation(void** pointer, std::size_t size, int device, void* stream)
 // do: programs rely on it, and work on any stream may still use the memory, which the next
 // allocation on the legacy stream would otherwise get at once (`synchronize`: the real
 // cudaDeviceSynchronize or cuCtxSynchronize, called only for memory zeroalloc owns).
-bool serve_free(void* pointer, void* stream, bool ordered_on_stream, int (*synchronize)() = nullptr) {
+bool serve_free(void* pointer, void* stream, bool ordered_on_stream,
+                int (*synchronize)() = nullptr) {
   try {
     zeroalloc::runtime& started = zeroalloc::runtime::get();
     zeroalloc::caching_allocator* owner = started.owner_of(pointer);
     if (owner == nullptr) return false;
     if (ordered_on_stream) owner->record_stream(pointer, stream);
-    if (synchronize != nullptr) synchronize();  // its error, if any, is the device's, reported
-                                                // by the program's next call
+    // Its error, if any, is the device's: the program's next call reports it.
+    if (synchronize != nullptr) synchronize();
     return owner->deallocate(pointer);
   } catch (...) {
     return false;

@@ -45,11 +45,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
   if (rounded < bytes)
     ZA_THROW(out_of_memory, "cannot allocate ", bytes, " bytes: the size overflows");
   bool on_host = false;
-  // Larger than the limit, no block can serve it (no segment is larger): the heap would
-  // turn other classes' cache into donations for nothing (allocate_after_pressure fails it).
-  void* pointer = rounded > limiter_.limit_bytes()
-                      ? nullptr
-                      : heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
+  void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
   if (pointer == nullptr) pointer = allocate_after_pressure(rounded, bytes, stream, cls, on_host);
   if (on_host) bring_back_from_host(pointer, stream);
   return pointer;
@@ -70,9 +66,9 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
 }
 
 void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
-                                                std::size_t requested_bytes,
-                                                stream_handle stream, allocation_class cls,
-                                                bool& on_host, const pressure_handler& handler) {
+                                                std::size_t requested_bytes, stream_handle stream,
+                                                allocation_class cls, bool& on_host,
+                                                const pressure_handler& handler) {
   std::uint64_t released = release_cached(needed);
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -116,10 +112,10 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
     // Nothing freed could make room: releasing the cache and moving every movable chunk
     // to the host first would only slow the program down before the same failure.
     log().info("allocating {} of {} on {}: its segment of {} exceeds the limit of {}",
-               format_bytes(rounded_bytes), class_name(cls), device_.name(),
-               format_bytes(needed), format_bytes(limiter_.limit_bytes()));
-  } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes,
-                                                    stream, cls, on_host, handler)) {
+               format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(needed),
+               format_bytes(limiter_.limit_bytes()));
+  } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes, stream,
+                                                    cls, on_host, handler)) {
     return pointer;
   }
   stats_.apply(

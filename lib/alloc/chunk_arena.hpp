@@ -90,6 +90,8 @@ class chunk_arena {
   void lock_for_fork() const { mutex_.lock(); }
   void unlock_after_fork() const { mutex_.unlock(); }
   [[nodiscard]] std::size_t chunk_bytes() const { return chunk_bytes_; }
+  /// The limit every byte it holds is charged against.
+  [[nodiscard]] std::uint64_t limit_bytes() const { return limiter_.limit_bytes(); }
   [[nodiscard]] std::size_t granularity() const { return granularity_; }
   [[nodiscard]] device& backing() { return device_; }
 

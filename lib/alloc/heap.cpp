@@ -367,7 +367,9 @@ void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
 block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   if (!retiring_.empty()) retire_donated(false);
   const std::size_t needed = segment_bytes_for(rounded_bytes);
-  // Donations never exceed the need by more than an eighth (gather_donations): check that
+  // A segment larger than the limit can never be mapped: strip no donor for it.
+  if (needed > arena_.limit_bytes()) return nullptr;
+  // Donations seldom exceed the need by more than an eighth (gather_donations): check that
   // much address space first, so a request that cannot be placed strips no donor.
   if (!free_addresses_.fits(needed + std::max(needed / 8, arena_.granularity()))) {
     log().warn("address region of {} {} memory on {} is exhausted ({} reserved)",
@@ -384,7 +386,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     device_.synchronize_stream(stream);
     arena_.keep_in_pool(donated.chunks);
   };
-  // Usually within the eighth checked above; a run split off a busy segment may give more.
+  // A run split off a busy segment may give more than the eighth checked above.
   const std::optional<std::uintptr_t> placed = free_addresses_.take_best_fit(bytes);
   if (!placed) {
     pool_donations();  // their memory serves the next request that fits

@@ -278,12 +278,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       }
       device_.record_event(moving.copied, in_stream_);
     } catch (...) {
-      if (copies_queued) {
-        try {  // the copy in, and the read-back into `arrived`, may still run
-          device_.synchronize_stream(in_stream_);
-        } catch (...) {  // the stream failed: nothing is writing any more
-        }
-      }
+      if (copies_queued) settle_copies_in();  // the copy in and the read-back may still run
       bool stays_on_device = false;
       if (moving.remapped_early) {
         try {
@@ -334,12 +329,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     copy_queued = true;
     device_.record_event(moving.copied, in_stream_);
   } catch (...) {
-    if (copy_queued) {
-      try {  // the copy may still write into the device chunk mapped at the staging address
-        device_.synchronize_stream(in_stream_);
-      } catch (...) {  // the stream failed: nothing is writing any more
-      }
-    }
+    if (copy_queued) settle_copies_in();  // it may still write into the staged device chunk
     if (moving.staging != 0) {
       give_back_staging(moving.staging, moving.device_chunk, mapped);
     } else {
@@ -417,7 +407,7 @@ void migrator::finish(transfer& done) {
   }
   if (!done.to_host) {
     allocator_.unpin_chunk(address);  // a fetch: after the verification that reads it
-    pool_.release(done.host);
+    forget_host_copy(done);
   }
   const auto remap_ns =
       static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -432,12 +422,6 @@ void migrator::finish(transfer& done) {
     ++figures_.chunks_to_host;
     figures_.bytes_to_host += bytes;
     figures_.host_resident_bytes += bytes;
-  } else {
-    on_host_.erase(address);
-    host_owner_.erase({done.host.handle.value, done.host.handle.offset});
-    ++figures_.chunks_to_device;
-    figures_.bytes_to_device += bytes;
-    figures_.host_resident_bytes -= bytes;
   }
   if (verify_) ++figures_.verified_chunks;
   spare_events_.push_back(std::exchange(done.copied, nullptr));
@@ -477,10 +461,7 @@ void migrator::worker() {
             "offload: the bytes of the chunk at {:#x} may not have reached the device; it "
             "stays there (expect wrong results, restart)",
             oldest.chunk.address);
-        try {  // the copy may still read the host chunk, which the pool may hand out next
-          device_.synchronize_stream(in_stream_);
-        } catch (...) {  // the stream failed: nothing reads it any more
-        }
+        settle_copies_in();  // the copy may still read the host chunk, which goes back next
         forget_host_copy(oldest);
       } else {
         give_back_staging(oldest.staging, oldest.device_chunk, /*mapped=*/true);
@@ -571,6 +552,13 @@ void migrator::return_staging_slot(std::uintptr_t address) {
     free_slots_.push_back(address);
   }
   changed_.notify_all();
+}
+
+void migrator::settle_copies_in() {
+  try {
+    device_.synchronize_stream(in_stream_);
+  } catch (...) {  // the stream failed: nothing runs on it any more
+  }
 }
 
 void migrator::forget_host_copy(transfer& fetched) {

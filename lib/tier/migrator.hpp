@@ -162,8 +162,10 @@ class migrator {
   /// Keeps a staging address whose unmap failed out of use (it still maps a chunk).
   void retire_staging_slot(std::uintptr_t address, std::size_t bytes);
   void return_staging_slot(std::uintptr_t address);
-  /// For a fetch that failed after its chunk was mapped on the device for good: its host
-  /// chunk goes back, and the chunk counts as on the device.
+  /// Waits for what the copy-in stream runs (a failed fetch's copies), whatever it fails with.
+  void settle_copies_in();
+  /// For a fetch whose chunk is mapped on the device for good (finished, or failed after
+  /// its remap): its host chunk goes back, and the chunk counts as on the device.
   void forget_host_copy(transfer& fetched);
   /// After a fetch through `slot` failed: unmaps the device chunk there (when `mapped`) and
   /// gives both back; an unmap that fails retires both instead.

@@ -53,25 +53,33 @@ offload_engine::~offload_engine() {
 }
 
 bool offload_engine::plan_eviction(const victim& chosen, std::vector<planned_eviction>& into) {
-  // The last use-ends fences cover the chunk only while no block of its segment has been
-  // allocated or freed since (work on those is not hinted): else fence every stream. The
-  // generation compared is the one at the claim (the pin), after which an allocation in the
-  // chunk waits for the move; the victim's, read earlier, may be older.
   chunk_info claimed;
   if (!migrator_.claim_eviction(chosen.address, claimed)) return false;
   into.push_back(fenced_eviction(claimed));
   return true;
 }
 
-offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_info& claimed) const {
-  planned_eviction planned{claimed, {}, true};
-  auto state = chunks_.find(claimed.address);
-  if (state == chunks_.end()) return planned;
+std::vector<event_handle> offload_engine::use_end_fences(std::uintptr_t address) const {
+  std::vector<event_handle> fences;
+  if (auto state = chunks_.find(address); state != chunks_.end()) {
+    for (const auto& [stream, event] : state->second.released) fences.push_back(event);
+  }
+  return fences;
+}
+
+offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_info& claimed,
+                                                                 bool fence_streams) const {
   // The ends of hinted uses are fenced whatever the generation: a use may have run on a
   // stream the allocator does not know of (no record_stream), which only its hint names.
-  for (const auto& [stream, event] : state->second.released) planned.fences.push_back(event);
-  planned.fence_streams =
-      planned.fences.empty() || state->second.released_generation != claimed.generation;
+  // They cover the chunk alone only while no block of its segment has been allocated or
+  // freed since (work on those is not hinted): else its streams are fenced too. The
+  // generation compared is the one at the claim (the pin), after which an allocation in
+  // the chunk waits for the move; a victim's, read earlier, may be older.
+  planned_eviction planned{claimed, use_end_fences(claimed.address), fence_streams};
+  auto state = chunks_.find(claimed.address);
+  if (planned.fences.empty() || state->second.released_generation != claimed.generation) {
+    planned.fence_streams = true;
+  }
   return planned;
 }
 
@@ -507,9 +515,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
       idle = ordered_use && state != chunks_.end() && state->second.hinted &&
              !state->second.used_on_host && !learned_order_.empty();
       if (idle) idle_generation = state->second.released_generation;
-      if (state != chunks_.end()) {
-        for (const auto& [stream, event] : state->second.released) use_ends.push_back(event);
-      }
+      use_ends = use_end_fences(address);
       claimed = migrator_.claim_fetch(address);
     }
     if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation,
@@ -668,8 +674,8 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     for (const chunk_info& chunk : chunks) {
       chunk_info claimed;
       if (migrator_.claim_eviction(chunk.address, claimed)) {
-        planned.push_back(fenced_eviction(claimed));
-        planned.back().fence_streams = true;  // asked for: unhinted work on it may be queued
+        // Asked for: unhinted work on the chunk may be queued, so its streams are fenced.
+        planned.push_back(fenced_eviction(claimed, /*fence_streams=*/true));
       }
     }
   }

@@ -191,10 +191,13 @@ class offload_engine {
     std::vector<event_handle> fences;  // the chunk's use-ends fences
     bool fence_streams = true;         // also every stream of the chunk (always when none)
   };
+  /// The chunk's use-ends events, one per stream its hinted uses ended on. Caller holds
+  /// mutex_.
+  std::vector<event_handle> use_end_fences(std::uintptr_t address) const;
   /// The eviction of a claimed chunk, with what its copy must wait for: its use-ends fences,
-  /// and its streams too unless those fences cover every use since the last allocation or
-  /// free in its segment. Caller holds mutex_.
-  planned_eviction fenced_eviction(const chunk_info& claimed) const;
+  /// and its streams too when `fence_streams` or unless those fences cover every use since
+  /// the last allocation or free in its segment. Caller holds mutex_.
+  planned_eviction fenced_eviction(const chunk_info& claimed, bool fence_streams = false) const;
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);

@@ -500,7 +500,8 @@ TEST_F(OffloadEngineTest, AnEvictionWaitsForAHintedUseOnAnUnknownStreamAfterItsS
   engine.use_ends(state, side);
   std::vector<chunk_info> before;
   allocator_->chunks_of_allocation(state, before);
-  void* neighbour = allocator_->allocate(kChunkBytes / 2, nullptr, allocation_class::optimizer_state);
+  void* neighbour =
+      allocator_->allocate(kChunkBytes / 2, nullptr, allocation_class::optimizer_state);
   std::vector<chunk_info> after;
   allocator_->chunks_of_allocation(state, after);
   ASSERT_NE(before.at(0).generation, after.at(0).generation) << "the segment did not change";
