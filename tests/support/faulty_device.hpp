@@ -2,11 +2,14 @@
 // records, a test picks out, the way a driver does (device_error), so that tests can check
 // what a failed CUDA call in the middle of a migration leaves behind; damages the bytes of a
 // copy a test picks out (a write that lands in memory being moved), for ZEROALLOC_VERIFY to
-// find; and counts the events alive, so that tests can see a failure path leak none.
+// find; holds a copy a test picks out until the test lets it run (a copy engine that is
+// busy), so that a test can act while the copy's bytes are still on their way; and counts
+// the events alive, so that tests can see a failure path leak none.
 #pragma once
 
 #include <algorithm>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -43,6 +46,15 @@ class faulty_device final : public device {
     std::lock_guard lock(mutex_);
     fail_after_copy_ = std::move(which);
     armed_thread_ = std::thread::id();
+  }
+  /// From now on, the first copy_async whose destination the predicate accepts waits in
+  /// its stream (behind a host function) until `released` is ready, and so does everything
+  /// queued on that stream after it; then the predicate is dropped.
+  void hold_copy(std::function<bool(const void* destination)> which,
+                 std::shared_future<void> released) {
+    std::lock_guard lock(mutex_);
+    hold_ = std::move(which);
+    released_ = std::move(released);
   }
   [[nodiscard]] int failed_unmaps() const {
     std::lock_guard lock(mutex_);
@@ -134,6 +146,15 @@ class faulty_device final : public device {
   void synchronize_stream(stream_handle stream) override { inner_->synchronize_stream(stream); }
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override {
+    std::shared_future<void> held;
+    {
+      std::lock_guard lock(mutex_);
+      if (hold_ && hold_(destination)) {
+        hold_ = nullptr;
+        held = std::exchange(released_, {});
+      }
+    }
+    if (held.valid()) inner_->host_function_async([held] { held.wait(); }, stream);
     inner_->copy_async(destination, source, bytes, stream);
     bool damage = false;
     {
@@ -168,6 +189,8 @@ class faulty_device final : public device {
   long events_alive_ = 0;
   std::function<bool(const void*)> damage_;
   int damage_countdown_ = 0;
+  std::function<bool(const void*)> hold_;
+  std::shared_future<void> released_;
 };
 
 }  // namespace zeroalloc::testing

@@ -491,26 +491,47 @@ TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
 // ZEROALLOC_VERIFY must not mistake a user's write for damage: a chunk fetched as idle is
 // mapped at once, and a kernel ordered after its arrival (order_after_arrival) may write it
 // before the migrator's worker gets to the chunk. The check reads what arrived, in stream
-// order; read later, it saw the kernel's bytes and aborted a correct program.
+// order; read later, it saw the kernel's bytes and aborted a correct program. Each chunk's
+// copy is held until the kernel is queued behind it, so that the kernel is always ordered
+// after an arrival still on its way (a copy that had already landed is not this case).
 TEST_F(MigratorTest, VerifyModeChecksWhatArrivedNotWhatAKernelWroteAfterwards) {
-  start(/*verify=*/true);
-  migrator& engine = *migrator_;
-  stream_handle stream = device_->create_stream();
-  void* pointer = allocator_->allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
-  write_random(pointer, 48 * MiB, 5);
-  for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
-  engine.drain();
-  for (const chunk_info& chunk : chunks_of(pointer)) {
-    ASSERT_TRUE(engine.fetch_async(chunk.address, /*chunk_idle=*/true, chunk.generation));
-    ASSERT_TRUE(engine.order_after_arrival(chunk.address, stream));
-    device_->fill_async(reinterpret_cast<void*>(chunk.address), 0x5a, chunk.handle.bytes, stream);
+  faulty_stack stack(256 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  std::vector<chunk_info> chunks;
+  void* pointer = allocator.allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
+  {
+    migrator engine(allocator, stack.pool, /*verify=*/true);
+    stream_handle stream = device.create_stream();
+    device.fill_async(pointer, 0x33, 48 * MiB, nullptr);
+    device.synchronize_stream(nullptr);
+    ASSERT_TRUE(allocator.chunks_of_allocation(pointer, chunks));
+    for (const chunk_info& chunk : chunks) ASSERT_TRUE(engine.evict_async(chunk.address));
+    engine.drain();
+    std::vector<chunk_info> now_on_host;
+    ASSERT_TRUE(allocator.chunks_of_allocation(pointer, now_on_host));
+    for (const chunk_info& chunk : now_on_host) {
+      std::promise<void> copy_may_run;
+      const void* into = reinterpret_cast<const void*>(chunk.address);
+      device.hold_copy([into](const void* destination) { return destination == into; },
+                       copy_may_run.get_future().share());
+      ASSERT_TRUE(engine.fetch_async(chunk.address, /*chunk_idle=*/true, chunk.generation));
+      const bool ordered = engine.order_after_arrival(chunk.address, stream);
+      if (ordered) {
+        device.fill_async(reinterpret_cast<void*>(chunk.address), 0x5a, chunk.handle.bytes,
+                          stream);
+      }
+      copy_may_run.set_value();
+      ASSERT_TRUE(ordered) << "a fetch whose copy has not run is still arriving";
+      engine.drain();
+    }
+    device.synchronize_stream(stream);
+    EXPECT_EQ(engine.figures().verified_chunks, 2 * chunks.size());
+    EXPECT_EQ(read_back(device, pointer, 48 * MiB), std::vector<std::uint8_t>(48 * MiB, 0x5a));
+    device.destroy_stream(stream);
   }
-  engine.drain();
-  device_->synchronize_stream(stream);
-  EXPECT_EQ(engine.figures().verified_chunks, 2 * chunks_of(pointer).size());
-  EXPECT_EQ(read_back(*device_, pointer, 48 * MiB), std::vector<std::uint8_t>(48 * MiB, 0x5a));
-  allocator_->deallocate(pointer);
-  device_->destroy_stream(stream);
+  allocator.deallocate(pointer);
+  allocator.empty_cache();
 }
 
 // Random evictions and fetches racing with "kernels" on several streams. A kernel is a
