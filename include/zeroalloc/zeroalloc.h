@@ -255,8 +255,9 @@ void zeroalloc_step_boundary(void);
  */
 int zeroalloc_offload(const void* pointer, int wait);
 
-/** Brings the allocation back to device memory; as zeroalloc_offload (and with the same rule
- *  for `wait` zero). */
+/** Brings the allocation back to device memory; as zeroalloc_offload (with the same rule for
+ *  `wait` zero, and a chunk with a use open stays where it is: moving it could lose the
+ *  writes that use still queues). */
 int zeroalloc_fetch(const void* pointer, int wait);
 
 /** A zeroalloc_residency_kind, or -1 with zeroalloc_last_error() set. */

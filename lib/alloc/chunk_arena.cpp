@@ -119,10 +119,17 @@ void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
 
 void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {
   std::vector<physical_handle> on_host;
-  {
+  auto sink_host_chunks = [&] {
+    for (const physical_handle& handle : on_host) {
+      if (host_chunk_sink_) host_chunk_sink_(handle);
+    }
+  };
+  std::size_t unmapped = 0;
+  try {
     std::lock_guard lock(mutex_);
     std::size_t offset = 0;
-    for (const physical_handle& handle : chunks) {
+    for (; unmapped < chunks.size(); ++unmapped) {
+      const physical_handle& handle = chunks[unmapped];
       device_.unmap(address + offset, handle.bytes);
       offset += handle.bytes;
       if (handle.location == memory_location::host) {
@@ -132,11 +139,14 @@ void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>&
       pool_[handle.bytes].push_back(handle);
       pooled_bytes_ += handle.bytes;
     }
-    chunks.clear();
+  } catch (...) {
+    // The chunks unmapped so far are free; `chunks` keeps those still mapped.
+    chunks.erase(chunks.begin(), chunks.begin() + static_cast<std::ptrdiff_t>(unmapped));
+    sink_host_chunks();
+    throw;
   }
-  for (const physical_handle& handle : on_host) {
-    if (host_chunk_sink_) host_chunk_sink_(handle);
-  }
+  chunks.clear();
+  sink_host_chunks();
 }
 
 physical_handle chunk_arena::take_chunk(std::size_t bytes) {

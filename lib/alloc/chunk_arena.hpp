@@ -68,7 +68,10 @@ class chunk_arena {
 
   /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool; a chunk
   /// the offload engine moved to host memory goes to the host chunk sink instead.
-  /// The caller guarantees that no queued work still touches the range.
+  /// The caller guarantees that no queued work still touches the range. Throws
+  /// device_error when an unmap fails: the chunks before it are unmapped and kept as above,
+  /// and `chunks` is left with those still mapped (the failed one first, at the end of the
+  /// range).
   void decommit(std::uintptr_t address, std::vector<physical_handle>& chunks);
 
   /// A device chunk of `bytes` for the offload engine to copy into: from the pool, else

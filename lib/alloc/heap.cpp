@@ -131,13 +131,19 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   }
   if (best == nullptr) return nullptr;
   // Note [Stream-ordered reuse]: the new stream waits for everything queued on the old one.
-  remove_free(best);
+  // Fenced before the block leaves its list: if the device fails, the cache is unchanged.
   if (best->stream != kDetachedStream) {
     event_handle fence = obtain_event();
-    device_.record_event(fence, best->stream);
-    device_.stream_wait_event(stream, fence);
+    try {
+      device_.record_event(fence, best->stream);
+      device_.stream_wait_event(stream, fence);
+    } catch (...) {
+      spare_events_.push_back(fence);
+      throw;
+    }
     spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
   }
+  remove_free(best);
   best->stream = stream;
   return best;
 }
@@ -316,11 +322,16 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
   if (chosen == segments_.end()) return false;
   segment& given = **chosen;
   retiring_range old_addresses{given.address, given.bytes, given.chunks, {}};
-  for (stream_handle stream : streams_of(given)) {
-    event_handle fence = obtain_event();
-    device_.record_event(fence, stream);
-    if (stream != for_stream) device_.stream_wait_event(for_stream, fence);
-    old_addresses.fences.push_back(fence);
+  try {  // fenced before anything changes: if the device fails, the segment stays
+    for (stream_handle stream : streams_of(given)) {
+      old_addresses.fences.push_back(obtain_event());
+      device_.record_event(old_addresses.fences.back(), stream);
+      if (stream != for_stream) device_.stream_wait_event(for_stream, old_addresses.fences.back());
+    }
+  } catch (...) {
+    spare_events_.insert(spare_events_.end(), old_addresses.fences.begin(),
+                         old_addresses.fences.end());
+    throw;
   }
   for (block* piece = given.first; piece != nullptr;) {
     block* next = piece->next;
@@ -341,23 +352,60 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
 }
 
 void heap::retire_donated(bool wait) {
-  std::erase_if(retiring_, [&](retiring_range& range) {
-    for (event_handle fence : range.fences) {
-      if (wait) {
-        device_.synchronize_event(fence);
-      } else if (!device_.event_completed(fence)) {
-        return false;
+  // As process_pending: a range whose fences a device call could not check stays; one
+  // whose unmap failed is gone (unmap_old_addresses says what stays mapped).
+  std::size_t kept = 0;
+  std::size_t next = 0;
+  bool gone = false;
+  try {
+    for (; next < retiring_.size(); ++next) {
+      retiring_range& range = retiring_[next];
+      gone = false;
+      bool done = true;
+      for (event_handle fence : range.fences) {
+        if (wait) {
+          device_.synchronize_event(fence);
+        } else if (!device_.event_completed(fence)) {
+          done = false;
+          break;
+        }
       }
+      if (!done) {
+        if (kept != next) retiring_[kept] = std::move(range);
+        ++kept;
+        continue;
+      }
+      spare_events_.insert(spare_events_.end(), range.fences.begin(), range.fences.end());
+      range.fences.clear();
+      gone = true;
+      unmap_old_addresses(range);
     }
-    std::size_t offset = 0;
+  } catch (...) {
+    retiring_.erase(retiring_.begin() + static_cast<std::ptrdiff_t>(kept),
+                    retiring_.begin() + static_cast<std::ptrdiff_t>(next + (gone ? 1 : 0)));
+    throw;
+  }
+  retiring_.resize(kept);
+}
+
+void heap::unmap_old_addresses(const retiring_range& range) {
+  std::size_t offset = 0;
+  try {
     for (const physical_handle& chunk : range.chunks) {
       device_.unmap(range.address + offset, chunk.bytes);
       offset += chunk.bytes;
     }
-    return_addresses(range.address, range.bytes);
-    spare_events_.insert(spare_events_.end(), range.fences.begin(), range.fences.end());
-    return true;
-  });
+  } catch (const std::exception& failure) {
+    // Note [A failed unmap]. The chunks themselves serve their new segment.
+    if (offset != 0) return_addresses(range.address, offset);
+    log().error(
+        "unmapping the old addresses of a donated {} segment at {:#x} on {} failed ({}); its "
+        "last {} stay mapped and out of use. The GPU driver is failing: restart the process",
+        format_bytes(range.bytes), range.address, device_.name(), failure.what(),
+        format_bytes(range.bytes - offset));
+    throw;
+  }
+  return_addresses(range.address, range.bytes);
 }
 
 void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
@@ -622,24 +670,41 @@ void heap::merge_free_neighbours(block* freed) {
 }
 
 void heap::process_pending(bool wait) {
-  auto done = std::remove_if(pending_.begin(), pending_.end(), [&](block* waiting) {
-    for (event_handle event : waiting->pending_events) {
-      if (wait) {
-        device_.synchronize_event(event);
-      } else if (!device_.event_completed(event)) {
-        return false;
+  // A block leaves the list only once all its events are done; a device call that throws
+  // leaves it, and every block after it, pending as before (none is released twice).
+  std::size_t kept = 0;
+  std::size_t next = 0;
+  try {
+    for (; next < pending_.size(); ++next) {
+      block* waiting = pending_[next];
+      bool done = true;
+      for (event_handle event : waiting->pending_events) {
+        if (wait) {
+          device_.synchronize_event(event);
+        } else if (!device_.event_completed(event)) {
+          done = false;
+          break;
+        }
       }
+      if (!done) {
+        pending_[kept++] = waiting;
+        continue;
+      }
+      spare_events_.insert(spare_events_.end(), waiting->pending_events.begin(),
+                           waiting->pending_events.end());
+      waiting->pending_events.clear();
+      waiting->other_streams.clear();
+      waiting->pending = false;
+      const auto bytes = static_cast<std::int64_t>(waiting->bytes);
+      stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(-bytes); });
+      release_block(waiting);
     }
-    for (event_handle event : waiting->pending_events) spare_events_.push_back(event);
-    waiting->pending_events.clear();
-    waiting->other_streams.clear();
-    waiting->pending = false;
-    const auto bytes = static_cast<std::int64_t>(waiting->bytes);
-    stats_.apply(class_, [&](live_gauges& figures) { figures.pending_bytes.add(-bytes); });
-    release_block(waiting);
-    return true;
-  });
-  pending_.erase(done, pending_.end());
+  } catch (...) {
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(kept),
+                   pending_.begin() + static_cast<std::ptrdiff_t>(next));
+    throw;
+  }
+  pending_.resize(kept);
 }
 
 void heap::set_chunk_observer(chunk_observer observer) {
@@ -656,7 +721,6 @@ std::uint64_t heap::release_free_segments(std::uint64_t enough) {
   std::lock_guard lock(mutex_);
   process_pending(true);
   retire_donated(true);
-  std::uint64_t released = 0;
   auto unused = std::stable_partition(segments_.begin(), segments_.end(), [](const auto& owned) {
     return owned->busy_blocks != 0 || owned->pinned_chunks != 0;
   });
@@ -671,32 +735,79 @@ std::uint64_t heap::release_free_segments(std::uint64_t enough) {
     }
     unused = first;
   }
+  // Work queued before the frees may still touch the segments: unmap only after it ran.
+  // Every fence comes first, so that a device call failing here changes nothing.
+  std::vector<stream_handle> streams;
   for (auto it = unused; it != segments_.end(); ++it) {
-    segment& idle = **it;
-    // Work queued before the frees may still touch the segment: unmap only after it ran.
-    for (stream_handle stream : streams_of(idle)) {
-      event_handle fence = obtain_event();
+    for (stream_handle stream : streams_of(**it)) {
+      if (std::find(streams.begin(), streams.end(), stream) == streams.end())
+        streams.push_back(stream);
+    }
+  }
+  for (stream_handle stream : streams) {
+    event_handle fence = obtain_event();
+    try {
       device_.record_event(fence, stream);
       device_.synchronize_event(fence);
+    } catch (...) {
       spare_events_.push_back(fence);
+      throw;
     }
-    for (block* piece = idle.first; piece != nullptr;) {
-      block* next = piece->next;
-      remove_free(piece);
-      recycle_block(piece);
-      piece = next;
-    }
-    tell_chunks(idle.chunks, -1);
-    arena_.decommit(idle.address, idle.chunks);
-    return_addresses(idle.address, idle.bytes);
-    released += idle.bytes;
-    stats_.apply(class_, [&](live_gauges& figures) {
-      figures.reserved_bytes.add(-static_cast<std::int64_t>(idle.bytes));
-    });
-    ++counts_.segments_unmapped;
+    spare_events_.push_back(fence);
+  }
+  std::uint64_t released = 0;
+  auto it = unused;
+  try {
+    for (; it != segments_.end(); ++it) released += release_segment(**it);
+  } catch (...) {
+    segments_.erase(unused, std::next(it));  // the failed one is out of the heap too
+    throw;
   }
   segments_.erase(unused, segments_.end());
   return released;
+}
+
+// Note [A failed unmap]: a chunk that fails to unmap (a failing driver) stays mapped at its
+// addresses, and so do the chunks after it; those before it are unmapped and pooled. The
+// segment leaves the heap all the same, its blocks with it: what is still mapped is held
+// out of use (its addresses are not given back, so no later segment is placed over them)
+// and stays counted as reserved, since it still holds device memory. The caller gets the
+// device_error; nothing is released twice, no block is handed out over the old mapping.
+std::uint64_t heap::release_segment(segment& idle) {
+  for (block* piece = idle.first; piece != nullptr;) {
+    block* next = piece->next;
+    remove_free(piece);
+    recycle_block(piece);
+    piece = next;
+  }
+  idle.first = nullptr;
+  tell_chunks(idle.chunks, -1);
+  auto unreserve = [&](std::size_t bytes) {
+    stats_.apply(class_, [&](live_gauges& figures) {
+      figures.reserved_bytes.add(-static_cast<std::int64_t>(bytes));
+    });
+  };
+  try {
+    arena_.decommit(idle.address, idle.chunks);
+  } catch (const std::exception& failure) {
+    // Note [A failed unmap]: the chunks still mapped are the segment's last ones.
+    tell_chunks(idle.chunks, +1);
+    std::size_t still_mapped = 0;
+    for (const physical_handle& chunk : idle.chunks) still_mapped += chunk.bytes;
+    const std::size_t unmapped = idle.bytes - still_mapped;
+    if (unmapped != 0) return_addresses(idle.address, unmapped);
+    unreserve(unmapped);
+    log().error(
+        "unmapping a free {} segment of {} at {:#x} on {} failed ({}); its last {} stay mapped, "
+        "out of use and counted as reserved. The GPU driver is failing: restart the process",
+        format_bytes(idle.bytes), class_name(class_), idle.address, device_.name(), failure.what(),
+        format_bytes(still_mapped));
+    throw;
+  }
+  return_addresses(idle.address, idle.bytes);
+  unreserve(idle.bytes);
+  ++counts_.segments_unmapped;
+  return idle.bytes;
 }
 
 std::uint64_t heap::host_resident_bytes() const {

@@ -149,6 +149,13 @@ class heap {
     std::array<std::uint64_t, kBinCount / 64> nonempty{};
   };
 
+  struct retiring_range {  // a donated segment's old addresses, unmapped once fences pass
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    std::vector<physical_handle> chunks;
+    std::vector<event_handle> fences;
+  };
+
   static std::size_t bin_of(std::size_t bytes);
   free_index& index_for(stream_handle stream);
   void insert_free(block* free_block);
@@ -170,6 +177,11 @@ class heap {
                        std::size_t first_chunk, std::size_t last_chunk, std::uintptr_t start,
                        std::uintptr_t end);
   void retire_donated(bool wait);
+  void unmap_old_addresses(const retiring_range& range);
+  /// Unmaps a fully free segment (its fences done) and gives its addresses back; returns its
+  /// bytes. When an unmap fails it gives back what was unmapped and throws; the segment is
+  /// then to be dropped (Note [A failed unmap]).
+  std::uint64_t release_segment(segment& idle);
   void return_addresses(std::uintptr_t address, std::size_t bytes);
   std::vector<stream_handle> streams_of(const segment& owner) const;
   void process_pending(bool wait);
@@ -211,12 +223,6 @@ class heap {
   std::vector<block*> unmerged_;  // Note [Deferred coalescing]
   std::vector<event_handle> spare_events_;
   std::vector<event_handle> all_events_;
-  struct retiring_range {  // a donated segment's old addresses, unmapped once fences pass
-    std::uintptr_t address = 0;
-    std::size_t bytes = 0;
-    std::vector<physical_handle> chunks;
-    std::vector<event_handle> fences;
-  };
   std::vector<retiring_range> retiring_;
   std::vector<heap*> donors_;
   std::vector<std::uintptr_t> pinned_;  // chunk addresses (Note [Pinned chunks])

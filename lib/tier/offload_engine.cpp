@@ -315,10 +315,11 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
   const auto started = std::chrono::steady_clock::now();
   if (where != residency::host) migrator_.wait_until_settled(chunk.address);
   if (migrator_.where(chunk.address) == residency::host) {
-    // A miss: bring it now. If no room can be made it stays on the host, where kernels
-    // still reach it (slowly).
+    // A miss: bring it now, unless another use is open on it (Note [Moving a chunk in
+    // use]). If no room can be made it stays on the host, where kernels still reach it
+    // (slowly).
     bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
-               /*ordered_use=*/true);
+               /*ordered_use=*/true, /*callers_uses=*/1);
   }
   if (!wait_for_arrival(chunk.address, stream)) {
     migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
@@ -492,8 +493,16 @@ void offload_engine::step_boundary() {
   figures_.learned_order_chunks = learned_order_.size();
 }
 
+// Note [Moving a chunk in use]: a use that is open has work coming on the chunk's present
+// backing, which no fence covers yet: the caller of use_in_place copies the chunk to scratch
+// and back when it likes, and a use on another thread queues kernels after its own begin.
+// Moving the chunk under such a use would lose the writes that land on the backing being
+// left. So no fetch moves a chunk with an open use other than its caller's own: a prefetch
+// none at all, a use's miss only its own begin. The use that finds its chunk held stays on
+// the host for it, reached over PCIe, and marks the chunk used there (its next fetch waits
+// for the use). Evictions pass over chunks in use the same way.
 bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
-                                bool ordered_use, bool* fetched) {
+                                bool ordered_use, int callers_uses, bool* fetched) {
   bool started = false;
   for (int attempt = 0; attempt < 4 && !started; ++attempt) {
     // Note [Idle at the claim]: whether no queued work touches the host-resident chunk (only
@@ -509,8 +518,8 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
     {
       std::lock_guard lock(mutex_);
       auto state = chunks_.find(address);
-      if (state != chunks_.end() && !urgent && state->second.open_uses > 0) {
-        return false;  // in use right now: a prefetch must not move it under its user
+      if (state != chunks_.end() && state->second.open_uses > callers_uses) {
+        return false;  // Note [Moving a chunk in use]
       }
       idle = ordered_use && state != chunks_.end() && state->second.hinted &&
              !state->second.used_on_host && !learned_order_.empty();
@@ -572,7 +581,8 @@ void offload_engine::prefetch_worker() {
     bool started = false;
     try {
       if (bytes != 0) {
-        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true, &started);
+        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+                   /*callers_uses=*/0, &started);
       }
     } catch (const std::exception& failure) {
       log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());

@@ -80,7 +80,8 @@ struct offload_figures {
   std::uint64_t resident = 0;          ///< ... that found the chunk on the device, in host time
   std::uint64_t arriving = 0;          ///< ... that found it prefetched, bytes still arriving
                                        ///<     (the stream waits for them; the host does not)
-  std::uint64_t used_on_host = 0;      ///< ... that left the chunk on the host (no room)
+  std::uint64_t used_on_host = 0;      ///< ... that left the chunk on the host (no room, or
+                                       ///<     another use open on it)
   std::uint64_t device_waited_ns = 0;  ///< time streams waited for fetched bytes
   std::uint64_t prefetches = 0;        ///< fetches started ahead of need
   std::uint64_t evictions = 0;         ///< evictions the policy chose
@@ -142,6 +143,9 @@ class offload_engine {
   /// with a use open (they may hold another allocation in use). False when `pointer` is not
   /// a live allocation.
   bool evict(const void* pointer, bool wait);
+  /// Brings every host-resident chunk of the allocation at `pointer` back (waiting when
+  /// `wait`), except chunks with a use open (Note [Moving a chunk in use]). False when
+  /// `pointer` is not a live allocation.
   bool fetch(const void* pointer, bool wait);
 
   /// The figures. With `wait_for_device`, after the device-side waits recorded so far have
@@ -218,9 +222,11 @@ class offload_engine {
   /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an
   /// idle chunk may be mapped before they arrive; a plain fetch() may not. True when the
   /// chunk is on the device or on its way; `fetched`, when given, says whether this call
-  /// started the fetch (a chunk found on the device already is no prefetch).
+  /// started the fetch (a chunk found on the device already is no prefetch). A chunk with
+  /// more open uses than the caller's own (`callers_uses`) stays where it is: another use
+  /// (one in place, or one on another thread) may still queue work on its present backing.
   bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
-                  bool ordered_use, bool* fetched = nullptr);
+                  bool ordered_use, int callers_uses = 0, bool* fetched = nullptr);
   void prefetch_worker();
   /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
   /// False when the chunk is not arriving. Caller does not hold mutex_.

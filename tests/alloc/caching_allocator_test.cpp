@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/errors.hpp"
+#include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -578,6 +579,160 @@ TEST_F(CachingAllocatorTest, SixteenThreadsOfRandomWorkKeepEveryByte) {
   EXPECT_EQ(corrupted, 0);
   EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
   EXPECT_EQ(allocator->stats().total.allocations, allocator->stats().total.frees);
+}
+
+// A CUDA call that fails halfway through the allocator's work surfaces as a device_error and
+// leaves the cache as it was or in a state that still adds up: no block is handed out twice
+// or lost, no address range is given back twice, and the statistics keep counting what is
+// really held. Each test below fails a call at the point where an earlier version changed
+// its bookkeeping before the device had done its part.
+class AllocatorDeviceFailureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::unique_ptr<device> inner;
+    ZA_OPEN_TEST_DEVICE_OR_SKIP(inner, 0, kSimBytes);
+    device_ = std::make_unique<testing::faulty_device>(std::move(inner));
+    allocator_settings settings;
+    settings.chunk_bytes = 8 * MiB;
+    allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  }
+  void TearDown() override {
+    allocator_.reset();
+    for (stream_handle stream : streams_) device_->destroy_stream(stream);
+  }
+  stream_handle new_stream() { return streams_.emplace_back(device_->create_stream()); }
+  std::int64_t reserved() const { return allocator_->stats().total.reserved_bytes.current; }
+  // A late "kernel" on `stream`: the fences recorded behind it are still pending for a while.
+  void keep_busy(stream_handle stream) {
+    device_->host_function_async(
+        [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); }, stream);
+  }
+
+  std::unique_ptr<testing::faulty_device> device_;
+  std::unique_ptr<caching_allocator> allocator_;
+  std::vector<stream_handle> streams_;
+};
+
+TEST_F(AllocatorDeviceFailureTest, AFailedFenceForAnotherStreamLeavesTheCachedBlockCached) {
+  stream_handle first = new_stream();
+  stream_handle second = new_stream();
+  void* pointer = allocator_->allocate(4 * MiB, first, allocation_class::other);
+  allocator_->deallocate(pointer);
+  const std::int64_t held = reserved();
+  // Taking the block for the second stream fences the first one: that fence fails.
+  device_->fail_call(testing::device_call::record_event);
+  EXPECT_THROW(allocator_->allocate(4 * MiB, second, allocation_class::other), device_error);
+  void* again = allocator_->allocate(4 * MiB, first, allocation_class::other);
+  EXPECT_EQ(again, pointer) << "the cached block was lost with the failed fence";
+  EXPECT_EQ(reserved(), held) << "new memory was mapped for a request the cache holds";
+  allocator_->deallocate(again);
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), 0);
+}
+
+TEST_F(AllocatorDeviceFailureTest, AFailedWaitForPendingFreesReleasesNoBlockTwice) {
+  stream_handle producer = new_stream();
+  stream_handle consumer = new_stream();
+  void* first = allocator_->allocate(4 * MiB, producer, allocation_class::other);
+  void* second = allocator_->allocate(4 * MiB, producer, allocation_class::other);
+  ASSERT_TRUE(allocator_->record_stream(first, consumer));
+  ASSERT_TRUE(allocator_->record_stream(second, consumer));
+  keep_busy(consumer);
+  allocator_->deallocate(first);  // both pending on the consumer's fence
+  allocator_->deallocate(second);
+  // empty_cache waits for the pending frees: the first wait succeeds, the second fails.
+  device_->fail_call(testing::device_call::synchronize_event, 2);
+  EXPECT_THROW(allocator_->empty_cache(), device_error);
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), 0) << "a block released twice keeps its segment busy for ever";
+  void* a = allocator_->allocate(4 * MiB, producer, allocation_class::other);
+  void* b = allocator_->allocate(4 * MiB, producer, allocation_class::other);
+  EXPECT_NE(a, b) << "one block handed out twice";
+  allocator_->deallocate(a);
+  allocator_->deallocate(b);
+}
+
+TEST_F(AllocatorDeviceFailureTest, AFailedFenceInEmptyCacheReleasesNothingAndARetryReleasesAll) {
+  stream_handle stream = new_stream();
+  stream_handle other = new_stream();
+  void* first = allocator_->allocate(64 * MiB, stream, allocation_class::other);
+  void* second = allocator_->allocate(64 * MiB, other, allocation_class::other);
+  allocator_->deallocate(first);
+  allocator_->deallocate(second);
+  const std::int64_t held = reserved();
+  ASSERT_GE(held, static_cast<std::int64_t>(128 * MiB));
+  // The free segments' streams are fenced before anything is unmapped: the second fails.
+  device_->fail_call(testing::device_call::record_event, 2);
+  EXPECT_THROW(allocator_->empty_cache(), device_error);
+  EXPECT_EQ(reserved(), held) << "a segment was released though the call failed";
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), 0) << "a segment released twice, or not at all";
+  void* a = allocator_->allocate(64 * MiB, stream, allocation_class::other);
+  void* b = allocator_->allocate(64 * MiB, stream, allocation_class::other);
+  const auto start_a = reinterpret_cast<std::uintptr_t>(a);
+  const auto start_b = reinterpret_cast<std::uintptr_t>(b);
+  EXPECT_TRUE(start_a + 64 * MiB <= start_b || start_b + 64 * MiB <= start_a)
+      << "two segments were placed at the same addresses";
+  device_->fill_async(a, 0x11, 64 * MiB, stream);
+  device_->fill_async(b, 0x22, 64 * MiB, stream);
+  EXPECT_EQ(read_back(*device_, a, 64 * MiB, stream), std::vector<std::uint8_t>(64 * MiB, 0x11));
+  allocator_->deallocate(a);
+  allocator_->deallocate(b);
+}
+
+TEST_F(AllocatorDeviceFailureTest, AFailedUnmapInEmptyCacheKeepsWhatIsStillMappedOutOfUse) {
+  void* pointer = allocator_->allocate(64 * MiB, nullptr, allocation_class::other);
+  allocator_->deallocate(pointer);
+  const auto start = reinterpret_cast<std::uintptr_t>(pointer);
+  ASSERT_EQ(reserved(), static_cast<std::int64_t>(64 * MiB));
+  // The segment's third chunk (of eight) fails to unmap: the first two are unmapped.
+  device_->fail_next_unmap([start](std::uintptr_t address) { return address == start + 16 * MiB; });
+  EXPECT_THROW(allocator_->empty_cache(), device_error);
+  EXPECT_EQ(reserved(), static_cast<std::int64_t>(48 * MiB))
+      << "the chunks still mapped are held, and only they";
+  allocator_->empty_cache();  // nothing more to release, and nothing released twice
+  EXPECT_EQ(reserved(), static_cast<std::int64_t>(48 * MiB));
+  std::vector<void*> taken;
+  for (int i = 0; i < 4; ++i) {
+    void* next = allocator_->allocate(32 * MiB, nullptr, allocation_class::other);
+    const auto at = reinterpret_cast<std::uintptr_t>(next);
+    EXPECT_TRUE(at + 32 * MiB <= start + 16 * MiB || at >= start + 64 * MiB)
+        << "an allocation was placed over memory still mapped to a released segment";
+    device_->fill_async(next, static_cast<std::uint8_t>(i + 1), 32 * MiB, nullptr);
+    taken.push_back(next);
+  }
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(read_back(*device_, taken[i], 32 * MiB),
+              std::vector<std::uint8_t>(32 * MiB, static_cast<std::uint8_t>(i + 1)));
+    allocator_->deallocate(taken[i]);
+  }
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), static_cast<std::int64_t>(48 * MiB));
+}
+
+TEST_F(AllocatorDeviceFailureTest, AFailedUnmapOfDonatedAddressesKeepsThemOutOfUse) {
+  stream_handle stream = new_stream();
+  void* activation = allocator_->allocate(24 * MiB, stream, allocation_class::other);
+  allocator_->deallocate(activation);
+  void* gradient = allocator_->allocate(24 * MiB, stream, allocation_class::gradient);
+  ASSERT_EQ(allocator_->stats().of(allocation_class::other).segments_donated, 1u);
+  device_->fill_async(gradient, 0x77, 24 * MiB, stream);
+  // The donor's old addresses are unmapped once its fences pass: the second chunk fails.
+  const auto old = reinterpret_cast<std::uintptr_t>(activation);
+  device_->fail_next_unmap([old](std::uintptr_t address) { return address == old + 8 * MiB; });
+  EXPECT_THROW(allocator_->empty_cache(), device_error);
+  EXPECT_NO_THROW(allocator_->empty_cache()) << "the failed range was retried";
+  EXPECT_EQ(read_back(*device_, gradient, 24 * MiB, stream),
+            std::vector<std::uint8_t>(24 * MiB, 0x77))
+      << "the donated chunks lost their bytes in their new segment";
+  for (int i = 0; i < 3; ++i) {
+    void* next = allocator_->allocate(8 * MiB, stream, allocation_class::other);
+    const auto at = reinterpret_cast<std::uintptr_t>(next);
+    EXPECT_TRUE(at + 8 * MiB <= old + 8 * MiB || at >= old + 24 * MiB)
+        << "an allocation was placed over addresses still mapped to donated chunks";
+    allocator_->deallocate(next);
+  }
+  allocator_->deallocate(gradient);
 }
 
 TEST(CachingAllocatorMultiDevice, EachDeviceHasItsOwnMemoryAndLimit) {

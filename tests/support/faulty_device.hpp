@@ -8,10 +8,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -19,6 +21,9 @@
 #include "device/device.hpp"
 
 namespace zeroalloc::testing {
+
+/// The calls a test can make fail with fail_call.
+enum class device_call { record_event, synchronize_event, stream_wait_event, count };
 
 class faulty_device final : public device {
  public:
@@ -55,6 +60,12 @@ class faulty_device final : public device {
     std::lock_guard lock(mutex_);
     hold_ = std::move(which);
     released_ = std::move(released);
+  }
+  /// From now on, the `nth` call of `which` (counting from 1, on any thread) throws a
+  /// device_error and does nothing, as a failing driver call does.
+  void fail_call(device_call which, int nth = 1) {
+    std::lock_guard lock(mutex_);
+    call_countdown_[static_cast<int>(which)] = nth;
   }
   [[nodiscard]] int failed_unmaps() const {
     std::lock_guard lock(mutex_);
@@ -117,6 +128,7 @@ class faulty_device final : public device {
     --events_alive_;
   }
   void record_event(event_handle event, stream_handle stream) override {
+    fail_if_chosen(device_call::record_event, "cuEventRecord");
     {
       std::lock_guard lock(mutex_);
       if (armed_thread_ != std::thread::id() && armed_thread_ == std::this_thread::get_id()) {
@@ -130,7 +142,10 @@ class faulty_device final : public device {
   [[nodiscard]] bool event_completed(event_handle event) override {
     return inner_->event_completed(event);
   }
-  void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
+  void synchronize_event(event_handle event) override {
+    fail_if_chosen(device_call::synchronize_event, "cuEventSynchronize");
+    inner_->synchronize_event(event);
+  }
   event_handle create_timing_event() override {
     event_handle event = inner_->create_timing_event();
     std::lock_guard lock(mutex_);
@@ -141,6 +156,7 @@ class faulty_device final : public device {
     return inner_->elapsed_ms(start, end);
   }
   void stream_wait_event(stream_handle stream, event_handle event) override {
+    fail_if_chosen(device_call::stream_wait_event, "cuStreamWaitEvent");
     inner_->stream_wait_event(stream, event);
   }
   void synchronize_stream(stream_handle stream) override { inner_->synchronize_stream(stream); }
@@ -179,7 +195,15 @@ class faulty_device final : public device {
   }
 
  private:
+  void fail_if_chosen(device_call which, const char* name) {
+    std::lock_guard lock(mutex_);
+    int& countdown = call_countdown_[static_cast<int>(which)];
+    if (countdown == 0 || --countdown != 0) return;
+    throw device_error(std::string(name) + " failed (injected by the test)", 999);
+  }
+
   std::unique_ptr<device> inner_;
+  std::array<int, static_cast<int>(device_call::count)> call_countdown_{};
   mutable std::mutex mutex_;
   std::function<bool(std::uintptr_t)> fail_unmap_;
   int failed_unmaps_ = 0;

@@ -518,8 +518,7 @@ TEST_F(MigratorTest, VerifyModeChecksWhatArrivedNotWhatAKernelWroteAfterwards) {
       ASSERT_TRUE(engine.fetch_async(chunk.address, /*chunk_idle=*/true, chunk.generation));
       const bool ordered = engine.order_after_arrival(chunk.address, stream);
       if (ordered) {
-        device.fill_async(reinterpret_cast<void*>(chunk.address), 0x5a, chunk.handle.bytes,
-                          stream);
+        device.fill_async(reinterpret_cast<void*>(chunk.address), 0x5a, chunk.handle.bytes, stream);
       }
       copy_may_run.set_value();
       ASSERT_TRUE(ordered) << "a fetch whose copy has not run is still arriving";

@@ -674,6 +674,40 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
   for (void* pointer : {layer, away, here}) allocator_->deallocate(pointer);
 }
 
+// Note [Moving a chunk in use]: a use that begins on a host-resident chunk while another
+// use is open on it (a use in place, whose caller copies the chunk when it likes, or a use
+// on another thread) runs on the host: fetching it then would move the backing from under
+// the open use, whose writes would land in host memory being left. Once no other use is
+// open, the next use brings it back.
+TEST_F(OffloadEngineTest, AUseOfAChunkUsedInPlaceElsewhereLeavesItWhereItIs) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle stream = nullptr;
+  stream_handle other = device_->create_stream();
+  void* state = allocator_->allocate(kChunkBytes, stream, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x11, kChunkBytes, stream);
+  ASSERT_TRUE(engine.evict(state, /*wait=*/true));
+  engine.use_in_place(state, stream);  // the step updates it where it is
+  engine.use_begins(state, other);     // meanwhile another thread reads it
+  engine.mover().drain();
+  EXPECT_EQ(where_first_chunk(state), residency::host) << "moved under a use in place";
+  EXPECT_TRUE(engine.fetch(state, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(state), residency::host) << "an explicit fetch moved it in use";
+  device_->fill_async(state, 0x22, kChunkBytes, stream);  // the in-place update
+  engine.use_ends(state, other);
+  engine.use_ends(state, stream);
+  EXPECT_EQ(engine.figures().used_on_host, 1u);
+  engine.use_begins(state, stream);  // no other use open: a miss brings it back
+  engine.mover().drain();
+  EXPECT_EQ(where_first_chunk(state), residency::device);
+  engine.use_ends(state, stream);
+  device_->synchronize_stream(stream);
+  EXPECT_TRUE(holds(state, 0x22, kChunkBytes));
+  allocator_->deallocate(state);
+  allocator_->forget_stream(other);
+  device_->destroy_stream(other);
+}
+
 // Where host chunks come only whole (every CUDA driver measured), an eviction prefers a
 // chunk that a ready host chunk of its size can take over one that would have to create
 // pinned memory on the training path (Note [Host chunk sizes]), and takes the latter only

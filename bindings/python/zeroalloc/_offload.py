@@ -19,7 +19,8 @@ def offload_pointer(pointer: int, wait: bool = True) -> None:
 
 
 def fetch_pointer(pointer: int, wait: bool = True) -> None:
-    """Brings the allocation at `pointer` back to device memory."""
+    """Brings the allocation at `pointer` back to device memory (a chunk with a use open
+    stays where it is)."""
     if library().zeroalloc_fetch(pointer, int(wait)) != 0:
         raise ZeroallocError(last_error())
 
