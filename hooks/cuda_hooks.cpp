@@ -41,7 +41,8 @@
   X(cudaMemGetInfo) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)  \
   X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemGetInfo_v2) X(cuGetProcAddress)                \
   X(cuGetProcAddress_v2) X(cudaGetDriverEntryPoint) X(cudaGetDriverEntryPoint_ptsz)              \
-  X(cudaGetDriverEntryPointByVersion) X(cudaGetDriverEntryPointByVersion_ptsz)
+  X(cudaGetDriverEntryPointByVersion) X(cudaGetDriverEntryPointByVersion_ptsz)              \
+  X(cudaStreamDestroy) X(cuStreamDestroy_v2)
 #define ZA_PASSTHROUGH_SYMBOLS(X)                                                               \
   X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                     \
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemAllocManaged) X(cudaMallocManaged)           \
@@ -57,6 +58,7 @@ constexpr int kInvalidValue = 1;
 constexpr int kOutOfMemory = 2;  // cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY
 constexpr unsigned long long kPerThreadDefaultStream =
     2;  // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+void* const kLegacyStream = reinterpret_cast<void*>(0x1);     // CU_STREAM_LEGACY
 void* const kPerThreadStream = reinterpret_cast<void*>(0x2);  // CU_STREAM_PER_THREAD
 
 using device_pointer = unsigned long long;  // CUdeviceptr
@@ -218,6 +220,25 @@ bool serve_free(void* pointer, void* stream, bool ordered_on_stream,
   }
 }
 
+// Note [Destroyed streams]: blocks freed on a stream stay tagged with it, and their next
+// use on another stream records a fence on it. Once the program destroys the stream, that
+// record fails (the allocation with it), and a new stream that gets the same handle back
+// would reuse the blocks without waiting for the old stream's last work. So before the
+// real call, every allocator that knows the stream waits for its work and detaches its
+// blocks (caching_allocator::forget_stream); a stream zeroalloc never saw costs nothing.
+// The special handles (legacy, per-thread) are never destroyed.
+void forget_destroyed_stream(void* stream) {
+  if (stream == nullptr || stream == kLegacyStream || stream == kPerThreadStream) return;
+  try {
+    for (zeroalloc::caching_allocator* each : zeroalloc::runtime::get().started_allocators()) {
+      each->forget_stream(stream);
+    }
+  } catch (...) {
+    // The library could not start (it then owns no block), or the device failed: the real
+    // call reports the device's error.
+  }
+}
+
 int serve_memory_info(std::size_t* free_bytes, std::size_t* total_bytes, int device) {
   try {
     zeroalloc::caching_allocator& allocator = zeroalloc::runtime::get().allocator(device);
@@ -307,6 +328,11 @@ ZA_HOOK int cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
   return serve_memory_info(free_bytes, total_bytes, runtime_current_device());
 }
 
+ZA_HOOK int cudaStreamDestroy(void* stream) {
+  if (interception_active()) forget_destroyed_stream(stream);  // Note [Destroyed streams]
+  return ZA_REAL(int (*)(void*), cudaStreamDestroy)(stream);
+}
+
 // ---- CUDA driver ------------------------------------------------------------------------
 
 ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
@@ -368,6 +394,11 @@ ZA_HOOK int cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total_bytes) {
     return ZA_REAL(int (*)(std::size_t*, std::size_t*), cuMemGetInfo_v2)(free_bytes, total_bytes);
   }
   return serve_memory_info(free_bytes, total_bytes, driver_current_device());
+}
+
+ZA_HOOK int cuStreamDestroy_v2(void* stream) {
+  if (interception_active()) forget_destroyed_stream(stream);  // Note [Destroyed streams]
+  return ZA_REAL(int (*)(void*), cuStreamDestroy_v2)(stream);
 }
 
 // ---- Calls passed through, counted --------------------------------------------------------
@@ -620,6 +651,7 @@ const interposed_symbol* interposed_driver_symbol(const char* symbol, int cuda_v
       {"cuMemGetInfo", 3020, "cuMemGetInfo_v2", nullptr},
       {"cuMemAllocAsync", 0, "cuMemAllocAsync", "cuMemAllocAsync_ptsz"},
       {"cuMemFreeAsync", 0, "cuMemFreeAsync", "cuMemFreeAsync_ptsz"},
+      {"cuStreamDestroy", 4000, "cuStreamDestroy_v2", nullptr},
       // Lookups through a fetched cuGetProcAddress stay intercepted.
       {"cuGetProcAddress", 12000, "cuGetProcAddress_v2", nullptr},
       {"cuGetProcAddress", 0, "cuGetProcAddress", nullptr},

@@ -73,7 +73,8 @@ class caching_allocator {
   bool record_stream(void* pointer, stream_handle stream);
 
   /// Call before destroying a stream that allocations were used on: waits for its work and
-  /// detaches its cached blocks, so no event is ever recorded on the destroyed stream.
+  /// detaches its cached blocks, so no event is ever recorded on the destroyed stream (a
+  /// stream no block was used on returns at once).
   void forget_stream(stream_handle stream);
 
   /// Unmaps every fully free segment and returns the physical memory to the device, after

@@ -593,6 +593,20 @@ bool heap::record_stream(std::uintptr_t pointer, stream_handle stream) {
   return true;
 }
 
+bool heap::uses_stream(stream_handle stream) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& owned : segments_) {
+    for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
+      if (piece->stream == stream ||
+          std::find(piece->other_streams.begin(), piece->other_streams.end(), stream) !=
+              piece->other_streams.end()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 void heap::forget_stream(stream_handle stream) {
   std::lock_guard lock(mutex_);
   for (auto& owned : segments_) {

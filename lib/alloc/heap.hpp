@@ -87,6 +87,8 @@ class heap {
   /// Detaches every block tagged with `stream` (which the caller has synchronized and is
   /// about to destroy), so that no event is ever recorded on it again.
   void forget_stream(stream_handle stream);
+  /// Whether a block was freed on `stream` or is tagged with it (record_stream).
+  [[nodiscard]] bool uses_stream(stream_handle stream) const;
   /// Waits for pending frees, then unmaps fully free segments, largest first, until
   /// `enough` bytes are unmapped (all of them by default). Returns bytes unmapped.
   std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX);

@@ -286,6 +286,51 @@ TEST_F(PreloadTest, CudaFreeOfServedMemoryWaitsForWorkOnEveryStream) {
   ASSERT_EQ(cudaStreamDestroy(side), cudaSuccess);
 }
 
+// Note [Destroyed streams] in hooks/cuda_hooks.cpp: memory freed on a stream the program then
+// destroys serves the next allocation, on another stream, once the destroyed stream's work
+// has run. Without the interposer, that allocation recorded a fence on the destroyed stream,
+// failed, and came back as cudaErrorMemoryAllocation.
+TEST_F(PreloadTest, MemoryFreedOnADestroyedStreamServesTheNextAllocation) {
+  if (simulated()) GTEST_SKIP() << "skipped: the simulated device has no CUDA streams";
+  for (bool driver : {false, true}) {
+    SCOPED_TRACE(driver ? "cuStreamDestroy" : "cudaStreamDestroy");
+    cudaStream_t side = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+    constexpr std::size_t kBytes = std::size_t{256} << 20;
+    void* pointer = nullptr;
+    const long long before = total_count("allocations");
+    ASSERT_EQ(cudaMallocAsync(&pointer, kBytes, side), cudaSuccess);
+    ASSERT_EQ(total_count("allocations"), before + 1) << "zeroalloc did not serve it";
+    for (int round = 0; round < 64; ++round) {  // a few ms of memsets
+      ASSERT_EQ(cudaMemsetAsync(pointer, round, kBytes, side), cudaSuccess);
+    }
+    cudaEvent_t last_work = nullptr;
+    ASSERT_EQ(cudaEventCreateWithFlags(&last_work, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(last_work, side), cudaSuccess);
+    ASSERT_EQ(cudaFreeAsync(pointer, side), cudaSuccess);
+    if (driver) {
+      using stream_destroy = int (*)(void*);
+      void* function = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuStreamDestroy", &function, 12000,
+                                                 cudaEnableDefault, &found),
+                cudaSuccess);
+      EXPECT_EQ(function, dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2"));  // zeroalloc's
+      ASSERT_EQ(reinterpret_cast<stream_destroy>(function)(side), 0);
+    } else {
+      ASSERT_EQ(cudaStreamDestroy(side), cudaSuccess);
+    }
+    EXPECT_EQ(cudaEventQuery(last_work), cudaSuccess)
+        << "the stream's memory is cached for reuse while its work still ran";
+    void* again = nullptr;
+    ASSERT_EQ(cudaMalloc(&again, kBytes), cudaSuccess);
+    EXPECT_EQ(again, pointer) << "the cached block should serve it";
+    expect_writable(again, 4096);
+    EXPECT_EQ(cudaFree(again), cudaSuccess);
+    EXPECT_EQ(cudaEventDestroy(last_work), cudaSuccess);
+  }
+}
+
 // With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.
 TEST(PreloadDisabled, EveryCallGoesToTheRealRuntime) {
   if (std::getenv("ZEROALLOC_DISABLE") == nullptr)
