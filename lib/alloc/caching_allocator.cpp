@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 
 #include "alloc/heap.hpp"
 #include "core/errors.hpp"
@@ -146,10 +147,16 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
 std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
+  std::exception_ptr first_failure;  // a heap that fails does not keep the others' cache
   for (auto& each : heaps_) {
     if (released >= enough) break;
-    released += each->release_free_segments(enough - released);
+    try {
+      released += each->release_free_segments(enough - released);
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
   }
+  if (first_failure) std::rethrow_exception(first_failure);
   return released;
 }
 
@@ -187,8 +194,20 @@ std::uint64_t caching_allocator::release_idle_cache() {
 std::uint64_t caching_allocator::release_all_cached() {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
-  for (auto& each : heaps_) released += each->release_free_segments();
-  arena_.release_pool();
+  std::exception_ptr first_failure;  // as release_cached: every heap, then the pool
+  for (auto& each : heaps_) {
+    try {
+      released += each->release_free_segments();
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+  try {
+    arena_.release_pool();
+  } catch (...) {
+    if (!first_failure) first_failure = std::current_exception();
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
   return released;
 }
 

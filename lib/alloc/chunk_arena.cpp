@@ -13,12 +13,21 @@ chunk_arena::chunk_arena(device& backing, std::size_t chunk_bytes, memory_limite
       limiter_(limiter) {}
 
 chunk_arena::~chunk_arena() {
+  std::lock_guard lock(mutex_);
   try {
-    std::lock_guard lock(mutex_);
     release_pool_locked();
-    for (auto [address, bytes] : regions_) device_.free_addresses(address, bytes);
   } catch (const std::exception& failure) {
     log().warn("releasing the memory of {} failed at exit: {}", device_.name(), failure.what());
+  }
+  // Each region on its own: one still holding a mapping (Note [A failed unmap] in
+  // alloc/heap.cpp) fails to free, the others need not.
+  for (auto [address, bytes] : regions_) {
+    try {
+      device_.free_addresses(address, bytes);
+    } catch (const std::exception& failure) {
+      log().warn("freeing the address region at {:#x} of {} failed at exit: {}", address,
+                 device_.name(), failure.what());
+    }
   }
 }
 

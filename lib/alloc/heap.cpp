@@ -426,14 +426,26 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     return nullptr;
   }
   donated_memory donated;
-  gather_donations(needed, stream, donated);
-  const std::size_t bytes = std::max(needed, donated.bytes);
   auto pool_donations = [&] {
     if (donated.chunks.empty()) return;
     // The donors' queued work may still touch these chunks; only `stream` waited for it.
     device_.synchronize_stream(stream);
     arena_.keep_in_pool(donated.chunks);
   };
+  try {
+    gather_donations(needed, stream, donated);
+  } catch (...) {
+    // A later donor failed: the donations already made (their donors gave them up) go to
+    // the pool, else their memory would be held by nobody.
+    try {
+      pool_donations();
+    } catch (const std::exception& failure) {
+      log().error("{} of memory donated to {} is lost: waiting for its donors' work failed ({})",
+                  format_bytes(donated.bytes), class_name(class_), failure.what());
+    }
+    throw;
+  }
+  const std::size_t bytes = std::max(needed, donated.bytes);
   // A run split off a busy segment may give more than the eighth checked above.
   const std::optional<std::uintptr_t> placed = free_addresses_.take_best_fit(bytes);
   if (!placed) {
@@ -804,8 +816,8 @@ std::uint64_t heap::release_segment(segment& idle) {
   try {
     arena_.decommit(idle.address, idle.chunks);
   } catch (const std::exception& failure) {
-    // Note [A failed unmap]: the chunks still mapped are the segment's last ones.
-    tell_chunks(idle.chunks, +1);
+    // Note [A failed unmap]: the chunks still mapped are the segment's last ones. They stay
+    // told as gone: nothing can move or reuse them.
     std::size_t still_mapped = 0;
     for (const physical_handle& chunk : idle.chunks) still_mapped += chunk.bytes;
     const std::size_t unmapped = idle.bytes - still_mapped;

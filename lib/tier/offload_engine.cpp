@@ -249,6 +249,21 @@ void offload_engine::open_use(const chunk_info& chunk) {
 void offload_engine::use_begins(std::span<const void* const> pointers, stream_handle stream) {
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
+  // Each chunk once, with the uses this hint opens on it (two allocations of one chunk
+  // open two, and count as two): they do not keep it from being fetched (Note [Moving a
+  // chunk in use]).
+  std::vector<std::pair<const chunk_info*, int>> distinct;
+  distinct.reserve(chunks.size());
+  for (const chunk_info& chunk : chunks) {
+    auto seen = std::find_if(distinct.begin(), distinct.end(), [&](const auto& each) {
+      return each.first->address == chunk.address;
+    });
+    if (seen == distinct.end()) {
+      distinct.emplace_back(&chunk, 1);
+    } else {
+      ++seen->second;
+    }
+  }
   bool wished = false;
   {
     std::lock_guard lock(mutex_);
@@ -288,9 +303,9 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   // Every chunk gets its ordering even when one fails (a device error from a move): the
   // hint's other allocations have work coming too. The first failure is reported after.
   std::exception_ptr first_failure;
-  for (const chunk_info& chunk : chunks) {
+  for (const auto& [chunk, opened] : distinct) {
     try {
-      if (ready_for_use(chunk, stream)) ++resident;
+      if (ready_for_use(*chunk, stream, opened)) resident += static_cast<std::uint64_t>(opened);
     } catch (...) {
       if (!first_failure) first_failure = std::current_exception();
     }
@@ -304,12 +319,12 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   if (first_failure) std::rethrow_exception(first_failure);
 }
 
-bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream) {
+bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream, int opened) {
   const residency where = migrator_.where(chunk.address);
   if (where == residency::device) return true;
-  if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream)) {
+  if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream, opened)) {
     std::lock_guard lock(mutex_);  // prefetched, still arriving: the stream waits, not us
-    ++figures_.arriving;
+    figures_.arriving += static_cast<std::uint64_t>(opened);
     return false;
   }
   const auto started = std::chrono::steady_clock::now();
@@ -319,16 +334,16 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
     // use]). If no room can be made it stays on the host, where kernels still reach it
     // (slowly).
     bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
-               /*ordered_use=*/true, /*callers_uses=*/1);
+               /*ordered_use=*/true, /*callers_uses=*/opened);
   }
-  if (!wait_for_arrival(chunk.address, stream)) {
+  if (!wait_for_arrival(chunk.address, stream, opened)) {
     migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
   }
   std::lock_guard lock(mutex_);
   figures_.waited_ns += nanoseconds_since(started);
   if (migrator_.where(chunk.address) == residency::host) {
     chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
-    ++figures_.used_on_host;
+    figures_.used_on_host += static_cast<std::uint64_t>(opened);
   }
   return false;
 }
@@ -370,7 +385,7 @@ event_handle offload_engine::timing_event() {
   return event;
 }
 
-bool offload_engine::wait_for_arrival(std::uintptr_t address, stream_handle stream) {
+bool offload_engine::wait_for_arrival(std::uintptr_t address, stream_handle stream, int uses) {
   event_handle before;
   event_handle after;
   {
@@ -387,7 +402,7 @@ bool offload_engine::wait_for_arrival(std::uintptr_t address, stream_handle stre
     return false;
   }
   device_.record_event(after, stream);
-  pending_waits_.push_back({before, after});
+  pending_waits_.push_back({before, after, uses});
   return true;
 }
 
@@ -400,7 +415,7 @@ void offload_engine::collect_waits(bool all) {
     if (!device_.event_completed(oldest.after)) break;
     const float waited_ms = std::max(0.0F, device_.elapsed_ms(oldest.before, oldest.after));
     figures_.device_waited_ns += static_cast<std::uint64_t>(waited_ms * 1e6F);
-    if (waited_ms < kHitThresholdMs) ++figures_.hits;
+    if (waited_ms < kHitThresholdMs) figures_.hits += static_cast<std::uint64_t>(oldest.uses);
     spare_timing_events_.push_back(oldest.before);
     spare_timing_events_.push_back(oldest.after);
     pending_waits_.pop_front();

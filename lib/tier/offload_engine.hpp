@@ -168,9 +168,10 @@ class offload_engine {
     bool used_on_host = false;              // work ran on it while it was on the host
   };
 
-  /// use_begins' work for one chunk: on the device, arriving in `stream`'s order, or (no
-  /// room) on the host, marked used there. True when it was on the device already.
-  bool ready_for_use(const chunk_info& chunk, stream_handle stream);
+  /// use_begins' work for one chunk, on which it `opened` uses: on the device, arriving in
+  /// `stream`'s order, or (no room, or another use open) on the host, marked used there.
+  /// True when it was on the device already.
+  bool ready_for_use(const chunk_info& chunk, stream_handle stream, int opened);
   std::vector<chunk_info> chunks_of(const void* pointer) const;
   /// The chunks of every allocation in `pointers`, in turn (a chunk twice if two share it).
   std::vector<chunk_info> chunks_of(std::span<const void* const> pointers) const;
@@ -230,7 +231,7 @@ class offload_engine {
   void prefetch_worker();
   /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
   /// False when the chunk is not arriving. Caller does not hold mutex_.
-  bool wait_for_arrival(std::uintptr_t address, stream_handle stream);
+  bool wait_for_arrival(std::uintptr_t address, stream_handle stream, int uses = 1);
   /// Accounts the device-side waits whose events have completed. Caller holds mutex_.
   void collect_waits(bool all);
   event_handle timing_event();  // caller holds mutex_
@@ -259,6 +260,7 @@ class offload_engine {
   struct timed_wait {
     event_handle before;
     event_handle after;
+    int uses = 1;  // the uses it stands for (hits, when it was one)
   };
   std::deque<timed_wait> pending_waits_;
   std::vector<event_handle> spare_timing_events_;

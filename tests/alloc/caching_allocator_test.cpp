@@ -735,6 +735,41 @@ TEST_F(AllocatorDeviceFailureTest, AFailedUnmapOfDonatedAddressesKeepsThemOutOfU
   allocator_->deallocate(gradient);
 }
 
+// Two free segments, in two classes: the first one's unmap fails halfway. The other class's
+// cache is released all the same, and the first segment's unmapped chunks serve new memory.
+TEST_F(AllocatorDeviceFailureTest, AFailedUnmapInOneHeapLeavesTheOtherHeapsReleased) {
+  void* activation = allocator_->allocate(64 * MiB, nullptr, allocation_class::other);
+  void* gradient = allocator_->allocate(64 * MiB, nullptr, allocation_class::gradient);
+  allocator_->deallocate(activation);
+  allocator_->deallocate(gradient);
+  const auto start = reinterpret_cast<std::uintptr_t>(activation);
+  device_->fail_next_unmap([start](std::uintptr_t address) { return address == start + 16 * MiB; });
+  EXPECT_THROW(allocator_->empty_cache(), device_error);
+  EXPECT_EQ(reserved(), static_cast<std::int64_t>(48 * MiB))
+      << "the gradients' free segment was kept because another heap failed";
+  EXPECT_EQ(allocator_->stats().of(allocation_class::gradient).reserved_bytes.current, 0);
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), static_cast<std::int64_t>(48 * MiB));
+}
+
+// A new segment gathers free memory from other classes, a segment at a time: the second
+// donor's fence fails. The first donor already gave its segment up; its memory must not be
+// lost with the failed request, or the limit would stay charged for memory nobody holds.
+TEST_F(AllocatorDeviceFailureTest, AFailedDonationKeepsTheMemoryDonatedBeforeIt) {
+  allocator_->set_limit(32 * MiB, "ZEROALLOC_MEMORY_LIMIT (test)");
+  void* first = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  void* second = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  allocator_->deallocate(first);
+  allocator_->deallocate(second);
+  device_->fail_call(testing::device_call::record_event, 2);
+  EXPECT_THROW(allocator_->allocate(32 * MiB, nullptr, allocation_class::gradient), device_error);
+  void* state = allocator_->allocate(32 * MiB, nullptr, allocation_class::gradient);
+  ASSERT_NE(state, nullptr);
+  device_->fill_async(state, 0x44, 32 * MiB, nullptr);
+  EXPECT_EQ(read_back(*device_, state, 32 * MiB), std::vector<std::uint8_t>(32 * MiB, 0x44));
+  allocator_->deallocate(state);
+}
+
 TEST(CachingAllocatorMultiDevice, EachDeviceHasItsOwnMemoryAndLimit) {
   std::unique_ptr<device> first;
   std::unique_ptr<device> second;

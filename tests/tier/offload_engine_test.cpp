@@ -708,6 +708,29 @@ TEST_F(OffloadEngineTest, AUseOfAChunkUsedInPlaceElsewhereLeavesItWhereItIs) {
   device_->destroy_stream(other);
 }
 
+// A hint that names two allocations of one chunk (a layer's weight and bias) opens two
+// uses on it, both its own: a miss still brings the chunk back.
+TEST_F(OffloadEngineTest, AHintForTwoAllocationsOfOneChunkBringsTheChunkBack) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* weight = allocator_->allocate(4 * MiB, nullptr, allocation_class::parameter);
+  void* bias = allocator_->allocate(4 * MiB, nullptr, allocation_class::parameter);
+  ASSERT_EQ(first_chunk(weight), first_chunk(bias)) << "the test needs them in one chunk";
+  device_->fill_async(bias, 0x31, 4 * MiB, nullptr);
+  ASSERT_TRUE(engine.evict(weight, /*wait=*/true));
+  ASSERT_EQ(where_first_chunk(bias), residency::host);
+  const void* both[] = {weight, bias};
+  const std::span<const void* const> layer(both);
+  engine.use_begins(layer, nullptr);
+  engine.mover().drain();
+  EXPECT_EQ(where_first_chunk(bias), residency::device) << "left on the host by its own uses";
+  EXPECT_EQ(engine.figures().used_on_host, 0u);
+  engine.use_ends(layer, nullptr);
+  EXPECT_TRUE(holds(bias, 0x31, 4 * MiB));
+  allocator_->deallocate(weight);
+  allocator_->deallocate(bias);
+}
+
 // Where host chunks come only whole (every CUDA driver measured), an eviction prefers a
 // chunk that a ready host chunk of its size can take over one that would have to create
 // pinned memory on the training path (Note [Host chunk sizes]), and takes the latter only
