@@ -139,20 +139,27 @@ bool migrator::evict_async(std::uintptr_t address, const std::vector<event_handl
 }
 
 bool migrator::claim_eviction(std::uintptr_t address, chunk_info& claimed) {
-  if (!allocator_.pin_chunk(address, claimed)) return false;
-  if (claimed.handle.location != memory_location::device) {
-    allocator_.unpin_chunk(address);
-    return false;
-  }
-  // Claimed before any work is queued (Note [Claiming a chunk]).
-  bool taken = false;
+  // Claimed before any work is queued (Note [Claiming a chunk]), and before the pin: an
+  // allocation landing in the chunk once it is pinned is told to wait for the move (Note
+  // [Landing in a moving chunk] in alloc/heap.cpp), and that wait must find the move.
+  // Pinned first, an allocation in between found it pinned, yet not moving, went on at
+  // once, and its writes could land in the device chunk being left.
   {
     std::lock_guard lock(mutex_);
-    taken = moving_.contains(address);
-    if (!taken) moving_[address] = residency::moving_to_host;
+    if (moving_.contains(address) || on_host_.contains(address)) return false;
+    moving_[address] = residency::moving_to_host;
   }
-  if (taken) allocator_.unpin_chunk(address);  // not under mutex_: the heaps call in under theirs
-  return !taken;
+  bool pinned = false;
+  try {  // not under mutex_: the heaps call in under theirs
+    pinned = allocator_.pin_chunk(address, claimed);
+  } catch (...) {
+    release_claim(address);
+    throw;
+  }
+  if (pinned && claimed.handle.location == memory_location::device) return true;
+  if (pinned) allocator_.unpin_chunk(address);
+  release_claim(address);
+  return false;
 }
 
 void migrator::cancel_eviction(std::uintptr_t address) {
@@ -168,6 +175,7 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
   moving.chunk = chunk;
   moving.to_host = true;
   moving.device_chunk = chunk.handle;
+  bool copy_queued = false;
   try {
     moving.host = pool_.acquire(chunk.handle.bytes);
     moving.copied = obtain_event();
@@ -178,8 +186,10 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
     if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, out_stream_);
     device_.copy_async(reinterpret_cast<void*>(moving.host.staging_address),
                        reinterpret_cast<const void*>(address), chunk.handle.bytes, out_stream_);
+    copy_queued = true;
     device_.record_event(moving.copied, out_stream_);
   } catch (...) {
+    if (copy_queued) settle_copies_out();  // the copy may still write the host chunk
     if (moving.host.valid()) pool_.release(moving.host);
     if (moving.copied != nullptr) return_event(moving.copied);
     cancel_eviction(address);
@@ -449,6 +459,9 @@ void migrator::worker() {
       // only) leaves the move standing.
       log().error("offload: moving the chunk at {:#x} to the {} failed: {}", oldest.chunk.address,
                   oldest.to_host ? "host" : "device", failure.what());
+      // The copy may still run (the wait for it is what failed): it ends before the memory
+      // it reads or writes goes back.
+      if (!oldest.committed) oldest.to_host ? settle_copies_out() : settle_copies_in();
       if (oldest.committed) {
         // The move stands; nothing to give back.
       } else if (oldest.to_host) {
@@ -461,7 +474,6 @@ void migrator::worker() {
             "offload: the bytes of the chunk at {:#x} may not have reached the device; it "
             "stays there (expect wrong results, restart)",
             oldest.chunk.address);
-        settle_copies_in();  // the copy may still read the host chunk, which goes back next
         forget_host_copy(oldest);
       } else {
         give_back_staging(oldest.staging, oldest.device_chunk, /*mapped=*/true);
@@ -558,6 +570,13 @@ void migrator::settle_copies_in() {
   try {
     device_.synchronize_stream(in_stream_);
   } catch (...) {  // the stream failed: nothing runs on it any more
+  }
+}
+
+void migrator::settle_copies_out() {
+  try {
+    device_.synchronize_stream(out_stream_);
+  } catch (...) {  // as settle_copies_in
   }
 }
 

@@ -164,6 +164,8 @@ class migrator {
   void return_staging_slot(std::uintptr_t address);
   /// Waits for what the copy-in stream runs (a failed fetch's copies), whatever it fails with.
   void settle_copies_in();
+  /// The same for the copy-out stream (a failed eviction's copy).
+  void settle_copies_out();
   /// For a fetch whose chunk is mapped on the device for good (finished, or failed after
   /// its remap): its host chunk goes back, and the chunk counts as on the device.
   void forget_host_copy(transfer& fetched);

@@ -246,6 +246,76 @@ TEST_F(MigratorTest, AFetchThatFailsAfterQueuingItsCopyWaitsForItAndKeepsTheChun
   allocator.empty_cache();
 }
 
+// A move that fails while its copy may still run (its event's record, or the worker's wait
+// for the copy) waits for the copy before it gives the memory the copy reads or writes back:
+// given back at once, a host slab could be destroyed, or a staging address unmapped, under
+// the copy. Each copy is held back behind a "kernel" until a thread opens it 200 ms later.
+TEST_F(MigratorTest, AMoveThatFailsWhileItsCopyMayRunWaitsForTheCopy) {
+  faulty_stack stack(256 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  {
+    migrator engine(allocator, stack.pool, false);
+    stream_handle compute = device.create_stream();
+    void* pointer = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
+    device.fill_async(pointer, 0x11, kChunkBytes, compute);
+    device.synchronize_stream(compute);
+    std::vector<chunk_info> chunks;
+    ASSERT_TRUE(allocator.chunks_of_allocation(pointer, chunks));
+    const std::uintptr_t a = chunks.at(0).address;
+    const std::vector<std::uint8_t> ones(kChunkBytes, 0x11);
+    auto hold_compute = [&](std::atomic<bool>& opened) {
+      auto gate = std::make_shared<std::promise<void>>();
+      std::shared_future<void> open = gate->get_future().share();
+      device.host_function_async([open] { open.wait(); }, compute);
+      return std::thread([gate, &opened] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        opened = true;
+        gate->set_value();
+      });
+    };
+
+    std::atomic<bool> opened{false};
+    std::thread opener = hold_compute(opened);
+    device.fail_record_after_copy([](const void*) { return true; });
+    EXPECT_THROW(engine.evict_async(a), device_error);
+    EXPECT_TRUE(opened.load()) << "the failed eviction gave its host chunk back under its copy";
+    opener.join();
+    EXPECT_EQ(engine.where(a), residency::device);
+
+    std::atomic<bool> waited{false};
+    opener = hold_compute(waited);
+    device.fail_call(testing::device_call::synchronize_event);  // the worker's wait
+    ASSERT_TRUE(engine.evict_async(a));
+    engine.drain();
+    EXPECT_TRUE(waited.load()) << "the worker gave the host chunk back under the copy";
+    opener.join();
+    EXPECT_EQ(engine.where(a), residency::device);
+    EXPECT_EQ(stack.pool.figures().in_use_bytes, 0u);
+
+    ASSERT_TRUE(engine.evict_async(a));
+    engine.drain();
+    ASSERT_EQ(engine.where(a), residency::host);
+    std::atomic<bool> staged{false};
+    opener = hold_compute(staged);
+    device.fail_call(testing::device_call::synchronize_event);
+    ASSERT_TRUE(engine.fetch_async(a));  // not idle: through a staging address
+    engine.drain();
+    EXPECT_TRUE(staged.load()) << "the worker unmapped the staging address under the copy";
+    opener.join();
+    EXPECT_EQ(engine.where(a), residency::host);
+    EXPECT_EQ(read_back(device, pointer, kChunkBytes, compute), ones);
+    ASSERT_TRUE(engine.fetch_async(a));
+    engine.drain();
+    EXPECT_EQ(engine.where(a), residency::device);
+    EXPECT_EQ(read_back(device, pointer, kChunkBytes, compute), ones);
+    allocator.deallocate(pointer);
+    allocator.forget_stream(compute);
+    device.destroy_stream(compute);
+  }
+  allocator.empty_cache();
+}
+
 // An eviction that fails at its remap (in the migrator's worker, after its copy) leaves the
 // chunk on the device with its bytes, gives its host memory back and keeps no event: a
 // program whose driver fails now and then keeps running, and keeps its memory.
