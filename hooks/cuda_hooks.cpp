@@ -177,15 +177,19 @@ int driver_current_device() {
   return runtime_current_device();
 }
 
-// The stream zeroalloc keys blocks by. On the simulated device there is no per-thread
-// default stream: its streams are the library's own.
+// The stream zeroalloc keys blocks by. On the simulated device there is no per-thread or
+// legacy default stream: its streams are the library's own, and its default one stands for
+// CUDA's special handles (cudaStreamLegacy, cudaStreamPerThread), which it cannot resolve.
 void* served_stream(void* stream, bool per_thread) {
-  if (stream != nullptr || !per_thread) return stream;
+  if (stream != nullptr && stream != kLegacyStream && stream != kPerThreadStream) return stream;
+  bool simulated = false;
   try {
-    return zeroalloc::runtime::get().simulated() ? nullptr : kPerThreadStream;
+    simulated = zeroalloc::runtime::get().simulated();
   } catch (...) {  // the library could not start: the allocation itself will say why
-    return kPerThreadStream;
   }
+  // The simulated device has one default stream, which stands for CUDA's special handles.
+  if (simulated) return nullptr;
+  return stream == nullptr && per_thread ? kPerThreadStream : stream;
 }
 
 int serve_allocation(void** pointer, std::size_t size, int device, void* stream) {

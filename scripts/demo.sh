@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROALLOC_BUILD_TESTS=OFF -DZEROALLOC_BUILD_BENCH=OFF >/dev/null
 ninja -C build -j"${JOBS:-2}" zeroalloc-demo
-reports=${ZEROALLOC_DEMO_REPORTS:-$PWD/build/demo-report}
+# Not ZEROALLOC_-prefixed: the library refuses variables of its prefix it does not know.
+reports=${DEMO_REPORTS:-$PWD/build/demo-report}
 mkdir -p "$reports"
 report=$reports/zeroalloc
 status=0

@@ -3,6 +3,7 @@
 #include <cuda.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,12 +54,27 @@ Result guarded(const char* function, Result failed, Body&& body) noexcept {
   return failed;
 }
 
+// A function that returns nothing has no failure value to return: it clears the message
+// on entry, so that an empty zeroalloc_last_error() after it means success, and logs its
+// failure (the first few hundred: a failing device would otherwise flood the log).
 template <typename Body>
 void guarded_void(const char* function, Body&& body) noexcept {
-  guarded(function, 0, [&] {
-    body();
-    return 0;
-  });
+  t_last_error[0] = '\0';
+  const bool failed = guarded(function, false, [&] {
+                        body();
+                        return true;
+                      }) == false;
+  if (!failed) return;
+  static std::atomic<int> logged{0};
+  constexpr int kMostLogged = 200;
+  const int count = logged.fetch_add(1, std::memory_order_relaxed);
+  if (count >= kMostLogged) return;
+  try {
+    zeroalloc::log().warn(
+        "{}{}", t_last_error,
+        count + 1 == kMostLogged ? " (later failures of this kind not logged)" : "");
+  } catch (...) {  // the message stays in zeroalloc_last_error()
+  }
 }
 
 // A caller may pass any int as a zeroalloc_class; read it as an int, never as the enum
@@ -105,8 +121,8 @@ ZA_EXPORT void* zeroalloc_torch_malloc(ssize_t size, int device, zeroalloc_strea
 
 ZA_EXPORT void zeroalloc_free(void* ptr, ssize_t /*size*/, int /*device*/,
                               zeroalloc_stream_t /*stream*/) {
-  if (ptr == nullptr) return;
   guarded_void("zeroalloc_free", [&] {
+    if (ptr == nullptr) return;
     if (!runtime::get().deallocate(ptr)) {
       ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr,
                " is not a live zeroalloc allocation (freed twice, or from another allocator); "

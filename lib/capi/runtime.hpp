@@ -63,7 +63,7 @@ class runtime {
  private:
   explicit runtime(const options& parsed);
 
-  static constexpr int kMaxDevices = 64;
+  static constexpr int kMaxDevices = kMostDevices;
   options options_;
   device_registry registry_;
   std::mutex create_mutex_;

@@ -21,18 +21,21 @@ std::shared_ptr<spdlog::logger> make_stderr_logger() {
 }
 
 // Leaked on purpose: allocations can be freed by static destructors after spdlog's registry
-// is gone, and those paths may still log.
-std::shared_ptr<spdlog::logger>* g_logger =
-    new std::shared_ptr<spdlog::logger>(make_stderr_logger());
-std::mutex g_configure_mutex;
+// is gone, and those paths may still log. Made on first use (Note [Before the library's
+// constructors] in core/options.cpp).
+std::shared_ptr<spdlog::logger>& current_logger() {
+  static auto* const logger = new std::shared_ptr<spdlog::logger>(make_stderr_logger());
+  return *logger;
+}
+std::mutex g_configure_mutex;  // constant-initialised
 
 }  // namespace
 
-spdlog::logger& log() { return **g_logger; }
+spdlog::logger& log() { return *current_logger(); }
 
 void configure_logging(const options& parsed) {
   std::lock_guard lock(g_configure_mutex);
-  std::shared_ptr<spdlog::logger> logger = *g_logger;
+  std::shared_ptr<spdlog::logger> logger = current_logger();
   if (!parsed.log_file.empty()) {
     try {
       auto file_sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(parsed.log_file);
@@ -47,7 +50,7 @@ void configure_logging(const options& parsed) {
     }
   }
   logger->set_level(spdlog::level::from_str(parsed.log_level));
-  *g_logger = logger;
+  current_logger() = logger;
 }
 
 }  // namespace zeroalloc

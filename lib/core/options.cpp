@@ -18,70 +18,78 @@ namespace {
 
 constexpr std::string_view kPrefix = "ZEROALLOC_";
 
-const std::vector<option_spec> kTable = {
-    {"ZEROALLOC_DEVICE", option_kind::choice, "auto", "auto|cuda|sim",
-     "Which device backs allocations: cuda (the GPU through the CUDA driver), sim (the "
-     "simulated device in host memory), or auto (cuda when a driver and a GPU are present, "
-     "else sim)."},
-    {"ZEROALLOC_MEMORY_LIMIT", option_kind::byte_size_or_share, "", "",
-     "Most device memory zeroalloc may hold per device, in bytes with a unit (512MiB, 80GB) "
-     "or as a share of the device (0.9, 90%). Unset: the whole device."},
-    {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
-     "Size of the physical memory chunks that back large allocations and that later tiers "
-     "move as a unit; a multiple of the device's 2 MiB granularity."},
-    {"ZEROALLOC_OFFLOAD", option_kind::choice, "none", "none|host",
-     "host: when the device runs short, chunks of parameters, gradients and optimizer states "
-     "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
-     "back before they are needed; the host pool is created in the background at start-up. "
-     "none: everything stays on the device."},
-    {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
-     "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
-     "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
-     "move to the host as a last resort: training fits under a lower limit, at a cost in "
-     "speed where the states alone could make room. 0: gradients stay with the activations "
-     "and never move."},
-    {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_share, "0.5", "",
-     "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
-     "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
-     "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
-     "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
-     "comes from the GPU's NUMA node when that node has room, else from any node."},
-    {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
-     "How far ahead along the learned access order the offload engine brings chunks back to "
-     "the device, in bytes; it keeps that much device memory free for them."},
-    {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
-     "1 checksums every chunk the offload engine moves, before and after, and stops with an "
-     "error naming the chunk when the bytes changed in transit (for tests and bug hunts)."},
-    {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
-     "Least severe message that is logged."},
-    {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
-     "Write the log to this file instead of standard error."},
-    {"ZEROALLOC_SIM_MEMORY", option_kind::byte_size, "8GiB", "",
-     "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
-    {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
-     "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
-    {"ZEROALLOC_SIM_MAPS_SLICES", option_kind::boolean, "1", "",
-     "0 makes the simulated device map only whole physical allocations, as CUDA drivers do "
-     "(the host tier then takes the paths it takes on a GPU)."},
-    {"ZEROALLOC_REPORT", option_kind::text, "", "",
-     "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
-     "allocation fails out of memory, and on SIGUSR1, with a summary in the log."},
-    {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
-     "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
-     "driver."},
-    {"ZEROALLOC_TORCH", option_kind::choice, "native", "native|zeroalloc",
-     "Which allocator PyTorch uses when the Python package's start-up hook is active "
-     "(libzeroalloc.so preloaded, or this variable set): native keeps PyTorch's caching "
-     "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
-     "torch is imported, as zeroalloc.torch.install() does."},
-    {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
-     "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
-     "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
-     "itself is not part of this release."},
-    {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
-     "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
-     "in the build tree."},
-};
+// Note [Before the library's constructors]: under LD_PRELOAD, the constructors of the
+// program's own libraries run before this library's, and one may already call cudaMalloc,
+// which starts zeroalloc. So nothing that start reads is a namespace-scope object with a
+// dynamic initialiser (it would still be empty): the table and the logger are made on
+// first use.
+const std::vector<option_spec>& table() {
+  static const std::vector<option_spec> kTable = {
+      {"ZEROALLOC_DEVICE", option_kind::choice, "auto", "auto|cuda|sim",
+       "Which device backs allocations: cuda (the GPU through the CUDA driver), sim (the "
+       "simulated device in host memory), or auto (cuda when a driver and a GPU are present, "
+       "else sim)."},
+      {"ZEROALLOC_MEMORY_LIMIT", option_kind::byte_size_or_share, "", "",
+       "Most device memory zeroalloc may hold per device, in bytes with a unit (512MiB, 80GB) "
+       "or as a share of the device (0.9, 90%). Unset: the whole device."},
+      {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
+       "Size of the physical memory chunks that back large allocations and that later tiers "
+       "move as a unit; a multiple of the device's 2 MiB granularity."},
+      {"ZEROALLOC_OFFLOAD", option_kind::choice, "none", "none|host",
+       "host: when the device runs short, chunks of parameters, gradients and optimizer states "
+       "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
+       "back before they are needed; the host pool is created in the background at start-up. "
+       "none: everything stays on the device."},
+      {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
+       "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
+       "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
+       "move to the host as a last resort: training fits under a lower limit, at a cost in "
+       "speed where the states alone could make room. 0: gradients stay with the activations "
+       "and never move."},
+      {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_share, "0.5", "",
+       "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
+       "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
+       "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
+       "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
+       "comes from the GPU's NUMA node when that node has room, else from any node."},
+      {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
+       "How far ahead along the learned access order the offload engine brings chunks back to "
+       "the device, in bytes; it keeps that much device memory free for them."},
+      {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
+       "1 checksums every chunk the offload engine moves, before and after, and stops with an "
+       "error naming the chunk when the bytes changed in transit (for tests and bug hunts)."},
+      {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
+       "Least severe message that is logged."},
+      {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
+       "Write the log to this file instead of standard error."},
+      {"ZEROALLOC_SIM_MEMORY", option_kind::byte_size, "8GiB", "",
+       "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
+      {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
+       "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
+      {"ZEROALLOC_SIM_MAPS_SLICES", option_kind::boolean, "1", "",
+       "0 makes the simulated device map only whole physical allocations, as CUDA drivers do "
+       "(the host tier then takes the paths it takes on a GPU)."},
+      {"ZEROALLOC_REPORT", option_kind::text, "", "",
+       "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
+       "allocation fails out of memory, and on SIGUSR1, with a summary in the log."},
+      {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
+       "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
+       "driver."},
+      {"ZEROALLOC_TORCH", option_kind::choice, "native", "native|zeroalloc",
+       "Which allocator PyTorch uses when the Python package's start-up hook is active "
+       "(libzeroalloc.so preloaded, or this variable set): native keeps PyTorch's caching "
+       "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
+       "torch is imported, as zeroalloc.torch.install() does."},
+      {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
+       "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
+       "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
+       "itself is not part of this release."},
+      {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
+       "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
+       "in the build tree."},
+  };
+  return kTable;
+}
 
 std::string lowercase(std::string_view text) {
   std::string out(text);
@@ -118,7 +126,7 @@ std::optional<double> parse_decimal(std::string_view text) {
 
 }  // namespace
 
-const std::vector<option_spec>& option_table() { return kTable; }
+const std::vector<option_spec>& option_table() { return table(); }
 
 std::string_view accepted_form(const option_spec& spec) {
   switch (spec.kind) {
@@ -132,7 +140,7 @@ std::string_view accepted_form(const option_spec& spec) {
     case option_kind::boolean:
       return "1 or 0 (also true/false, yes/no, on/off)";
     case option_kind::count:
-      return "a whole number from 1 to 1024";
+      return "a whole number from 1 to 64";
     case option_kind::choice:
       return spec.choices;
     case option_kind::text:
@@ -191,7 +199,8 @@ std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
 options options::parse(const std::function<const char*(const char*)>& lookup,
                        const std::vector<std::string>& variable_names) {
   for (const std::string& name : variable_names) {
-    const bool known = std::any_of(kTable.begin(), kTable.end(),
+    const std::vector<option_spec>& known_names = table();
+    const bool known = std::any_of(known_names.begin(), known_names.end(),
                                    [&](const option_spec& spec) { return spec.name == name; });
     if (!known) {
       ZA_THROW(config_error, name,
@@ -201,7 +210,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
   }
 
   options parsed;
-  for (const option_spec& spec : kTable) {
+  for (const option_spec& spec : table()) {
     const std::string name(spec.name);
     const char* raw = lookup(name.c_str());
     const bool from_user = raw != nullptr;
@@ -269,7 +278,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
       int number = 0;
       auto [end, status] = std::from_chars(trimmed.data(), trimmed.data() + trimmed.size(), number);
       if (status != std::errc() || end != trimmed.data() + trimmed.size() || number < 1 ||
-          number > 1024) {
+          number > kMostDevices) {
         reject(name, value, form);
       }
       if (name == "ZEROALLOC_SIM_DEVICES") parsed.sim_device_count = number;

@@ -50,6 +50,9 @@ struct memory_limit {
   [[nodiscard]] std::uint64_t resolve(std::uint64_t total_bytes) const;
 };
 
+/// The most devices one process drives (ZEROALLOC_SIM_DEVICES accepts up to this many).
+inline constexpr int kMostDevices = 64;
+
 /// The parsed options. Field names follow the variables (ZEROALLOC_CHUNK_SIZE -> chunk_bytes).
 struct options {
   std::string device = "auto";         ///< ZEROALLOC_DEVICE

@@ -96,8 +96,14 @@ TEST_F(CApiTest, ForeignNullAndDoubleFreesAreIgnoredWithAMessage) {
   zeroalloc_free(pointer, 4096, 0, nullptr);
   EXPECT_NE(std::string(zeroalloc_last_error()).find("freed twice"), std::string::npos);
   EXPECT_EQ(stats_text(0), before);
+  testing::internal::CaptureStderr();
   zeroalloc_record_stream(&on_the_stack, nullptr);
+  const std::string logged = testing::internal::GetCapturedStderr();
   EXPECT_NE(std::string(zeroalloc_last_error()).find("zeroalloc_record_stream"), std::string::npos);
+  EXPECT_NE(logged.find("zeroalloc_record_stream"), std::string::npos)
+      << "a function that returns nothing has only the log to say it failed";
+  zeroalloc_reset_peak_stats(0);  // succeeds: a message left from before would mislead
+  EXPECT_STREQ(zeroalloc_last_error(), "");
 }
 
 TEST_F(CApiTest, StatsJsonSizesItsBufferAndTruncatesSafely) {

@@ -111,6 +111,10 @@ TEST(Options, BadValuesNameTheVariableTheValueAndTheForm) {
   EXPECT_NE(error_of({{"ZEROALLOC_DEVICE", "tpu"}}).find("one of auto|cuda|sim"),
             std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_SIM_DEVICES", "-2"}}).find("whole number"), std::string::npos);
+  // As many simulated devices as the library drives, and no more (one more was accepted, then
+  // every allocation on it failed).
+  EXPECT_EQ(parse_with({{"ZEROALLOC_SIM_DEVICES", "64"}}).sim_device_count, 64);
+  EXPECT_NE(error_of({{"ZEROALLOC_SIM_DEVICES", "65"}}).find("from 1 to 64"), std::string::npos);
   EXPECT_NE(error_of({{"ZEROALLOC_LOG_LEVEL", "loud"}}).find("trace|debug|info|warn|error|off"),
             std::string::npos);
 }

@@ -105,6 +105,28 @@ TEST_F(PreloadTest, StreamOrderedCallsAreServed) {
   EXPECT_EQ(total_count("allocations") - total_count("frees"), 0);
 }
 
+// CUDA's special stream handles are streams like any other to the program; on the
+// simulated device they are its default stream (a fence recorded on them crashed it).
+TEST_F(PreloadTest, TheSpecialStreamHandlesAreServed) {
+  using empty_cache = void (*)();
+  auto release = reinterpret_cast<empty_cache>(dlsym(RTLD_DEFAULT, "zeroalloc_empty_cache"));
+  ASSERT_NE(release, nullptr);
+  const long long live = total_count("allocations") - total_count("frees");
+  for (cudaStream_t special : {cudaStreamPerThread, cudaStreamLegacy}) {
+    void* pointer = nullptr;
+    const long long before = total_count("allocations");
+    ASSERT_EQ(cudaMallocAsync(&pointer, 1 << 20, special), cudaSuccess);
+    EXPECT_EQ(total_count("allocations"), before + 1);
+    expect_writable(pointer, 1 << 20);
+    ASSERT_EQ(cudaFreeAsync(pointer, special), cudaSuccess);
+    void* other = nullptr;  // on the legacy stream: the freed block is fenced on `special`
+    ASSERT_EQ(cudaMalloc(&other, 1 << 20), cudaSuccess);
+    EXPECT_EQ(cudaFree(other), cudaSuccess);
+    release();  // fences every free segment's streams
+  }
+  EXPECT_EQ(total_count("allocations") - total_count("frees"), live);
+}
+
 TEST_F(PreloadTest, MemGetInfoReportsTheZeroallocLimit) {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
