@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cctype>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -56,6 +57,7 @@ namespace {
 constexpr int kSuccess = 0;
 constexpr int kInvalidValue = 1;
 constexpr int kOutOfMemory = 2;  // cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY
+constexpr int kUnknown = 999;    // cudaErrorUnknown and CUDA_ERROR_UNKNOWN
 constexpr unsigned long long kPerThreadDefaultStream =
     2;  // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
 void* const kLegacyStream = reinterpret_cast<void*>(0x1);     // CU_STREAM_LEGACY
@@ -192,15 +194,23 @@ void* served_stream(void* stream, bool per_thread) {
   return stream == nullptr && per_thread ? kPerThreadStream : stream;
 }
 
-int serve_allocation(void** pointer, std::size_t size, int device, void* stream) {
+// Serves an allocation hook. Fails as CUDA does: out of memory with
+// cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY), a library that could not start (a
+// malformed variable) with cudaErrorInitializationError, a bad device with
+// cudaErrorInvalidDevice: the numbers agree between the runtime and the driver
+// (zeroalloc::last_failure_cuda_code). `driver`: a zero size is CUDA_ERROR_INVALID_VALUE, as
+// cuMemAlloc says; cudaMalloc(0) succeeds with a null pointer.
+int serve_allocation(void** pointer, std::size_t size, int device, void* stream,
+                     bool driver = false) {
   if (pointer == nullptr) return kInvalidValue;
-  if (size == 0) {  // as cudaMalloc(0): success, and a null pointer
-    *pointer = nullptr;
-    return kSuccess;
-  }
+  *pointer = nullptr;
+  if (size == 0) return driver ? kInvalidValue : kSuccess;
+  if (size > static_cast<std::size_t>(SSIZE_MAX)) return kOutOfMemory;
   *pointer =
       zeroalloc_malloc(static_cast<ssize_t>(size), device, static_cast<zeroalloc_stream_t>(stream));
-  return *pointer != nullptr ? kSuccess : kOutOfMemory;
+  if (*pointer != nullptr) return kSuccess;
+  const int code = zeroalloc::last_failure_cuda_code();
+  return code != 0 ? code : kOutOfMemory;
 }
 
 // Frees `pointer` if zeroalloc owns it. A free ordered on another stream than the block's
@@ -209,18 +219,27 @@ int serve_allocation(void** pointer, std::size_t size, int device, void* stream)
 // do: programs rely on it, and work on any stream may still use the memory, which the next
 // allocation on the legacy stream would otherwise get at once (`synchronize`: the real
 // cudaDeviceSynchronize or cuCtxSynchronize, called only for memory zeroalloc owns).
-bool serve_free(void* pointer, void* stream, bool ordered_on_stream,
-                int (*synchronize)() = nullptr) {
+// Returns kNotOurs for memory zeroalloc does not own (the real function frees it), else the
+// result: success, cudaErrorInvalidValue for a pointer into zeroalloc's memory that is not
+// a live allocation (freed twice, or inside one), as CUDA answers; a failing device's
+// error as cudaErrorUnknown (the block stays allocated: nothing else may free it).
+constexpr int kNotOurs = -1;
+int serve_free(void* pointer, void* stream, bool ordered_on_stream,
+               int (*synchronize)() = nullptr) {
+  zeroalloc::caching_allocator* owner = nullptr;
   try {
-    zeroalloc::runtime& started = zeroalloc::runtime::get();
-    zeroalloc::caching_allocator* owner = started.owner_of(pointer);
-    if (owner == nullptr) return false;
+    owner = zeroalloc::runtime::get().owner_of(pointer);
+  } catch (...) {  // the library could not start: it owns nothing
+    return kNotOurs;
+  }
+  if (owner == nullptr) return kNotOurs;
+  try {
     if (ordered_on_stream) owner->record_stream(pointer, stream);
     // Its error, if any, is the device's: the program's next call reports it.
     if (synchronize != nullptr) synchronize();
-    return owner->deallocate(pointer);
+    return owner->deallocate(pointer) ? kSuccess : kInvalidValue;
   } catch (...) {
-    return false;
+    return kUnknown;
   }
 }
 
@@ -269,9 +288,9 @@ ZA_HOOK int cudaMalloc(void** pointer, std::size_t size) {
 ZA_HOOK int cudaFree(void* pointer) {
   // cudaFree(NULL) is the idiom that creates the context: it always reaches the real one.
   if (interception_active() && pointer != nullptr) {
-    if (serve_free(pointer, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cudaDeviceSynchronize))) {
-      return kSuccess;
-    }
+    const int served =
+        serve_free(pointer, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cudaDeviceSynchronize));
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
   return ZA_REAL(int (*)(void*), cudaFree)(pointer);
@@ -311,7 +330,8 @@ ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void*
 
 ZA_HOOK int cudaFreeAsync(void* pointer, void* stream) {
   if (interception_active() && pointer != nullptr) {
-    if (serve_free(pointer, served_stream(stream, false), true)) return kSuccess;
+    const int served = serve_free(pointer, served_stream(stream, false), true);
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
   return ZA_REAL(int (*)(void*, void*), cudaFreeAsync)(pointer, stream);
@@ -319,7 +339,8 @@ ZA_HOOK int cudaFreeAsync(void* pointer, void* stream) {
 
 ZA_HOOK int cudaFreeAsync_ptsz(void* pointer, void* stream) {
   if (interception_active() && pointer != nullptr) {
-    if (serve_free(pointer, served_stream(stream, true), true)) return kSuccess;
+    const int served = serve_free(pointer, served_stream(stream, true), true);
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
   return ZA_REAL(int (*)(void*, void*), cudaFreeAsync_ptsz)(pointer, stream);
@@ -342,16 +363,16 @@ ZA_HOOK int cudaStreamDestroy(void* stream) {
 ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
   if (!interception_active())
     return ZA_REAL(int (*)(device_pointer*, std::size_t), cuMemAlloc_v2)(pointer, size);
-  return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          nullptr);
+  return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(), nullptr,
+                          /*driver=*/true);
 }
 
 ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    if (serve_free(address, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cuCtxSynchronize))) {
-      return kSuccess;
-    }
+    const int served =
+        serve_free(address, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cuCtxSynchronize));
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
   return ZA_REAL(int (*)(device_pointer), cuMemFree_v2)(pointer);
@@ -363,7 +384,7 @@ ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* str
                                                                                   stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, false));
+                          served_stream(stream, false), /*driver=*/true);
 }
 
 ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void* stream) {
@@ -372,13 +393,14 @@ ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void
         pointer, size, stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, true));
+                          served_stream(stream, true), /*driver=*/true);
 }
 
 ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    if (serve_free(address, served_stream(stream, false), true)) return kSuccess;
+    const int served = serve_free(address, served_stream(stream, false), true);
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
   return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync)(pointer, stream);
@@ -387,7 +409,8 @@ ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {
 ZA_HOOK int cuMemFreeAsync_ptsz(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    if (serve_free(address, served_stream(stream, true), true)) return kSuccess;
+    const int served = serve_free(address, served_stream(stream, true), true);
+    if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
   return ZA_REAL(int (*)(device_pointer, void*), cuMemFreeAsync_ptsz)(pointer, stream);

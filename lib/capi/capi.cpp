@@ -37,17 +37,33 @@ thread_local char t_last_error[1024];
 // then need static TLS space that a process full of libraries may no longer have.
 thread_local allocation_class t_class = allocation_class::other;
 
-void set_error(const char* function, const char* message) noexcept {
+// The CUDA result standing for the last failure (zeroalloc::last_failure_cuda_code).
+thread_local int t_last_code = 0;
+
+void set_error(const char* function, const char* message, int code = 999) noexcept {
   std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", function, message);
+  t_last_code = code;
+}
+
+int cuda_code_of(const std::exception& failure) noexcept {
+  if (dynamic_cast<const zeroalloc::out_of_memory*>(&failure) != nullptr) return 2;
+  if (dynamic_cast<const zeroalloc::config_error*>(&failure) != nullptr ||
+      dynamic_cast<const zeroalloc::no_driver_error*>(&failure) != nullptr) {
+    return 3;
+  }
+  if (dynamic_cast<const zeroalloc::no_such_device*>(&failure) != nullptr) return 101;
+  if (dynamic_cast<const zeroalloc::invalid_argument*>(&failure) != nullptr) return 1;
+  return 999;
 }
 
 // Runs `body`; on an exception records it and returns `failed`.
 template <typename Result, typename Body>
 Result guarded(const char* function, Result failed, Body&& body) noexcept {
+  t_last_code = 0;
   try {
     return body();
   } catch (const std::exception& failure) {
-    set_error(function, failure.what());
+    set_error(function, failure.what(), cuda_code_of(failure));
   } catch (...) {
     set_error(function, "unknown failure");
   }
@@ -86,6 +102,8 @@ bool valid_class(const zeroalloc_class& cls) {
 }
 
 }  // namespace
+
+int zeroalloc::last_failure_cuda_code() noexcept { return t_last_code; }
 
 ZA_EXPORT int zeroalloc_abi_version(void) { return ZEROALLOC_ABI_VERSION; }
 

@@ -95,7 +95,7 @@ runtime& runtime::get() {
 
 caching_allocator& runtime::allocator(int ordinal) {
   if (ordinal < 0 || ordinal >= registry_.count() || ordinal >= kMaxDevices) {
-    ZA_THROW(invalid_argument, "device ", ordinal, " does not exist: zeroalloc drives ",
+    ZA_THROW(no_such_device, "device ", ordinal, " does not exist: zeroalloc drives ",
              registry_.count(), " ", registry_.kind(), " device(s), numbered from 0");
   }
   if (caching_allocator* ready = allocators_[ordinal].load(std::memory_order_acquire))

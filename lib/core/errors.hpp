@@ -52,6 +52,12 @@ class invalid_argument : public error {
   using error::error;
 };
 
+/// A device index that names no device the library drives.
+class no_such_device : public invalid_argument {
+ public:
+  using invalid_argument::invalid_argument;
+};
+
 }  // namespace zeroalloc
 
 /// Throws `type` with a message built by streaming the remaining arguments.

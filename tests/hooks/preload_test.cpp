@@ -127,6 +127,30 @@ TEST_F(PreloadTest, TheSpecialStreamHandlesAreServed) {
   EXPECT_EQ(total_count("allocations") - total_count("frees"), live);
 }
 
+// Results as CUDA gives them: cuMemAlloc of zero bytes is an invalid value (cudaMalloc's is
+// a success with a null pointer), and a free of a pointer inside zeroalloc's memory that is
+// no live allocation is cudaErrorInvalidValue, answered by zeroalloc (the real cudaFree does
+// not know the memory) and leaving the allocation live.
+TEST_F(PreloadTest, ResultsFollowCudasForZeroBytesAndBadFrees) {
+  using mem_alloc = int (*)(unsigned long long*, std::size_t);
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  ASSERT_EQ(
+      cudaGetDriverEntryPointByVersion("cuMemAlloc", &function, 12000, cudaEnableDefault, &status),
+      cudaSuccess);
+  unsigned long long address = 1;
+  EXPECT_EQ(reinterpret_cast<mem_alloc>(function)(&address, 0), 1);  // CUDA_ERROR_INVALID_VALUE
+  void* pointer = nullptr;
+  ASSERT_EQ(cudaMalloc(&pointer, 1 << 20), cudaSuccess);
+  const long long passed = passthrough("cudaFree_not_owned");
+  EXPECT_EQ(cudaFree(static_cast<char*>(pointer) + 4096), cudaErrorInvalidValue);
+  EXPECT_EQ(passthrough("cudaFree_not_owned"), passed)
+      << "zeroalloc's memory went to the real cudaFree";
+  expect_writable(pointer, 1 << 20);
+  EXPECT_EQ(cudaFree(pointer), cudaSuccess);
+  EXPECT_EQ(cudaFree(pointer), cudaErrorInvalidValue) << "a second free of the same pointer";
+}
+
 TEST_F(PreloadTest, MemGetInfoReportsTheZeroallocLimit) {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
@@ -351,6 +375,17 @@ TEST_F(PreloadTest, MemoryFreedOnADestroyedStreamServesTheNextAllocation) {
     EXPECT_EQ(cudaFree(again), cudaSuccess);
     EXPECT_EQ(cudaEventDestroy(last_work), cudaSuccess);
   }
+}
+
+// With a malformed variable (a CTest entry of its own sets ZEROALLOC_MEMORY_LIMIT=lots) the
+// library does not start, and says so as CUDA would: not initialised, not out of memory.
+TEST(PreloadMisconfigured, AllocationsFailAsNotInitialised) {
+  const char* limit = std::getenv("ZEROALLOC_MEMORY_LIMIT");
+  if (limit == nullptr || std::strcmp(limit, "lots") != 0)
+    GTEST_SKIP() << "skipped: needs ZEROALLOC_MEMORY_LIMIT=lots";
+  void* pointer = nullptr;
+  EXPECT_EQ(cudaMalloc(&pointer, 1 << 20), cudaErrorInitializationError);
+  EXPECT_EQ(cudaMallocAsync(&pointer, 1 << 20, nullptr), cudaErrorInitializationError);
 }
 
 // With ZEROALLOC_DISABLE=1 (a CTest entry of its own) a preloaded library serves nothing.
