@@ -34,8 +34,8 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
 
 host_pool::~host_pool() {
   stop_prefill();
+  destroy_detached(slabs_);  // each on its own; failures logged
   try {
-    for (const auto& each : slabs_) destroy_slab(*each);
     if (staging_region_ != 0) device_.free_addresses(staging_region_, staging_region_bytes_);
   } catch (const std::exception& failure) {
     log().error("releasing the host pool failed: {}", failure.what());
@@ -74,6 +74,49 @@ std::unique_ptr<host_pool::slab> host_pool::create_slab(std::size_t bytes) {
 void host_pool::destroy_slab(const slab& gone) {
   device_.unmap(gone.staging_address, gone.handle.bytes);
   device_.release_physical(gone.handle);
+}
+
+// Note [A slab that cannot be destroyed]: a slab is destroyed to make room under
+// ZEROALLOC_HOST_LIMIT for one of another size. When its unmap or release fails (a failing
+// driver), its pinned memory is still held: it goes back to the pool retired (never used,
+// never destroyed again, its staging address kept) and stays counted against the limit.
+// The rest of the pool goes on; an escaping exception killed the prefill thread (and with it
+// the process), or left the detached slabs counted but listed nowhere, a budget lost for
+// good.
+std::vector<bool> host_pool::destroy_detached(const std::vector<std::unique_ptr<slab>>& victims) {
+  std::vector<bool> destroyed(victims.size(), false);
+  for (std::size_t i = 0; i < victims.size(); ++i) {
+    try {
+      destroy_slab(*victims[i]);
+      destroyed[i] = true;
+    } catch (const std::exception& failure) {
+      log().error(
+          "host tier: releasing {} of pinned host memory failed ({}); it stays held, out of "
+          "use, and counted against {}. The GPU driver is failing: restart the process",
+          format_bytes(victims[i]->handle.bytes), failure.what(), limit_source_);
+    }
+  }
+  return destroyed;
+}
+
+std::uint64_t host_pool::settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
+                                                 const std::vector<bool>& destroyed) {
+  std::uint64_t freed = 0;
+  for (std::size_t i = 0; i < victims.size(); ++i) {
+    slab& victim = *victims[i];
+    if (destroyed[i]) {
+      free_staging_.give_back(victim.staging_address, victim.handle.bytes);
+      reserved_bytes_ -= victim.handle.bytes;
+      figures_.created_bytes -= victim.handle.bytes;
+      freed += victim.handle.bytes;
+      continue;
+    }
+    victim.retired = true;
+    victim.free_bytes = 0;
+    slabs_.push_back(std::move(victims[i]));
+  }
+  victims.clear();
+  return freed;
 }
 
 void host_pool::start_prefill(std::size_t chunk_bytes, std::uint64_t bytes) {
@@ -143,17 +186,22 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
       work_.wait(lock);
       continue;
     }
-    std::vector<std::unique_ptr<slab>> surplus;
     if (reserved_bytes_ + size > limit_bytes_) {
-      surplus = take_surplus_locked(size);
+      // Surplus slabs go first; they stay counted until destroyed, so that no acquire in
+      // between creates past the limit.
+      std::vector<std::unique_ptr<slab>> surplus = take_surplus_locked(size);
       if (surplus.empty()) {
         stalled_[size] = change_;  // until a slab is freed or the wanted sizes change
         continue;
       }
+      lock.unlock();
+      const std::vector<bool> destroyed = destroy_detached(surplus);
+      lock.lock();
+      settle_destroyed_locked(surplus, destroyed);
+      continue;  // and look again: the budget, and what is wanted, may have changed
     }
     reserved_bytes_ += size;
     lock.unlock();
-    for (const auto& gone : surplus) destroy_slab(*gone);
     std::unique_ptr<slab> made_slab;
     std::string error;
     try {
@@ -162,10 +210,6 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
       error = failed.what();
     }
     lock.lock();
-    for (const auto& gone : surplus) {
-      free_staging_.give_back(gone->staging_address, gone->handle.bytes);
-      figures_.created_bytes -= gone->handle.bytes;
-    }
     if (!error.empty()) {
       reserved_bytes_ -= size;
       failure = error;
@@ -205,7 +249,9 @@ void host_pool::expect_chunks(std::size_t bytes, int change) {
 
 std::size_t host_pool::wanted_size_locked() const {
   std::unordered_map<std::size_t, std::int64_t> have;
-  for (const auto& each : slabs_) ++have[each->handle.bytes];
+  for (const auto& each : slabs_) {
+    if (!each->retired) ++have[each->handle.bytes];
+  }
   for (const auto& [bytes, wanted] : wanted_) {
     if (have[bytes] >= wanted) continue;
     const auto stalled = stalled_.find(bytes);
@@ -217,7 +263,9 @@ std::size_t host_pool::wanted_size_locked() const {
 
 std::vector<std::unique_ptr<host_pool::slab>> host_pool::take_surplus_locked(std::size_t bytes) {
   std::unordered_map<std::size_t, std::int64_t> spare;  // slabs beyond the chunks of a size
-  for (const auto& each : slabs_) ++spare[each->handle.bytes];
+  for (const auto& each : slabs_) {
+    if (!each->retired) ++spare[each->handle.bytes];
+  }
   for (auto& [size, count] : spare) {
     const auto wanted = wanted_.find(size);
     if (wanted != wanted_.end()) count -= wanted->second;
@@ -229,7 +277,6 @@ std::vector<std::unique_ptr<host_pool::slab>> host_pool::take_surplus_locked(std
         --left;
         return true;
       });
-  for (const auto& each : taken) reserved_bytes_ -= each->handle.bytes;
   return taken;
 }
 
@@ -309,20 +356,14 @@ host_chunk host_pool::acquire(std::size_t bytes) {
 }
 
 bool host_pool::release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
-  const std::vector<std::unique_ptr<slab>> victims =
+  std::vector<std::unique_ptr<slab>> victims =
       detach_free_slabs_locked(bytes, [](const slab&) { return true; });
   if (victims.empty()) return reserved_bytes_ + bytes <= limit_bytes_;
-  std::uint64_t freed = 0;
-  for (const auto& victim : victims) freed += victim->handle.bytes;
   lock.unlock();
-  for (const auto& victim : victims) destroy_slab(*victim);
+  const std::vector<bool> destroyed = destroy_detached(victims);
   lock.lock();
-  for (const auto& victim : victims) {
-    free_staging_.give_back(victim->staging_address, victim->handle.bytes);
-  }
-  reserved_bytes_ -= freed;
-  figures_.created_bytes -= freed;
-  return true;
+  settle_destroyed_locked(victims, destroyed);
+  return true;  // the caller looks again (retired slabs are never detached twice)
 }
 
 void host_pool::release(const host_chunk& chunk) {

@@ -122,11 +122,19 @@ class host_pool {
     std::uintptr_t staging_address = 0;  // where all of it is mapped
     free_ranges free;                    // free offsets within the slab
     std::size_t free_bytes = 0;
+    bool retired = false;  // its destruction failed: held, never used (no free bytes)
   };
 
   host_chunk take_slice_locked(std::size_t bytes);       // from an existing slab, or invalid
   std::unique_ptr<slab> create_slab(std::size_t bytes);  // no lock held
   void destroy_slab(const slab& gone);                   // no lock held
+  /// Destroys each detached slab, with no lock held; true for those destroyed. A failure
+  /// is logged, not thrown (Note [A slab that cannot be destroyed]).
+  std::vector<bool> destroy_detached(const std::vector<std::unique_ptr<slab>>& victims);
+  /// With the lock: the destroyed slabs' bytes leave the budget and their staging
+  /// addresses come back; the others return to the pool, retired. The bytes destroyed.
+  std::uint64_t settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
+                                        const std::vector<bool>& destroyed);
   std::uintptr_t take_staging(std::size_t bytes);
   bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;

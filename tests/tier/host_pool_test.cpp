@@ -8,6 +8,8 @@
 #include <iterator>
 #include <thread>
 
+#include "device/sim_device.hpp"
+#include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -143,6 +145,62 @@ TEST_F(HostPoolTest, ChunksOfMixedSizesAreSlicesOfThePrefilledSlabs) {
   }
   for (const host_chunk& chunk : chunks) pool.release(chunk);
   EXPECT_EQ(pool.figures().in_use_bytes, 0u);
+}
+
+// Note [A slab that cannot be destroyed]: a slab whose unmap fails (a failing driver) while
+// it is destroyed to make room stays held, retired and counted, and the pool goes on: the
+// budget it does not hold is still there, and the background thread survives.
+class HostPoolFailureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::unique_ptr<device> inner;
+    ZA_OPEN_TEST_DEVICE_OR_SKIP(inner, 0, 1 * GiB);
+    // As CUDA drivers do: host slabs are whole chunks, so other sizes need slabs destroyed.
+    if (auto* sim = dynamic_cast<sim_device*>(inner.get())) sim->set_maps_slices(false);
+    if (inner->maps_slices()) GTEST_SKIP() << "skipped: slabs are sliced here";
+    device_ = std::make_unique<testing::faulty_device>(std::move(inner));
+  }
+  std::unique_ptr<testing::faulty_device> device_;
+};
+
+TEST_F(HostPoolFailureTest, ASlabThatFailsToGoKeepsTheRestOfTheBudgetUsable) {
+  host_pool pool(*device_, 16 * MiB, "ZEROALLOC_HOST_LIMIT=16MiB");
+  pool.release(pool.acquire(8 * MiB));
+  const host_chunk held = pool.acquire(8 * MiB);
+  const host_chunk other = pool.acquire(8 * MiB);
+  pool.release(held);
+  pool.release(other);
+  ASSERT_EQ(pool.figures().created_bytes, 16 * MiB);
+  device_->fail_next_unmap([](std::uintptr_t) { return true; });
+  // Room for 16 MiB means destroying both 8 MiB slabs: one of them cannot go.
+  EXPECT_THROW(pool.acquire(16 * MiB), host_memory_exhausted);
+  EXPECT_EQ(device_->failed_unmaps(), 1);
+  EXPECT_EQ(pool.figures().created_bytes, 8 * MiB) << "the slab that failed is still held";
+  const host_chunk fits = pool.acquire(8 * MiB);  // the 8 MiB the pool does not hold
+  EXPECT_TRUE(fits.valid());
+  EXPECT_EQ(pool.figures().created_bytes, 16 * MiB);
+  pool.release(fits);
+}
+
+TEST_F(HostPoolFailureTest, TheBackgroundThreadSurvivesASlabThatFailsToGo) {
+  host_pool pool(*device_, 32 * MiB, "ZEROALLOC_HOST_LIMIT=32MiB");
+  pool.start_prefill(16 * MiB, 1 * GiB);
+  pool.wait_for_prefill();
+  ASSERT_EQ(pool.figures().created_bytes, 32 * MiB);
+  device_->fail_next_unmap([](std::uintptr_t) { return true; });
+  pool.expect_chunks(6 * MiB, 1);  // a surplus 16 MiB slab must go for it
+  auto ready = [&](std::size_t bytes) {
+    const auto counts = pool.ready_chunks();
+    const auto found = counts->find(bytes);
+    return found == counts->end() ? std::size_t{0} : found->second;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (ready(6 * MiB) < 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(device_->failed_unmaps(), 1);
+  EXPECT_EQ(ready(6 * MiB), 1u) << "the other surplus slab should have made room";
+  EXPECT_LE(pool.figures().created_bytes, 32 * MiB) << "the limit was exceeded";
 }
 
 }  // namespace
