@@ -63,7 +63,10 @@ std::optional<std::string> write_file(const std::string& path, const std::string
   const std::string temporary = detail::concat(path, ".tmp.", ::getpid());
   std::FILE* file = std::fopen(temporary.c_str(), "w");
   if (file == nullptr) return detail::concat(path, ": ", std::strerror(errno));
-  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+  // On the disk before the rename: renamed first, a crash could leave an empty file where
+  // the previous report was.
+  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size() &&
+                       std::fflush(file) == 0 && ::fsync(::fileno(file)) == 0;
   const int saved_errno = errno;
   if (std::fclose(file) != 0 || !written) {
     std::remove(temporary.c_str());

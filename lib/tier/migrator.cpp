@@ -49,7 +49,13 @@ migrator::~migrator() {
     }
     std::size_t stranded = 0;
     for (std::uintptr_t address : away) {
-      if (!fetch_async(address)) ++stranded;
+      try {  // each chunk on its own: one failing does not strand the rest
+        if (!fetch_async(address)) ++stranded;
+      } catch (const std::exception& failure) {
+        ++stranded;
+        log().error("offload: bringing the chunk at {:#x} back failed: {}", address,
+                    failure.what());
+      }
     }
     drain();
     if (stranded != 0) {

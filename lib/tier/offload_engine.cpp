@@ -393,15 +393,30 @@ bool offload_engine::wait_for_arrival(std::uintptr_t address, stream_handle stre
     before = timing_event();
     after = timing_event();
   }
-  device_.record_event(before, stream);
-  const bool arriving = migrator_.order_after_arrival(address, stream);
-  std::lock_guard lock(mutex_);
-  if (!arriving) {
-    spare_timing_events_.push_back(before);  // recorded, never read: reusable
+  auto spare_both = [&] {  // recorded or not, never read: reusable
+    std::lock_guard lock(mutex_);
+    spare_timing_events_.push_back(before);
     spare_timing_events_.push_back(after);
+  };
+  bool arriving = false;
+  try {
+    device_.record_event(before, stream);
+    arriving = migrator_.order_after_arrival(address, stream);
+  } catch (...) {
+    spare_both();
+    throw;
+  }
+  if (!arriving) {
+    spare_both();
     return false;
   }
-  device_.record_event(after, stream);
+  try {
+    device_.record_event(after, stream);
+  } catch (...) {
+    spare_both();  // the stream is ordered after the bytes; only the timing is lost
+    return true;
+  }
+  std::lock_guard lock(mutex_);
   pending_waits_.push_back({before, after, uses});
   return true;
 }
