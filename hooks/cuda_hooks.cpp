@@ -18,6 +18,7 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <climits>
@@ -267,7 +268,14 @@ int serve_memory_info(std::size_t* free_bytes, std::size_t* total_bytes, int dev
     zeroalloc::caching_allocator& allocator = zeroalloc::runtime::get().allocator(device);
     const std::uint64_t limit = allocator.limit_bytes();
     const std::uint64_t held = allocator.held_bytes();
-    if (free_bytes != nullptr) *free_bytes = held < limit ? limit - held : 0;
+    // Under the limit, and no more than the device has: memory held outside zeroalloc
+    // (other processes, PyTorch's expandable segments, whose VMM calls pass through) is
+    // not zeroalloc's to give.
+    std::uint64_t left = held < limit ? limit - held : 0;
+    if (free_bytes != nullptr) {
+      left = std::min<std::uint64_t>(left, allocator.backing().query_memory().free_bytes);
+      *free_bytes = left;
+    }
     if (total_bytes != nullptr) *total_bytes = limit;
     return kSuccess;
   } catch (...) {
