@@ -1,5 +1,7 @@
 #include "alloc/chunk_arena.hpp"
 
+#include <utility>
+
 #include "core/errors.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
@@ -75,17 +77,28 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
                          std::vector<physical_handle>& chunks) {
   std::lock_guard lock(mutex_);
   const std::size_t first_new = chunks.size();
-  // Undoes this call's mappings. Donated chunks stay in `donated` for the caller, who must
-  // first let the donors' queued work finish; the others go back to the pool.
+  // Undoes this call's mappings, once. Donated chunks stay in `donated` for the caller, who
+  // must first let the donors' queued work finish; the others go back to the pool. An
+  // unmap that fails stops it: the chunks unmapped before it leave `chunks`, which keeps
+  // the failed one and those after it, still mapped (Note [A failed unmap] in heap.cpp).
+  bool undone = false;
   auto undo = [&] {
+    if (std::exchange(undone, true)) return;
     std::size_t offset = 0;
-    for (std::size_t i = first_new; i < chunks.size(); ++i) {
-      device_.unmap(address + offset, chunks[i].bytes);
-      offset += chunks[i].bytes;
-      if (i - first_new >= donated.size()) {
-        pool_[chunks[i].bytes].push_back(chunks[i]);
-        pooled_bytes_ += chunks[i].bytes;
+    std::size_t next = first_new;
+    try {
+      for (; next < chunks.size(); ++next) {
+        device_.unmap(address + offset, chunks[next].bytes);
+        offset += chunks[next].bytes;
+        if (next - first_new >= donated.size()) {
+          pool_[chunks[next].bytes].push_back(chunks[next]);
+          pooled_bytes_ += chunks[next].bytes;
+        }
       }
+    } catch (...) {
+      chunks.erase(chunks.begin() + static_cast<std::ptrdiff_t>(first_new),
+                   chunks.begin() + static_cast<std::ptrdiff_t>(next));
+      throw;
     }
     chunks.resize(first_new);
   };

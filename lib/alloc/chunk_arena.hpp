@@ -59,7 +59,9 @@ class chunk_arena {
   /// classes] in heap.cpp; emptied on success), then chunks from the pool or created.
   /// Returns false when the limit or the device's memory is exhausted, and throws
   /// device_error for any other failure; either way this call's mappings are undone, its new
-  /// chunks are pooled, and the donated chunks are left in `donated` for the caller.
+  /// chunks are pooled, and the donated chunks are left in `donated` for the caller. When an
+  /// unmap of that undo fails, `chunks` is left with the chunks still mapped (a device_error
+  /// is thrown): the range is not to be reused.
   bool commit(std::uintptr_t address, std::size_t bytes, std::vector<physical_handle>& donated,
               std::vector<physical_handle>& chunks);
 

@@ -151,6 +151,9 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
 std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   if (kind_ == size_kind::small) return kSmallSegmentBytes;
   if (rounded_bytes < kMediumRequestBytes) return kMediumSegmentBytes;
+  // Saturates instead of wrapping to 0 for a size near the top of size_t: such a segment
+  // is larger than any limit, and fails as one.
+  if (rounded_bytes > SIZE_MAX - arena_.granularity()) return SIZE_MAX;
   return round_up(rounded_bytes, arena_.granularity());
 }
 
@@ -466,9 +469,32 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
       free_addresses_.give_back(address, bytes);
       return nullptr;
     }
-  } catch (...) {
-    pool_donations();
-    free_addresses_.give_back(address, bytes);
+  } catch (const std::exception& failure) {
+    if (!owned->chunks.empty()) {
+      // Note [A failed unmap]: undoing the commit left chunks mapped in the range. The
+      // range stays out of use, with them; donated chunks among them stay out of the pool.
+      std::erase_if(donated.chunks, [&](const physical_handle& chunk) {
+        return std::any_of(owned->chunks.begin(), owned->chunks.end(),
+                           [&](const physical_handle& mapped) {
+                             return mapped.value == chunk.value && mapped.offset == chunk.offset;
+                           });
+      });
+      std::size_t still_mapped = 0;
+      for (const physical_handle& chunk : owned->chunks) still_mapped += chunk.bytes;
+      log().error(
+          "undoing a failed {} segment of {} at {:#x} on {} left {} mapped ({}); that memory "
+          "stays held and out of use. The GPU driver is failing: restart the process",
+          format_bytes(bytes), class_name(class_), address, device_.name(),
+          format_bytes(still_mapped), failure.what());
+    } else {
+      free_addresses_.give_back(address, bytes);
+    }
+    try {
+      pool_donations();
+    } catch (const std::exception& again) {
+      log().error("{} of memory donated to {} is lost: waiting for its donors' work failed ({})",
+                  format_bytes(donated.bytes), class_name(class_), again.what());
+    }
     throw;
   }
 

@@ -770,6 +770,40 @@ TEST_F(AllocatorDeviceFailureTest, AFailedDonationKeepsTheMemoryDonatedBeforeIt)
   allocator_->deallocate(state);
 }
 
+// A new segment's fourth map fails, and undoing the three before it fails at the second:
+// the chunks still mapped stay out of use with their addresses, so later segments are
+// placed elsewhere and work.
+TEST_F(AllocatorDeviceFailureTest, AFailedUndoOfANewSegmentKeepsItsStillMappedAddressesOutOfUse) {
+  device_->fail_call(testing::device_call::map, 4);
+  int unmaps = 0;
+  device_->fail_next_unmap([&unmaps](std::uintptr_t) { return ++unmaps == 2; });
+  EXPECT_THROW(allocator_->allocate(48 * MiB, nullptr, allocation_class::other), device_error);
+  EXPECT_EQ(device_->failed_unmaps(), 1);
+  EXPECT_EQ(reserved(), 0);
+  std::vector<void*> taken;
+  for (int i = 0; i < 3; ++i) {
+    void* next = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+    device_->fill_async(next, static_cast<std::uint8_t>(0x60 + i), 16 * MiB, nullptr);
+    taken.push_back(next);
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(read_back(*device_, taken[i], 16 * MiB),
+              std::vector<std::uint8_t>(16 * MiB, static_cast<std::uint8_t>(0x60 + i)));
+    allocator_->deallocate(taken[i]);
+  }
+  allocator_->empty_cache();
+  EXPECT_EQ(reserved(), 0);
+}
+
+// A size near the top of size_t fails as out of memory (its segment size wrapped to 0, and
+// an unbacked pointer came back).
+TEST_F(CachingAllocatorTest, ASizeNearTheTopOfSizeTFailsAsOutOfMemory) {
+  auto allocator = make_allocator();
+  EXPECT_THROW(allocator->allocate(SIZE_MAX - 1 * MiB + 1, nullptr, allocation_class::other),
+               out_of_memory);
+  EXPECT_EQ(allocator->stats().total.allocated_bytes.current, 0);
+}
+
 TEST(CachingAllocatorMultiDevice, EachDeviceHasItsOwnMemoryAndLimit) {
   std::unique_ptr<device> first;
   std::unique_ptr<device> second;

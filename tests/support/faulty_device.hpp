@@ -23,7 +23,7 @@
 namespace zeroalloc::testing {
 
 /// The calls a test can make fail with fail_call.
-enum class device_call { record_event, synchronize_event, stream_wait_event, count };
+enum class device_call { record_event, synchronize_event, stream_wait_event, map, count };
 
 class faulty_device final : public device {
  public:
@@ -99,6 +99,7 @@ class faulty_device final : public device {
     inner_->free_addresses(address, bytes);
   }
   void map(std::uintptr_t address, physical_handle handle) override {
+    fail_if_chosen(device_call::map, "cuMemMap");
     inner_->map(address, handle);
   }
   [[nodiscard]] bool maps_slices() override { return inner_->maps_slices(); }
