@@ -18,14 +18,21 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
                                          : backing.query_memory().total_bytes),
       arena_(backing, settings.chunk_bytes, limiter_),
       limit_source_(settings.limit_source) {
-  // Each heap may at most map the whole device; twice that leaves room for the holes
-  // that unmapped segments leave in its address region.
+  // Note [Address regions]: each heap may at most map the whole device; twice that leaves
+  // room for the holes that unmapped segments leave in its address region. Chunks the
+  // offload engine moves to the host stay mapped in their segments, so the large heaps of
+  // the classes it moves (parameters, gradients, optimizer states) also hold the host tier:
+  // sized to the device alone, a class whose states outgrew twice the device failed with
+  // its region exhausted while the host tier had room. Address space costs nothing until
+  // mapped.
   const std::size_t region_bytes = 2 * backing.query_memory().total_bytes;
   for (allocation_class cls : kAllocationClasses) {
+    const bool paged = cls != allocation_class::other;
     heaps_[2 * class_index(cls)] =
         std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::small, region_bytes);
-    heaps_[2 * class_index(cls) + 1] =
-        std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::large, region_bytes);
+    heaps_[2 * class_index(cls) + 1] = std::make_unique<heap>(
+        arena_, stats_, cls, heap::size_kind::large,
+        region_bytes + (paged ? static_cast<std::size_t>(settings.host_tier_bytes) : 0));
   }
   std::vector<heap*> all;
   for (std::size_t i = 0; i < heaps_.size(); ++i) {

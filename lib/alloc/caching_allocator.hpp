@@ -43,6 +43,9 @@ struct allocator_settings {
   std::size_t chunk_bytes = 64ull << 20;  ///< ZEROALLOC_CHUNK_SIZE
   std::uint64_t limit_bytes = 0;          ///< 0: the device's total memory
   std::string limit_source;               ///< what set the limit, for error messages
+  /// Most bytes the host tier may hold for this device (0: no offload). The address regions
+  /// of the classes the offload engine moves grow by this much (Note [Address regions]).
+  std::uint64_t host_tier_bytes = 0;
 };
 
 class caching_allocator {

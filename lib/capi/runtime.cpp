@@ -107,6 +107,10 @@ caching_allocator& runtime::allocator(int ordinal) {
   device& opened = *devices_.back();
   allocator_settings settings;
   settings.chunk_bytes = options_.chunk_bytes;
+  // Note [Address regions]: the paged classes' chunks stay mapped in their segments on the
+  // host too, so their regions hold the host tier besides the device.
+  if (offload_enabled())
+    settings.host_tier_bytes = std::min(host_tier_limit(), host_memory_bytes());
   if (options_.limit.is_set()) {
     settings.limit_bytes = options_.limit.resolve(opened.query_memory().total_bytes);
     settings.limit_source = "ZEROALLOC_MEMORY_LIMIT=" + options_.limit.text;
@@ -151,6 +155,27 @@ void runtime::stop_background_work() {
   for (const auto& pool : owned_host_pools_) pool->stop_prefill();
 }
 
+std::uint64_t runtime::host_memory_bytes() {
+  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::uint64_t runtime::host_sharers() const {
+  // A share of the host is shared out: among the processes of this machine (torchrun sets
+  // LOCAL_WORLD_SIZE) and among this process's devices, or every rank would pin that share.
+  std::uint64_t sharers = static_cast<std::uint64_t>(std::max(1, registry_.count()));
+  if (const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE")) {
+    sharers *= static_cast<std::uint64_t>(std::max(1, std::atoi(local_ranks)));
+  }
+  return sharers;
+}
+
+std::uint64_t runtime::host_tier_limit() const {
+  const std::uint64_t host_bytes = host_memory_bytes();
+  return options_.host_limit.bytes ? options_.host_limit.resolve(host_bytes)
+                                   : options_.host_limit.resolve(host_bytes) / host_sharers();
+}
+
 void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   if (g_offloading_runtime == nullptr) {
     // Pinned-memory creation must not run on into exit, past the logger it writes to; a
@@ -163,18 +188,10 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   }
   device& backing = allocator.backing();
   const int node = backing.host_numa_node();
-  const std::uint64_t host_bytes = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                                   static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t host_bytes = host_memory_bytes();
   const std::uint64_t node_bytes = std::min(host_node_bytes(node), host_bytes);
-  // A share of the host is shared out: among the processes of this machine (torchrun sets
-  // LOCAL_WORLD_SIZE) and among this process's devices, or every rank would pin that share.
-  std::uint64_t sharers = static_cast<std::uint64_t>(std::max(1, registry_.count()));
-  if (const char* local_ranks = std::getenv("LOCAL_WORLD_SIZE")) {
-    sharers *= static_cast<std::uint64_t>(std::max(1, std::atoi(local_ranks)));
-  }
-  const std::uint64_t limit = options_.host_limit.bytes
-                                  ? options_.host_limit.resolve(host_bytes)
-                                  : options_.host_limit.resolve(host_bytes) / sharers;
+  const std::uint64_t sharers = host_sharers();
+  const std::uint64_t limit = host_tier_limit();
   if (options_.host_limit.bytes && *options_.host_limit.bytes > host_bytes) {
     log().warn(
         "ZEROALLOC_HOST_LIMIT={} is more than the host's memory ({}): the host tier holds "

@@ -71,6 +71,11 @@ class runtime {
   std::vector<std::unique_ptr<device>> devices_;
   std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
   void start_offload(int ordinal, caching_allocator& allocator);
+  static std::uint64_t host_memory_bytes();
+  /// The devices and processes a share of the host's memory is split among.
+  [[nodiscard]] std::uint64_t host_sharers() const;
+  /// The pinned host memory one device's host tier may hold (ZEROALLOC_HOST_LIMIT).
+  [[nodiscard]] std::uint64_t host_tier_limit() const;
   std::array<std::atomic<offload_engine*>, kMaxDevices> engines_{};
   std::array<std::atomic<host_pool*>, kMaxDevices> host_pools_{};
   std::vector<std::unique_ptr<host_pool>> owned_host_pools_;

@@ -129,6 +129,40 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// Note [Address regions]: optimizer states offloaded to the host stay mapped in their
+// segments, so a class may hold far more than the device: three times a small simulated
+// device here, with the host tier holding the rest.
+TEST(OffloadEngineRegions, StatesBeyondTwiceTheDeviceFitWhenTheHostTierHoldsThem) {
+  std::unique_ptr<device> small;
+  ZA_OPEN_TEST_DEVICE_OR_SKIP(small, 0, 64 * MiB);
+  const std::uint64_t device_bytes = small->query_memory().total_bytes;
+  if (device_bytes > 64 * MiB) GTEST_SKIP() << "skipped: needs a device of 64 MiB";
+  allocator_settings settings;
+  settings.chunk_bytes = kChunkBytes;
+  settings.host_tier_bytes = 512 * MiB;
+  {
+    caching_allocator allocator(*small, settings);
+    host_pool pool(*small, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
+    offload_engine engine(allocator, pool, false, offload_settings{});
+    allocator.set_pressure_handler(
+        [&](std::size_t bytes) { return engine.relieve_pressure(bytes); });
+    std::vector<void*> states;
+    for (int i = 0; i < 24; ++i) {  // 192 MiB of states beside a 64 MiB device
+      states.push_back(allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+      small->fill_async(states.back(), static_cast<std::uint8_t>(i + 1), kChunkBytes, nullptr);
+    }
+    EXPECT_GE(engine.mover().figures().host_resident_bytes, 128 * MiB);
+    for (int i = 0; i < 24; ++i) {
+      EXPECT_EQ(read_back(*small, states[i], kChunkBytes),
+                std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(i + 1)))
+          << i;
+    }
+    allocator.set_pressure_handler(nullptr);
+    for (void* state : states) allocator.deallocate(state);
+    allocator.empty_cache();
+  }
+}
+
 TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLimit) {
   // Two chunks of host memory, six chunks of states: the host fills before the activations
   // find room, and the error says which limit to raise; the states keep their bytes.
