@@ -70,6 +70,13 @@ PROGRAM = textwrap.dedent('''
 ''')
 
 
+# What transformers does before it imports torch: asks whether torch is there.
+PROBING = PROGRAM.replace("import torch\n",
+                          "import importlib.util\n"
+                          "assert importlib.util.find_spec('torch') is not None\n"
+                          "import torch\n", 1)
+
+
 @pytest.fixture(scope="module")
 def site_dir(tmp_path_factory):
     """A site directory as pip leaves it: the .pth file and the package, plus fake torch."""
@@ -82,11 +89,11 @@ def site_dir(tmp_path_factory):
     return root
 
 
-def run(site_dir, **environment):
+def run(site_dir, program=PROGRAM, **environment):
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("ZEROALLOC_") and key != "LD_PRELOAD"}
     env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_DEVICE": "sim", **environment})
-    result = subprocess.run([sys.executable, "-c", PROGRAM, str(site_dir), str(site_dir / "fake")],
+    result = subprocess.run([sys.executable, "-c", program, str(site_dir), str(site_dir / "fake")],
                             env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -103,6 +110,12 @@ def test_zeroalloc_torch_makes_zeroalloc_pytorchs_allocator_at_import(site_dir):
                        "set_reset_fn"]
     assert all(int(line.split()[2]) != 0 for line in lines if line.startswith("call set_"))
     assert lines[-1] == "call change_current_allocator"
+
+
+def test_a_lookup_of_torch_that_imports_nothing_does_not_use_the_hook_up(site_dir):
+    assert PROBING != PROGRAM
+    result = run(site_dir, program=PROBING, ZEROALLOC_TORCH="zeroalloc")
+    assert result.stdout.splitlines()[-1] == "call change_current_allocator", result.stdout
 
 
 def test_preloaded_library_is_the_one_pytorch_gets(site_dir):

@@ -17,6 +17,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import threading
 
 #: Values of ZEROALLOC_TORCH, as the library's options table accepts them.
 TORCH_CHOICES = ("native", "zeroalloc")
@@ -54,20 +55,34 @@ def on_torch_imported(torch_module) -> None:
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``torch`` is about to be imported, it wraps the loader that
-    the other finders chose so that on_torch_imported runs once torch's module has executed."""
+    """Finds nothing itself: when ``torch`` is looked up, it wraps the loader that the other
+    finders chose so that on_torch_imported runs once torch's module has executed. Every
+    lookup's spec is wrapped, and the watcher leaves only when torch executes: a lookup that
+    imports nothing (transformers probes with importlib.util.find_spec) must not use it up."""
+
+    def __init__(self):
+        self._looking = threading.local()  # its own lookup below, per thread
+        self._done = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self._done or getattr(self._looking, "active", False):
             return None
-        sys.meta_path.remove(self)  # once, and never in the way of the lookup below
-        spec = importlib.util.find_spec("torch")
+        self._looking.active = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._looking.active = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
         def exec_module(module):
             execute(module)
+            if self._done:
+                return
+            self._done = True
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             try:
                 on_torch_imported(module)
             except Exception as error:  # torch stays importable; the user is told why
