@@ -98,6 +98,7 @@ def engine(monkeypatch):
     monkeypatch.setattr(zt, "_is_paged_state",
                         lambda v: torch.is_tensor(v) and v.dim() > 0 and v.numel() > 0)
     monkeypatch.setattr(zt, "_stream", lambda device_index=None: 1)
+    monkeypatch.setattr(zt, "_on_gpu", lambda device: True)  # CPU tensors stand for GPU ones
     monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
     monkeypatch.setattr(zt, "raw_stats", lambda device=0: {"limit_bytes": 1 << 40})
     monkeypatch.setattr(zt, "room", lambda device, name: (1 << 40, 1 << 40))
@@ -543,3 +544,19 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
     assert stepper.window_bytes == 1 << 30 and stepper.overlap_bytes == 0
     assert stepper not in zt._overlapping and stepper.adopt is None
+
+
+def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
+    """The automatic mode wraps every optimizer: one over parameters in host memory has
+    nothing paged and no CUDA streams, and steps as it would without zeroalloc (it raised
+    asking for a CUDA device)."""
+    monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
+    plain, plain_optimizer = build()
+    model, optimizer = build()
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
+                                       9 * LAYER_BYTES)
+    for inputs, labels in data(3):
+        train(plain, plain_optimizer, inputs, labels)
+        train(model, optimizer, inputs, labels)
+    same(plain, plain_optimizer, model, optimizer)
+    zt._overlapping.clear()

@@ -827,6 +827,11 @@ def _module_hint(own: list, forward: bool) -> None:
         stepper.module_hint(own, forward)
 
 
+def _on_gpu(device) -> bool:
+    """Whether parameters on `device` step in windows (they have CUDA streams)."""
+    return device.type == "cuda"
+
+
 def _is_paged_state(value) -> bool:
     """A state the windowed step pins and may bounce: a non-empty tensor on a GPU (the step
     count of foreach optimizers is a scalar on the CPU)."""
@@ -1323,7 +1328,9 @@ class _WindowedStep:
                 warnings.warn("zeroalloc: the optimizer's parameters span several devices "
                               f"({sorted(str(d) for d in devices)}); its step runs in one "
                               "piece, reaching host-resident states where they are (slower)")
-            if not found or len(devices) > 1:
+            # Parameters in host memory (CPU master weights, a small side model): nothing
+            # there is paged, and CUDA streams do not exist for them.
+            if not found or len(devices) > 1 or not _on_gpu(next(iter(devices))):
                 found = []  # nothing to stage for the next step either
                 self.drop_staged()
                 result = self.step_in_one_piece(saved, closure, kwargs)
