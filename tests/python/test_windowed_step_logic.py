@@ -560,3 +560,39 @@ def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
         train(model, optimizer, inputs, labels)
     same(plain, plain_optimizer, model, optimizer)
     zt._overlapping.clear()
+
+
+def test_a_dropped_model_and_optimizer_go_at_del_without_the_cycle_collector(engine):
+    """Note [No cycles through the optimizer]: the windowed step, the state-dict wrappers and
+    an LR scheduler's wrapper hold the optimizer weakly, so that its memory goes at `del`
+    (as without zeroalloc), not at the collector's next run."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        model, optimizer = managed(overlap_bytes=0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for inputs, labels in data(2):
+            train(model, optimizer, inputs, labels)
+            scheduler.step()
+        optimizer.load_state_dict(optimizer.state_dict())
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25e-2)
+        dropped_optimizer, dropped_weight = weakref.ref(optimizer), weakref.ref(model[0][0].weight)
+        del model, optimizer, scheduler
+        assert dropped_optimizer() is None, "the optimizer waits for the cycle collector"
+        assert dropped_weight() is None, "the model waits for the cycle collector"
+    finally:
+        gc.enable()
+
+
+def test_remove_puts_the_optimizers_own_methods_back(engine):
+    model, optimizer = build()
+    handle = zt.OffloadHandle([], optimizer, zt._original_of(optimizer, "step"))
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1)
+    zt._readopt_after_load(optimizer)
+    assert "step" in vars(optimizer) and "state_dict" in vars(optimizer)
+    handle.remove()
+    for name in ("step", "state_dict", "load_state_dict"):
+        assert name not in vars(optimizer), name
+    assert not hasattr(optimizer, "_zeroalloc_stepper")

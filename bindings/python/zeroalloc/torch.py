@@ -12,7 +12,6 @@ import torch
 import contextlib
 import threading
 import time
-import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -166,6 +165,63 @@ def _move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
     return moved
 
 
+class _BoundWeakly:
+    """Note [No cycles through the optimizer]: a method stored on its own instance (the
+    windowed step, the state-dict wrappers) as a bound method would hold the instance that
+    holds it: a cycle, so that a dropped model and optimizer, and their device memory, went
+    only when the cycle collector ran, not at `del`. This holds the instance weakly and
+    answers __func__ and __self__ as a bound method does (LR schedulers wrap a step through
+    __func__, with a weak reference of their own); other attributes are the function's."""
+
+    def __init__(self, function, instance):
+        self.__func__ = function
+        self._instance = weakref.ref(instance)
+
+    @property
+    def __self__(self):
+        return self._instance()
+
+    def __getattr__(self, name):
+        if name in ("__func__", "_instance"):  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    def __call__(self, *args, **kwargs):
+        instance = self._instance()
+        if instance is None:
+            raise ReferenceError("zeroalloc: the optimizer this method belonged to is gone")
+        return self.__func__(instance, *args, **kwargs)
+
+
+def _unbound(method, instance):
+    """`method` as a function of the instance, holding no reference to `instance` (Note [No
+    cycles through the optimizer]): a method bound to it gives its function; anything else
+    (a wrapper an LR scheduler stored on it, which holds it weakly) is called as it is."""
+    if getattr(method, "__self__", None) is instance and hasattr(method, "__func__"):
+        return method.__func__
+    return lambda _instance, *args, **kwargs: method(*args, **kwargs)
+
+
+def _original_of(instance, name: str):
+    """What instance.name is now, to be put back later by _put_back without a reference to
+    `instance`: None for the class's own method, else the attribute (one bound to the
+    instance is held weakly bound)."""
+    current = getattr(instance, name)
+    if getattr(current, "__self__", None) is instance and hasattr(current, "__func__"):
+        if name not in instance.__dict__:
+            return None
+        return _BoundWeakly(current.__func__, instance)
+    return current
+
+
+def _put_back(instance, name: str, original) -> None:
+    """Undoes a wrap of instance.name: `original` is what _original_of said."""
+    if original is None:
+        instance.__dict__.pop(name, None)
+    else:
+        setattr(instance, name, original)
+
+
 class OffloadHandle:
     """What offload() installed; remove() takes the hooks out again."""
 
@@ -188,16 +244,23 @@ class OffloadHandle:
             self._restore()
             self._restore = None
         if self._optimizer is not None:
-            stepper = getattr(self._optimizer, "_zeroalloc_stepper", None)
+            optimizer = self._optimizer
+            stepper = getattr(optimizer, "_zeroalloc_stepper", None)
             if stepper is not None:  # states it kept or staged go home first
                 stepper.settle()
                 _overlapping.discard(stepper)
                 for hook in stepper.late_hooks:
                     hook.remove()
                 _unmark_hooked(stepper.late_hooked)
-                del self._optimizer._zeroalloc_stepper
-            self._optimizer.step = self._original_step
+                del optimizer._zeroalloc_stepper
+            _put_back(optimizer, "step", self._original_step)
+            for name in ("load_state_dict", "state_dict"):
+                wrapper = optimizer.__dict__.get(name)
+                function = getattr(wrapper, "__func__", None)
+                if function is not None and hasattr(function, "_zeroalloc_original"):
+                    _put_back(optimizer, name, function._zeroalloc_original)
             self._optimizer = None
+            self._original_step = None
 
 
 def _unmark_hooked(references: list) -> None:
@@ -659,13 +722,23 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
         # stays the earlier wrapper's; removing this handle puts the earlier sizes back.
         earlier = (stepper.window_bytes, stepper.overlap_bytes, stepper.adopt)
         stepper.configure(window_bytes, overlap_bytes, adopt)
-        return OffloadHandle(hooks, None, None, hooked,
-                             restore=lambda: stepper.configure(*earlier))
+        owner = weakref.ref(optimizer)
+
+        def restore():
+            # Only while it is still the optimizer's step: after the first handle's remove()
+            # took it out, configuring it would bring a detached step back to life.
+            held = owner()
+            if held is not None and getattr(held, "_zeroalloc_stepper", None) is stepper:
+                stepper.configure(*earlier)
+
+        return OffloadHandle(hooks, None, None, hooked, restore=restore)
     original_step = optimizer.step if optimizer is not None else None
     if optimizer is not None:
+        put_back = _original_of(optimizer, "step")  # what remove() puts back
         optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
                                         adopt=adopt)
         _readopt_after_load(optimizer)
+        original_step = put_back
     return OffloadHandle(hooks, optimizer, original_step, hooked)
 
 
@@ -798,7 +871,7 @@ def _windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: i
         # wrapper still runs (each window calls it), so say so, or the scheduler warns that
         # the step was overridden after it.
         step._wrapped_by_lr_sched = True
-    return types.MethodType(step, optimizer)
+    return _BoundWeakly(step, optimizer)  # Note [No cycles through the optimizer]
 
 
 #: Windowed steps that move states between steps (Note [Overlapping the step]): module hints
@@ -873,7 +946,9 @@ class _WindowedStep:
 
     def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
                  adopt=None):
-        self.optimizer = optimizer  # a cycle through optimizer.step: the collector breaks it
+        # Weakly, and the original step unbound (Note [No cycles through the optimizer]):
+        # the optimizer holds this, through its step.
+        self._optimizer = weakref.ref(optimizer)
         # Parameters that need hooks after offload() (a parameter unfrozen since; in the
         # automatic mode, whose hints cover every module, also a group added with
         # add_param_group) get them at the next step: adopt(parameters, hooked) -> hooks,
@@ -881,7 +956,7 @@ class _WindowedStep:
         self.adopt = adopt
         self.late_hooks: list = []
         self.late_hooked: list = []  # (weak reference, mark), as OffloadHandle's
-        self.original_step = original_step
+        self._original_step = _unbound(original_step, optimizer)
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
         # Note [Steps that follow param_groups]: a window is stepped by narrowing param_groups
@@ -933,6 +1008,13 @@ class _WindowedStep:
             _overlapping.add(self)
 
     # -- helpers ---------------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    def original_step(self, *args, **kwargs):
+        return self._original_step(self.optimizer, *args, **kwargs)
+
     def items(self, parameter) -> list:
         if self.cache is not None:
             found = self.cache.get(id(parameter))
@@ -1500,23 +1582,29 @@ def _readopt_after_load(optimizer) -> None:
     step])."""
     if getattr(optimizer.load_state_dict, "_zeroalloc_readopts", False):
         return
+    # Unbound, and stored weakly bound (Note [No cycles through the optimizer]).
     original_load = optimizer.load_state_dict
+    load = _unbound(original_load, optimizer)
 
     def load_state_dict(self, state_dict):
         stepper = getattr(self, "_zeroalloc_stepper", None)
         if stepper is not None:  # states kept or staged by the last step go home first
             stepper.settle()
-        original_load(state_dict)
+        load(self, state_dict)
         _adopt([], self)
 
     load_state_dict._zeroalloc_readopts = True
-    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    # What OffloadHandle.remove() puts back.
+    load_state_dict._zeroalloc_original = _original_of(optimizer, "load_state_dict")
+    optimizer.load_state_dict = _BoundWeakly(load_state_dict, optimizer)
     original_state_dict = optimizer.state_dict
+    save = _unbound(original_state_dict, optimizer)
 
     def state_dict(self):
         stepper = getattr(self, "_zeroalloc_stepper", None)
         if stepper is not None:  # kept states: their own tensors, not views of a slot
             stepper.write_back_kept(wait=True)
-        return original_state_dict()
+        return save(self)
 
-    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    state_dict._zeroalloc_original = _original_of(optimizer, "state_dict")
+    optimizer.state_dict = _BoundWeakly(state_dict, optimizer)
