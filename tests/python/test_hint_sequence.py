@@ -165,6 +165,42 @@ def test_a_part_called_alone_hints_itself_and_a_raising_forward_closes_its_group
     assert record.unbalanced() == {}
 
 
+class _Explode(torch.autograd.Function):
+    """Identity forward; a backward that raises (an out-of-memory error, say)."""
+
+    @staticmethod
+    def forward(context, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(context, gradient):
+        raise RuntimeError("backward failed (the test's)")
+
+
+class ExplodingAttention(Attention):
+    def forward(self, x):
+        return self.o(_Explode.apply(torch.tanh(self.q(x))))
+
+
+def test_a_backward_that_raises_ends_its_uses_and_holds_no_parameter(recorder, hooked):
+    """Note [Backward uses]: autograd runs a backward's end callback only when it succeeds;
+    the uses a failed backward began (here q's, whose gradient never came) end when it
+    raises, and its bookkeeping holds no parameter of a model that is dropped."""
+    model = Model()
+    model.layers[1].attention = ExplodingAttention(16)
+    record = recorder(model)
+    hooked(model)
+    loss = model(torch.randn(3, 16)).sum()
+    with pytest.raises(RuntimeError, match="the test's"):
+        loss.backward()
+    record.take()
+    assert record.unbalanced() == {}, "uses of the failed backward stay open"
+    weight = weakref.ref(model.layers[1].attention.q.weight)
+    del model, loss
+    gc.collect()
+    assert weight() is None, "the failed backward's bookkeeping keeps the parameters"
+
+
 def test_outputs_in_several_tensors_begin_a_backward_once(recorder, hooked):
     class Split(torch.nn.Module):
         def __init__(self):

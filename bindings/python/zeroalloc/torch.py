@@ -420,7 +420,7 @@ def _begin_backward(own: list) -> None:
             lambda task=task: _close_backward(task))
     fresh = [p for p in own if id(p) not in begun]
     for parameter in fresh:
-        begun[id(parameter)] = parameter
+        begun[id(parameter)] = weakref.ref(parameter)  # a dropped model must not wait for it
     if fresh:
         _begin(fresh)
 
@@ -442,13 +442,45 @@ def _end_backward(parameter) -> None:
 
 def _close_backward(task) -> None:
     """At the end of a backward: ends the uses it began and never accumulated into."""
-    left = list(_backward_open.pop(task, {}).values())
+    left = [parameter for parameter in (reference() for reference in
+                                        _backward_open.pop(task, {}).values())
+            if parameter is not None]
     if left:
         _end(left)
 
 
-#: graph task id -> {id(parameter): parameter} begun in that backward, not yet ended.
+#: graph task id -> {id(parameter): weak reference to it} begun in that backward, not yet
+#: ended.
 _backward_open: dict = {}
+
+
+def _closing_backward(original):
+    """torch.autograd.backward, ending the uses begun by a backward that raised (Note
+    [Backward uses]): autograd runs a backward's end callback only when it succeeds, so its
+    open uses would pin their chunks until the next step boundary, or for good where no
+    optimizer steps (an out-of-memory retry loop, offload(model) alone). The tasks closed are
+    those begun during this call, inner ones included."""
+
+    def backward(*args, **kwargs):
+        before = _backward_open.copy()
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            for task in [task for task in _backward_open.copy() if task not in before]:
+                _close_backward(task)
+            raise
+
+    backward._zeroalloc_closing = True
+    backward.__wrapped__ = original
+    backward.__doc__ = original.__doc__
+    backward.__name__ = getattr(original, "__name__", "backward")
+    return backward
+
+
+def _guard_backward() -> None:
+    """Installs _closing_backward once (Tensor.backward calls torch.autograd.backward)."""
+    if not getattr(torch.autograd.backward, "_zeroalloc_closing", False):
+        torch.autograd.backward = _closing_backward(torch.autograd.backward)
 
 
 def _graph_task():
@@ -588,6 +620,7 @@ class _AutomaticHints:
     def __init__(self, group_bytes: int):
         self.group_bytes = group_bytes
         self.local = threading.local()  # the groups whose forward runs, innermost last
+        _guard_backward()
 
     def stack(self) -> list:
         found = getattr(self.local, "stack", None)
@@ -660,6 +693,7 @@ def _hint_groups(model, group_bytes: int) -> list:
 def _install_hint_hooks(model, group_bytes: int) -> list:
     """The module hooks of offload(): each group's top hints the group; its members hint
     themselves when called outside the group's forward. Returns the hook handles."""
+    _guard_backward()
     hooks = []
     for group in _hint_groups(model, group_bytes):
         top = group.top()
