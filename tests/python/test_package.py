@@ -93,6 +93,19 @@ def test_missing_library_says_where_it_looked():
     assert "ZEROALLOC_LIBRARY=/nonexistent/libzeroalloc.so does not exist" in result.stderr
 
 
+def test_a_library_that_is_not_zeroalloc_is_named_not_a_traceback():
+    libm = "/lib/x86_64-linux-gnu/libm.so.6"
+    if not Path(libm).exists():
+        pytest.skip(f"skipped: {libm} is not here")
+    result = run_python("import zeroalloc; zeroalloc.library()", ZEROALLOC_LIBRARY=libm)
+    assert result.returncode != 0
+    assert f"{libm} is not a libzeroalloc.so this package can use" in result.stderr
+    doctor = run_python("import sys, zeroalloc.doctor as d; sys.exit(d.main())",
+                        ZEROALLOC_LIBRARY=libm)
+    assert "is not a libzeroalloc.so this package can use" in doctor.stdout + doctor.stderr
+    assert "AttributeError" not in doctor.stderr
+
+
 def test_command_line_summary_runs():
     result = run_python("import runpy; runpy.run_module('zeroalloc', run_name='__main__')")
     assert result.returncode == 2  # no command: usage

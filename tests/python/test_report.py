@@ -148,6 +148,17 @@ def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
     assert (tmp_path / "r.html").exists()
 
 
+def test_report_command_says_what_is_wrong_with_a_file_that_is_not_a_report(tmp_path):
+    (tmp_path / "other.json").write_text('{"time": "now"}')
+    result = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                             str(tmp_path / "other.json")],
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "is JSON, but not a zeroalloc report" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_page_draws_its_plot_in_headless_chromium(tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:

@@ -130,6 +130,12 @@ def library() -> ctypes.CDLL:
             "zeroalloc_fetch": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_residency": ([ctypes.c_void_p], ctypes.c_int),
         }
+        missing = [name for name in signatures if not hasattr(handle, name)]
+        if missing:  # another library, or a zeroalloc older than this package
+            raise ZeroallocError(
+                f"{library_path()} is not a libzeroalloc.so this package can use: it lacks "
+                f"{', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''}. Point "
+                "ZEROALLOC_LIBRARY at the libzeroalloc.so built with this package")
         for name, (arguments, result) in signatures.items():
             function = getattr(handle, name)
             function.argtypes = arguments

@@ -305,6 +305,10 @@ def _torch_check(checks: list[Check]) -> None:
         checks.append(Check("PyTorch", WARN, "not installed",
                             "zeroalloc.torch needs PyTorch; the library works without it"))
         return
+    except Exception as failure:  # a broken install (a CUDA library it cannot load, ...)
+        checks.append(Check("PyTorch", FAIL, f"installed, but `import torch` fails: {failure}",
+                            "repair or reinstall PyTorch; the library works without it"))
+        return
     memory = torch.cuda.memory
     missing = [name for name in ("CUDAPluggableAllocator", "change_current_allocator")
                if not hasattr(memory, name)]

@@ -61,9 +61,19 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as failure:
         print(f"cannot read the report {json_path}: {failure}", file=sys.stderr)
         return 1
-    print(summary(report))
+    try:
+        print(summary(report))
+    except (KeyError, TypeError, AttributeError) as failure:
+        print(f"{json_path} is JSON, but not a zeroalloc report (no {failure} where a report "
+              "has one): pass the prefix.json that ZEROALLOC_REPORT wrote", file=sys.stderr)
+        return 1
     html_path = json_path.with_suffix(".html")
-    if library().zeroalloc_report_render(str(json_path).encode(), str(html_path).encode()) != 0:
-        raise ZeroallocError(last_error())
+    try:
+        if library().zeroalloc_report_render(str(json_path).encode(),
+                                             str(html_path).encode()) != 0:
+            raise ZeroallocError(last_error())
+    except (ZeroallocError, OSError) as failure:
+        print(f"the page was not rebuilt: {failure}", file=sys.stderr)
+        return 1
     print(f"page: {html_path}")
     return 0

@@ -479,8 +479,10 @@ def _closing_backward(original):
 
 def _guard_backward() -> None:
     """Installs _closing_backward once (Tensor.backward calls torch.autograd.backward)."""
-    if not getattr(torch.autograd.backward, "_zeroalloc_closing", False):
-        torch.autograd.backward = _closing_backward(torch.autograd.backward)
+    autograd = getattr(torch, "autograd", None)
+    original = getattr(autograd, "backward", None)
+    if original is not None and not getattr(original, "_zeroalloc_closing", False):
+        autograd.backward = _closing_backward(original)
 
 
 def _graph_task():
