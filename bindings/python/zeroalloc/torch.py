@@ -413,15 +413,16 @@ def _begin_backward(own: list) -> None:
     if task is None:  # a PyTorch without graph task ids: as before, one begin per hook
         _begin(own)
         return
-    begun = _backward_open.get(task)
-    if begun is None:
-        begun = _backward_open[task] = {}
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda task=task: _close_backward(task))
-    fresh = [p for p in own if id(p) not in begun]
-    for parameter in fresh:
-        begun[id(parameter)] = weakref.ref(parameter)  # a dropped model must not wait for it
-    if fresh:
+    with _backward_lock:  # the autograd threads of several devices may begin one task
+        begun = _backward_open.get(task)
+        if begun is None:
+            begun = _backward_open[task] = {}
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda task=task: _close_backward(task))
+        fresh = [p for p in own if id(p) not in begun]
+        for parameter in fresh:
+            begun[id(parameter)] = weakref.ref(parameter)  # a dropped model must not wait
+    if fresh:  # outside the lock: the hint may wait for a fetch
         _begin(fresh)
 
 
@@ -452,6 +453,7 @@ def _close_backward(task) -> None:
 #: graph task id -> {id(parameter): weak reference to it} begun in that backward, not yet
 #: ended.
 _backward_open: dict = {}
+_backward_lock = threading.Lock()
 
 
 def _closing_backward(original):
