@@ -17,6 +17,20 @@ namespace {
 
 using testing::read_back;
 
+// The ready chunks of `bytes` once there are `count` of them, or after 20 s (0: at once).
+std::size_t ready_when(host_pool& pool, std::size_t bytes, std::size_t count) {
+  auto ready = [&] {
+    const auto counts = pool.ready_chunks();
+    const auto found = counts->find(bytes);
+    return found == counts->end() ? std::size_t{0} : found->second;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (ready() < count && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return ready();
+}
+
 class HostPoolTest : public ::testing::Test {
  protected:
   void SetUp() override { ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, 1 * GiB); }
@@ -82,16 +96,8 @@ TEST_F(HostPoolTest, AnticipatedChunkSizesAreCreatedInTheBackgroundWithinTheLimi
   ASSERT_EQ(pool.figures().created_bytes, 64 * MiB);  // four 16 MiB slabs fill the budget
   pool.expect_chunks(16 * MiB, 2);                    // paged chunks: two of 16 MiB, two of 6 MiB
   pool.expect_chunks(6 * MiB, 2);
-  auto ready = [&](std::size_t bytes) {
-    const auto counts = pool.ready_chunks();
-    const auto found = counts->find(bytes);
-    return found == counts->end() ? std::size_t{0} : found->second;
-  };
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (ready(6 * MiB) < 2 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_EQ(ready(6 * MiB), 2u);
+  auto ready = [&](std::size_t bytes) { return ready_when(pool, bytes, 0); };
+  EXPECT_EQ(ready_when(pool, 6 * MiB, 2), 2u);
   EXPECT_EQ(ready(16 * MiB), 3u);  // one surplus slab became two of 6 MiB
   EXPECT_LE(pool.figures().created_bytes, 64 * MiB) << "the limit was exceeded";
   std::vector<host_chunk> taken;
@@ -103,10 +109,7 @@ TEST_F(HostPoolTest, AnticipatedChunkSizesAreCreatedInTheBackgroundWithinTheLimi
   // More wanted than the limit holds: what fits is made, the rest waits, nothing spins
   // past the limit, and the pool still stops.
   pool.expect_chunks(10 * MiB, 8);
-  const auto later = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (ready(10 * MiB) < 2 && std::chrono::steady_clock::now() < later) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
+  ready_when(pool, 10 * MiB, 2);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(ready(10 * MiB), 2u);  // the spare 16 MiB slab went: 44 in use + 2 x 10 = 64 MiB
   EXPECT_LE(pool.figures().created_bytes, 64 * MiB);
@@ -189,17 +192,8 @@ TEST_F(HostPoolFailureTest, TheBackgroundThreadSurvivesASlabThatFailsToGo) {
   ASSERT_EQ(pool.figures().created_bytes, 32 * MiB);
   device_->fail_next_unmap([](std::uintptr_t) { return true; });
   pool.expect_chunks(6 * MiB, 1);  // a surplus 16 MiB slab must go for it
-  auto ready = [&](std::size_t bytes) {
-    const auto counts = pool.ready_chunks();
-    const auto found = counts->find(bytes);
-    return found == counts->end() ? std::size_t{0} : found->second;
-  };
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (ready(6 * MiB) < 1 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
+  EXPECT_EQ(ready_when(pool, 6 * MiB, 1), 1u) << "the other surplus slab should have made room";
   EXPECT_EQ(device_->failed_unmaps(), 1);
-  EXPECT_EQ(ready(6 * MiB), 1u) << "the other surplus slab should have made room";
   EXPECT_LE(pool.figures().created_bytes, 32 * MiB) << "the limit was exceeded";
 }
 

@@ -29,6 +29,19 @@ constexpr std::size_t kChunkBytes = 8 * MiB;
 
 // An allocator and a host pool over a faulty_device wrapping the test device, for tests
 // that inject failures.
+// Blocks `stream` until a thread opens it, 200 ms from now, after setting `opened`: work
+// queued behind it (a copy that waits for the stream) is still to run until then.
+std::thread hold_stream(device& on, stream_handle stream, std::atomic<bool>& opened) {
+  auto gate = std::make_shared<std::promise<void>>();
+  std::shared_future<void> open = gate->get_future().share();
+  on.host_function_async([open] { open.wait(); }, stream);
+  return std::thread([gate, &opened] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    opened = true;
+    gate->set_value();
+  });
+}
+
 struct faulty_stack {
   explicit faulty_stack(std::uint64_t host_bytes)
       : device(std::make_unique<testing::faulty_device>(testing::open_test_device(0, 1 * GiB))),
@@ -191,16 +204,8 @@ TEST_F(MigratorTest, AFetchThatFailsAfterQueuingItsCopyWaitsForItAndKeepsTheChun
     engine.drain();
     const std::vector<std::uint8_t> ones(kChunkBytes, 0x11);
     const std::vector<std::uint8_t> twos(kChunkBytes, 0x22);
-    // Blocks `compute` until a thread opens it, 200 ms from now, after setting `opened`.
     auto hold_compute = [&](std::atomic<bool>& opened) {
-      auto gate = std::make_shared<std::promise<void>>();
-      std::shared_future<void> open = gate->get_future().share();
-      device.host_function_async([open] { open.wait(); }, compute);
-      return std::thread([gate, &opened] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        opened = true;
-        gate->set_value();
-      });
+      return hold_stream(device, compute, opened);
     };
 
     std::atomic<bool> opened{false};
@@ -265,14 +270,7 @@ TEST_F(MigratorTest, AMoveThatFailsWhileItsCopyMayRunWaitsForTheCopy) {
     const std::uintptr_t a = chunks.at(0).address;
     const std::vector<std::uint8_t> ones(kChunkBytes, 0x11);
     auto hold_compute = [&](std::atomic<bool>& opened) {
-      auto gate = std::make_shared<std::promise<void>>();
-      std::shared_future<void> open = gate->get_future().share();
-      device.host_function_async([open] { open.wait(); }, compute);
-      return std::thread([gate, &opened] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        opened = true;
-        gate->set_value();
-      });
+      return hold_stream(device, compute, opened);
     };
 
     std::atomic<bool> opened{false};
