@@ -199,8 +199,9 @@ void* served_stream(void* stream, bool per_thread) {
 // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY), a library that could not start (a
 // malformed variable) with cudaErrorInitializationError, a bad device with
 // cudaErrorInvalidDevice: the numbers agree between the runtime and the driver
-// (zeroalloc::last_failure_cuda_code). `driver`: a zero size is CUDA_ERROR_INVALID_VALUE, as
-// cuMemAlloc says; cudaMalloc(0) succeeds with a null pointer.
+// (zeroalloc::last_failure_cuda_code). `driver` (cuMemAlloc): a zero size is
+// CUDA_ERROR_INVALID_VALUE, as cuMemAlloc says; cudaMalloc(0) succeeds with a null pointer,
+// and so do the stream-ordered calls here.
 int serve_allocation(void** pointer, std::size_t size, int device, void* stream,
                      bool driver = false) {
   if (pointer == nullptr) return kInvalidValue;
@@ -253,13 +254,15 @@ int serve_free(void* pointer, void* stream, bool ordered_on_stream,
 // The special handles (legacy, per-thread) are never destroyed.
 void forget_destroyed_stream(void* stream) {
   if (stream == nullptr || stream == kLegacyStream || stream == kPerThreadStream) return;
+  // Not started (nothing allocated yet): it knows no stream, and is not started for this.
+  zeroalloc::runtime* started = zeroalloc::runtime::if_started();
+  if (started == nullptr) return;
   try {
-    for (zeroalloc::caching_allocator* each : zeroalloc::runtime::get().started_allocators()) {
+    for (zeroalloc::caching_allocator* each : started->started_allocators()) {
       each->forget_stream(stream);
     }
   } catch (...) {
-    // The library could not start (it then owns no block), or the device failed: the real
-    // call reports the device's error.
+    // The device failed: the real call reports the device's error.
   }
 }
 
@@ -392,7 +395,7 @@ ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* str
                                                                                   stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, false), /*driver=*/true);
+                          served_stream(stream, false));
 }
 
 ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void* stream) {
@@ -401,7 +404,7 @@ ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void
         pointer, size, stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, true), /*driver=*/true);
+                          served_stream(stream, true));
 }
 
 ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 
@@ -24,6 +25,8 @@ struct startup {
   runtime* started = nullptr;
   std::string failure;
 };
+
+std::atomic<runtime*> g_started{nullptr};  // constant-initialised: if_started() reads it
 
 }  // namespace
 
@@ -90,8 +93,11 @@ runtime& runtime::get() {
     return attempt;
   }());
   if (outcome.started == nullptr) throw config_error(outcome.failure);
+  g_started.store(outcome.started, std::memory_order_release);
   return *outcome.started;
 }
+
+runtime* runtime::if_started() noexcept { return g_started.load(std::memory_order_acquire); }
 
 caching_allocator& runtime::allocator(int ordinal) {
   if (ordinal < 0 || ordinal >= registry_.count() || ordinal >= kMaxDevices) {

@@ -23,6 +23,8 @@ class runtime {
   /// The runtime, started on the first call. Throws config_error (or no_driver_error) on
   /// every call when the start failed, with the same message.
   static runtime& get();
+  /// The runtime if a call has started it, else nullptr; never starts it.
+  static runtime* if_started() noexcept;
 
   [[nodiscard]] int device_count() const { return registry_.count(); }
   /// True when the devices are simulated (ZEROALLOC_DEVICE=sim, or no GPU).

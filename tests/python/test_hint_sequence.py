@@ -201,6 +201,26 @@ def test_a_backward_that_raises_ends_its_uses_and_holds_no_parameter(recorder, h
     assert weight() is None, "the failed backward's bookkeeping keeps the parameters"
 
 
+def test_a_copy_of_a_hooked_model_computes_the_same_and_hints_nothing(recorder, hooked):
+    """An EMA or AveragedModel deep-copies the model, hooks included: the copy must work,
+    and, not being offload()'s, send no hints of its own."""
+    import copy
+    model = Model()
+    record = recorder(model)
+    mode = hooked(model)
+    twin = copy.deepcopy(model)
+    record.take()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        same = torch.equal(twin(x), model(x))
+    assert same
+    calls = record.take()
+    if mode == "offload":
+        copied = [names for names in begins(calls) if "?" in names]
+        assert copied == [], "the copy hinted its parameters"
+    assert record.unbalanced() == {}
+
+
 def test_outputs_in_several_tensors_begin_a_backward_once(recorder, hooked):
     class Split(torch.nn.Module):
         def __init__(self):

@@ -596,3 +596,15 @@ def test_remove_puts_the_optimizers_own_methods_back(engine):
     for name in ("step", "state_dict", "load_state_dict"):
         assert name not in vars(optimizer), name
     assert not hasattr(optimizer, "_zeroalloc_stepper")
+
+
+def test_the_windowed_step_reads_as_a_bound_method(engine):
+    """What wrappers of optimizer.step read (functools.wraps, inspect.signature) sees the
+    step's function without `self`, as through a bound method."""
+    import functools
+    import inspect
+    model, optimizer = managed(overlap_bytes=0)
+    assert "self" not in inspect.signature(optimizer.step).parameters
+    wrapper = functools.wraps(optimizer.step)(lambda *args, **kwargs: None)
+    assert getattr(wrapper, "_zeroalloc_windowed", False)
+    assert optimizer.step.__self__ is optimizer

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 import contextlib
+import inspect
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -173,6 +175,10 @@ class _BoundWeakly:
     answers __func__ and __self__ as a bound method does (LR schedulers wrap a step through
     __func__, with a weak reference of their own); other attributes are the function's."""
 
+    # No __dict__ of its own: functools.wraps and attribute lookups (_zeroalloc_windowed,
+    # _wrapped_by_lr_sched) reach the function's, as they do through a bound method.
+    __slots__ = ("__func__", "_instance", "__weakref__")
+
     def __init__(self, function, instance):
         self.__func__ = function
         self._instance = weakref.ref(instance)
@@ -180,6 +186,13 @@ class _BoundWeakly:
     @property
     def __self__(self):
         return self._instance()
+
+    @property
+    def __signature__(self):  # without `self`, as a bound method's
+        instance = self._instance()
+        if instance is None:
+            return inspect.signature(self.__func__)
+        return inspect.signature(types.MethodType(self.__func__, instance))
 
     def __getattr__(self, name):
         if name in ("__func__", "_instance"):  # not set yet (a copy being made)
@@ -469,7 +482,10 @@ def _closing_backward(original):
             return original(*args, **kwargs)
         except BaseException:
             for task in [task for task in _backward_open.copy() if task not in before]:
-                _close_backward(task)
+                try:
+                    _close_backward(task)
+                except Exception:  # the backward's own error is the one to see
+                    pass
             raise
 
     backward._zeroalloc_closing = True
@@ -539,6 +555,17 @@ class _HintGroup:
         self.local = threading.local()  # per thread: the parameter lists begun, innermost last
         _HintGroup._all.add(self)
 
+    def __deepcopy__(self, memo):
+        """A copy of the model (an EMA, torch.optim.swa_utils.AveragedModel) copies its
+        hooks, and this with them: the copy is not offload()'s, so its group hints nothing
+        (copied whole, its thread-local state could not be copied at all)."""
+        inert = object.__new__(_HintGroup)
+        inert.top = lambda: None
+        inert.members = []
+        inert.covered = set()
+        inert.local = threading.local()
+        return inert
+
     def open(self) -> list:
         found = getattr(self.local, "open", None)
         if found is None:
@@ -552,6 +579,8 @@ class _HintGroup:
     def before(self, _module, _inputs) -> None:
         own = self.parameters()
         self.open().append(own)
+        if not own:  # nothing of its own left (a copy's group, or its modules are gone)
+            return
         if _overlapping:
             _module_hint(own, True)
         _begin(own)
@@ -561,6 +590,8 @@ class _HintGroup:
         if not begun:
             return  # its pre-hook never ran (an earlier pre-hook raised)
         own = begun.pop()
+        if not own:
+            return
         _end(own)
         if output is not None:
             _hint_backward(own, output)
