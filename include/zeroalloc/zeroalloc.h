@@ -14,9 +14,10 @@
  * Nothing crosses this boundary as an exception. A function that fails returns its failure
  * value (documented with it) and zeroalloc_last_error() then describes the failure in one
  * readable message. A function that returns nothing clears that message when called, sets
- * it when it fails, and logs the failure. The library starts on first use: it reads the ZEROALLOC_* environment
- * variables once (README.md lists them) and, if one is malformed, refuses to start; every
- * allocation then fails and zeroalloc_last_error() names the variable.
+ * it when it fails, and logs the failure. The library starts on first use: it reads the
+ * ZEROALLOC_* environment variables once (README.md lists them) and, if one is malformed,
+ * refuses to start; every allocation then fails and zeroalloc_last_error() names the
+ * variable.
  */
 #ifndef ZEROALLOC_ZEROALLOC_H
 #define ZEROALLOC_ZEROALLOC_H

@@ -151,17 +151,29 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
 // per chunk. Now the largest free segments go first, only as many bytes as the new segment
 // needs (idle pooled chunks are released by the arena itself when sizes do not match); the
 // whole cache goes only if that was not enough (fragmentation, pinned chunks).
+namespace {
+
+// Runs `body`, keeping the first exception of several such calls for later: a heap that
+// fails to release its cache does not keep the other heaps (and the pool) from theirs.
+template <typename Body>
+void keeping_first_failure(std::exception_ptr& first_failure, Body&& body) {
+  try {
+    body();
+  } catch (...) {
+    if (!first_failure) first_failure = std::current_exception();
+  }
+}
+
+}  // namespace
+
 std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
-  std::exception_ptr first_failure;  // a heap that fails does not keep the others' cache
+  std::exception_ptr first_failure;
   for (auto& each : heaps_) {
     if (released >= enough) break;
-    try {
-      released += each->release_free_segments(enough - released);
-    } catch (...) {
-      if (!first_failure) first_failure = std::current_exception();
-    }
+    keeping_first_failure(first_failure,
+                          [&] { released += each->release_free_segments(enough - released); });
   }
   if (first_failure) std::rethrow_exception(first_failure);
   return released;
@@ -201,19 +213,11 @@ std::uint64_t caching_allocator::release_idle_cache() {
 std::uint64_t caching_allocator::release_all_cached() {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
-  std::exception_ptr first_failure;  // as release_cached: every heap, then the pool
+  std::exception_ptr first_failure;
   for (auto& each : heaps_) {
-    try {
-      released += each->release_free_segments();
-    } catch (...) {
-      if (!first_failure) first_failure = std::current_exception();
-    }
+    keeping_first_failure(first_failure, [&] { released += each->release_free_segments(); });
   }
-  try {
-    arena_.release_pool();
-  } catch (...) {
-    if (!first_failure) first_failure = std::current_exception();
-  }
+  keeping_first_failure(first_failure, [&] { arena_.release_pool(); });
   if (first_failure) std::rethrow_exception(first_failure);
   return released;
 }

@@ -14,6 +14,12 @@ namespace {
 
 constexpr std::size_t kMinBlockBytes = 512;
 
+std::size_t bytes_of(const std::vector<physical_handle>& chunks) {
+  std::size_t bytes = 0;
+  for (const physical_handle& chunk : chunks) bytes += chunk.bytes;
+  return bytes;
+}
+
 // The clock of segment::last_activity and segment::generation, one for the process:
 // allocations and frees in any heap tick it, so chunks of different classes compare, and a
 // segment made at addresses an earlier one had never starts at that one's generation (the
@@ -121,6 +127,19 @@ block* heap::find_fit(free_index& index, std::size_t bytes) {
   return nullptr;
 }
 
+template <typename Then>
+void heap::fenced(stream_handle on, Then&& then) {
+  event_handle fence = obtain_event();
+  try {
+    device_.record_event(fence, on);
+    then(fence);
+  } catch (...) {
+    spare_events_.push_back(fence);  // unrecorded, or recorded and never waited on
+    throw;
+  }
+  spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
+}
+
 block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   block* best = nullptr;
   for (auto& index : indexes_) {
@@ -133,15 +152,7 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   // Note [Stream-ordered reuse]: the new stream waits for everything queued on the old one.
   // Fenced before the block leaves its list: if the device fails, the cache is unchanged.
   if (best->stream != kDetachedStream) {
-    event_handle fence = obtain_event();
-    try {
-      device_.record_event(fence, best->stream);
-      device_.stream_wait_event(stream, fence);
-    } catch (...) {
-      spare_events_.push_back(fence);
-      throw;
-    }
-    spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
+    fenced(best->stream, [&](event_handle fence) { device_.stream_wait_event(stream, fence); });
   }
   remove_free(best);
   best->stream = stream;
@@ -364,16 +375,7 @@ void heap::retire_donated(bool wait) {
     for (; next < retiring_.size(); ++next) {
       retiring_range& range = retiring_[next];
       gone = false;
-      bool done = true;
-      for (event_handle fence : range.fences) {
-        if (wait) {
-          device_.synchronize_event(fence);
-        } else if (!device_.event_completed(fence)) {
-          done = false;
-          break;
-        }
-      }
-      if (!done) {
+      if (!events_done(range.fences, wait)) {
         if (kept != next) retiring_[kept] = std::move(range);
         ++kept;
         continue;
@@ -435,17 +437,20 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     device_.synchronize_stream(stream);
     arena_.keep_in_pool(donated.chunks);
   };
+  // On a failure: the donations made (their donors gave them up) go to the pool, else their
+  // memory would be held by nobody; the failure in hand is the one the caller sees.
+  auto pool_donations_after_failure = [&] {
+    try {
+      pool_donations();
+    } catch (const std::exception& again) {
+      log().error("{} of memory donated to {} is lost: waiting for its donors' work failed ({})",
+                  format_bytes(donated.bytes), class_name(class_), again.what());
+    }
+  };
   try {
     gather_donations(needed, stream, donated);
   } catch (...) {
-    // A later donor failed: the donations already made (their donors gave them up) go to
-    // the pool, else their memory would be held by nobody.
-    try {
-      pool_donations();
-    } catch (const std::exception& failure) {
-      log().error("{} of memory donated to {} is lost: waiting for its donors' work failed ({})",
-                  format_bytes(donated.bytes), class_name(class_), failure.what());
-    }
+    pool_donations_after_failure();  // a later donor failed
     throw;
   }
   const std::size_t bytes = std::max(needed, donated.bytes);
@@ -479,8 +484,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
                              return mapped.value == chunk.value && mapped.offset == chunk.offset;
                            });
       });
-      std::size_t still_mapped = 0;
-      for (const physical_handle& chunk : owned->chunks) still_mapped += chunk.bytes;
+      const std::size_t still_mapped = bytes_of(owned->chunks);
       log().error(
           "undoing a failed {} segment of {} at {:#x} on {} left {} mapped ({}); that memory "
           "stays held and out of use. The GPU driver is failing: restart the process",
@@ -489,12 +493,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     } else {
       free_addresses_.give_back(address, bytes);
     }
-    try {
-      pool_donations();
-    } catch (const std::exception& again) {
-      log().error("{} of memory donated to {} is lost: waiting for its donors' work failed ({})",
-                  format_bytes(donated.bytes), class_name(class_), again.what());
-    }
+    pool_donations_after_failure();
     throw;
   }
 
@@ -721,6 +720,17 @@ void heap::merge_free_neighbours(block* freed) {
   insert_free(freed);
 }
 
+bool heap::events_done(const std::vector<event_handle>& events, bool wait) {
+  for (event_handle event : events) {
+    if (wait) {
+      device_.synchronize_event(event);
+    } else if (!device_.event_completed(event)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void heap::process_pending(bool wait) {
   // A block leaves the list only once all its events are done; a device call that throws
   // leaves it, and every block after it, pending as before (none is released twice).
@@ -729,16 +739,7 @@ void heap::process_pending(bool wait) {
   try {
     for (; next < pending_.size(); ++next) {
       block* waiting = pending_[next];
-      bool done = true;
-      for (event_handle event : waiting->pending_events) {
-        if (wait) {
-          device_.synchronize_event(event);
-        } else if (!device_.event_completed(event)) {
-          done = false;
-          break;
-        }
-      }
-      if (!done) {
+      if (!events_done(waiting->pending_events, wait)) {
         pending_[kept++] = waiting;
         continue;
       }
@@ -797,15 +798,7 @@ std::uint64_t heap::release_free_segments(std::uint64_t enough) {
     }
   }
   for (stream_handle stream : streams) {
-    event_handle fence = obtain_event();
-    try {
-      device_.record_event(fence, stream);
-      device_.synchronize_event(fence);
-    } catch (...) {
-      spare_events_.push_back(fence);
-      throw;
-    }
-    spare_events_.push_back(fence);
+    fenced(stream, [&](event_handle fence) { device_.synchronize_event(fence); });
   }
   std::uint64_t released = 0;
   auto it = unused;
@@ -844,8 +837,7 @@ std::uint64_t heap::release_segment(segment& idle) {
   } catch (const std::exception& failure) {
     // Note [A failed unmap]: the chunks still mapped are the segment's last ones. They stay
     // told as gone: nothing can move or reuse them.
-    std::size_t still_mapped = 0;
-    for (const physical_handle& chunk : idle.chunks) still_mapped += chunk.bytes;
+    const std::size_t still_mapped = bytes_of(idle.chunks);
     const std::size_t unmapped = idle.bytes - still_mapped;
     if (unmapped != 0) return_addresses(idle.address, unmapped);
     unreserve(unmapped);

@@ -187,6 +187,12 @@ class heap {
   void return_addresses(std::uintptr_t address, std::size_t bytes);
   std::vector<stream_handle> streams_of(const segment& owner) const;
   void process_pending(bool wait);
+  /// Whether every event has completed; with `wait`, waits for each (true, or throws).
+  bool events_done(const std::vector<event_handle>& events, bool wait);
+  /// Records a fence on `on` and hands it to `then` (a wait); the event is reused after,
+  /// and also when either throws.
+  template <typename Then>
+  void fenced(stream_handle on, Then&& then);
   /// The segment and chunk index of the chunk mapped at `address`, or {nullptr, 0}.
   std::pair<segment*, std::size_t> chunk_at(std::uintptr_t address) const;
   /// Only those overlapping [from, to) when given.

@@ -86,6 +86,7 @@ runtime& runtime::get() {
       const options parsed = options::from_environment();
       configure_logging(parsed);
       attempt.started = new runtime(parsed);
+      g_started.store(attempt.started, std::memory_order_release);
     } catch (const std::exception& failure) {
       attempt.failure = detail::concat("zeroalloc cannot start: ", failure.what());
       log().error("{}", attempt.failure);
@@ -93,7 +94,6 @@ runtime& runtime::get() {
     return attempt;
   }());
   if (outcome.started == nullptr) throw config_error(outcome.failure);
-  g_started.store(outcome.started, std::memory_order_release);
   return *outcome.started;
 }
 

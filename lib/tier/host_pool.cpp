@@ -99,16 +99,14 @@ std::vector<bool> host_pool::destroy_detached(const std::vector<std::unique_ptr<
   return destroyed;
 }
 
-std::uint64_t host_pool::settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
-                                                 const std::vector<bool>& destroyed) {
-  std::uint64_t freed = 0;
+void host_pool::settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
+                                        const std::vector<bool>& destroyed) {
   for (std::size_t i = 0; i < victims.size(); ++i) {
     slab& victim = *victims[i];
     if (destroyed[i]) {
       free_staging_.give_back(victim.staging_address, victim.handle.bytes);
       reserved_bytes_ -= victim.handle.bytes;
       figures_.created_bytes -= victim.handle.bytes;
-      freed += victim.handle.bytes;
       continue;
     }
     victim.retired = true;
@@ -116,7 +114,6 @@ std::uint64_t host_pool::settle_destroyed_locked(std::vector<std::unique_ptr<sla
     slabs_.push_back(std::move(victims[i]));
   }
   victims.clear();
-  return freed;
 }
 
 void host_pool::start_prefill(std::size_t chunk_bytes, std::uint64_t bytes) {

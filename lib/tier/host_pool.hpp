@@ -132,9 +132,9 @@ class host_pool {
   /// is logged, not thrown (Note [A slab that cannot be destroyed]).
   std::vector<bool> destroy_detached(const std::vector<std::unique_ptr<slab>>& victims);
   /// With the lock: the destroyed slabs' bytes leave the budget and their staging
-  /// addresses come back; the others return to the pool, retired. The bytes destroyed.
-  std::uint64_t settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
-                                        const std::vector<bool>& destroyed);
+  /// addresses come back; the others return to the pool, retired.
+  void settle_destroyed_locked(std::vector<std::unique_ptr<slab>>& victims,
+                               const std::vector<bool>& destroyed);
   std::uintptr_t take_staging(std::size_t bytes);
   bool release_free_slabs_locked(std::size_t bytes, std::unique_lock<std::mutex>& lock);
   [[noreturn]] void throw_exhausted(std::size_t bytes) const;

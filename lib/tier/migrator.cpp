@@ -195,7 +195,7 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
     copy_queued = true;
     device_.record_event(moving.copied, out_stream_);
   } catch (...) {
-    if (copy_queued) settle_copies_out();  // the copy may still write the host chunk
+    if (copy_queued) settle(out_stream_);  // the copy may still write the host chunk
     if (moving.host.valid()) pool_.release(moving.host);
     if (moving.copied != nullptr) return_event(moving.copied);
     cancel_eviction(address);
@@ -294,7 +294,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       }
       device_.record_event(moving.copied, in_stream_);
     } catch (...) {
-      if (copies_queued) settle_copies_in();  // the copy in and the read-back may still run
+      if (copies_queued) settle(in_stream_);  // the copy in and the read-back may still run
       bool stays_on_device = false;
       if (moving.remapped_early) {
         try {
@@ -345,7 +345,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     copy_queued = true;
     device_.record_event(moving.copied, in_stream_);
   } catch (...) {
-    if (copy_queued) settle_copies_in();  // it may still write into the staged device chunk
+    if (copy_queued) settle(in_stream_);  // it may still write into the staged device chunk
     if (moving.staging != 0) {
       give_back_staging(moving.staging, moving.device_chunk, mapped);
     } else {
@@ -467,7 +467,7 @@ void migrator::worker() {
                   oldest.to_host ? "host" : "device", failure.what());
       // The copy may still run (the wait for it is what failed): it ends before the memory
       // it reads or writes goes back.
-      if (!oldest.committed) oldest.to_host ? settle_copies_out() : settle_copies_in();
+      if (!oldest.committed) settle(oldest.to_host ? out_stream_ : in_stream_);
       if (oldest.committed) {
         // The move stands; nothing to give back.
       } else if (oldest.to_host) {
@@ -572,17 +572,10 @@ void migrator::return_staging_slot(std::uintptr_t address) {
   changed_.notify_all();
 }
 
-void migrator::settle_copies_in() {
+void migrator::settle(stream_handle stream) {
   try {
-    device_.synchronize_stream(in_stream_);
+    device_.synchronize_stream(stream);
   } catch (...) {  // the stream failed: nothing runs on it any more
-  }
-}
-
-void migrator::settle_copies_out() {
-  try {
-    device_.synchronize_stream(out_stream_);
-  } catch (...) {  // as settle_copies_in
   }
 }
 

@@ -162,10 +162,9 @@ class migrator {
   /// Keeps a staging address whose unmap failed out of use (it still maps a chunk).
   void retire_staging_slot(std::uintptr_t address, std::size_t bytes);
   void return_staging_slot(std::uintptr_t address);
-  /// Waits for what the copy-in stream runs (a failed fetch's copies), whatever it fails with.
-  void settle_copies_in();
-  /// The same for the copy-out stream (a failed eviction's copy).
-  void settle_copies_out();
+  /// Waits for what one of its copy streams runs (a failed move's copies), whatever it
+  /// fails with.
+  void settle(stream_handle stream);
   /// For a fetch whose chunk is mapped on the device for good (finished, or failed after
   /// its remap): its host chunk goes back, and the chunk counts as on the device.
   void forget_host_copy(transfer& fetched);

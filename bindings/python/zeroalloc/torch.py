@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -206,11 +207,16 @@ class _BoundWeakly:
         return self.__func__(instance, *args, **kwargs)
 
 
+def _bound_to(method, instance) -> bool:
+    """Whether `method` is a method of `instance` (bound, or weakly bound)."""
+    return getattr(method, "__self__", None) is instance and hasattr(method, "__func__")
+
+
 def _unbound(method, instance):
     """`method` as a function of the instance, holding no reference to `instance` (Note [No
     cycles through the optimizer]): a method bound to it gives its function; anything else
     (a wrapper an LR scheduler stored on it, which holds it weakly) is called as it is."""
-    if getattr(method, "__self__", None) is instance and hasattr(method, "__func__"):
+    if _bound_to(method, instance):
         return method.__func__
     return lambda _instance, *args, **kwargs: method(*args, **kwargs)
 
@@ -220,7 +226,7 @@ def _original_of(instance, name: str):
     `instance`: None for the class's own method, else the attribute (one bound to the
     instance is held weakly bound)."""
     current = getattr(instance, name)
-    if getattr(current, "__self__", None) is instance and hasattr(current, "__func__"):
+    if _bound_to(current, instance):
         if name not in instance.__dict__:
             return None
         return _BoundWeakly(current.__func__, instance)
@@ -488,10 +494,8 @@ def _closing_backward(original):
                     pass
             raise
 
+    functools.update_wrapper(backward, original)
     backward._zeroalloc_closing = True
-    backward.__wrapped__ = original
-    backward.__doc__ = original.__doc__
-    backward.__name__ = getattr(original, "__name__", "backward")
     return backward
 
 
@@ -801,14 +805,13 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
                 stepper.configure(*earlier)
 
         return OffloadHandle(hooks, None, None, hooked, restore=restore)
-    original_step = optimizer.step if optimizer is not None else None
+    put_back = None  # what remove() puts back as optimizer.step
     if optimizer is not None:
-        put_back = _original_of(optimizer, "step")  # what remove() puts back
-        optimizer.step = _windowed_step(optimizer, original_step, window_bytes, overlap_bytes,
+        put_back = _original_of(optimizer, "step")
+        optimizer.step = _windowed_step(optimizer, optimizer.step, window_bytes, overlap_bytes,
                                         adopt=adopt)
         _readopt_after_load(optimizer)
-        original_step = put_back
-    return OffloadHandle(hooks, optimizer, original_step, hooked)
+    return OffloadHandle(hooks, optimizer, put_back, hooked)
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
