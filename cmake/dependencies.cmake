@@ -17,6 +17,9 @@ find_package(Threads REQUIRED)
 find_package(spdlog CONFIG QUIET)
 zeroalloc_require(spdlog_FOUND "spdlog" "libspdlog-dev")
 
+find_package(nlohmann_json 3 CONFIG QUIET)
+zeroalloc_require(nlohmann_json_FOUND "nlohmann/json (JSON for Modern C++)" "nlohmann-json3-dev")
+
 find_path(NUMA_INCLUDE_DIR numa.h)
 find_library(NUMA_LIBRARY numa)
 zeroalloc_require(NUMA_LIBRARY "libnuma" "libnuma-dev")

@@ -13,6 +13,9 @@ prefix=/tmp/zeroalloc-prefix
 if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
   for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
 fi
+if ! ls /usr/include/nlohmann/json.hpp >/dev/null 2>&1; then
+  for deb in .deps/nlohmann-json*.deb; do dpkg -x "$deb" "$prefix"; done
+fi
 export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 

@@ -2,7 +2,7 @@
 # Installs the Debian/Ubuntu packages zeroalloc builds and tests with. Idempotent; run as root.
 # The CUDA Toolkit 13 (with NCCL) is expected at /usr/local/cuda (NVIDIA's packages).
 set -euo pipefail
-packages=(cmake ninja-build g++ pkg-config ccache libspdlog-dev libfmt-dev libnuma-dev liburing-dev
+packages=(cmake ninja-build g++ pkg-config ccache libspdlog-dev libfmt-dev nlohmann-json3-dev libnuma-dev liburing-dev
           libgtest-dev libbenchmark-dev python3 python3-setuptools python3-venv)
 missing=()
 for package in "${packages[@]}"; do
