@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# On the GPU machine: builds zeroalloc, runs the GPU tests (label gpu, and the sim suites),
-# the PyTorch bit-exactness test and the benchmarks, and prints a short table last.
-# liburing is not installed there: its Debian packages travel in .deps/ (see README).
+# On the GPU machine: builds zeroalloc, runs the GPU tests (label gpu: the gate, each test
+# under a timeout), installs the wheel and runs `zeroalloc doctor` with no variable set, then
+# the PyTorch tests and the benchmarks, and prints a short table last. Exits non-zero when a
+# test fails, the package does not work, or the build fails.
+# liburing and nlohmann/json are not installed there: their Debian packages travel in .deps/
+# (see README). The wheel travels in .whl/ (built here by tests/package/wheel_test.sh or
+# `pip wheel .`); without one, it is built there with the machine's scikit-build-core.
+# With .baseline/ (an earlier commit's tree, `git archive`), the allocation benchmarks run
+# for both builds in the same run, side by side.
 # Logs and JSON are packed into $OUT/gpu-check-logs.tar.gz (the device tool returns at most 8
-# files); $OUT defaults to ./gpu-out. The figures the Python tests print come last.
+# files); $OUT defaults to ./gpu-out.
+# GPU_CHECK_SKIP: names of steps to leave out: alloc_bench hint migration remap torch_empty
+# preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
+# 140 s) baseline. Everything together runs over 10 minutes, the device tool's limit per
+# command: skip some of them there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 final=${OUT:-gpu-out}; mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-check.XXXXXX)
 trap 'tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null' EXIT
@@ -18,9 +29,49 @@ if ! ls /usr/include/nlohmann/json.hpp >/dev/null 2>&1; then
 fi
 export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+git_commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "commit $git_commit" | tee "$out/commit.txt"
 
+skip=" ${GPU_CHECK_SKIP:-} "
+skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
 step() { echo; echo "== $*"; }
 status=0
+configure() {  # source-dir build-dir
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
+    >"$out/configure-$(basename "$2").log" 2>&1 \
+    && ninja -C "$2" -j16 >"$out/build-$(basename "$2").log" 2>&1 \
+    || { tail -40 "$out/configure-$(basename "$2").log" "$out/build-$(basename "$2").log"; return 1; }
+}
+step build
+configure . build || exit 1
+
+step "ctest -L gpu (every GPU test, each under a 300 s timeout)"
+(cd build && ctest -L gpu --timeout 300 --output-on-failure -j1 2>&1) >"$out/ctest.log"
+grep -E "^ *[0-9]+/[0-9]+ Test +#" "$out/ctest.log"
+grep -A30 -E "^The following tests FAILED" "$out/ctest.log"
+grep -E "tests passed, [0-9]+ tests failed" "$out/ctest.log" || echo "ctest did not finish"
+grep -q "tests passed, 0 tests failed" "$out/ctest.log" || status=1
+
+step "the wheel: installed with pip, then zeroalloc doctor with no variable set"
+wheel=$(ls .whl/zeroalloc-*.whl 2>/dev/null | head -1)
+if [[ -z $wheel ]]; then
+  python3 -m pip wheel --no-deps --no-build-isolation -w "$out/dist" . >"$out/wheel-build.log" 2>&1 \
+    || { tail -20 "$out/wheel-build.log"; status=1; }
+  wheel=$(ls "$out"/dist/zeroalloc-*.whl 2>/dev/null | head -1)
+fi
+site=/tmp/zeroalloc-site
+rm -rf "$site"
+if [[ -n $wheel ]] && python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel"; then
+  echo "installed $(basename "$wheel")"
+  (cd /tmp && env $(env | grep -o '^ZEROALLOC_[A-Z_]*' | sed 's/^/-u /') PYTHONPATH="$site" \
+     python3 -m zeroalloc doctor) 2>&1 | tee "$out/doctor.txt" | tail -16
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  grep -q "$site/zeroalloc/libzeroalloc.so" "$out/doctor.txt" \
+    || { echo "doctor did not use the installed library"; status=1; }
+else
+  echo "no wheel could be installed"; status=1
+fi
+
 step build
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" >"$out/configure.log" 2>&1 \
   && ninja -C build -j16 >"$out/build.log" 2>&1 || { tail -40 "$out/configure.log" "$out/build.log"; exit 1; }
@@ -29,55 +80,83 @@ step "ctest (gpu and sim labels)"
 (cd build && ctest --output-on-failure -j1 2>&1) | tee "$out/ctest.log" | tail -15 || status=1
 grep -q "tests passed, 0 tests failed" "$out/ctest.log" || status=1
 
-step "caching_allocator_bench"
-build/bench/caching_allocator_bench --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
-  --benchmark_out="$out/alloc_bench.json" --benchmark_out_format=json 2>&1 | grep -E "median|Benchmark" | tee "$out/alloc_bench.txt"
+step "baseline: the tree in .baseline/ (an earlier commit), built for side-by-side figures"
+baseline=""
+if [[ -d .baseline && -z $(skipped baseline) ]]; then
+  configure .baseline build-baseline && baseline=build-baseline
+  echo "baseline $(cat .baseline/.commit 2>/dev/null || echo '(commit unknown)'): ${baseline:-failed to build}"
+else
+  echo skipped
+fi
+
+step "caching_allocator_bench (allocation pair), this build${baseline:+ and the baseline}"
+if [[ -z $(skipped alloc_bench) ]]; then
+  for tree in build $baseline; do
+    "$tree/bench/caching_allocator_bench" --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
+      --benchmark_out="$out/alloc_bench-$tree.json" --benchmark_out_format=json 2>&1 \
+      | grep -E "median" | sed "s/^/$tree  /" | tee -a "$out/alloc_bench.txt"
+  done
+  cp "$out/alloc_bench-build.json" "$out/alloc_bench.json"
+else skipped alloc_bench; fi
 
 step "use hints: host time per Llama layer, one call per tensor vs one per layer"
-ZEROALLOC_DEVICE=cuda build/bench/hint_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
-  2>&1 | grep -E "median|Benchmark" | tee "$out/hint_bench.txt"
+skipped hint || ZEROALLOC_DEVICE=cuda build/bench/hint_bench --benchmark_repetitions=5 \
+  --benchmark_report_aggregates_only=true 2>&1 | grep -E "median|Benchmark" | tee "$out/hint_bench.txt"
 
 step "migration throughput: the migrator vs cudaMemcpyAsync"
-build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -7
+skipped migration || build/bench/migration_bench --gib 4 --rounds 5 2>&1 | tee "$out/migration.txt" | tail -7
 
 step "what a remap costs, idle and while copies run (Note [What a remap costs])"
-build/bench/remap_bench --chunks 16 2>&1 | tee "$out/remap.txt" | tail -12
+skipped remap || build/bench/remap_bench --chunks 16 2>&1 | tee "$out/remap.txt" | tail -12
 
-# GPU_CHECK_SKIP: names of steps to leave out, when their figures are recorded: torch_empty,
-# preload_overhead, demo (about 40 s), optimizer_step (about 60 s), llama (about 140 s). Everything together runs
-# about 10 minutes, the device tool's limit per command: skip some of them there.
-skip=" ${GPU_CHECK_SKIP:-} "
-step "torch.empty + del through zeroalloc vs native"
-[[ $skip == *" torch_empty "* ]] && echo skipped || python3 bench/python/torch_empty_bench.py --rounds 4 --library build/libzeroalloc.so 2>&1 | tee "$out/torch_empty.txt" | tail -12
+# Each tree's own bench script and package drive its own library (the C ABI may differ).
+step "torch.empty + del through zeroalloc vs native, this build${baseline:+ then the baseline}"
+if [[ -z $(skipped torch_empty) ]]; then
+  for tree in . ${baseline:+.baseline}; do
+    library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
+    echo "-- $tree"
+    (cd "$tree" && python3 bench/python/torch_empty_bench.py --rounds 4 --library "$library" 2>&1) \
+      | tee -a "$out/torch_empty.txt" | grep -v '^{' | tail -6
+  done
+else skipped torch_empty; fi
 
-step "training step time with libzeroalloc.so preloaded vs without"
-[[ $skip == *" preload_overhead "* ]] && echo skipped || python3 bench/python/preload_overhead_bench.py --library build/libzeroalloc.so --steps 200 2>&1 \
-  | tee "$out/preload_overhead.txt" | tail -2
+step "training step time with libzeroalloc.so preloaded vs without, this build${baseline:+ then the baseline}"
+if [[ -z $(skipped preload_overhead) ]]; then
+  for tree in . ${baseline:+.baseline}; do
+    library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
+    (cd "$tree" && python3 bench/python/preload_overhead_bench.py --library "$library" --steps 200 2>&1) \
+      | tee -a "$out/preload_overhead.txt" | grep "^step time" | sed "s|^|$tree  |"
+  done
+else skipped preload_overhead; fi
 
 step "training trace: zeroalloc vs PyTorch native, same trace"
-build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null
-build/demo/zeroalloc-demo --trace "$out/trace.txt" 2>&1 | tee "$out/demo.txt" | tail -12
-python3 bench/python/replay_trace_torch.py "$out/trace.txt" 2>&1 | tee "$out/replay_native.txt" | tail -1
-python3 bench/python/replay_trace_torch.py --expandable "$out/trace.txt" 2>&1 | tee "$out/replay_expandable.txt" | tail -1
+if [[ -z $(skipped trace) ]]; then
+  build/demo/zeroalloc-demo --emit-trace "$out/trace.txt" >/dev/null
+  build/demo/zeroalloc-demo --trace "$out/trace.txt" 2>&1 | tee "$out/demo.txt" | tail -12
+  python3 bench/python/replay_trace_torch.py "$out/trace.txt" 2>&1 | tee "$out/replay_native.txt" | tail -1
+  python3 bench/python/replay_trace_torch.py --expandable "$out/trace.txt" 2>&1 | tee "$out/replay_expandable.txt" | tail -1
+else skipped trace; fi
 
 step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
-ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q -s -rs tests/python \
-  >"$out/pytest.log" 2>&1 || status=1
-tail -8 "$out/pytest.log"
-echo "-- figures printed by the Python tests"
-grep -E "^(every-step offload|Trainer under|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
-  "$out/pytest.log" || true
+if [[ -z $(skipped pytest) ]]; then
+  ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout 540 python3 -m pytest -q -s -rs tests/python \
+    >"$out/pytest.log" 2>&1 || status=1
+  tail -8 "$out/pytest.log"
+  echo "-- figures printed by the Python tests"
+  grep -E "^(every-step offload|Trainer under|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
+    "$out/pytest.log" || true
+else skipped pytest; fi
 
 step "demo: a Llama-style model trained under a limit through offload, against the whole device"
-[[ $skip == *" demo "* ]] && echo skipped || { python3 demo/train_offload.py --library build/libzeroalloc.so \
+skipped demo || { python3 demo/train_offload.py --library build/libzeroalloc.so \
   --report "$out/train" 2>&1 | tee "$out/demo_train.txt" | tail -4; [[ ${PIPESTATUS[0]} == 0 ]] || status=1; }
 
 step "optimizer step placement: device, in place, bounce, zt.offload's step, migrate, CPU Adam"
-[[ $skip == *" optimizer_step "* ]] && echo skipped || python3 bench/python/optimizer_step_bench.py \
+skipped optimizer_step || python3 bench/python/optimizer_step_bench.py \
   --library build/libzeroalloc.so 2>&1 | tee "$out/optimizer_step.txt" | tail -13
 
 step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloadPolicy"
-[[ $skip == *" llama "* ]] && echo skipped || python3 bench/python/offload_llama_bench.py \
+skipped llama || python3 bench/python/offload_llama_bench.py \
   --library build/libzeroalloc.so --warmup 8 --steps 8 --overlap-bytes 0,2147483648 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
 step summary
@@ -87,9 +166,14 @@ out = pathlib.Path(sys.argv[1])
 rows = []
 try:
     bench = json.loads((out / "alloc_bench.json").read_text())
+    baseline_file = out / "alloc_bench-build-baseline.json"
+    baseline = {b["run_name"]: b for b in json.loads(baseline_file.read_text())["benchmarks"]
+                if b.get("aggregate_name") == "median"} if baseline_file.exists() else {}
     for b in bench["benchmarks"]:
         if b.get("aggregate_name") == "median":
-            rows.append((b["run_name"], f'{b["real_time"]:.1f} {b["time_unit"]}'))
+            old = baseline.get(b["run_name"])
+            rows.append((b["run_name"], f'{b["real_time"]:.1f} {b["time_unit"]}' +
+                         (f' (baseline {old["real_time"]:.1f})' if old else "")))
 except Exception as e:
     rows.append(("alloc bench", f"missing ({e})"))
 demo = (out / "demo.txt").read_text() if (out / "demo.txt").exists() else ""
@@ -101,12 +185,15 @@ for name in ("replay_native", "replay_expandable"):
         rows.append((f"trace ratio {name}", f'{json.loads(line)["ratio"]:.3f}'))
     except Exception as e:
         rows.append((f"trace ratio {name}", f"missing ({e})"))
+tree = "."
 for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_empty.txt").exists() else []:
+    if line.startswith("-- "):
+        tree = line[3:]
     if re.match(r"^\s*[0-9.]+ [KMG]?i?B ", line):
-        rows.append(("torch.empty+del", line.strip()))
+        rows.append((f"torch.empty+del {tree}", line.strip()))
 for line in (out / "preload_overhead.txt").read_text().splitlines() if (out / "preload_overhead.txt").exists() else []:
     if line.startswith("step time:"):
-        rows.append(("preload overhead", line[len("step time: "):]))
+        rows.append(("preload overhead", line[len("step time: "):]))  # this build, then the baseline
 for line in (out / "migration.txt").read_text().splitlines() if (out / "migration.txt").exists() else []:
     if re.match(r"^(device -> host|host -> device|both at once)", line):
         rows.append(("migration GB/s (ours, memcpy, ratio)", line.strip()))
@@ -118,7 +205,10 @@ for line in (out / "llama.txt").read_text().splitlines() if (out / "llama.txt").
         rows.append(("Llama 1.3B step s, tokens/s, vs native, vs fsdp2", line.strip()[:90]))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
-rows.append(("ctest", m.group(1) if m else "missing"))
+rows.append(("ctest -L gpu", m.group(1) if m else "missing"))
+doctor = (out / "doctor.txt").read_text() if (out / "doctor.txt").exists() else ""
+m = re.search(r"(\d+ checks: .*)", doctor)
+rows.append(("doctor after pip install", m.group(1) if m else "missing"))
 py = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
 m = re.findall(r"(\d+ (?:passed|failed|skipped)[^\n]*)", py)
 rows.append(("pytest tests/python", m[-1] if m else "missing"))

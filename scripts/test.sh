@@ -18,6 +18,8 @@ run_suite() {  # build-dir extra-cmake-args...
 
 echo "== tests on the simulated device (Release, as scripts/demo.sh builds)"
 run_suite build -DCMAKE_BUILD_TYPE=Release
+echo "== the wheel: built by pip, installed into a fresh environment, used with no variable set"
+tests/package/wheel_test.sh
 echo "== the Python package (tests needing PyTorch and a GPU skip themselves here)"
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest 2>/dev/null \
   || apt-get install -y -qq python3-pytest

@@ -1,6 +1,5 @@
 #include "capi/runtime.hpp"
 
-#include <numa.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -9,6 +8,7 @@
 #include <cstdlib>
 
 #include "core/errors.hpp"
+#include "core/host_memory.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
 
@@ -134,20 +134,6 @@ caching_allocator& runtime::allocator(int ordinal) {
              format_bytes(created->limit_bytes()));
   return *created;
 }
-
-namespace {
-
-// Memory of the host NUMA node `node` (libnuma), or of the whole host without NUMA.
-std::uint64_t host_node_bytes(int node) {
-  if (numa_available() >= 0 && node >= 0 && node <= numa_max_node()) {
-    const long long bytes = numa_node_size64(node, nullptr);
-    if (bytes > 0) return static_cast<std::uint64_t>(bytes);
-  }
-  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
-}  // namespace
 
 namespace {
 

@@ -79,7 +79,8 @@ def library_path() -> Path:
             return candidate
     raise ZeroallocError(
         "libzeroalloc.so was not found (looked at " + ", ".join(map(str, candidates)) +
-        "): build it (scripts/demo.sh builds build/libzeroalloc.so) or set ZEROALLOC_LIBRARY")
+        "): install the package with its library (`pip install .` in a clone of zeroalloc), "
+        "build it (scripts/demo.sh builds build/libzeroalloc.so) or set ZEROALLOC_LIBRARY")
 
 
 _loaded: ctypes.CDLL | None = None

@@ -1,0 +1,55 @@
+#include "core/host_memory.hpp"
+
+#include <dlfcn.h>
+#include <numa.h>
+#include <unistd.h>
+
+namespace zeroalloc {
+namespace {
+
+// Note [libnuma at run time]: libnuma is loaded when first needed, as the CUDA driver is,
+// not linked: its static archive cannot go into a shared library (it is not
+// position-independent), and a wheel that named libnuma.so.1 as a dependency would not load
+// on a machine without it. Without libnuma the host counts as one node. The table's types
+// come from numa.h, so a changed signature fails to compile.
+struct numa_functions {
+  decltype(&::numa_available) available = nullptr;
+  decltype(&::numa_max_node) max_node = nullptr;
+  decltype(&::numa_node_size64) node_size64 = nullptr;
+
+  [[nodiscard]] bool loaded() const {
+    return available != nullptr && max_node != nullptr && node_size64 != nullptr;
+  }
+};
+
+template <typename Function>
+void resolve(void* library, const char* name, Function& function) {
+  function = reinterpret_cast<Function>(::dlsym(library, name));
+}
+
+const numa_functions& numa() {
+  static const numa_functions functions = [] {
+    numa_functions found;
+    void* library = ::dlopen("libnuma.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) return found;  // kept loaded for the process's life otherwise
+    resolve(library, "numa_available", found.available);
+    resolve(library, "numa_max_node", found.max_node);
+    resolve(library, "numa_node_size64", found.node_size64);
+    return found;
+  }();
+  return functions;
+}
+
+}  // namespace
+
+std::uint64_t host_node_bytes(int node) {
+  const numa_functions& library = numa();
+  if (library.loaded() && library.available() >= 0 && node >= 0 && node <= library.max_node()) {
+    const long long bytes = library.node_size64(node, nullptr);
+    if (bytes > 0) return static_cast<std::uint64_t>(bytes);
+  }
+  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace zeroalloc
