@@ -174,7 +174,7 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
             homes = {id(v) for s in optimizer.state.values() for v in s.values()}
         if number >= 2:
             assert stepper.kept, "the last windows' states were not kept after the step"
-            kept = [e[0][e[1]] for e in stepper.kept]
+            kept = [e.state[e.key] for e in stepper.kept]
             assert all(id(t) not in homes for t in kept)  # scratch in the state dict
             assert zt._windowed_steps.kept_states
         if number == 6:  # state_dict writes the kept states back: their own tensors
@@ -189,7 +189,7 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
     figures = zt.step_figures(optimizer)
     assert figures["staged_windows"] >= 2 * 7 and figures["kept_windows"] >= 2 * 7, figures
     # What is pinned now: the kept states' own tensors; a forward writes them back.
-    assert engine.open() == sum(1 for e in stepper.kept if e[4])
+    assert engine.open() == sum(1 for e in stepper.kept if e.pinned)
     with torch.no_grad():
         model(data(1)[0][0][0])
         model(data(1)[0][0][0])  # the write-back's event is done: own tensors back

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import NamedTuple
 
 from zeroalloc.torch import _adoption, _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
@@ -133,18 +134,25 @@ def new_group(module, group_bytes: int, listeners: WindowedSteps, backward: Back
     return HintGroup(module, [module], False, listeners, backward) if managed(module) else None
 
 
-#: module -> (adoption count, the group it heads): kept off the module, which may be pickled;
-#: the groups hold their modules weakly, so a dropped model is freed.
+class HeadedGroup(NamedTuple):
+    """The group a module heads, as decided after a number of adoptions."""
+
+    adoptions: int
+    group: "HintGroup | None"
+
+
+#: module -> HeadedGroup: kept off the module, which may be pickled; the groups hold their
+#: modules weakly, so a dropped model is freed.
 groups_headed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def group_of(module, group_bytes: int, listeners: WindowedSteps, backward: BackwardUses):
     """new_group, decided once per module and adoption."""
     cached = groups_headed.get(module)
-    if cached is not None and cached[0] == _adoption.adoptions[0]:
-        return cached[1]
+    if cached is not None and cached.adoptions == _adoption.adoptions[0]:
+        return cached.group
     group = new_group(module, group_bytes, listeners, backward)
-    groups_headed[module] = (_adoption.adoptions[0], group)
+    groups_headed[module] = HeadedGroup(_adoption.adoptions[0], group)
     return group
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,12 +21,40 @@ from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._weak_methods import BoundWeakly, unbound
 
 
-def _remove(entries: list, entry) -> None:
-    """Removes `entry` by identity (== on entries would compare tensors)."""
-    for index, each in enumerate(entries):
-        if each is entry:
-            del entries[index]
-            return
+@dataclass(eq=False)  # compared by identity: == would compare the tensors
+class StateEntry:
+    """One optimizer state in a window of the step."""
+
+    __slots__ = ("state", "key", "home", "scratch", "pinned", "parameter", "version")
+    state: dict  # the parameter's state dict
+    key: str  # the state's key in it
+    home: "torch.Tensor"  # the state's own tensor, in the optimizer-state class
+    scratch: "torch.Tensor | None"  # its copy in a scratch buffer; None: stepped where it is
+    pinned: bool  # pinned where it is (use_in_place), not yet ended
+    parameter: "torch.Tensor"  # whose state it is
+    version: int  # the home's version counter when it was staged
+
+
+class StagedWindow(NamedTuple):
+    """A window whose states are pinned, and those bounced copied into scratch."""
+
+    entries: list  # of StateEntry
+    copied: "torch.cuda.Event | None"  # after the copies into scratch; None: none to copy
+
+
+class WindowPlaces(NamedTuple):
+    """Asked once for the next window to stage (a library call per state)."""
+
+    number: int  # the window's
+    places: dict  # id(state) -> its residency
+    scratch_bytes: int  # the scratch its bounced states take
+
+
+class CopyStreams(NamedTuple):
+    """A device's streams for copies into scratch and back."""
+
+    copy_in: "torch.cuda.Stream"
+    copy_out: "torch.cuda.Stream"
 
 
 def steps_by_param_groups(optimizer) -> bool:
@@ -142,7 +172,7 @@ def _scratch_size(tensor) -> int:
 
 def _copied_bytes(entries) -> int:
     """Scratch taken by the entries whose state is copied through it."""
-    return sum(_scratch_size(entry[2]) for entry in entries if entry[3] is not None)
+    return sum(_scratch_size(entry.home) for entry in entries if entry.scratch is not None)
 
 
 def _where(tensor) -> str:
@@ -160,9 +190,8 @@ def _bounced(tensor, places) -> bool:
 
 
 class WindowedStep:
-    """The windowed step of one optimizer and what it holds between steps. An entry is
-    [state dict, key, home tensor, scratch view or None, pinned, parameter, the home's
-    version counter when it was staged]."""
+    """The windowed step of one optimizer and what it holds between steps: the states of
+    its windows as StateEntry records."""
 
     def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
                  adopt=None, listeners: WindowedSteps = windowed_steps,
@@ -196,7 +225,7 @@ class WindowedStep:
                           "parameters of param_groups as torch.optim's optimizers do, so it "
                           "runs in one piece, not in windows: host-resident states are reached "
                           "where they are (slower)")
-        self.streams: dict = {}  # device index -> (copy in, copy out)
+        self.streams: dict = {}  # device index -> CopyStreams
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step
         # Scratch: window n uses slot n mod len(slots); free[slot]: its last write-back.
@@ -217,14 +246,14 @@ class WindowedStep:
         self.members = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.hinted = False  # a module hint since the last step
         # Held between steps.
-        self.staged: list = []  # (entries, copies done event or None) of windows 0, 1, ...
+        self.staged: list = []  # StagedWindow or None (nothing to copy) of windows 0, 1, ...
         self.staged_bytes = 0
         self.staging_stream = None
         self.staging_device = None
         self.limit_bytes = 0
         self.staging_done = False
         self.next_attempt = 0
-        self.next_window = None  # (number, residencies, scratch bytes) of the next to stage
+        self.next_window = None  # WindowPlaces of the next window to stage
         self.kept: list = []  # entries whose states stay in scratch after the step
         self.written = None  # event: the kept states' write-back is done
         self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
@@ -288,7 +317,8 @@ class WindowedStep:
 
     def streams_of(self, device):
         if device.index not in self.streams:
-            self.streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self.streams[device.index] = CopyStreams(torch.cuda.Stream(device),
+                                                     torch.cuda.Stream(device))
         return self.streams[device.index]
 
     def stage(self, window, slot: int, places, copy_in, main, held: list):
@@ -300,17 +330,18 @@ class WindowedStep:
         for parameter in window:
             state = self.optimizer.state.get(parameter, {})
             for key, home in self.items(parameter):
-                entries.append([state, key, home, None, places[id(home)] != "foreign",
-                                parameter, home._version])
-        pinned = [entry for entry in entries if entry[4]]
+                entries.append(StateEntry(state, key, home, None,
+                                          places[id(home)] != "foreign", parameter,
+                                          home._version))
+        pinned = [entry for entry in entries if entry.pinned]
         held.extend(entries)
         if pinned:
-            _offload.use_in_place_many(_use_hints.pointers(entry[2] for entry in pinned),
+            _offload.use_in_place_many(_use_hints.pointers(entry.home for entry in pinned),
                                        copy_in.cuda_stream)
-        bounced = [entry for entry in pinned if _bounced(entry[2], places)]
+        bounced = [entry for entry in pinned if _bounced(entry.home, places)]
         if not bounced:
-            return entries, None
-        need = sum(_scratch_size(entry[2]) for entry in bounced)
+            return StagedWindow(entries, None)
+        need = sum(_scratch_size(entry.home) for entry in bounced)
         while len(self.slots) <= slot:
             self.slots.append(None)
             self.free.append(None)
@@ -325,18 +356,18 @@ class WindowedStep:
             copy_in.wait_stream(main)  # the memory may be what main's last kernels used
         offset = 0
         for entry in bounced:
-            home = entry[2]
+            home = entry.home
             nbytes = home.numel() * home.element_size()
-            entry[3] = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
+            entry.scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
             offset += _padded(nbytes)
         if self.free[slot] is not None:
             copy_in.wait_event(self.free[slot])  # the slot's last step and write-back
         with torch.cuda.stream(copy_in):
             for entry in bounced:
-                entry[3].copy_(entry[2], non_blocking=True)
+                entry.scratch.copy_(entry.home, non_blocking=True)
         done = torch.cuda.Event()
         done.record(copy_in)
-        return entries, done
+        return StagedWindow(entries, done)
 
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
     def module_hint(self, own: list, forward: bool) -> None:
@@ -396,12 +427,12 @@ class WindowedStep:
         elif self.staging_stream != main:
             self.staging_done = True
             return
-        if self.next_window is None or self.next_window[0] != number:
+        if self.next_window is None or self.next_window.number != number:
             # Asked once per window (a library call per state), not on every attempt.
             places = {id(value): _where(value) for parameter in window
                       for _, value in self.items(parameter)}
-            self.next_window = (number, places, self.scratch_bytes(window, places))
-        _, places, need = self.next_window
+            self.next_window = WindowPlaces(number, places, self.scratch_bytes(window, places))
+        places, need = self.next_window.places, self.next_window.scratch_bytes
         if not need:  # nothing to copy: the step pins it, no earlier
             self.staged.append(None)
             self.next_window = None
@@ -433,9 +464,9 @@ class WindowedStep:
         self.figures["staged_bytes"] += need
 
     def end_uses(self, entries, stream) -> None:
-        pinned = [entry for entry in entries if entry[4]]
+        pinned = [entry for entry in entries if entry.pinned]
         if pinned:
-            _offload.use_ends_many(_use_hints.pointers(entry[2] for entry in pinned),
+            _offload.use_ends_many(_use_hints.pointers(entry.home for entry in pinned),
                                    stream.cuda_stream)
 
     def drop_staged(self) -> None:
@@ -444,10 +475,10 @@ class WindowedStep:
         self.staging_stream = None
         if self.staging_device is None:
             return
-        copy_in = self.streams_of(self.staging_device)[0]
+        copy_in = self.streams_of(self.staging_device).copy_in
         for each in staged:
             if each is not None:
-                self.end_uses(each[0], copy_in)
+                self.end_uses(each.entries, copy_in)
         for buffer in self.slots:
             if buffer is not None:
                 buffer.record_stream(copy_in)
@@ -465,15 +496,15 @@ class WindowedStep:
                 break
             if each is None:
                 continue
-            entries = each[0]
+            entries = each.entries
             window, planned = found[number], self.plan[number]
             # Same parameters, same state tensors, none written since it was staged.
             valid = (len(window) == len(planned)
                      and all(a is b for a, b in zip(window, planned))
                      and len(entries) == sum(len(self.items(p)) for p in window)
-                     and all(self.optimizer.state.get(entry[5]) is entry[0]
-                             and entry[0].get(entry[1]) is entry[2]
-                             and entry[2]._version == entry[6] for entry in entries))
+                     and all(self.optimizer.state.get(entry.parameter) is entry.state
+                             and entry.state.get(entry.key) is entry.home
+                             and entry.home._version == entry.version for entry in entries))
         if not valid:
             self.drop_staged()
             return []
@@ -488,20 +519,20 @@ class WindowedStep:
         dicts. `wait`: the current stream waits for it, so they are back now."""
         if not self.kept:
             return
-        device = self.kept[0][2].device
+        device = self.kept[0].home.device
         main = torch.cuda.current_stream(device)
         if self.written is None:
-            copy_out = self.streams_of(device)[1]
+            copy_out = self.streams_of(device).copy_out
             copy_out.wait_stream(main)
             with torch.cuda.stream(copy_out):
                 for entry in self.kept:
-                    state, key, home, parameter = entry[0], entry[1], entry[2], entry[5]
+                    state, key, home = entry.state, entry.key, entry.home
                     current = state.get(key)
-                    entry[3] = current
-                    if (self.optimizer.state.get(parameter) is not state
+                    entry.scratch = current
+                    if (self.optimizer.state.get(entry.parameter) is not state
                             or not torch.is_tensor(current) or current.shape != home.shape
                             or current.device != home.device or current.dtype != home.dtype):
-                        entry[3] = None  # replaced (load_state_dict): nothing to write back
+                        entry.scratch = None  # replaced (load_state_dict): nothing to write back
                         continue
                     if current is not home:
                         home.copy_(current, non_blocking=True)
@@ -511,7 +542,7 @@ class WindowedStep:
             self.written.record(copy_out)
             self.listeners.writing_back.add(self)
             for entry in self.kept:  # the stream's own memory from here: no more pins
-                entry[4] = False
+                entry.pinned = False
         if wait:
             main.wait_event(self.written)
         elif not self.written.query():
@@ -519,9 +550,8 @@ class WindowedStep:
         else:
             self.figures["written_back_during_forward"] += 1
         for entry in self.kept:
-            state, key, home, copied = entry[0], entry[1], entry[2], entry[3]
-            if copied is not None and state.get(key) is copied:
-                state[key] = home
+            if entry.scratch is not None and entry.state.get(entry.key) is entry.scratch:
+                entry.state[entry.key] = entry.home
         kept_states = self.listeners.kept_states
         for registered in [key for key, owner in kept_states.items() if owner is self]:
             del kept_states[registered]
@@ -530,11 +560,11 @@ class WindowedStep:
 
     def repin(self) -> None:
         """After a step boundary (which closes every use): pins again what this step holds."""
-        held = [entry for entry in self.kept if entry[4]]
-        held += [entry for each in self.staged if each is not None for entry in each[0]
-                 if entry[4]]
+        held = [entry for entry in self.kept if entry.pinned]
+        held += [entry for each in self.staged if each is not None for entry in each.entries
+                 if entry.pinned]
         if held:
-            _use_hints.hint(_offload.use_in_place_many, [entry[2] for entry in held], 0)
+            _use_hints.hint(_offload.use_in_place_many, [entry.home for entry in held], 0)
 
     def settle(self) -> None:
         """Writes back what was kept and drops what was staged (load_state_dict, remove())."""
@@ -597,7 +627,7 @@ class WindowedStep:
         while first > 0 and len(found) - first < max(3, len(staged) + 2):
             number = first - 1
             if number < len(staged) and staged[number] is not None:
-                bounced = any(e[3] is not None for e in staged[number][0])
+                bounced = any(e.scratch is not None for e in staged[number].entries)
             else:
                 bounced = self.scratch_bytes(found[number], places) > 0
             cost = self.slot_bytes if bounced else 0  # a kept window holds its slot's buffer
@@ -654,7 +684,7 @@ class WindowedStep:
                 staged = self.take_staged(found, main)
                 for each in staged:
                     if each is not None:
-                        held.extend(each[0])
+                        held.extend(each.entries)
                 # Each state's residency, asked once (a call into the library each). A state
                 # the engine moves before its window is pinned is still stepped correctly:
                 # in place if it left the device, through a redundant copy if it came back.
@@ -662,7 +692,7 @@ class WindowedStep:
                             if number >= len(staged) or staged[number] is None]
                 places = {id(value): _where(value) for window in unstaged
                           for parameter in window for _, value in self.items(parameter)}
-                sizes = [_copied_bytes(each[0]) for each in staged if each is not None]
+                sizes = [_copied_bytes(each.entries) for each in staged if each is not None]
                 sizes += [self.scratch_bytes(window, places) for window in unstaged]
                 self.slot_bytes = max(sizes)
                 keep_from = self.keep_from(found, staged, places)
@@ -689,8 +719,8 @@ class WindowedStep:
                     if ready[number] is not None:
                         main.wait_event(ready[number])
                     for entry in entries:
-                        if entry[3] is not None:
-                            entry[0][entry[1]] = entry[3]
+                        if entry.scratch is not None:
+                            entry.state[entry.key] = entry.scratch
                             swapped.append(entry)
                     chosen = {id(p) for p in window}
                     fresh = [p for p in window if not self.items(p)]
@@ -708,14 +738,16 @@ class WindowedStep:
                     if keep:
                         self.figures["kept_windows"] += 1
                         self.figures["kept_bytes"] += _copied_bytes(entries)
-                    ending = [e for e in entries if e[4] and not (keep and e[3] is not None)]
+                    ending = [e for e in entries
+                              if e.pinned and not (keep and e.scratch is not None)]
                     copy_out.wait_stream(main)
                     with torch.cuda.stream(copy_out):
                         for entry in entries:
-                            state, key, home, scratch = entry[:4]
+                            state, key, home, scratch = (entry.state, entry.key, entry.home,
+                                                         entry.scratch)
                             if scratch is None:
                                 continue
-                            _remove(swapped, entry)
+                            swapped.remove(entry)  # by identity (eq=False)
                             if keep:
                                 kept.append(entry)
                                 continue
@@ -727,7 +759,7 @@ class WindowedStep:
                         # Every end on copy_out, which follows main: the chunk's fence
                         # covers both the step and the write-back.
                         if ending:
-                            _offload.use_ends_many(_use_hints.pointers(e[2] for e in ending),
+                            _offload.use_ends_many(_use_hints.pointers(e.home for e in ending),
                                                    copy_out.cuda_stream)
                         done_ids = {id(e) for e in entries}
                         held[:] = [e for e in held if id(e) not in done_ids]
@@ -740,16 +772,18 @@ class WindowedStep:
             succeeded = True
         finally:
             for entry in swapped:  # a window failed: its states stay as they were
-                entry[0][entry[1]] = entry[2]
+                entry.state[entry.key] = entry.home
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = params
             fence, wait_error = 0, None
             if copies is not None:
-                main = torch.cuda.current_stream(copies[0].device)
+                main = torch.cuda.current_stream(copies.copy_in.device)
                 fence = main.cuda_stream
                 try:
-                    main.wait_stream(copies[0])  # the scratch is freed in main's order after
-                    main.wait_stream(copies[1])  # every copy; later reads see the write-backs
+                    # The scratch is freed in main's order after every copy; later reads see
+                    # the write-backs.
+                    main.wait_stream(copies.copy_in)
+                    main.wait_stream(copies.copy_out)
                 except Exception as error:  # a device error; a failed step's own error wins
                     wait_error = error
             self.kept.extend(kept)  # empty, unless writing back the last step's failed
@@ -760,7 +794,7 @@ class WindowedStep:
                     wait_error = wait_error or error
             # Pinned by a window that failed or never ran.
             _offload.use_ends_many(
-                _use_hints.pointers(entry[2] for entry in held if entry[4]), fence)
+                _use_hints.pointers(entry.home for entry in held if entry.pinned), fence)
             if begun is not None:
                 _use_hints.end(begun, fence)
             self.slots, self.free, self.retired = [], [], []
@@ -773,7 +807,7 @@ class WindowedStep:
         self.backward.forget_all()
         self.listeners.repin()
         for entry in self.kept:
-            self.listeners.kept_states[id(entry[0].get(entry[1]))] = self
+            self.listeners.kept_states[id(entry.state.get(entry.key))] = self
         _module_hints.forget_open_forwards()
         # Learned for the next step.
         self.figures["steps"] += 1

@@ -39,8 +39,7 @@ def home_of(tensor):
     if stepper is None:
         return tensor
     for entry in stepper.kept:
-        if entry[0].get(entry[1]) is tensor:
-            home = entry[2]
+        if entry.state.get(entry.key) is tensor:
             stepper.write_back_kept(wait=True)
-            return home
+            return entry.home
     return tensor
