@@ -50,6 +50,30 @@ class WindowPlaces(NamedTuple):
     scratch_bytes: int  # the scratch its bounced states take
 
 
+class StepScratch(NamedTuple):
+    """How one step uses its scratch (Note [Windows and buffers])."""
+
+    places: dict  # id(state) -> its residency, for the states the backward did not stage
+    keep_from: int  # the first of the last windows whose states stay in scratch after it
+    slot_count: int  # buffers: window n uses slot n mod slot_count
+    queued: list  # per window: its StagedWindow once staged, else None
+
+
+class StepRun:
+    """What one step holds while it runs: what it puts back or ends when a window fails."""
+
+    __slots__ = ("saved", "windows", "copies", "held", "swapped", "kept", "begun")
+
+    def __init__(self, saved: list):
+        self.saved = saved  # each param group's parameters, before any window narrowed them
+        self.windows: list = []  # the windows stepped; none when it steps in one piece
+        self.copies: "CopyStreams | None" = None  # the device's, once windows step
+        self.held: list = []  # entries pinned and not yet ended
+        self.swapped: list = []  # entries whose scratch is in the state dict now
+        self.kept: list = []  # entries of the last windows, kept in scratch (succeeded only)
+        self.begun = None  # the window whose parameters' use is open
+
+
 class CopyStreams(NamedTuple):
     """A device's streams for copies into scratch and back."""
 
@@ -638,181 +662,226 @@ class WindowedStep:
         return first
 
     def step(self, closure=None, **kwargs):
-        optimizer = self.optimizer
+        """The optimizer's step: in windows (plan_windows, prepare_scratch, step_windows), or
+        in one piece; then the step boundary, and what the next step learns from this one."""
+        self.adopt_late_parameters()
         loss = None
-        if self.adopt is not None:
-            late = [p for group in optimizer.param_groups for p in group["params"]
-                    if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
-            if late:
-                hooked: list = []
-                self.late_hooks += self.adopt(late, hooked)
-                self.late_hooked += [(weakref.ref(parameter), mark) for parameter, mark in hooked]
         if closure is not None and self.by_groups:  # evaluated once, then the windows step
             with torch.enable_grad():
                 loss = closure()
         self.cache = {}
-        saved = [group["params"] for group in optimizer.param_groups]
-        held: list = []  # entries pinned and not yet ended
-        swapped: list = []  # entries whose scratch is in the state dict now
-        kept: list = []  # entries of the last windows, kept in scratch (succeeded only)
-        begun = None  # the window whose parameters' use is open
-        copies = None
+        run = StepRun([group["params"] for group in self.optimizer.param_groups])
         succeeded = False
-        found: list = []
         try:
             self.write_back_kept(wait=True)
-            found = self.windows(saved) if self.by_groups else []
-            devices = {p.device for window in found for p in window}
-            if len(devices) > 1 and not self.warned:
-                self.warned = True
-                warnings.warn("zeroalloc: the optimizer's parameters span several devices "
-                              f"({sorted(str(d) for d in devices)}); its step runs in one "
-                              "piece, reaching host-resident states where they are (slower)")
-            # Parameters in host memory (CPU master weights, a small side model): nothing
-            # there is paged, and CUDA streams do not exist for them.
-            if not found or len(devices) > 1 or not on_gpu(next(iter(devices))):
-                found = []  # nothing to stage for the next step either
+            run.windows = self.plan_windows(run.saved)
+            if run.windows:
+                self.step_windows(run, kwargs)
+            else:  # nothing to stage for the next step either
                 self.drop_staged()
-                result = self.step_in_one_piece(saved, closure, kwargs)
+                result = self.step_in_one_piece(run.saved, closure, kwargs)
                 loss = result if result is not None else loss
-            else:
-                device = found[0][0].device
-                copies = self.streams_of(device)
-                copy_in, copy_out = copies
-                main = torch.cuda.current_stream(device)
-                # Windows the backward staged (None: one with nothing to copy, left to now).
-                staged = self.take_staged(found, main)
-                for each in staged:
-                    if each is not None:
-                        held.extend(each.entries)
-                # Each state's residency, asked once (a call into the library each). A state
-                # the engine moves before its window is pinned is still stepped correctly:
-                # in place if it left the device, through a redundant copy if it came back.
-                unstaged = [window for number, window in enumerate(found)
-                            if number >= len(staged) or staged[number] is None]
-                places = {id(value): _where(value) for window in unstaged
-                          for parameter in window for _, value in self.items(parameter)}
-                sizes = [_copied_bytes(each.entries) for each in staged if each is not None]
-                sizes += [self.scratch_bytes(window, places) for window in unstaged]
-                self.slot_bytes = max(sizes)
-                keep_from = self.keep_from(found, staged, places)
-                count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
-                while len(self.slots) < count:
-                    self.slots.append(None)
-                    self.free.append(None)
-                copy_in.wait_stream(main)  # the scratch is allocated in main's order
-                copy_in.wait_stream(copy_out)  # and the last step's write-backs
-                # Per window: its entries and copies' event, staged up to count ahead.
-                queued = [None] * len(found)
-                ready = [None] * len(found)
-                for number, each in enumerate(staged):
-                    if each is not None:
-                        queued[number], ready[number] = each
-                cursor = 0  # the next window that may need staging
-                for number, window in enumerate(found):
-                    while cursor < len(found) and cursor < number + count:
-                        if queued[cursor] is None:
-                            queued[cursor], ready[cursor] = self.stage(
-                                found[cursor], cursor % count, places, copy_in, main, held)
-                        cursor += 1
-                    entries = queued[number]
-                    if ready[number] is not None:
-                        main.wait_event(ready[number])
-                    for entry in entries:
-                        if entry.scratch is not None:
-                            entry.state[entry.key] = entry.scratch
-                            swapped.append(entry)
-                    chosen = {id(p) for p in window}
-                    fresh = [p for p in window if not self.items(p)]
-                    _use_hints.begin(window, main.cuda_stream)
-                    begun = window
-                    for group, params in zip(optimizer.param_groups, saved):
-                        group["params"] = [p for p in params if id(p) in chosen]
-                    # Temporaries of the step (foreach intermediates) go with activations.
-                    with _stats.allocation_class("other"):
-                        self.original_step(**kwargs)
-                    _use_hints.end(window, main.cuda_stream)
-                    begun = None
-                    self.forget(window)  # the optimizer may have created or replaced states
-                    keep = number >= keep_from
-                    if keep:
-                        self.figures["kept_windows"] += 1
-                        self.figures["kept_bytes"] += _copied_bytes(entries)
-                    ending = [e for e in entries
-                              if e.pinned and not (keep and e.scratch is not None)]
-                    copy_out.wait_stream(main)
-                    with torch.cuda.stream(copy_out):
-                        for entry in entries:
-                            state, key, home, scratch = (entry.state, entry.key, entry.home,
-                                                         entry.scratch)
-                            if scratch is None:
-                                continue
-                            swapped.remove(entry)  # by identity (eq=False)
-                            if keep:
-                                kept.append(entry)
-                                continue
-                            current = state[key]
-                            home.copy_(current, non_blocking=True)
-                            if current is not scratch:  # the optimizer replaced it
-                                current.record_stream(copy_out)
-                            state[key] = home
-                        # Every end on copy_out, which follows main: the chunk's fence
-                        # covers both the step and the write-back.
-                        if ending:
-                            _offload.use_ends_many(_use_hints.pointers(e.home for e in ending),
-                                                   copy_out.cuda_stream)
-                        done_ids = {id(e) for e in entries}
-                        held[:] = [e for e in held if id(e) not in done_ids]
-                        if not keep:
-                            slot = number % count
-                            self.free[slot] = torch.cuda.Event()
-                            self.free[slot].record(copy_out)
-                    self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
-                    self.forget(fresh)
             succeeded = True
         finally:
-            for entry in swapped:  # a window failed: its states stay as they were
+            self.finish(run, succeeded)
+        self.pass_boundary()
+        self.learn_from(run)
+        return loss
+
+    def adopt_late_parameters(self) -> None:
+        """Hooks for the parameters that need them since offload() (see `adopt`)."""
+        if self.adopt is None:
+            return
+        late = [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
+        if late:
+            hooked: list = []
+            self.late_hooks += self.adopt(late, hooked)
+            self.late_hooked += [(weakref.ref(parameter), mark) for parameter, mark in hooked]
+
+    def plan_windows(self, groups) -> list:
+        """The windows of this step, or none when it steps in one piece: a step that does not
+        follow param_groups, parameters that span several devices, or parameters in host
+        memory (CPU master weights, a small side model: nothing there is paged, and CUDA
+        streams do not exist for them)."""
+        found = self.windows(groups) if self.by_groups else []
+        devices = {p.device for window in found for p in window}
+        if len(devices) > 1 and not self.warned:
+            self.warned = True
+            warnings.warn("zeroalloc: the optimizer's parameters span several devices "
+                          f"({sorted(str(d) for d in devices)}); its step runs in one "
+                          "piece, reaching host-resident states where they are (slower)")
+        if not found or len(devices) > 1 or not on_gpu(next(iter(devices))):
+            return []
+        return found
+
+    def prepare_scratch(self, run: "StepRun", main) -> "StepScratch":
+        """Takes what the backward staged, asks the other states where they are, sizes the
+        scratch slots, and chooses the last windows that stay in scratch after the step."""
+        found = run.windows
+        # Windows the backward staged (None: one with nothing to copy, left to now).
+        staged = self.take_staged(found, main)
+        for each in staged:
+            if each is not None:
+                run.held.extend(each.entries)
+        # Each state's residency, asked once (a call into the library each). A state the
+        # engine moves before its window is pinned is still stepped correctly: in place if it
+        # left the device, through a redundant copy if it came back.
+        unstaged = [window for number, window in enumerate(found)
+                    if number >= len(staged) or staged[number] is None]
+        places = {id(value): _where(value) for window in unstaged
+                  for parameter in window for _, value in self.items(parameter)}
+        sizes = [_copied_bytes(each.entries) for each in staged if each is not None]
+        sizes += [self.scratch_bytes(window, places) for window in unstaged]
+        self.slot_bytes = max(sizes)
+        keep_from = self.keep_from(found, staged, places)
+        slot_count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
+        while len(self.slots) < slot_count:
+            self.slots.append(None)
+            self.free.append(None)
+        run.copies.copy_in.wait_stream(main)  # the scratch is allocated in main's order
+        run.copies.copy_in.wait_stream(run.copies.copy_out)  # and the last step's write-backs
+        queued = [None] * len(found)
+        for number, each in enumerate(staged):
+            queued[number] = each
+        return StepScratch(places, keep_from, slot_count, queued)
+
+    def step_windows(self, run: "StepRun", kwargs) -> None:
+        """Steps the windows in order: each window's states staged up to slot_count windows
+        ahead (Note [Windows and buffers]), stepped, and written back or kept."""
+        device = run.windows[0][0].device
+        run.copies = self.streams_of(device)
+        main = torch.cuda.current_stream(device)
+        scratch = self.prepare_scratch(run, main)
+        cursor = 0  # the next window that may need staging
+        for number, window in enumerate(run.windows):
+            while cursor < len(run.windows) and cursor < number + scratch.slot_count:
+                if scratch.queued[cursor] is None:
+                    scratch.queued[cursor] = self.stage(
+                        run.windows[cursor], cursor % scratch.slot_count, scratch.places,
+                        run.copies.copy_in, main, run.held)
+                cursor += 1
+            entries = scratch.queued[number].entries
+            fresh = self.step_window(run, window, scratch.queued[number], main, kwargs)
+            self.write_back_window(run, entries, number >= scratch.keep_from,
+                                   number % scratch.slot_count, main)
+            self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
+            self.forget(fresh)
+
+    def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
+                    kwargs) -> list:
+        """Steps one window with the optimizer's own step: its bounced states' scratch in
+        the state dict, its parameters alone in param_groups, their use hinted. Returns its
+        parameters that had no states (the step may have created them)."""
+        if staged.copied is not None:
+            main.wait_event(staged.copied)
+        for entry in staged.entries:
+            if entry.scratch is not None:
+                entry.state[entry.key] = entry.scratch
+                run.swapped.append(entry)
+        chosen = {id(p) for p in window}
+        fresh = [p for p in window if not self.items(p)]
+        _use_hints.begin(window, main.cuda_stream)
+        run.begun = window
+        for group, params in zip(self.optimizer.param_groups, run.saved):
+            group["params"] = [p for p in params if id(p) in chosen]
+        # Temporaries of the step (foreach intermediates) go with activations.
+        with _stats.allocation_class("other"):
+            self.original_step(**kwargs)
+        _use_hints.end(window, main.cuda_stream)
+        run.begun = None
+        self.forget(window)  # the optimizer may have created or replaced states
+        return fresh
+
+    def write_back_window(self, run: "StepRun", entries: list, keep: bool, slot: int,
+                          main) -> None:
+        """After a window's step, on the copy-out stream: its bounced states are copied home
+        and the homes put back in the state dict, or, in the last windows (`keep`), stay in
+        scratch (Note [Overlapping the step]); its pins end, and its slot is free for the
+        window after next once the copies are done."""
+        copy_out = run.copies.copy_out
+        if keep:
+            self.figures["kept_windows"] += 1
+            self.figures["kept_bytes"] += _copied_bytes(entries)
+        ending = [e for e in entries if e.pinned and not (keep and e.scratch is not None)]
+        copy_out.wait_stream(main)
+        with torch.cuda.stream(copy_out):
+            for entry in entries:
+                if entry.scratch is None:
+                    continue
+                run.swapped.remove(entry)  # by identity (eq=False)
+                if keep:
+                    run.kept.append(entry)
+                    continue
+                current = entry.state[entry.key]
+                entry.home.copy_(current, non_blocking=True)
+                if current is not entry.scratch:  # the optimizer replaced it
+                    current.record_stream(copy_out)
                 entry.state[entry.key] = entry.home
-            for group, params in zip(optimizer.param_groups, saved):
-                group["params"] = params
-            fence, wait_error = 0, None
-            if copies is not None:
-                main = torch.cuda.current_stream(copies.copy_in.device)
-                fence = main.cuda_stream
-                try:
-                    # The scratch is freed in main's order after every copy; later reads see
-                    # the write-backs.
-                    main.wait_stream(copies.copy_in)
-                    main.wait_stream(copies.copy_out)
-                except Exception as error:  # a device error; a failed step's own error wins
-                    wait_error = error
-            self.kept.extend(kept)  # empty, unless writing back the last step's failed
-            if not succeeded and kept:
-                try:  # stepped: written back now
-                    self.write_back_kept(wait=True)
-                except Exception as error:  # noqa: BLE001
-                    wait_error = wait_error or error
-            # Pinned by a window that failed or never ran.
-            _offload.use_ends_many(
-                _use_hints.pointers(entry.home for entry in held if entry.pinned), fence)
-            if begun is not None:
-                _use_hints.end(begun, fence)
-            self.slots, self.free, self.retired = [], [], []
-            self.cache = None
-            if wait_error is not None and succeeded:
-                raise wait_error
+            # Every end on copy_out, which follows main: the chunk's fence covers both the
+            # step and the write-back.
+            if ending:
+                _offload.use_ends_many(_use_hints.pointers(e.home for e in ending),
+                                       copy_out.cuda_stream)
+            done_ids = {id(e) for e in entries}
+            run.held[:] = [e for e in run.held if id(e) not in done_ids]
+            if not keep:
+                self.free[slot] = torch.cuda.Event()
+                self.free[slot].record(copy_out)
+
+    def finish(self, run: "StepRun", succeeded: bool) -> None:
+        """Also when a window failed: its states stay as they were, param_groups are put
+        back, the main stream waits for every copy, and every pin and use still open ends.
+        Raises a device error met while waiting only when the step itself succeeded."""
+        for entry in run.swapped:  # a window failed: its states stay as they were
+            entry.state[entry.key] = entry.home
+        for group, params in zip(self.optimizer.param_groups, run.saved):
+            group["params"] = params
+        fence, wait_error = 0, None
+        if run.copies is not None:
+            main = torch.cuda.current_stream(run.copies.copy_in.device)
+            fence = main.cuda_stream
+            try:
+                # The scratch is freed in main's order after every copy; later reads see the
+                # write-backs.
+                main.wait_stream(run.copies.copy_in)
+                main.wait_stream(run.copies.copy_out)
+            except Exception as error:  # a device error; a failed step's own error wins
+                wait_error = error
+        self.kept.extend(run.kept)  # empty, unless writing back the last step's failed
+        if not succeeded and run.kept:
+            try:  # stepped: written back now
+                self.write_back_kept(wait=True)
+            except Exception as error:  # noqa: BLE001
+                wait_error = wait_error or error
+        # Pinned by a window that failed or never ran.
+        _offload.use_ends_many(
+            _use_hints.pointers(entry.home for entry in run.held if entry.pinned), fence)
+        if run.begun is not None:
+            _use_hints.end(run.begun, fence)
+        self.slots, self.free, self.retired = [], [], []
+        self.cache = None
+        if wait_error is not None and succeeded:
+            raise wait_error
+
+    def pass_boundary(self) -> None:
+        """The step boundary, which closes every use: what the windowed steps hold between
+        steps is pinned again, and the hooks forget what they began."""
         _offload.step_boundary()
-        # The boundary closed every use; a backward that raised never ran the callback that
-        # forgets what it began (and holds those parameters).
+        # A backward that raised never ran the callback that forgets what it began (and
+        # holds those parameters).
         self.backward.forget_all()
         self.listeners.repin()
         for entry in self.kept:
             self.listeners.kept_states[id(entry.state.get(entry.key))] = self
         _module_hints.forget_open_forwards()
-        # Learned for the next step.
+
+    def learn_from(self, run: "StepRun") -> None:
+        """What the next step and the staging before it learn from this step (Note
+        [Overlapping the step])."""
         self.figures["steps"] += 1
-        self.members = {id(p) for params in saved for p in params}
-        self.plan = found
+        self.members = {id(p) for params in run.saved for p in params}
+        self.plan = run.windows
         self.plan_bytes = self.slot_bytes
         self.per_step, self.last_backward = self.accumulations, self.in_backward
         self.accumulations = self.in_backward = 0
@@ -821,7 +890,6 @@ class WindowedStep:
         self.staging_done = False
         self.next_attempt = 0
         self.next_window = None
-        return loss
 
 
 def step_figures(optimizer) -> dict:
