@@ -14,8 +14,9 @@ One concept per module:
   ``_adoption`` (parameters, gradients and states moved into their allocation classes),
   ``_module_hints`` and ``_backward_uses`` (the hooks that send use hints through
   ``_use_hints`` and tell the windowed steps, ``_step_listeners``, how the loop goes),
-  ``_optimizer_step`` (the optimizer's step in windows) and ``_state_dict`` (its state_dict
-  and load_state_dict), wrapped without a cycle by ``_weak_methods``;
+  ``_optimizer_step`` (the optimizer's step in windows, over ``_step_records``) and
+  ``_state_dict`` (its state_dict and load_state_dict), wrapped without a cycle by
+  ``_weak_methods``;
 - ``_settings``: the library's settings these read.
 """
 

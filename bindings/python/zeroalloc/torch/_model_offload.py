@@ -38,8 +38,7 @@ class OffloadHandle:
             optimizer = self._optimizer
             stepper = getattr(optimizer, "_zeroalloc_stepper", None)
             if stepper is not None:  # states it kept or staged go home first
-                stepper.settle()
-                stepper.listeners.overlapping.discard(stepper)
+                stepper.detach()
                 for hook in stepper.late_hooks:
                     hook.remove()
                 _unmark_hooked(stepper.late_hooked)

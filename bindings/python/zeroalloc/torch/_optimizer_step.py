@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -18,67 +16,10 @@ from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
+from zeroalloc.torch._step_records import (
+    CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
+    is_bounced, padded, residency_or_foreign, scratch_size)
 from zeroalloc.torch._weak_methods import BoundWeakly, unbound
-
-
-@dataclass(eq=False)  # compared by identity: == would compare the tensors
-class StateEntry:
-    """One optimizer state in a window of the step."""
-
-    __slots__ = ("state", "key", "home", "scratch", "pinned", "parameter", "version")
-    state: dict  # the parameter's state dict
-    key: str  # the state's key in it
-    home: "torch.Tensor"  # the state's own tensor, in the optimizer-state class
-    scratch: "torch.Tensor | None"  # its copy in a scratch buffer; None: stepped where it is
-    pinned: bool  # pinned where it is (use_in_place), not yet ended
-    parameter: "torch.Tensor"  # whose state it is
-    version: int  # the home's version counter when it was staged
-
-
-class StagedWindow(NamedTuple):
-    """A window whose states are pinned, and those bounced copied into scratch."""
-
-    entries: list  # of StateEntry
-    copied: "torch.cuda.Event | None"  # after the copies into scratch; None: none to copy
-
-
-class WindowPlaces(NamedTuple):
-    """Asked once for the next window to stage (a library call per state)."""
-
-    number: int  # the window's
-    places: dict  # id(state) -> its residency
-    scratch_bytes: int  # the scratch its bounced states take
-
-
-class StepScratch(NamedTuple):
-    """How one step uses its scratch (Note [Windows and buffers])."""
-
-    places: dict  # id(state) -> its residency, for the states the backward did not stage
-    keep_from: int  # the first of the last windows whose states stay in scratch after it
-    slot_count: int  # buffers: window n uses slot n mod slot_count
-    queued: list  # per window: its StagedWindow once staged, else None
-
-
-class StepRun:
-    """What one step holds while it runs: what it puts back or ends when a window fails."""
-
-    __slots__ = ("saved", "windows", "copies", "held", "swapped", "kept", "begun")
-
-    def __init__(self, saved: list):
-        self.saved = saved  # each param group's parameters, before any window narrowed them
-        self.windows: list = []  # the windows stepped; none when it steps in one piece
-        self.copies: "CopyStreams | None" = None  # the device's, once windows step
-        self.held: list = []  # entries pinned and not yet ended
-        self.swapped: list = []  # entries whose scratch is in the state dict now
-        self.kept: list = []  # entries of the last windows, kept in scratch (succeeded only)
-        self.begun = None  # the window whose parameters' use is open
-
-
-class CopyStreams(NamedTuple):
-    """A device's streams for copies into scratch and back."""
-
-    copy_in: "torch.cuda.Stream"
-    copy_out: "torch.cuda.Stream"
 
 
 def steps_by_param_groups(optimizer) -> bool:
@@ -183,34 +124,6 @@ STAGE_RETRY = 4  # accumulations to wait after finding no room
 def on_gpu(device) -> bool:
     """Whether parameters on `device` step in windows (they have CUDA streams)."""
     return device.type == "cuda"
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // 512) * 512
-
-
-def _scratch_size(tensor) -> int:
-    """A state's bytes in a scratch buffer (each starts 512-byte aligned)."""
-    return _padded(tensor.numel() * tensor.element_size())
-
-
-def _copied_bytes(entries) -> int:
-    """Scratch taken by the entries whose state is copied through it."""
-    return sum(_scratch_size(entry.home) for entry in entries if entry.scratch is not None)
-
-
-def _where(tensor) -> str:
-    """The tensor's residency; "foreign" for memory the engine does not manage."""
-    try:
-        return _offload.residency_of(tensor.untyped_storage().data_ptr())
-    except ZeroallocError:
-        return "foreign"
-
-
-def _bounced(tensor, places) -> bool:
-    """Whether a state is copied through scratch: off the device, and laid out so that a
-    contiguous copy has the same strides (else the kernels reach it where it is)."""
-    return tensor.is_contiguous() and places[id(tensor)] not in ("device", "foreign")
 
 
 class WindowedStep:
@@ -336,8 +249,8 @@ class WindowedStep:
         """Room for the window's bounced states: those on the device need none, and the
         buffers come out of the memory the activations just left (larger ones would make
         that class grow, and push more states to the host)."""
-        return sum(_scratch_size(value) for parameter in window
-                   for _, value in self.items(parameter) if _bounced(value, places))
+        return sum(scratch_size(value) for parameter in window
+                   for _, value in self.items(parameter) if is_bounced(value, places))
 
     def streams_of(self, device):
         if device.index not in self.streams:
@@ -362,10 +275,10 @@ class WindowedStep:
         if pinned:
             _offload.use_in_place_many(_use_hints.pointers(entry.home for entry in pinned),
                                        copy_in.cuda_stream)
-        bounced = [entry for entry in pinned if _bounced(entry.home, places)]
+        bounced = [entry for entry in pinned if is_bounced(entry.home, places)]
         if not bounced:
             return StagedWindow(entries, None)
-        need = sum(_scratch_size(entry.home) for entry in bounced)
+        need = sum(scratch_size(entry.home) for entry in bounced)
         while len(self.slots) <= slot:
             self.slots.append(None)
             self.free.append(None)
@@ -383,7 +296,7 @@ class WindowedStep:
             home = entry.home
             nbytes = home.numel() * home.element_size()
             entry.scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
-            offset += _padded(nbytes)
+            offset += padded(nbytes)
         if self.free[slot] is not None:
             copy_in.wait_event(self.free[slot])  # the slot's last step and write-back
         with torch.cuda.stream(copy_in):
@@ -453,7 +366,7 @@ class WindowedStep:
             return
         if self.next_window is None or self.next_window.number != number:
             # Asked once per window (a library call per state), not on every attempt.
-            places = {id(value): _where(value) for parameter in window
+            places = {id(value): residency_or_foreign(value) for parameter in window
                       for _, value in self.items(parameter)}
             self.next_window = WindowPlaces(number, places, self.scratch_bytes(window, places))
         places, need = self.next_window.places, self.next_window.scratch_bytes
@@ -595,6 +508,12 @@ class WindowedStep:
         self.write_back_kept(wait=True)
         self.drop_staged()
 
+    def detach(self) -> None:
+        """What was kept or staged goes home, and the hooks reach this step no more
+        (OffloadHandle.remove())."""
+        self.settle()
+        self.listeners.overlapping.discard(self)
+
     def configure(self, window_bytes: int, overlap_bytes: int, adopt) -> None:
         """New sizes (a later offload() of the same optimizer), from the next step on: what
         was kept or staged goes home, and the windows are learned again."""
@@ -729,9 +648,9 @@ class WindowedStep:
         # left the device, through a redundant copy if it came back.
         unstaged = [window for number, window in enumerate(found)
                     if number >= len(staged) or staged[number] is None]
-        places = {id(value): _where(value) for window in unstaged
+        places = {id(value): residency_or_foreign(value) for window in unstaged
                   for parameter in window for _, value in self.items(parameter)}
-        sizes = [_copied_bytes(each.entries) for each in staged if each is not None]
+        sizes = [copied_bytes(each.entries) for each in staged if each is not None]
         sizes += [self.scratch_bytes(window, places) for window in unstaged]
         self.slot_bytes = max(sizes)
         keep_from = self.keep_from(found, staged, places)
@@ -802,7 +721,7 @@ class WindowedStep:
         copy_out = run.copies.copy_out
         if keep:
             self.figures["kept_windows"] += 1
-            self.figures["kept_bytes"] += _copied_bytes(entries)
+            self.figures["kept_bytes"] += copied_bytes(entries)
         ending = [e for e in entries if e.pinned and not (keep and e.scratch is not None)]
         copy_out.wait_stream(main)
         with torch.cuda.stream(copy_out):
