@@ -18,6 +18,11 @@ One concept per module:
   ``_state_dict`` (its state_dict and load_state_dict), wrapped without a cycle by
   ``_weak_methods``;
 - ``_settings``: the library's settings these read.
+
+Design notes: Notes [Stepping states where they are], [Windows and buffers], [Overlapping
+the step] and [Steps that follow param_groups] (_optimizer_step.py), Note [Hint groups]
+(_module_hints.py), Note [Backward uses] (_backward_uses.py), Note [Gradients' class]
+(_adoption.py), Note [No cycles through the optimizer] (_weak_methods.py).
 """
 
 from __future__ import annotations
