@@ -31,12 +31,16 @@ class WindowedSteps:
         that a training loop runs, and write back what the last step kept on the device; a
         forward of their own model outside any backward (not a checkpointed layer's
         recomputation) drops what was staged for a step that did not come."""
+        if not self.overlapping:  # asked on every hinted module: no iteration when empty
+            return
         for stepper in tuple(self.overlapping):
             stepper.module_hint(own, forward)
 
     def accumulated(self, parameter, task) -> None:
         """A gradient accumulation into `parameter`, in the backward `task`: the steps that
         step it may stage their first windows."""
+        if not self.overlapping:
+            return
         for stepper in tuple(self.overlapping):
             if id(parameter) in stepper.members:
                 stepper.accumulated(task)
@@ -44,6 +48,8 @@ class WindowedSteps:
     def finish_write_backs(self) -> None:
         """Puts back the state tensors of kept states whose write-back is done, freeing their
         scratch."""
+        if not self.writing_back:  # the automatic mode asks at every module's forward
+            return
         for stepper in tuple(self.writing_back):
             stepper.write_back_kept(wait=False)
 
