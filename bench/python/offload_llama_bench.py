@@ -131,11 +131,11 @@ def worker(args) -> int:
             options["window_bytes"] = int(args.window_bytes)
         if args.overlap_bytes:
             options["overlap_bytes"] = int(args.overlap_bytes)
-        if args.stage_after >= 0:
-            zt._STAGE_AFTER = args.stage_after
         if args.gradient_class:
             options["gradient_class"] = args.gradient_class == "1"
         zt.offload(model, optimizer, **options)
+        if args.stage_after >= 0:  # the windowed step's, for this optimizer
+            optimizer._zeroalloc_stepper.stage_after = args.stage_after
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]

@@ -59,25 +59,15 @@ def pairs_for(size_bytes: int, pairs: int) -> int:
     return max(1, pairs // 10)
 
 
-def install_zeroalloc(torch, library_path: str):
-    import ctypes
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised: the allocator can no longer be swapped")
-    library = ctypes.CDLL(library_path)
-
-    def address(name: str) -> int:
-        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
-
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        library_path, "zeroalloc_malloc", "zeroalloc_free")
-    hooks = allocator.allocator()
-    hooks.set_init_fn(address("zeroalloc_init"))
-    hooks.set_reset_fn(address("zeroalloc_empty_cache"))
-    hooks.set_memory_fraction_fn(address("zeroalloc_set_memory_fraction"))
-    hooks.set_record_stream_fn(address("zeroalloc_record_stream"))
-    torch.cuda.memory.change_current_allocator(allocator)
-    return library
+def install_zeroalloc(library_path: str):
+    """Makes zeroalloc, loaded from `library_path`, PyTorch's allocator through the package's
+    installer (zeroalloc.torch.install); returns the library."""
+    sys.path.insert(0, str(REPO_ROOT / "bindings" / "python"))
+    os.environ["ZEROALLOC_LIBRARY"] = library_path  # the library this process runs on
+    import zeroalloc
+    import zeroalloc.torch as zt
+    zt.install()
+    return zeroalloc.library()
 
 
 def zeroalloc_stats(library) -> dict:
@@ -105,7 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     library = None
     if args.worker == "zeroalloc":
-        library = install_zeroalloc(torch, str(Path(args.library).resolve()))
+        library = install_zeroalloc(str(Path(args.library).resolve()))
     torch.cuda.set_device(0)
 
     empty, uint8 = torch.empty, torch.uint8

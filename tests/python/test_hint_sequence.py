@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
 import zeroalloc.torch as zt  # noqa: E402
+from zeroalloc.torch import _use_hints  # noqa: E402
 
 
 class Attention(torch.nn.Module):  # a container: its weights sit in its children
@@ -90,8 +91,8 @@ def recorder(monkeypatch):
     def make(model):
         recorder = Recorder(model)
         holder["recorder"] = recorder
-        monkeypatch.setattr(zt, "_begin", recorder.begin)
-        monkeypatch.setattr(zt, "_end", recorder.end)
+        monkeypatch.setattr(_use_hints, "begin", recorder.begin)
+        monkeypatch.setattr(_use_hints, "end", recorder.end)
         for parameter in model.parameters():  # what zt.offload's adoption does
             parameter._zeroalloc_adopted = True
             if parameter.requires_grad:
@@ -389,7 +390,8 @@ def test_hints_for_tensors_on_several_devices_are_fenced_on_each_devices_stream(
         def untyped_storage(self):
             return types.SimpleNamespace(data_ptr=lambda: self.pointer)
 
-    monkeypatch.setattr(zt, "_stream", lambda device_index=None: 100 + (device_index or 0))
+    monkeypatch.setattr(_use_hints, "current_stream",
+                        lambda device_index=None: 100 + (device_index or 0))
     calls = []
 
     def record(pointers, stream):

@@ -1,10 +1,10 @@
 """The optimizer step that zt.offload installs (Note [Stepping states where they are] in
-zeroalloc/torch.py), on the GPU: with part of the optimizer's states in host memory, in
-windows smaller than the model, it gives the parameters and states of PyTorch's own step bit
-for bit, for the fused and the foreach AdamW; states it creates land in the optimizer-state
-class; a window that fails leaves every state as it was and every hint closed (the engine's
-chunks_in_use figure). With overlap_bytes, training through it moves states during forward
-and backward and still gives plain training's numbers bit for bit.
+zeroalloc/torch/_optimizer_step.py), on the GPU: with part of the optimizer's states in host
+memory, in windows smaller than the model, it gives the parameters and states of PyTorch's
+own step bit for bit, for the fused and the foreach AdamW; states it creates land in the
+optimizer-state class; a window that fails leaves every state as it was and every hint
+closed (the engine's chunks_in_use figure). With overlap_bytes, training through it moves
+states during forward and backward and still gives plain training's numbers bit for bit.
 
     python3 -m pytest -s tests/python/test_windowed_step.py
 """

@@ -1,10 +1,10 @@
-"""The windowed step's bookkeeping (Note [Overlapping the step] in zeroalloc/torch.py) on CPU
-tensors, with CUDA streams and events and the engine replaced by stand-ins: training through
-it with states staged during backward and kept after the step gives plain training's numbers
-bit for bit, with gradient accumulation, state_dict and load_state_dict between a step and
-the next forward, and a backward with no step after it; every pin it takes ends, once, and
-nothing stays pinned or registered when it settles. The stream ordering itself is tested on
-the GPU (test_windowed_step.py).
+"""The windowed step's bookkeeping (Note [Overlapping the step] in
+zeroalloc/torch/_optimizer_step.py) on CPU tensors, with CUDA streams and events and the
+engine replaced by stand-ins: training through it with states staged during backward and
+kept after the step gives plain training's numbers bit for bit, with gradient accumulation,
+state_dict and load_state_dict between a step and the next forward, and a backward with no
+step after it; every pin it takes ends, once, and nothing stays pinned or registered when it
+settles. The stream ordering itself is tested on the GPU (test_windowed_step.py).
 
     python3 -m pytest tests/python/test_windowed_step_logic.py
 """
@@ -20,6 +20,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
 import zeroalloc.torch as zt  # noqa: E402
+from zeroalloc import _stats  # noqa: E402
+from zeroalloc.torch import (  # noqa: E402
+    _adoption, _module_hints, _optimizer_step, _settings, _use_hints)
 
 
 class FakeStream:
@@ -95,18 +98,19 @@ def engine(monkeypatch):
     for name in ("use_in_place_many", "use_ends_many", "use_begins_many", "step_boundary",
                  "residency_of"):
         monkeypatch.setattr(zt._offload, name, getattr(fake, name))
-    monkeypatch.setattr(zt, "_is_paged_state",
+    monkeypatch.setattr(_adoption, "is_paged_state",
                         lambda v: torch.is_tensor(v) and v.dim() > 0 and v.numel() > 0)
-    monkeypatch.setattr(zt, "_stream", lambda device_index=None: 1)
-    monkeypatch.setattr(zt, "_on_gpu", lambda device: True)  # CPU tensors stand for GPU ones
-    monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
-    monkeypatch.setattr(zt, "raw_stats", lambda device=0: {"limit_bytes": 1 << 40})
-    monkeypatch.setattr(zt, "room", lambda device, name: (1 << 40, 1 << 40))
-    monkeypatch.setattr(zt, "_move_into_class", lambda tensor, name: tensor.clone())
+    monkeypatch.setattr(_use_hints, "current_stream", lambda device_index=None: 1)
+    # CPU tensors stand for GPU ones.
+    monkeypatch.setattr(_optimizer_step, "on_gpu", lambda device: True)
+    monkeypatch.setattr(_stats, "allocation_class", lambda name: contextlib.nullcontext())
+    monkeypatch.setattr(_stats, "raw_stats", lambda device=0: {"limit_bytes": 1 << 40})
+    monkeypatch.setattr(_stats, "room", lambda device, name: (1 << 40, 1 << 40))
+    monkeypatch.setattr(_adoption, "move_into_class", lambda tensor, name: tensor.clone())
     yield fake
-    zt._overlapping.clear()
-    zt._kept_states.clear()
-    zt._writing_back.clear()
+    zt._windowed_steps.overlapping.clear()
+    zt._windowed_steps.kept_states.clear()
+    zt._windowed_steps.writing_back.clear()
 
 
 WIDTH, LAYERS = 32, 8
@@ -170,14 +174,14 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
             homes = {id(v) for s in optimizer.state.values() for v in s.values()}
         if number >= 2:
             assert stepper.kept, "the last windows' states were not kept after the step"
-            kept = [e[0][e[1]] for e in stepper.kept]
+            kept = [e.state[e.key] for e in stepper.kept]
             assert all(id(t) not in homes for t in kept)  # scratch in the state dict
-            assert zt._kept_states
+            assert zt._windowed_steps.kept_states
         if number == 6:  # state_dict writes the kept states back: their own tensors
             saved = optimizer.state_dict()
             assert {id(v) for s in saved["state"].values() for v in s.values()
                     if torch.is_tensor(v) and v.dim() > 0} <= homes
-            assert not stepper.kept and not zt._kept_states
+            assert not stepper.kept and not zt._windowed_steps.kept_states
         if number == 7:
             optimizer.load_state_dict(copy.deepcopy(plain_optimizer.state_dict()))
             homes = {id(v) for s in optimizer.state.values() for v in s.values()}
@@ -185,11 +189,11 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
     figures = zt.step_figures(optimizer)
     assert figures["staged_windows"] >= 2 * 7 and figures["kept_windows"] >= 2 * 7, figures
     # What is pinned now: the kept states' own tensors; a forward writes them back.
-    assert engine.open() == sum(1 for e in stepper.kept if e[4])
+    assert engine.open() == sum(1 for e in stepper.kept if e.pinned)
     with torch.no_grad():
         model(data(1)[0][0][0])
         model(data(1)[0][0][0])  # the write-back's event is done: own tensors back
-    assert engine.open() == 0 and not stepper.kept and not zt._kept_states
+    assert engine.open() == 0 and not stepper.kept and not zt._windowed_steps.kept_states
     # A backward with no step after it stages; the next forward unpins what it staged.
     inputs, labels = data(1)[0]
     torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
@@ -264,7 +268,7 @@ def test_a_model_hinted_as_one_group_frees_the_kept_scratch_during_its_forward(
         model(data(1)[0][0][0])
     hook.remove()
     assert seen == [0], "the kept scratch was still held in the middle of the forward"
-    assert not zt._kept_states and not zt._writing_back
+    assert not zt._windowed_steps.kept_states and not zt._windowed_steps.writing_back
     assert {id(v) for s in optimizer.state.values() for v in s.values()
             if torch.is_tensor(v) and v.dim() > 0} <= homes
 
@@ -293,7 +297,7 @@ def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch
             made.append(tensor.data_ptr())
         return tensor
 
-    monkeypatch.setattr(zt, "allocation_class", recording)
+    monkeypatch.setattr(_stats, "allocation_class", recording)
     monkeypatch.setattr(torch, "empty_like", empty_like)
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES, gradient_class=True)
@@ -368,7 +372,7 @@ def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_paramet
         moved.append(name)
         return tensor.clone()
 
-    monkeypatch.setattr(zt, "_move_into_class", move)
+    monkeypatch.setattr(_adoption, "move_into_class", move)
 
     def make():
         model, _ = build()
@@ -418,12 +422,12 @@ def test_a_dropped_optimizer_with_kept_states_is_freed(engine):
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
     for inputs, labels in data(3):
         train(model, optimizer, inputs, labels)
-    assert optimizer._zeroalloc_stepper.kept and zt._kept_states
+    assert optimizer._zeroalloc_stepper.kept and zt._windowed_steps.kept_states
     dropped = weakref.ref(optimizer)
     del model, optimizer
     gc.collect()
     assert dropped() is None, "the registry of kept states keeps the optimizer alive"
-    assert not zt._kept_states
+    assert not zt._windowed_steps.kept_states
 
 
 def test_an_lr_scheduler_made_before_the_windowed_step_does_not_warn(engine):
@@ -498,7 +502,7 @@ def test_only_states_the_step_pins_join_the_optimizer_state_class(engine, monkey
     # A fused or capturable Adam keeps its step count as a 0-dim tensor on the device; the
     # windowed step never pins it, and unhinted use must not share the hinted class.
     moved = []
-    monkeypatch.setattr(zt, "_move_into_class", lambda tensor, name: moved.append(name) or
+    monkeypatch.setattr(_adoption, "move_into_class", lambda tensor, name: moved.append(name) or
                         tensor.clone())
     model, optimizer = build()
     torch.nn.functional.cross_entropy(model(torch.randn(2, WIDTH)), torch.tensor([0, 1])).backward()
@@ -516,10 +520,11 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     # wraps every optimizer's step when it is made: an explicit offload() then must apply
     # its sizes to that step, add no second set of module hooks, and leave the automatic
     # mode's step in place when its handle is removed.
-    monkeypatch.setattr(zt, "_require_offload_engine", lambda: None)
-    monkeypatch.setattr(zt, "_automatic", [type("Hints", (), {"reset": lambda self: None})()])
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    monkeypatch.setattr(_module_hints, "automatic",
+                        [type("Hints", (), {"reset": lambda self: None})()])
     installed = []
-    monkeypatch.setattr(zt, "_install_hint_hooks",
+    monkeypatch.setattr(_module_hints, "install_hint_hooks",
                         lambda model, group_bytes: installed.append(model) or [])
     model, optimizer = build()
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 1 << 30, overlap_bytes=0)
@@ -529,7 +534,7 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
                         overlap_bytes=1 << 20, gradient_class=False)
     assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
     assert stepper.window_bytes == 6 * LAYER_BYTES + 1 and stepper.overlap_bytes == 1 << 20
-    assert stepper in zt._overlapping
+    assert stepper in zt._windowed_steps.overlapping
     assert installed == []  # the automatic mode's global hooks hint every module
     plain, plain_optimizer = build()
     for inputs, labels in data(2):
@@ -543,14 +548,14 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     handle.remove()  # the earlier sizes come back; the step stays the earlier wrapper's
     assert optimizer.step is wrapped and optimizer._zeroalloc_stepper is stepper
     assert stepper.window_bytes == 1 << 30 and stepper.overlap_bytes == 0
-    assert stepper not in zt._overlapping and stepper.adopt is None
+    assert stepper not in zt._windowed_steps.overlapping and stepper.adopt is None
 
 
 def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
     """The automatic mode wraps every optimizer: one over parameters in host memory has
     nothing paged and no CUDA streams, and steps as it would without zeroalloc (it raised
     asking for a CUDA device)."""
-    monkeypatch.setattr(zt, "allocation_class", lambda name: contextlib.nullcontext())
+    monkeypatch.setattr(_stats, "allocation_class", lambda name: contextlib.nullcontext())
     plain, plain_optimizer = build()
     model, optimizer = build()
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
@@ -559,7 +564,7 @@ def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
         train(plain, plain_optimizer, inputs, labels)
         train(model, optimizer, inputs, labels)
     same(plain, plain_optimizer, model, optimizer)
-    zt._overlapping.clear()
+    zt._windowed_steps.overlapping.clear()
 
 
 def test_a_dropped_model_and_optimizer_go_at_del_without_the_cycle_collector(engine):

@@ -49,27 +49,16 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def install_zeroalloc(torch, library_path: str) -> ctypes.CDLL:
-    """Makes zeroalloc serve every CUDA allocation of this process.
-
-    PyTorch allows the swap only before CUDA is initialised, and only once per process.
-    """
-    if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised: the allocator can no longer be swapped")
-    library = ctypes.CDLL(library_path)
-
-    def address(name: str) -> int:
-        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
-
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        library_path, "zeroalloc_malloc", "zeroalloc_free")
-    hooks = allocator.allocator()
-    hooks.set_init_fn(address("zeroalloc_init"))
-    hooks.set_reset_fn(address("zeroalloc_empty_cache"))
-    hooks.set_memory_fraction_fn(address("zeroalloc_set_memory_fraction"))
-    hooks.set_record_stream_fn(address("zeroalloc_record_stream"))
-    torch.cuda.memory.change_current_allocator(allocator)
-    return library
+def install_zeroalloc(library_path: str) -> ctypes.CDLL:
+    """Makes zeroalloc, loaded from `library_path`, serve every CUDA allocation of this
+    process, through the package's installer (zeroalloc.torch.install): PyTorch allows the
+    swap only before CUDA is initialised, and only once per process. Returns the library."""
+    sys.path.insert(0, str(REPO_ROOT / "bindings" / "python"))
+    os.environ["ZEROALLOC_LIBRARY"] = library_path  # the library this process runs on
+    import zeroalloc
+    import zeroalloc.torch as zt
+    zt.install()
+    return zeroalloc.library()
 
 
 def stats_json(library: ctypes.CDLL, device: int) -> str:
@@ -173,7 +162,7 @@ def main() -> int:
         if not Path(library_path).is_file():
             print(f"error: {library_path} does not exist", file=sys.stderr)
             return 2
-        library = install_zeroalloc(torch, library_path)
+        library = install_zeroalloc(library_path)
 
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
@@ -193,9 +182,7 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     zt = None
     if args.offload != "off":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
-        os.environ["ZEROALLOC_LIBRARY"] = library_path  # the library this process runs on
-        import zeroalloc.torch as zt
+        import zeroalloc.torch as zt  # installed by install_zeroalloc
         zt.offload(model, optimizer, gradient_class=args.gradient_class)
 
     def offload_everything():

@@ -1,0 +1,97 @@
+"""Adoption: parameters, gradients and optimizer states moved into their allocation
+classes, where the offload engine may page them."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zeroalloc import _stats
+from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
+
+#: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
+#: made from the managed bytes under a module, are stale after that.
+adoptions = [0]
+
+
+def move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
+    with _stats.allocation_class(name):
+        moved = torch.empty_like(tensor)
+    moved.copy_(tensor)
+    return moved
+
+
+def is_paged_state(value) -> bool:
+    """A state the windowed step pins and may bounce: a non-empty tensor on a GPU (the step
+    count of foreach optimizers is a scalar on the CPU)."""
+    return torch.is_tensor(value) and value.is_cuda and value.dim() > 0 and value.numel() > 0
+
+
+def adopt(parameters, optimizer=None, gradient_class: bool = False,
+          hooked: "list | None" = None, backward: BackwardUses = backward_uses) -> list:
+    """Moves parameters (and the optimizer's existing states) into their allocation classes
+    and hints the end of each parameter's backward use; with `gradient_class`, gradients go
+    into theirs too (Note [Gradients' class]). Returns the hooks; appends the parameters it
+    hooked to `hooked`, each as (parameter, the mark of its hook). A parameter hooked
+    before gets only what it lacks: the gradient class's hook when asked for now. Of the
+    optimizer's states only those the windowed step pins and hints move (a scalar step
+    count on the device stays with the activations: unhinted use must not share a hinted
+    class)."""
+    hooks = []
+    with torch.no_grad():
+        for parameter in parameters:
+            if not parameter.is_cuda:
+                continue
+            if not getattr(parameter, "_zeroalloc_adopted", False):
+                parameter.data = move_into_class(parameter.data, "parameter")
+                parameter._zeroalloc_adopted = True
+                adoptions[0] += 1
+            if not parameter.requires_grad:
+                continue
+            if not getattr(parameter, "_zeroalloc_hooked", False):
+                parameter._zeroalloc_hooked = True
+                if hooked is not None:
+                    hooked.append((parameter, "_zeroalloc_hooked"))
+                hooks.append(parameter.register_post_accumulate_grad_hook(backward.end))
+            if gradient_class and not getattr(parameter, "_zeroalloc_gradient_hooked", False):
+                parameter._zeroalloc_gradient_hooked = True
+                if hooked is not None:
+                    hooked.append((parameter, "_zeroalloc_gradient_hooked"))
+                if parameter.grad is not None and not parameter.grad.is_sparse:
+                    parameter.grad = move_into_class(parameter.grad, "gradient")
+                hooks.append(parameter.register_hook(gradient_into_class(parameter)))
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for key, value in list(state.items()):
+                    if is_paged_state(value):
+                        state[key] = move_into_class(value, "optimizer_state")
+    return hooks
+
+
+def gradient_into_class(parameter):
+    """Note [Gradients' class]: autograd allocates a parameter's gradient in the kernel that
+    computes it, on its own thread and in the activations' class, and the accumulation into
+    an empty `.grad` adopts that tensor as it is. So the hook on the parameter copies the
+    first gradient of a backward into the gradient class (the accumulation then adopts the
+    copy); later ones, with `.grad` there, are added into it in place. The copy costs each
+    gradient's bytes once a step, read and written on the device. In their own class,
+    gradients are what pressure moves last, and only when an allocation would fail (Note
+    [Residency policy]); in the activations' class they could not move at all."""
+    owner = weakref.ref(parameter)
+
+    def hook(gradient):
+        held = owner()
+        # Under create_graph the accumulation copies whatever it gets: nothing to gain.
+        if (held is None or held.grad is not None or gradient.is_sparse
+                or torch.is_grad_enabled()):
+            return None
+        with _stats.allocation_class("gradient"):
+            # The parameter's strides: the accumulation adopts only a gradient laid out like
+            # its parameter, and copies any other (in the activations' class).
+            moved = torch.empty_like(held, memory_format=torch.preserve_format)
+        moved.copy_(gradient)
+        return moved
+
+    return hook
+

@@ -1,0 +1,163 @@
+"""offload(model, optimizer) and the automatic mode: adoption, module hints and the
+windowed step put together, and the handle that takes them out again."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zeroalloc.torch import _adoption, _module_hints, _settings
+from zeroalloc.torch._optimizer_step import windowed_step
+from zeroalloc.torch._state_dict import readopt_after_load
+from zeroalloc.torch._weak_methods import original_of, put_back
+
+
+class OffloadHandle:
+    """What offload() installed; remove() takes the hooks out again."""
+
+    def __init__(self, hooks: list, optimizer, original_step, hooked=(), restore=None):
+        self._hooks = hooks
+        self._restore = restore  # a second offload() of a stepped optimizer: its sizes back
+        self._optimizer = optimizer
+        self._original_step = original_step
+        # The parameters whose hooks it installed, weakly (the handle must not keep a
+        # dropped model's memory), each with the mark of its hook.
+        self._hooked = [(weakref.ref(parameter), mark) for parameter, mark in hooked]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        _unmark_hooked(self._hooked)  # a later offload() hooks them again
+        self._hooked = []
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+        if self._optimizer is not None:
+            optimizer = self._optimizer
+            stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+            if stepper is not None:  # states it kept or staged go home first
+                stepper.detach()
+                for hook in stepper.late_hooks:
+                    hook.remove()
+                _unmark_hooked(stepper.late_hooked)
+                del optimizer._zeroalloc_stepper
+            put_back(optimizer, "step", self._original_step)
+            for name in ("load_state_dict", "state_dict"):
+                wrapper = optimizer.__dict__.get(name)
+                function = getattr(wrapper, "__func__", None)
+                if function is not None and hasattr(function, "_zeroalloc_original"):
+                    put_back(optimizer, name, function._zeroalloc_original)
+            self._optimizer = None
+            self._original_step = None
+
+
+def _unmark_hooked(references: list) -> None:
+    """Clears the marks of the hooks taken out: (weak reference to a parameter, mark)."""
+    for reference, mark in references:
+        parameter = reference()
+        if parameter is not None:
+            parameter.__dict__.pop(mark, None)
+
+
+
+def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
+            window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
+            overlap_bytes: int = 2 << 30, gradient_class: "bool | None" = None) -> OffloadHandle:
+    """Lets zeroalloc page the model's parameters and the optimizer's states between device
+    and pinned host memory: two lines in a training script, after ``install()``::
+
+        zt.install()
+        ...
+        zt.offload(model, optimizer)
+
+    Parameters (and states that already exist) move into their own allocation classes;
+    module hooks tell the engine when each module's parameters are used, so it learns the
+    order of a step and fetches ahead (one hint per subtree of at most `hint_group_bytes` of
+    parameters, Note [Hint groups]); the optimizer steps in windows of about
+    `window_bytes` of parameters and states, so that only one window must be on the device at
+    a time (PyTorch's foreach and fused optimizers would touch every state at once), and
+    moves up to `overlap_bytes` of host-resident states each way while forward and backward
+    run (Note [Overlapping the step]; the default, 2 << 30, measured best on an H200; 0:
+    none). With `gradient_class`, each parameter's gradient is copied into the gradient
+    class once a step, where pressure can move it as a last resort (Note [Gradients'
+    class]); without, gradients stay with the activations and never move. Not given, it is
+    ZEROALLOC_OFFLOAD_GRADIENTS (default 0): off, since gradients in their own class no
+    longer reuse the memory the backward frees (bench/RESULTS.md: 1.4 x the step at 1.3B
+    where the states alone make room), but on lets a run train under a lower limit.
+    Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
+    _settings.require_offload_engine()
+    if gradient_class is None:
+        gradient_class = _settings.gradient_class_default()
+    hooked: list = []
+    hooks = _adoption.adopt(model.parameters(), optimizer, gradient_class, hooked)
+    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    if not _module_hints.automatic and stepper is None:
+        # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
+        # earlier offload() of this optimizer.
+        hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
+
+    def adopt(late, into):
+        if not _module_hints.automatic:
+            # Only parameters offload() moved (frozen then, unfrozen since): one outside the
+            # model (a group added later) has no hint group, and unhinted use must not
+            # share the hinted parameter class, so it stays where it is, unmanaged.
+            late = [p for p in late if getattr(p, "_zeroalloc_adopted", False)]
+        return _adoption.adopt(late, None, gradient_class, into) if late else []
+
+    if stepper is not None:
+        # Stepped in windows already (the automatic mode wrapped it when it was made, or an
+        # earlier offload() did): this call's sizes apply from the next step, and the step
+        # stays the earlier wrapper's; removing this handle puts the earlier sizes back.
+        earlier = (stepper.window_bytes, stepper.overlap_bytes, stepper.adopt)
+        stepper.configure(window_bytes, overlap_bytes, adopt)
+        owner = weakref.ref(optimizer)
+
+        def restore():
+            # Only while it is still the optimizer's step: after the first handle's remove()
+            # took it out, configuring it would bring a detached step back to life.
+            held = owner()
+            if held is not None and getattr(held, "_zeroalloc_stepper", None) is stepper:
+                stepper.configure(*earlier)
+
+        return OffloadHandle(hooks, None, None, hooked, restore=restore)
+    original_step = None  # what remove() puts back as optimizer.step
+    if optimizer is not None:
+        original_step = original_of(optimizer, "step")
+        optimizer.step = windowed_step(optimizer, optimizer.step, window_bytes, overlap_bytes,
+                                       adopt=adopt)
+        readopt_after_load(optimizer)
+    return OffloadHandle(hooks, optimizer, original_step, hooked)
+
+
+def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
+                             overlap_bytes: int = 2 << 30,
+                             gradient_class: "bool | None" = None) -> None:
+    """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
+    package's start-up hook): every optimizer created from now on has its parameters and
+    states managed as offload() does, and global module hooks send the use hints, grouped
+    as offload() groups them (Note [Hint groups])."""
+    _settings.require_offload_engine()
+    if gradient_class is None:
+        gradient_class = _settings.gradient_class_default()
+    hints = _module_hints.AutomaticHints(hint_group_bytes)
+    _module_hints.automatic.append(hints)
+    torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
+    _module_hints.always_called(torch.nn.modules.module.register_module_forward_hook,
+                                hints.after)
+    original_init = torch.optim.Optimizer.__init__
+
+    def init(self, params, defaults, *args, **kwargs):
+        original_init(self, params, defaults, *args, **kwargs)
+        if getattr(self, "_zeroalloc_adopted", False):
+            return
+        self._zeroalloc_adopted = True
+        parameters = [p for group in self.param_groups for p in group["params"]]
+        _adoption.adopt(parameters, self, gradient_class)
+        self.step = windowed_step(self, self.step, window_bytes, overlap_bytes,
+                                  adopt=lambda late, into: _adoption.adopt(late, None,
+                                                                        gradient_class, into))
+        readopt_after_load(self)
+
+    torch.optim.Optimizer.__init__ = init

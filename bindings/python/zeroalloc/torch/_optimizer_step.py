@@ -1,0 +1,823 @@
+"""The optimizer's step in windows (Notes [Stepping states where they are], [Windows and
+buffers] and [Overlapping the step] at windowed_step): states pinned where they are, those
+on the host bounced through device scratch, and between steps the first windows staged
+during the backward and the last kept on the device after the step."""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+
+import torch
+
+from zeroalloc import _offload, _stats
+from zeroalloc._library import ZeroallocError
+from zeroalloc.torch import _adoption, _module_hints, _use_hints
+from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
+from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
+from zeroalloc.torch._step_records import (
+    CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
+    is_bounced, padded, residency_or_foreign, scratch_size)
+from zeroalloc.torch._weak_methods import BoundWeakly, unbound
+
+
+def steps_by_param_groups(optimizer) -> bool:
+    """Whether the optimizer's step steps exactly the parameters of its param_groups (Note
+    [Steps that follow param_groups]): the class that defines its step is one of torch.optim's
+    own, and not LBFGS."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return False
+    for cls in type(optimizer).__mro__:
+        if "step" in vars(cls):
+            # The function, not the class: Optimizer.__init__ may have written a profiling
+            # wrapper of an inherited step onto a plain subclass (functools.wraps keeps the
+            # wrapped function's module).
+            return getattr(vars(cls)["step"], "__module__", "").startswith("torch.optim.")
+    return False
+
+
+def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0,
+                  adopt=None, listeners: WindowedSteps = windowed_steps,
+                  backward: BackwardUses = backward_uses):
+    """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
+    method (LR schedulers wrap it through __func__ and __self__); `overlap_bytes` of states
+    are moved while forward and backward run (Note [Overlapping the step]).
+
+    Note [Stepping states where they are]: optimizer states are touched once per step, in one
+    pass, so they are not fetched (a remap of host memory costs more than the transfer): each
+    window's states are pinned where they are (use_in_place); those on the host are copied
+    into device scratch on one stream while the previous window steps, stepped there by the
+    optimizer's own kernels, and copied back on another stream. Copies in and out overlap
+    each other and the kernels; the results are bit for bit those of a step on the device
+    (bench/python/optimizer_step_bench.py compares this with stepping over PCIe, with
+    fetching and evicting, and with a CPU Adam). States that are not contiguous are reached
+    where they are. The step's temporaries (foreach intermediates) are allocated with the
+    activations; states the step creates move into the optimizer-state class after their
+    window. Every hint opened is closed, and the copies are waited for in the step's
+    stream, also when a window fails.
+    Note [Windows and buffers]: copies in and out run at once, each at the PCIe rate, while
+    the kernels take a fraction of that. A window's copy out follows its copy in and its
+    step, so the step costs the bytes bounced one way plus about one window (the out stream
+    waits for the first, the in stream has nothing left during the last). Smaller windows
+    shorten that and add per-window costs (Python, launches): from 128 MiB to 1 GiB the step
+    measured the same (bench/RESULTS.md). Ramping the sizes at the ends does not help: the
+    out stream then waits for the first large window instead. Window n uses scratch buffer
+    n mod B, B at least three: with two, a window's copy in would wait for the write-back
+    of the window just before it, which waits for that window's step, adding half a
+    window's kernels to every window; with three it waits for one long done. Copies in are
+    queued up to B - 1 windows ahead.
+    Note [Overlapping the step]: even so the step costs the host-resident states' bytes
+    over PCIe one way, while the link idles during forward and backward. So the first
+    windows' states are staged into scratch during the backward before a step (their
+    values are final since the last step), and the last windows' states stay in scratch
+    after the step, in the state dict (so a reader sees their values; state_dict() puts
+    the states' own tensors back first), and are written back during the next forward;
+    each at most `overlap_bytes` of device memory (a window's buffer counts whole).
+    Staging begins once 60% of the last backward's accumulations into the optimizer's
+    parameters are done (learned from the step before, so with gradient accumulation it
+    happens in the last backward only), one window per accumulation, while the device has
+    room under its limit for it plus a margin (the backward frees activations as it goes);
+    windows with nothing on the host are left to the step. It needs the same windows as
+    the last step with the same, unwritten state tensors, else what was staged is
+    dropped, as it is when a forward of the model comes before the step. States are kept only
+    when module hints ran between the last two steps (a training loop: the next forward's
+    first hint writes them back, and the forward of any hinted module after that puts the
+    state tensors back and frees the scratch once the copies are done: a model hinted as
+    one group would otherwise hold it until its backward, at its forward's peak); the next
+    step, load_state_dict and OffloadHandle.remove() write them
+    back first. Staged and kept states stay pinned (use_in_place) until their copies end,
+    also across the step boundary.
+    Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
+    per window, with the window's parameters in param_groups; an optimizer whose parameters
+    span several devices steps in one piece, without windows. Between a step and the next
+    forward, the last windows' state tensors are device scratch: writing into them before
+    the next forward is kept, replacing them is honoured; their storage is not the
+    optimizer-state class's (offload_tensor, fetch_tensor and residency act on the states'
+    own tensors). A state written in place between the backward that staged it and the
+    step is staged again (its version counter changed); a write the counter does not see
+    (through .data, DLPack or a kernel of one's own) is overwritten by the staged copy. Not
+    thread-safe: one thread's forwards and steps per optimizer (DataParallel replicas would
+    race)."""
+    if getattr(original_step, "_zeroalloc_windowed", False):
+        return original_step  # offload() and the automatic mode never wrap twice
+    stepper = WindowedStep(optimizer, original_step, window_bytes, overlap_bytes, adopt,
+                           listeners, backward)
+    optimizer._zeroalloc_stepper = stepper
+
+    def step(self, closure=None, **kwargs):
+        return stepper.step(closure, **kwargs)
+
+    step._zeroalloc_windowed = True
+    if getattr(original_step, "_wrapped_by_lr_sched", False):
+        # An LR scheduler made before offload() wrapped the step to see it called; its
+        # wrapper still runs (each window calls it), so say so, or the scheduler warns that
+        # the step was overridden after it.
+        step._wrapped_by_lr_sched = True
+    return BoundWeakly(step, optimizer)  # Note [No cycles through the optimizer]
+
+
+STAGE_AFTER = 0.6  # of the last backward's accumulations: when staging begins
+STAGE_RETRY = 4  # accumulations to wait after finding no room
+
+
+def on_gpu(device) -> bool:
+    """Whether parameters on `device` step in windows (they have CUDA streams)."""
+    return device.type == "cuda"
+
+
+class WindowedStep:
+    """The windowed step of one optimizer and what it holds between steps: the states of
+    its windows as StateEntry records."""
+
+    def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
+                 adopt=None, listeners: WindowedSteps = windowed_steps,
+                 backward: BackwardUses = backward_uses):
+        # Weakly, and the original step unbound (Note [No cycles through the optimizer]):
+        # the optimizer holds this, through its step.
+        self._optimizer = weakref.ref(optimizer)
+        # Parameters that need hooks after offload() (a parameter unfrozen since; in the
+        # automatic mode, whose hints cover every module, also a group added with
+        # add_param_group) get them at the next step: adopt(parameters, hooked) -> hooks,
+        # appending (parameter, mark) for each hook to `hooked`.
+        self.adopt = adopt
+        self.late_hooks: list = []
+        self.late_hooked: list = []  # (weak reference, mark), as OffloadHandle's
+        self._original_step = unbound(original_step, optimizer)
+        self.window_bytes = window_bytes
+        self.overlap_bytes = overlap_bytes
+        # Module hints and accumulations reach it through `listeners`; at its step boundary
+        # it forgets the uses `backward` began.
+        self.listeners = listeners
+        self.backward = backward
+        # Note [Steps that follow param_groups]: a window is stepped by narrowing param_groups
+        # and calling the optimizer's own step, which is right only for a step that steps
+        # exactly the parameters of param_groups, once: PyTorch's own optimizers (LBFGS
+        # excepted: it steps a list of its own, and needs its closure). Any other (a
+        # ZeroRedundancyOptimizer steps its whole shard through an inner optimizer; a
+        # subclass may override step) steps in one piece, each parameter once.
+        self.by_groups = steps_by_param_groups(optimizer)
+        if not self.by_groups:
+            warnings.warn(f"zeroalloc: {type(optimizer).__name__}.step does not step the "
+                          "parameters of param_groups as torch.optim's optimizers do, so it "
+                          "runs in one piece, not in windows: host-resident states are reached "
+                          "where they are (slower)")
+        self.streams: dict = {}  # device index -> CopyStreams
+        self.warned = False
+        self.cache = None  # parameter id -> its states, during a step
+        # Scratch: window n uses slot n mod len(slots); free[slot]: its last write-back.
+        self.slots: list = []
+        self.free: list = []
+        self.slot_bytes = 0
+        self.retired: list = []  # buffers replaced by larger ones, freed after the step
+        # Learned from the last step (Note [Overlapping the step]).
+        self.plan: list = []  # its windows
+        self.plan_bytes = 0  # the scratch of its largest window
+        self.per_step = 0  # gradient accumulations between the last two steps
+        self.last_backward = 0  # of those, in the backward just before the step
+        self.accumulations = 0  # since the last step
+        self.stage_after = STAGE_AFTER  # of the last backward's accumulations: staging begins
+        self.in_backward = 0  # in the running backward
+        self.task = None
+        # Ids of the parameters it steps: only their accumulations count.
+        self.members = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.hinted = False  # a module hint since the last step
+        # Held between steps.
+        self.staged: list = []  # StagedWindow or None (nothing to copy) of windows 0, 1, ...
+        self.staged_bytes = 0
+        self.staging_stream = None
+        self.staging_device = None
+        self.limit_bytes = 0
+        self.staging_done = False
+        self.next_attempt = 0
+        self.next_window = None  # WindowPlaces of the next window to stage
+        self.kept: list = []  # entries whose states stay in scratch after the step
+        self.written = None  # event: the kept states' write-back is done
+        self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
+                        "kept_bytes": 0, "written_back_during_forward": 0,
+                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
+        if overlap_bytes > 0:
+            listeners.overlapping.add(self)
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    def original_step(self, *args, **kwargs):
+        return self._original_step(self.optimizer, *args, **kwargs)
+
+    def items(self, parameter) -> list:
+        if self.cache is not None:
+            found = self.cache.get(id(parameter))
+            if found is not None:
+                return found
+        found = [(key, value) for key, value in self.optimizer.state.get(parameter, {}).items()
+                 if _adoption.is_paged_state(value)]
+        if self.cache is not None:
+            self.cache[id(parameter)] = found
+        return found
+
+    def forget(self, parameters) -> None:
+        for parameter in parameters:
+            self.cache.pop(id(parameter), None)
+
+    def budget(self) -> int:
+        """Bytes of states moved between steps: overlap_bytes, at most an eighth of the
+        device's limit (read at the last step)."""
+        return min(self.overlap_bytes, self.limit_bytes // 8)
+
+    def windows(self, groups) -> list:
+        """Windows over the parameters with gradients, from the groups as they were before
+        any window narrowed them."""
+        found, current, size = [], [], 0
+        for params in groups:
+            for parameter in params:
+                if parameter.grad is None:
+                    continue
+                cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
+                if current and size + cost > self.window_bytes:
+                    found.append(current)
+                    current, size = [], 0
+                current.append(parameter)
+                size += cost
+        if current:
+            found.append(current)
+        return found
+
+    def scratch_bytes(self, window, places) -> int:
+        """Room for the window's bounced states: those on the device need none, and the
+        buffers come out of the memory the activations just left (larger ones would make
+        that class grow, and push more states to the host)."""
+        return sum(scratch_size(value) for parameter in window
+                   for _, value in self.items(parameter) if is_bounced(value, places))
+
+    def streams_of(self, device):
+        if device.index not in self.streams:
+            self.streams[device.index] = CopyStreams(torch.cuda.Stream(device),
+                                                     torch.cuda.Stream(device))
+        return self.streams[device.index]
+
+    def stage(self, window, slot: int, places, copy_in, main, held: list):
+        """Pins the window's states where they are (their entries go into `held` first: a
+        failure still ends them) and starts copying the bounced ones into scratch slot
+        `slot`, after that slot's last write-back; returns (entries, event after the
+        copies, or None when nothing is copied)."""
+        entries = []
+        for parameter in window:
+            state = self.optimizer.state.get(parameter, {})
+            for key, home in self.items(parameter):
+                entries.append(StateEntry(state, key, home, None,
+                                          places[id(home)] != "foreign", parameter,
+                                          home._version))
+        pinned = [entry for entry in entries if entry.pinned]
+        held.extend(entries)
+        if pinned:
+            _offload.use_in_place_many(_use_hints.pointers(entry.home for entry in pinned),
+                                       copy_in.cuda_stream)
+        bounced = [entry for entry in pinned if is_bounced(entry.home, places)]
+        if not bounced:
+            return StagedWindow(entries, None)
+        need = sum(scratch_size(entry.home) for entry in bounced)
+        while len(self.slots) <= slot:
+            self.slots.append(None)
+            self.free.append(None)
+        buffer = self.slots[slot]
+        if buffer is None or buffer.numel() < need:
+            if buffer is not None:
+                self.retired.append(buffer)
+            with _stats.allocation_class("other"):
+                buffer = torch.empty(max(need, self.slot_bytes), dtype=torch.uint8,
+                                     device=window[0].device)
+            self.slots[slot] = buffer
+            copy_in.wait_stream(main)  # the memory may be what main's last kernels used
+        offset = 0
+        for entry in bounced:
+            home = entry.home
+            nbytes = home.numel() * home.element_size()
+            entry.scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
+            offset += padded(nbytes)
+        if self.free[slot] is not None:
+            copy_in.wait_event(self.free[slot])  # the slot's last step and write-back
+        with torch.cuda.stream(copy_in):
+            for entry in bounced:
+                entry.scratch.copy_(entry.home, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_in)
+        return StagedWindow(entries, done)
+
+    # -- between steps (Note [Overlapping the step]) ---------------------------------------
+    def module_hint(self, own: list, forward: bool) -> None:
+        self.hinted = True
+        if self.kept:
+            self.write_back_kept(wait=False)
+        if (forward and self.staged and graph_task() is None
+                and any(id(p) in self.members for p in own)):
+            self.drop_staged()  # staged for a step that did not come: unpin, free
+            self.staging_done = True
+
+    def accumulated(self, task) -> None:
+        """A gradient accumulation into a managed parameter: may stage the next step's first
+        windows. A failure stops staging until the next step and never reaches the
+        backward."""
+        if task != self.task:
+            self.task, self.in_backward = task, 0
+        self.in_backward += 1
+        self.accumulations += 1
+        if (self.staging_done or not self.plan or not self.per_step
+                or self.accumulations < self.next_attempt):
+            return
+        if self.accumulations < self.per_step - (1 - self.stage_after) * self.last_backward:
+            return
+        started = time.perf_counter()
+        try:
+            self.stage_next()
+        except Exception as error:  # noqa: BLE001 (the step does without)
+            self.staging_done = True
+            try:
+                self.drop_staged()
+            except Exception:  # noqa: BLE001
+                pass
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"zeroalloc: staging optimizer states during backward failed "
+                              f"({error}); the step copies them itself")
+        finally:
+            self.figures["staging_host_s"] += time.perf_counter() - started
+
+    def stage_next(self) -> None:
+        number = len(self.staged)
+        if number >= len(self.plan):
+            self.staging_done = True
+            return
+        window = self.plan[number]
+        device = window[0].device
+        main = torch.cuda.current_stream(device)
+        copy_in, copy_out = self.streams_of(device)
+        if self.staging_stream is None:
+            self.write_back_kept(wait=True)  # done long ago: the homes hold the values
+            self.staging_stream = main
+            self.staging_device = device
+            self.slot_bytes = self.plan_bytes
+            copy_in.wait_stream(main)
+            copy_in.wait_stream(copy_out)  # the last step's write-backs
+        elif self.staging_stream != main:
+            self.staging_done = True
+            return
+        if self.next_window is None or self.next_window.number != number:
+            # Asked once per window (a library call per state), not on every attempt.
+            places = {id(value): residency_or_foreign(value) for parameter in window
+                      for _, value in self.items(parameter)}
+            self.next_window = WindowPlaces(number, places, self.scratch_bytes(window, places))
+        places, need = self.next_window.places, self.next_window.scratch_bytes
+        if not need:  # nothing to copy: the step pins it, no earlier
+            self.staged.append(None)
+            self.next_window = None
+            return
+        size = max(need, self.slot_bytes)  # the slot's buffer, what the device holds
+        if self.staged_bytes + size > self.budget():
+            self.staging_done = True
+            return
+        # A cached block the backward freed, or room under the limit with a margin left for
+        # the rest of the backward (the first steps may release cache for it; the block
+        # stays cached for later ones).
+        largest, unallocated = _stats.room(device.index, "other")
+        margin = max(1 << 30, self.limit_bytes // 16)
+        if largest < size and unallocated < size + margin:
+            self.next_attempt = self.accumulations + STAGE_RETRY
+            self.figures["staging_no_room"] += 1
+            return
+        if not any(self.staged):
+            self.figures["staging_began_at"] = self.accumulations / max(1, self.per_step)
+        held: list = []
+        try:
+            self.staged.append(self.stage(window, number, places, copy_in, main, held))
+        except BaseException:
+            self.end_uses(held, copy_in)
+            raise
+        self.staged_bytes += size
+        self.next_window = None
+        self.figures["staged_windows"] += 1
+        self.figures["staged_bytes"] += need
+
+    def end_uses(self, entries, stream) -> None:
+        pinned = [entry for entry in entries if entry.pinned]
+        if pinned:
+            _offload.use_ends_many(_use_hints.pointers(entry.home for entry in pinned),
+                                   stream.cuda_stream)
+
+    def drop_staged(self) -> None:
+        """Ends what was staged and frees its scratch after its copies."""
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
+        self.staging_stream = None
+        if self.staging_device is None:
+            return
+        copy_in = self.streams_of(self.staging_device).copy_in
+        for each in staged:
+            if each is not None:
+                self.end_uses(each.entries, copy_in)
+        for buffer in self.slots:
+            if buffer is not None:
+                buffer.record_stream(copy_in)
+        self.slots, self.free = [], []
+        self.staging_device = None
+
+    def take_staged(self, found, main) -> list:
+        """What the backward staged, when it is what this step would stage (else dropped)."""
+        if not any(self.staged):
+            self.drop_staged()  # also a slot a failed staging left
+            return []
+        valid = self.staging_stream == main and len(found) >= len(self.staged)
+        for number, each in enumerate(self.staged):
+            if not valid:
+                break
+            if each is None:
+                continue
+            entries = each.entries
+            window, planned = found[number], self.plan[number]
+            # Same parameters, same state tensors, none written since it was staged.
+            valid = (len(window) == len(planned)
+                     and all(a is b for a, b in zip(window, planned))
+                     and len(entries) == sum(len(self.items(p)) for p in window)
+                     and all(self.optimizer.state.get(entry.parameter) is entry.state
+                             and entry.state.get(entry.key) is entry.home
+                             and entry.home._version == entry.version for entry in entries))
+        if not valid:
+            self.drop_staged()
+            return []
+        staged, self.staged, self.staged_bytes = self.staged, [], 0
+        self.staging_stream = None
+        self.staging_device = None
+        return staged
+
+    def write_back_kept(self, wait: bool) -> None:
+        """Writes back the states the last step kept in scratch (copy out, after the current
+        stream) and, once that is done, puts the states' own tensors back in the state
+        dicts. `wait`: the current stream waits for it, so they are back now."""
+        if not self.kept:
+            return
+        device = self.kept[0].home.device
+        main = torch.cuda.current_stream(device)
+        if self.written is None:
+            copy_out = self.streams_of(device).copy_out
+            copy_out.wait_stream(main)
+            with torch.cuda.stream(copy_out):
+                for entry in self.kept:
+                    state, key, home = entry.state, entry.key, entry.home
+                    current = state.get(key)
+                    entry.scratch = current
+                    if (self.optimizer.state.get(entry.parameter) is not state
+                            or not torch.is_tensor(current) or current.shape != home.shape
+                            or current.device != home.device or current.dtype != home.dtype):
+                        entry.scratch = None  # replaced (load_state_dict): nothing to write back
+                        continue
+                    if current is not home:
+                        home.copy_(current, non_blocking=True)
+                        current.record_stream(copy_out)  # freed in another stream's order
+                self.end_uses(self.kept, copy_out)
+            self.written = torch.cuda.Event()
+            self.written.record(copy_out)
+            self.listeners.writing_back.add(self)
+            for entry in self.kept:  # the stream's own memory from here: no more pins
+                entry.pinned = False
+        if wait:
+            main.wait_event(self.written)
+        elif not self.written.query():
+            return
+        else:
+            self.figures["written_back_during_forward"] += 1
+        for entry in self.kept:
+            if entry.scratch is not None and entry.state.get(entry.key) is entry.scratch:
+                entry.state[entry.key] = entry.home
+        kept_states = self.listeners.kept_states
+        for registered in [key for key, owner in kept_states.items() if owner is self]:
+            del kept_states[registered]
+        self.listeners.writing_back.discard(self)
+        self.kept, self.written = [], None
+
+    def repin(self) -> None:
+        """After a step boundary (which closes every use): pins again what this step holds."""
+        held = [entry for entry in self.kept if entry.pinned]
+        held += [entry for each in self.staged if each is not None for entry in each.entries
+                 if entry.pinned]
+        if held:
+            _use_hints.hint(_offload.use_in_place_many, [entry.home for entry in held], 0)
+
+    def settle(self) -> None:
+        """Writes back what was kept and drops what was staged (load_state_dict, remove())."""
+        self.write_back_kept(wait=True)
+        self.drop_staged()
+
+    def detach(self) -> None:
+        """What was kept or staged goes home, and the hooks reach this step no more
+        (OffloadHandle.remove())."""
+        self.settle()
+        self.listeners.overlapping.discard(self)
+
+    def configure(self, window_bytes: int, overlap_bytes: int, adopt) -> None:
+        """New sizes (a later offload() of the same optimizer), from the next step on: what
+        was kept or staged goes home, and the windows are learned again."""
+        self.settle()
+        self.window_bytes, self.overlap_bytes, self.adopt = window_bytes, overlap_bytes, adopt
+        self.plan, self.plan_bytes = [], 0
+        if overlap_bytes > 0:
+            self.listeners.overlapping.add(self)
+        else:
+            self.listeners.overlapping.discard(self)
+
+    # -- the step --------------------------------------------------------------------------
+    def adopt_new_states(self, fresh) -> None:
+        """States the optimizer created in this window (in the step's class, "other") move
+        into the optimizer-state class, where the engine may page them."""
+        for parameter in fresh:
+            state = self.optimizer.state.get(parameter, {})
+            for key, value in self.items(parameter):
+                state[key] = _adoption.move_into_class(value, "optimizer_state")
+
+    def step_in_one_piece(self, groups, closure, kwargs):
+        """The optimizer's own step over every parameter at once, its paged states pinned
+        where they are for it (hint every use of a class, or none), and the states it
+        creates moved into the optimizer-state class afterwards, as a window's are."""
+        parameters = [p for params in groups for p in params]
+        states = [value for p in parameters for _, value in self.items(p)]
+        fresh = [p for p in parameters if not self.items(p)]
+        try:
+            if states:  # inside: a pin that fails half-way is still ended (surplus ends
+                _use_hints.hint(_offload.use_in_place_many, states, 0)  # are ignored)
+            with _stats.allocation_class("other"):
+                if closure is not None and not self.by_groups:
+                    loss = self.original_step(closure, **kwargs)
+                else:
+                    loss = self.original_step(**kwargs)
+        finally:
+            if states:
+                _use_hints.hint(_offload.use_ends_many, states, 0)
+        self.forget(fresh)  # the step may have created their states
+        self.adopt_new_states(fresh)
+        self.forget(fresh)
+        return loss
+
+    def keep_from(self, found, staged, places) -> int:
+        """The first of the last windows whose bounced states stay in scratch after the step
+        (len(found): none)."""
+        first, total = len(found), 0
+        if self.overlap_bytes <= 0:
+            return first
+        self.limit_bytes = _stats.raw_stats(found[0][0].device.index)["limit_bytes"]
+        if not self.hinted:
+            return first
+        budget = self.budget()
+        while first > 0 and len(found) - first < max(3, len(staged) + 2):
+            number = first - 1
+            if number < len(staged) and staged[number] is not None:
+                bounced = any(e.scratch is not None for e in staged[number].entries)
+            else:
+                bounced = self.scratch_bytes(found[number], places) > 0
+            cost = self.slot_bytes if bounced else 0  # a kept window holds its slot's buffer
+            if total + cost > budget:
+                break
+            total += cost
+            first = number
+        return first
+
+    def step(self, closure=None, **kwargs):
+        """The optimizer's step: in windows (plan_windows, prepare_scratch, step_windows), or
+        in one piece; then the step boundary, and what the next step learns from this one."""
+        self.adopt_late_parameters()
+        loss = None
+        if closure is not None and self.by_groups:  # evaluated once, then the windows step
+            with torch.enable_grad():
+                loss = closure()
+        self.cache = {}
+        run = StepRun([group["params"] for group in self.optimizer.param_groups])
+        succeeded = False
+        try:
+            self.write_back_kept(wait=True)
+            run.windows = self.plan_windows(run.saved)
+            if run.windows:
+                self.step_windows(run, kwargs)
+            else:  # nothing to stage for the next step either
+                self.drop_staged()
+                result = self.step_in_one_piece(run.saved, closure, kwargs)
+                loss = result if result is not None else loss
+            succeeded = True
+        finally:
+            self.finish(run, succeeded)
+        self.pass_boundary()
+        self.learn_from(run)
+        return loss
+
+    def adopt_late_parameters(self) -> None:
+        """Hooks for the parameters that need them since offload() (see `adopt`)."""
+        if self.adopt is None:
+            return
+        late = [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
+        if late:
+            hooked: list = []
+            self.late_hooks += self.adopt(late, hooked)
+            self.late_hooked += [(weakref.ref(parameter), mark) for parameter, mark in hooked]
+
+    def plan_windows(self, groups) -> list:
+        """The windows of this step, or none when it steps in one piece: a step that does not
+        follow param_groups, parameters that span several devices, or parameters in host
+        memory (CPU master weights, a small side model: nothing there is paged, and CUDA
+        streams do not exist for them)."""
+        found = self.windows(groups) if self.by_groups else []
+        devices = {p.device for window in found for p in window}
+        if len(devices) > 1 and not self.warned:
+            self.warned = True
+            warnings.warn("zeroalloc: the optimizer's parameters span several devices "
+                          f"({sorted(str(d) for d in devices)}); its step runs in one "
+                          "piece, reaching host-resident states where they are (slower)")
+        if not found or len(devices) > 1 or not on_gpu(next(iter(devices))):
+            return []
+        return found
+
+    def prepare_scratch(self, run: "StepRun", main) -> "StepScratch":
+        """Takes what the backward staged, asks the other states where they are, sizes the
+        scratch slots, and chooses the last windows that stay in scratch after the step."""
+        found = run.windows
+        # Windows the backward staged (None: one with nothing to copy, left to now).
+        staged = self.take_staged(found, main)
+        for each in staged:
+            if each is not None:
+                run.held.extend(each.entries)
+        # Each state's residency, asked once (a call into the library each). A state the
+        # engine moves before its window is pinned is still stepped correctly: in place if it
+        # left the device, through a redundant copy if it came back.
+        unstaged = [window for number, window in enumerate(found)
+                    if number >= len(staged) or staged[number] is None]
+        places = {id(value): residency_or_foreign(value) for window in unstaged
+                  for parameter in window for _, value in self.items(parameter)}
+        sizes = [copied_bytes(each.entries) for each in staged if each is not None]
+        sizes += [self.scratch_bytes(window, places) for window in unstaged]
+        self.slot_bytes = max(sizes)
+        keep_from = self.keep_from(found, staged, places)
+        slot_count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
+        while len(self.slots) < slot_count:
+            self.slots.append(None)
+            self.free.append(None)
+        run.copies.copy_in.wait_stream(main)  # the scratch is allocated in main's order
+        run.copies.copy_in.wait_stream(run.copies.copy_out)  # and the last step's write-backs
+        queued = [None] * len(found)
+        for number, each in enumerate(staged):
+            queued[number] = each
+        return StepScratch(places, keep_from, slot_count, queued)
+
+    def step_windows(self, run: "StepRun", kwargs) -> None:
+        """Steps the windows in order: each window's states staged up to slot_count windows
+        ahead (Note [Windows and buffers]), stepped, and written back or kept."""
+        device = run.windows[0][0].device
+        run.copies = self.streams_of(device)
+        main = torch.cuda.current_stream(device)
+        scratch = self.prepare_scratch(run, main)
+        cursor = 0  # the next window that may need staging
+        for number, window in enumerate(run.windows):
+            while cursor < len(run.windows) and cursor < number + scratch.slot_count:
+                if scratch.queued[cursor] is None:
+                    scratch.queued[cursor] = self.stage(
+                        run.windows[cursor], cursor % scratch.slot_count, scratch.places,
+                        run.copies.copy_in, main, run.held)
+                cursor += 1
+            entries = scratch.queued[number].entries
+            fresh = self.step_window(run, window, scratch.queued[number], main, kwargs)
+            self.write_back_window(run, entries, number >= scratch.keep_from,
+                                   number % scratch.slot_count, main)
+            self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
+            self.forget(fresh)
+
+    def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
+                    kwargs) -> list:
+        """Steps one window with the optimizer's own step: its bounced states' scratch in
+        the state dict, its parameters alone in param_groups, their use hinted. Returns its
+        parameters that had no states (the step may have created them)."""
+        if staged.copied is not None:
+            main.wait_event(staged.copied)
+        for entry in staged.entries:
+            if entry.scratch is not None:
+                entry.state[entry.key] = entry.scratch
+                run.swapped.append(entry)
+        chosen = {id(p) for p in window}
+        fresh = [p for p in window if not self.items(p)]
+        _use_hints.begin(window, main.cuda_stream)
+        run.begun = window
+        for group, params in zip(self.optimizer.param_groups, run.saved):
+            group["params"] = [p for p in params if id(p) in chosen]
+        # Temporaries of the step (foreach intermediates) go with activations.
+        with _stats.allocation_class("other"):
+            self.original_step(**kwargs)
+        _use_hints.end(window, main.cuda_stream)
+        run.begun = None
+        self.forget(window)  # the optimizer may have created or replaced states
+        return fresh
+
+    def write_back_window(self, run: "StepRun", entries: list, keep: bool, slot: int,
+                          main) -> None:
+        """After a window's step, on the copy-out stream: its bounced states are copied home
+        and the homes put back in the state dict, or, in the last windows (`keep`), stay in
+        scratch (Note [Overlapping the step]); its pins end, and its slot is free for the
+        window after next once the copies are done."""
+        copy_out = run.copies.copy_out
+        if keep:
+            self.figures["kept_windows"] += 1
+            self.figures["kept_bytes"] += copied_bytes(entries)
+        ending = [e for e in entries if e.pinned and not (keep and e.scratch is not None)]
+        copy_out.wait_stream(main)
+        with torch.cuda.stream(copy_out):
+            for entry in entries:
+                if entry.scratch is None:
+                    continue
+                run.swapped.remove(entry)  # by identity (eq=False)
+                if keep:
+                    run.kept.append(entry)
+                    continue
+                current = entry.state[entry.key]
+                entry.home.copy_(current, non_blocking=True)
+                if current is not entry.scratch:  # the optimizer replaced it
+                    current.record_stream(copy_out)
+                entry.state[entry.key] = entry.home
+            # Every end on copy_out, which follows main: the chunk's fence covers both the
+            # step and the write-back.
+            if ending:
+                _offload.use_ends_many(_use_hints.pointers(e.home for e in ending),
+                                       copy_out.cuda_stream)
+            done_ids = {id(e) for e in entries}
+            run.held[:] = [e for e in run.held if id(e) not in done_ids]
+            if not keep:
+                self.free[slot] = torch.cuda.Event()
+                self.free[slot].record(copy_out)
+
+    def finish(self, run: "StepRun", succeeded: bool) -> None:
+        """Also when a window failed: its states stay as they were, param_groups are put
+        back, the main stream waits for every copy, and every pin and use still open ends.
+        Raises a device error met while waiting only when the step itself succeeded."""
+        for entry in run.swapped:  # a window failed: its states stay as they were
+            entry.state[entry.key] = entry.home
+        for group, params in zip(self.optimizer.param_groups, run.saved):
+            group["params"] = params
+        fence, wait_error = 0, None
+        if run.copies is not None:
+            main = torch.cuda.current_stream(run.copies.copy_in.device)
+            fence = main.cuda_stream
+            try:
+                # The scratch is freed in main's order after every copy; later reads see the
+                # write-backs.
+                main.wait_stream(run.copies.copy_in)
+                main.wait_stream(run.copies.copy_out)
+            except Exception as error:  # a device error; a failed step's own error wins
+                wait_error = error
+        self.kept.extend(run.kept)  # empty, unless writing back the last step's failed
+        if not succeeded and run.kept:
+            try:  # stepped: written back now
+                self.write_back_kept(wait=True)
+            except Exception as error:  # noqa: BLE001
+                wait_error = wait_error or error
+        # Pinned by a window that failed or never ran.
+        _offload.use_ends_many(
+            _use_hints.pointers(entry.home for entry in run.held if entry.pinned), fence)
+        if run.begun is not None:
+            _use_hints.end(run.begun, fence)
+        self.slots, self.free, self.retired = [], [], []
+        self.cache = None
+        if wait_error is not None and succeeded:
+            raise wait_error
+
+    def pass_boundary(self) -> None:
+        """The step boundary, which closes every use: what the windowed steps hold between
+        steps is pinned again, and the hooks forget what they began."""
+        _offload.step_boundary()
+        # A backward that raised never ran the callback that forgets what it began (and
+        # holds those parameters).
+        self.backward.forget_all()
+        self.listeners.repin()
+        for entry in self.kept:
+            self.listeners.kept_states[id(entry.state.get(entry.key))] = self
+        _module_hints.forget_open_forwards()
+
+    def learn_from(self, run: "StepRun") -> None:
+        """What the next step and the staging before it learn from this step (Note
+        [Overlapping the step])."""
+        self.figures["steps"] += 1
+        self.members = {id(p) for params in run.saved for p in params}
+        self.plan = run.windows
+        self.plan_bytes = self.slot_bytes
+        self.per_step, self.last_backward = self.accumulations, self.in_backward
+        self.accumulations = self.in_backward = 0
+        self.task = None
+        self.hinted = False
+        self.staging_done = False
+        self.next_attempt = 0
+        self.next_window = None
+
+
+def step_figures(optimizer) -> dict:
+    """What the windowed step of `optimizer` (offload()) moved while forward and backward ran,
+    over its steps: windows and bytes staged during backward, kept on the device after a
+    step, and writes-back finished during a forward (Note [Overlapping the step])."""
+    stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    if stepper is None:
+        raise ZeroallocError("this optimizer's step is not zeroalloc's windowed step: "
+                             "pass it to zeroalloc.torch.offload() first")
+    return dict(stepper.figures)
+

@@ -1,0 +1,40 @@
+"""The library's settings that offload() and the automatic mode read, checked by the
+library's own parser."""
+
+from __future__ import annotations
+
+from zeroalloc._library import ZeroallocError, library, read_json
+
+
+def setting(name: str, fallback: str) -> str:
+    """The variable `name` as the environment holds it now, checked by the library's own
+    parser, else its default (asks no device for anything). The library read its settings
+    once, at its first call: change them before that, not after."""
+    report = read_json(library().zeroalloc_options_json)
+    if not report.get("valid", True):
+        raise ZeroallocError(report.get("error") or f"{name} could not be read")
+    for option in report.get("options", []):
+        if option.get("name") == name:
+            return (option.get("value") or option.get("default") or fallback).strip().lower()
+    return fallback
+
+
+def offload_setting() -> str:
+    """ZEROALLOC_OFFLOAD, checked as the library checks it."""
+    return setting("ZEROALLOC_OFFLOAD", "none")
+
+
+def gradient_class_default() -> bool:
+    """ZEROALLOC_OFFLOAD_GRADIENTS, checked as the library checks it (the library rejects a
+    value that is not a yes or a no at start-up): what offload() and the automatic mode do
+    with gradients when `gradient_class` is not given."""
+    return setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
+
+
+def require_offload_engine() -> None:
+    if offload_setting() != "host":
+        raise ZeroallocError(
+            "zeroalloc.torch.offload() needs the offload engine: set ZEROALLOC_OFFLOAD=host "
+            "in the environment before the process starts (and zeroalloc as PyTorch's "
+            "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
+

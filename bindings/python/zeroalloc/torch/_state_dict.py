@@ -1,0 +1,42 @@
+"""The optimizer's state_dict and load_state_dict under offload(): the states the windowed
+step kept in scratch go home first, and loaded states move into their class."""
+
+from __future__ import annotations
+
+from zeroalloc.torch import _adoption
+from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
+
+
+def readopt_after_load(optimizer) -> None:
+    """optimizer.load_state_dict rebuilds the states in the default class: move them back
+    into the optimizer-state class, where the engine may page them. Both it and state_dict
+    first put back the states the windowed step kept in scratch (Note [Overlapping the
+    step])."""
+    if getattr(optimizer.load_state_dict, "_zeroalloc_readopts", False):
+        return
+    # Unbound, and stored weakly bound (Note [No cycles through the optimizer]).
+    original_load = optimizer.load_state_dict
+    load = unbound(original_load, optimizer)
+
+    def load_state_dict(self, state_dict):
+        stepper = getattr(self, "_zeroalloc_stepper", None)
+        if stepper is not None:  # states kept or staged by the last step go home first
+            stepper.settle()
+        load(self, state_dict)
+        _adoption.adopt([], self)
+
+    load_state_dict._zeroalloc_readopts = True
+    # What OffloadHandle.remove() puts back.
+    load_state_dict._zeroalloc_original = original_of(optimizer, "load_state_dict")
+    optimizer.load_state_dict = BoundWeakly(load_state_dict, optimizer)
+    original_state_dict = optimizer.state_dict
+    save = unbound(original_state_dict, optimizer)
+
+    def state_dict(self):
+        stepper = getattr(self, "_zeroalloc_stepper", None)
+        if stepper is not None:  # kept states: their own tensors, not views of a slot
+            stepper.write_back_kept(wait=True)
+        return save(self)
+
+    state_dict._zeroalloc_original = original_of(optimizer, "state_dict")
+    optimizer.state_dict = BoundWeakly(state_dict, optimizer)

@@ -1,0 +1,53 @@
+"""Use hints: the calls into the library that tell the offload engine when tensors are used
+(begins, ends, in place), one call per device, each fenced on that device's stream."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from zeroalloc import _offload
+
+
+def current_stream(device_index: "int | None" = None) -> int:
+    """The current stream of a device (the current device when none is named), as an
+    integer: the hooks ask for it once per module, and torch.cuda.current_stream() builds a
+    Stream object each time."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
+
+
+def pointers(tensors: Iterable["torch.Tensor"]) -> list:
+    return [tensor.untyped_storage().data_ptr() for tensor in tensors]
+
+
+def hint(call, tensors: Iterable["torch.Tensor"], stream: int) -> None:
+    """One library call per device of the tensors, each fenced on that device's current
+    stream unless `stream` is given: a model split over several GPUs in one process runs
+    each part on its own device's stream, and a fence on another device's stream would let
+    the engine move a chunk that the part's kernels still read."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    if stream or not tensors:
+        call(pointers(tensors), stream or current_stream())
+        return
+    index = tensors[0].get_device()  # -1 for a tensor on the CPU
+    if all(tensor.get_device() == index for tensor in tensors):
+        call(pointers(tensors), current_stream(index if index >= 0 else None))
+        return
+    by_device: dict = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.get_device(), []).append(tensor)
+    for index, part in by_device.items():
+        call(pointers(part), current_stream(index if index >= 0 else None))
+
+
+def begin(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
+    """Use-begins hints for the tensors, in one call into the library per device."""
+    hint(_offload.use_begins_many, tensors, stream)
+
+
+def end(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
+    hint(_offload.use_ends_many, tensors, stream)
