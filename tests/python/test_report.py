@@ -138,6 +138,7 @@ def test_unwritable_report_path_warns_and_the_program_goes_on():
 
 def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
     run_program("kept = lib.zeroalloc_malloc(3 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    written_by_the_library = (tmp_path / "r.html").read_bytes()
     (tmp_path / "r.html").unlink()
     result = subprocess.run([sys.executable, "-m", "zeroalloc", "report", str(tmp_path / "r.json")],
                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
@@ -145,7 +146,36 @@ def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "because of: exit" in result.stdout
     assert "live: 3.00 MiB (other)" in result.stdout
-    assert (tmp_path / "r.html").exists()
+    assert (tmp_path / "r.html").read_bytes() == written_by_the_library, \
+        "the rebuilt page differs from the one the library wrote (one template, one rendering)"
+
+
+def test_report_command_rebuilds_the_page_without_the_native_library(tmp_path):
+    """The package renders the page itself, from its own template: an installed copy of the
+    package, with no libzeroalloc.so to be found, rebuilds it and never maps the library."""
+    run_program("kept = lib.zeroalloc_malloc(3 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    written_by_the_library = (tmp_path / "r.html").read_bytes()
+    (tmp_path / "r.html").unlink()
+    installed = tmp_path / "site-packages"
+    shutil.copytree(PACKAGE / "zeroalloc", installed / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    code = textwrap.dedent(f"""
+        import sys
+        from zeroalloc import report
+        status = report.main([{str(tmp_path / "r.json")!r}])
+        mapped = open("/proc/self/maps").read()
+        print("library mapped:", "libzeroalloc" in mapped)
+        sys.exit(status)
+    """)
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("LD_PRELOAD", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                            env={**environment, "PYTHONPATH": str(installed),
+                                 "ZEROALLOC_LIBRARY": str(tmp_path / "absent" / "libzeroalloc.so")},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "library mapped: False" in result.stdout
+    assert (tmp_path / "r.html").read_bytes() == written_by_the_library
 
 
 def test_report_command_says_what_is_wrong_with_a_file_that_is_not_a_report(tmp_path):
