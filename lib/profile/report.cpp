@@ -11,10 +11,10 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <nlohmann/json.hpp>
 
 #include "alloc/caching_allocator.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/passthrough.hpp"
 #include "core/units.hpp"
@@ -24,6 +24,9 @@ namespace zeroalloc {
 extern const char* const kReportTemplate;  // report_template.cpp, generated from the .html
 
 namespace {
+
+// Objects keep the order they are written in: the JSON reads top-down like the page.
+using json = nlohmann::ordered_json;
 
 constexpr std::size_t kMaxSamples = 4096;
 constexpr std::uint64_t kWake = 1;  // SIGUSR1 or stop(); g_signal_pending tells which
@@ -77,6 +80,13 @@ std::optional<std::string> write_file(const std::string& path, const std::string
     return detail::concat(path, ": ", std::strerror(errno));
   }
   return std::nullopt;
+}
+
+// A JSON text another part of the library wrote (statistics, offload figures), as a value;
+// the text as a string should it not parse, so that the rest of the report still comes.
+json embedded(const std::string& text) {
+  json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return parsed.is_discarded() ? json(text) : parsed;
 }
 
 }  // namespace
@@ -177,63 +187,69 @@ void reporter::take_sample() {
 }
 
 std::string reporter::build_json(const std::string& reason) const {
-  std::string out = detail::concat(
-      "{\"version\":", json_quote(ZEROALLOC_VERSION), ",\"reason\":", json_quote(reason),
-      ",\"time\":", json_quote(timestamp()), ",\"pid\":", ::getpid(), ",\"settings\":{");
-  const char* separator = "";
-  for (const auto& [name, value] : settings_) {
-    out += detail::concat(separator, json_quote(name), ":", json_quote(value));
-    separator = ",";
-  }
-  out += "},\"devices\":[";
-  separator = "";
+  json report;
+  report["version"] = ZEROALLOC_VERSION;
+  report["reason"] = reason;
+  report["time"] = timestamp();
+  report["pid"] = ::getpid();
+  // Each part is built whole, then added: a reference into `report` would dangle once a
+  // later key is added (an ordered_json object is a vector).
+  json settings = json::object();
+  for (const auto& [name, value] : settings_) settings[name] = value;
+  report["settings"] = std::move(settings);
+  json devices = json::array();
   for (caching_allocator* each : allocators_()) {
     const int ordinal = each->backing().ordinal();
-    out +=
-        detail::concat(separator, "{\"device\":", ordinal, ",\"stats\":", each->stats_json(),
-                       ",\"offload\":", tiers_.offload_json ? tiers_.offload_json(ordinal) : "null",
-                       ",\"largest_allocations\":[");
-    const char* inner = "";
+    json largest = json::array();
     for (const auto& record : each->largest_allocations(20)) {
-      out += detail::concat(inner, "{\"address\":", record.address, ",\"size\":", record.bytes,
-                            ",\"class\":", json_quote(class_name(record.cls)), "}");
-      inner = ",";
+      largest.push_back({{"address", record.address},
+                         {"size", record.bytes},
+                         {"class", std::string(class_name(record.cls))}});
     }
-    out += "]}";
-    separator = ",";
+    devices.push_back(
+        {{"device", ordinal},
+         {"stats", embedded(each->stats_json())},
+         {"offload", tiers_.offload_json ? embedded(tiers_.offload_json(ordinal)) : json()},
+         {"largest_allocations", std::move(largest)}});
   }
+  report["devices"] = std::move(devices);
+  report["passthrough"] = embedded(passthrough_json());
   std::lock_guard lock(mutex_);
-  out +=
-      detail::concat("],\"passthrough\":", passthrough_json(), ",\"last_out_of_memory\":",
-                     last_out_of_memory_.empty() ? "null" : last_out_of_memory_, ",\"timeline\":{");
-  out += detail::concat("\"interval_ms\":", interval_ms_.load(), ",\"t_ms\":[");
-  for (std::size_t i = 0; i < times_ms_.size(); ++i)
-    out += detail::concat(i ? "," : "", times_ms_[i]);
-  out += "],\"devices\":{";
-  separator = "";
+  report["last_out_of_memory"] =
+      last_out_of_memory_
+          ? json{{"time", last_out_of_memory_->time}, {"message", last_out_of_memory_->message}}
+          : json();
+  json timeline;
+  timeline["interval_ms"] = interval_ms_.load();
+  timeline["t_ms"] = times_ms_;
+  json series_by_device = json::object();
   for (const auto& [ordinal, series] : samples_) {
-    std::string allocated;
-    std::string reserved;
-    std::string device;
-    std::string host;
+    json allocated = json::array();
+    json reserved = json::array();
+    json device = json::array();
+    json host = json::array();
     bool offloaded = false;
-    for (std::size_t i = 0; i < series.size(); ++i) {
-      const char* comma = i ? "," : "";
-      allocated += detail::concat(comma, series[i].allocated);
-      reserved += detail::concat(comma, series[i].reserved);
-      device += detail::concat(comma, series[i].device);
-      host += detail::concat(comma, series[i].host);
-      offloaded = offloaded || series[i].host != 0;
+    for (const sample& each : series) {
+      allocated.push_back(each.allocated);
+      reserved.push_back(each.reserved);
+      device.push_back(each.device);
+      host.push_back(each.host);
+      offloaded = offloaded || each.host != 0;
     }
     // "device": physical device memory held; "host": bytes offloaded to host memory, shown
     // when anything was.
-    out += detail::concat(separator, "\"", ordinal, "\":{\"allocated\":[", allocated,
-                          "],\"reserved\":[", reserved, "],\"device\":[", device, "]");
-    if (offloaded) out += detail::concat(",\"host\":[", host, "]");
-    out += "}";
-    separator = ",";
+    json of_device;
+    of_device["allocated"] = std::move(allocated);
+    of_device["reserved"] = std::move(reserved);
+    of_device["device"] = std::move(device);
+    if (offloaded) of_device["host"] = std::move(host);
+    series_by_device[std::to_string(ordinal)] = std::move(of_device);
   }
-  return out + "}}}";
+  timeline["devices"] = std::move(series_by_device);
+  report["timeline"] = std::move(timeline);
+  // Strings the library did not make (settings, device names) may hold bytes that are not
+  // UTF-8: replaced, not an exception that would lose the report.
+  return report.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::optional<std::string> reporter::render_file(const std::string& json_path,
@@ -271,8 +287,7 @@ std::string reporter::render_html(std::string_view report_json) {
 void reporter::out_of_memory(const std::string& message) {
   {
     std::lock_guard lock(mutex_);
-    last_out_of_memory_ = detail::concat("{\"time\":", json_quote(timestamp()),
-                                         ",\"message\":", json_quote(message), "}");
+    last_out_of_memory_ = out_of_memory_note{timestamp(), message};
     // Frameworks probe (cuDNN tries workspace sizes until one fits): one report per
     // burst of failures, not one per failure.
     const std::int64_t now = now_ms();

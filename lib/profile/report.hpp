@@ -71,7 +71,11 @@ class reporter {
   const allocator_list allocators_;
   const settings_list settings_;
   std::atomic<unsigned> interval_ms_;
-  std::string last_out_of_memory_;  // JSON object, or empty
+  struct out_of_memory_note {
+    std::string time;
+    std::string message;
+  };
+  std::optional<out_of_memory_note> last_out_of_memory_;
   std::int64_t last_out_of_memory_report_ms_ = 0;
   mutable std::mutex mutex_;  // timeline and writes
   std::vector<std::uint64_t> times_ms_;

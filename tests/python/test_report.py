@@ -33,7 +33,7 @@ def run_program(body: str, **environment) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim", **environment}
     code = textwrap.dedent(PROGRAM_PRELUDE) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          errors="replace", timeout=120)
 
 
 def test_report_at_exit_holds_figures_timeline_and_largest_allocations(tmp_path):
@@ -246,3 +246,16 @@ def test_without_offload_the_timeline_has_no_host_series(tmp_path):
     assert report["devices"][0]["offload"] is None
     assert "host" not in report["timeline"]["devices"]["0"]
     assert "device" in report["timeline"]["devices"]["0"]
+
+
+def test_a_setting_that_is_not_utf8_still_gives_a_readable_report(tmp_path):
+    """Settings come from the environment, where any bytes may stand: the report stays valid
+    UTF-8 JSON (the bytes replaced) that the page inlines."""
+    prefix = tmp_path / "run-\udcff"  # the byte 0xff in the file name
+    result = run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)",
+                         ZEROALLOC_REPORT=str(prefix))
+    assert result.returncode == 0, result.stderr
+    written = Path(f"{prefix}.json").read_bytes()
+    report = json.loads(written.decode("utf-8"))  # strict: valid UTF-8
+    assert report["settings"]["ZEROALLOC_REPORT"].endswith("run-\ufffd")
+    assert written.decode("utf-8") in Path(f"{prefix}.html").read_bytes().decode("utf-8")
