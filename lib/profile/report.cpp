@@ -29,7 +29,8 @@ namespace {
 using json = nlohmann::ordered_json;
 
 constexpr std::size_t kMaxSamples = 4096;
-constexpr std::uint64_t kWake = 1;  // SIGUSR1 or stop(); g_signal_pending tells which
+constexpr std::size_t kMaxStepRecords = 512;  // Note [Step records]
+constexpr std::uint64_t kWake = 1;            // SIGUSR1 or stop(); g_signal_pending tells which
 
 // The eventfd the SIGUSR1 handler writes to: a handler may only do async-signal-safe work.
 std::atomic<int> g_signal_fd{-1};
@@ -171,7 +172,10 @@ void reporter::take_sample() {
     auto found = std::find_if(samples_.begin(), samples_.end(),
                               [&](const auto& entry) { return entry.first == ordinal; });
     if (found == samples_.end()) {
-      samples_.emplace_back(ordinal, std::vector<sample>(times_ms_.size() - 1));
+      // Nothing was held before the device started; its limit was the one it starts with.
+      sample before_start;
+      before_start.limit = static_cast<std::int64_t>(each->limit_bytes());
+      samples_.emplace_back(ordinal, std::vector<sample>(times_ms_.size() - 1, before_start));
       found = std::prev(samples_.end());
     }
     const stats_snapshot figures = each->stats();
@@ -179,10 +183,99 @@ void reporter::take_sample() {
     taken.allocated = figures.total.allocated_bytes.current;
     taken.reserved = figures.total.reserved_bytes.current;
     taken.device = static_cast<std::int64_t>(each->held_bytes());
+    taken.limit = static_cast<std::int64_t>(each->limit_bytes());
     if (tiers_.host_resident_bytes) {
       taken.host = static_cast<std::int64_t>(tiers_.host_resident_bytes(ordinal));
     }
     found->second.push_back(taken);
+  }
+}
+
+std::vector<reporter::device_reading> reporter::read_devices() const {
+  std::vector<device_reading> readings;
+  for (caching_allocator* each : allocators_()) {
+    device_reading reading;
+    reading.ordinal = each->backing().ordinal();
+    if (tiers_.counters) reading.tier = tiers_.counters(reading.ordinal);
+    for (const allocation_class cls : kAllocationClasses) {
+      const std::size_t slot = class_index(cls);
+      // A class's segments are on the device but for the chunks moved to the host.
+      reading.device_class_bytes[slot] = std::max<std::int64_t>(
+          0, each->reserved_bytes(cls) -
+                 static_cast<std::int64_t>(reading.tier.host_resident_class_bytes[slot]));
+    }
+    readings.push_back(reading);
+  }
+  return readings;
+}
+
+reporter::step_record reporter::step_since_boundary(const std::vector<device_reading>& readings,
+                                                    std::int64_t now) const {
+  step_record step;
+  step.first_step = step.last_step = steps_.empty() ? 1 : steps_.back().last_step + 1;
+  step.start_ms = steps_.empty() ? 0 : steps_.back().end_ms;
+  step.end_ms = now;
+  for (const device_reading& reading : readings) {
+    tier_counters before;  // zero: the device started during this step
+    for (const device_reading& earlier : at_last_boundary_) {
+      if (earlier.ordinal == reading.ordinal) before = earlier.tier;
+    }
+    device_step did;
+    did.ordinal = reading.ordinal;
+    did.device_class_bytes = reading.device_class_bytes;
+    did.bytes_to_host = reading.tier.bytes_to_host - before.bytes_to_host;
+    did.bytes_to_device = reading.tier.bytes_to_device - before.bytes_to_device;
+    did.device_waited_ns = reading.tier.device_waited_ns - before.device_waited_ns;
+    step.devices.push_back(did);
+  }
+  return step;
+}
+
+void reporter::step_ended() noexcept {
+  try {
+    const std::vector<device_reading> readings = read_devices();
+    std::lock_guard lock(mutex_);
+    step_record step = step_since_boundary(readings, now_ms() - started_ms_);
+    at_last_boundary_ = readings;
+    // `later` (the steps right after `into`'s) joins `into`: the traffic adds up, what is
+    // resident is what it was at the end.
+    const auto merge = [](step_record& into, const step_record& later) {
+      into.last_step = later.last_step;
+      into.end_ms = later.end_ms;
+      for (const device_step& did : later.devices) {
+        auto found =
+            std::find_if(into.devices.begin(), into.devices.end(),
+                         [&](const device_step& each) { return each.ordinal == did.ordinal; });
+        if (found == into.devices.end()) {
+          into.devices.push_back(did);
+          continue;
+        }
+        found->device_class_bytes = did.device_class_bytes;
+        found->bytes_to_host += did.bytes_to_host;
+        found->bytes_to_device += did.bytes_to_device;
+        found->device_waited_ns += did.device_waited_ns;
+      }
+    };
+    if (!steps_.empty() &&
+        steps_.back().last_step - steps_.back().first_step + 1 < steps_per_record_) {
+      merge(steps_.back(), step);
+    } else {
+      steps_.push_back(std::move(step));
+    }
+    if (steps_.size() > kMaxStepRecords) {
+      // Neighbours merge, and later records each cover as many steps.
+      std::size_t kept = 0;
+      for (std::size_t i = 0; i < steps_.size(); i += 2, ++kept) {
+        step_record joined = std::move(steps_[i]);
+        if (i + 1 < steps_.size()) merge(joined, steps_[i + 1]);
+        steps_[kept] = std::move(joined);
+      }
+      steps_.resize(kept);
+      steps_per_record_ *= 2;
+    }
+  } catch (const std::exception& failure) {
+    log().warn("report: recording a step failed: {}", failure.what());
+  } catch (...) {
   }
 }
 
@@ -214,6 +307,7 @@ std::string reporter::build_json(const std::string& reason) const {
   }
   report["devices"] = std::move(devices);
   report["passthrough"] = embedded(passthrough_json());
+  const std::vector<device_reading> readings = read_devices();  // before the lock
   std::lock_guard lock(mutex_);
   report["last_out_of_memory"] =
       last_out_of_memory_
@@ -228,12 +322,14 @@ std::string reporter::build_json(const std::string& reason) const {
     json reserved = json::array();
     json device = json::array();
     json host = json::array();
+    json limit = json::array();
     bool offloaded = false;
     for (const sample& each : series) {
       allocated.push_back(each.allocated);
       reserved.push_back(each.reserved);
       device.push_back(each.device);
       host.push_back(each.host);
+      limit.push_back(each.limit);
       offloaded = offloaded || each.host != 0;
     }
     // "device": physical device memory held; "host": bytes offloaded to host memory, shown
@@ -243,10 +339,36 @@ std::string reporter::build_json(const std::string& reason) const {
     of_device["reserved"] = std::move(reserved);
     of_device["device"] = std::move(device);
     if (offloaded) of_device["host"] = std::move(host);
+    of_device["limit"] = std::move(limit);
     series_by_device[std::to_string(ordinal)] = std::move(of_device);
   }
   timeline["devices"] = std::move(series_by_device);
   report["timeline"] = std::move(timeline);
+  // Note [Step records]: the steps that ended, then the one under way (when steps are known).
+  const auto step_json = [](const step_record& step, bool ended) {
+    json of_devices = json::object();
+    for (const device_step& did : step.devices) {
+      json resident = json::object();
+      for (const allocation_class cls : kAllocationClasses)
+        resident[std::string(class_name(cls))] = did.device_class_bytes[class_index(cls)];
+      of_devices[std::to_string(did.ordinal)] = {{"device_class_bytes", std::move(resident)},
+                                                 {"bytes_to_host", did.bytes_to_host},
+                                                 {"bytes_to_device", did.bytes_to_device},
+                                                 {"device_waited_ns", did.device_waited_ns}};
+    }
+    return json{{"first_step", step.first_step},
+                {"last_step", step.last_step},
+                {"start_ms", step.start_ms},
+                {"end_ms", step.end_ms},
+                {"ended", ended},
+                {"devices", std::move(of_devices)}};
+  };
+  json steps = json::array();
+  for (const step_record& step : steps_) steps.push_back(step_json(step, true));
+  if (!steps_.empty()) {
+    steps.push_back(step_json(step_since_boundary(readings, now_ms() - started_ms_), false));
+  }
+  report["steps"] = std::move(steps);
   // Strings the library did not make (settings, device names) may hold bytes that are not
   // UTF-8: replaced, not an exception that would lose the report.
   return report.dump(-1, ' ', false, json::error_handler_t::replace);

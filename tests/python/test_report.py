@@ -259,3 +259,66 @@ def test_a_setting_that_is_not_utf8_still_gives_a_readable_report(tmp_path):
     report = json.loads(written.decode("utf-8"))  # strict: valid UTF-8
     assert report["settings"]["ZEROALLOC_REPORT"].endswith("run-\ufffd")
     assert written.decode("utf-8") in Path(f"{prefix}.html").read_bytes().decode("utf-8")
+
+
+def test_reports_show_per_step_what_was_resident_what_moved_and_the_limit(tmp_path):
+    """Each step boundary (zeroalloc_step_boundary) starts a step: the report says, per step,
+    what each class held on the device at its end and what moved each way during it; the
+    timeline samples the limit in force."""
+    result = run_program("""
+        MiB = 1 << 20
+        parameters = lib.zeroalloc_malloc_class(32 * MiB, 0, None, 1)
+        assert parameters, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 1: allocated
+        assert lib.zeroalloc_offload(parameters, 1) == 0, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 2: to the host
+        assert lib.zeroalloc_fetch(parameters, 1) == 0, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 3: back
+        time.sleep(0.3)                                             # step 4, under way at exit
+    """, ZEROALLOC_REPORT=str(tmp_path / "steps"), ZEROALLOC_MEMORY_LIMIT="512MiB", **OFFLOAD)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "steps.json").read_text())
+    steps = report["steps"]
+    assert [(s["first_step"], s["last_step"], s["ended"]) for s in steps] == \
+        [(1, 1, True), (2, 2, True), (3, 3, True), (4, 4, False)]
+    assert steps[0]["start_ms"] == 0
+    for earlier, later in zip(steps, steps[1:]):
+        assert later["start_ms"] == earlier["end_ms"] >= earlier["start_ms"] + 250
+    figures = [s["devices"]["0"] for s in steps]
+    assert [f["device_class_bytes"]["parameter"] for f in figures] == [32 << 20, 0, 32 << 20, 32 << 20]
+    assert [f["bytes_to_host"] for f in figures] == [0, 32 << 20, 0, 0]
+    assert [f["bytes_to_device"] for f in figures] == [0, 0, 32 << 20, 0]
+    assert all(f["device_waited_ns"] >= 0 for f in figures)
+    limits = report["timeline"]["devices"]["0"]["limit"]
+    assert len(limits) == len(report["timeline"]["t_ms"]) and set(limits) == {512 << 20}
+
+
+def test_steps_are_recorded_without_offload_and_stay_bounded_over_a_long_run(tmp_path):
+    result = run_program("""
+        kept = lib.zeroalloc_malloc_class(32 << 20, 0, None, 2)  # gradients
+        for _ in range(1100):
+            lib.zeroalloc_step_boundary()
+    """, ZEROALLOC_REPORT=str(tmp_path / "long"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "long.json").read_text())
+    steps = report["steps"]
+    ended = [s for s in steps if s["ended"]]
+    assert len(ended) <= 512, "the step records grow with the run"
+    assert ended[0]["first_step"] == 1 and ended[-1]["last_step"] == 1100
+    for earlier, later in zip(ended, ended[1:]):  # merged neighbours: no step lost
+        assert later["first_step"] == earlier["last_step"] + 1
+    assert steps[-1]["first_step"] == 1101 and not steps[-1]["ended"]
+    figures = steps[-1]["devices"]["0"]
+    assert figures["device_class_bytes"]["gradient"] == 32 << 20
+    assert figures["bytes_to_host"] == 0 and report["devices"][0]["offload"] is None
+    # A device's limit without ZEROALLOC_MEMORY_LIMIT: its whole memory.
+    assert set(report["timeline"]["devices"]["0"]["limit"]) == \
+        {report["devices"][0]["stats"]["limit_bytes"]}
+
+
+def test_a_run_that_marks_no_steps_has_none(tmp_path):
+    run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    assert json.loads((tmp_path / "r.json").read_text())["steps"] == []
