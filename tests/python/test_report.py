@@ -6,9 +6,11 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -322,3 +324,98 @@ def test_steps_are_recorded_without_offload_and_stay_bounded_over_a_long_run(tmp
 def test_a_run_that_marks_no_steps_has_none(tmp_path):
     run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
     assert json.loads((tmp_path / "r.json").read_text())["steps"] == []
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Width, height and the RGB pixels of an 8-bit RGB or RGBA PNG (what Chromium writes),
+    decoded with the standard library."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    offset, compressed, header = 8, b"", None
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset:offset + 4])
+        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            compressed += body
+        offset += 12 + length
+    width, height, depth, colour, _, _, interlace = header
+    assert depth == 8 and colour in (2, 6) and interlace == 0, header
+    channels = 3 if colour == 2 else 4
+    raw = zlib.decompress(compressed)
+    stride = width * channels
+    rows, previous = [], bytearray(stride)
+    for r in range(height):
+        start = r * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up = previous[i]
+            up_left = previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + up) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 0xFF
+            elif kind == 4:
+                estimate = left + up - up_left
+                nearest = min((abs(estimate - left), 0, left), (abs(estimate - up), 1, up),
+                              (abs(estimate - up_left), 2, up_left))[2]
+                line[i] = (line[i] + nearest) & 0xFF
+        rows.append(line)
+        previous = line
+    pixels = [tuple(row[i:i + 3]) for row in rows for i in range(0, stride, channels)]
+    return width, height, pixels
+
+
+def test_page_draws_the_limit_and_the_steps_in_a_screenshot(tmp_path):
+    """A run of several steps under a limit, opened in headless Chromium as a user would: the
+    script runs without error, the limit is a red dashed line on the timeline with a marker
+    where each step begins, both axes name their units, the steps table has a row per step,
+    and the screenshot shows the limit's red."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("skipped: chromium is not installed (apt-get install chromium)")
+    result = run_program("""
+        MiB = 1 << 20
+        states = lib.zeroalloc_malloc_class(48 * MiB, 0, None, 3)   # optimizer states
+        for step in range(5):
+            activations = [lib.zeroalloc_malloc(16 * MiB, 0, None) for _ in range(2 + step % 3)]
+            time.sleep(0.25)
+            for pointer in activations:
+                lib.zeroalloc_free(pointer, 0, 0, None)
+            if step == 2:
+                assert lib.zeroalloc_offload(states, 1) == 0, zeroalloc._library.last_error()
+            lib.zeroalloc_step_boundary()
+        time.sleep(0.2)
+    """, ZEROALLOC_REPORT=str(tmp_path / "run"), ZEROALLOC_MEMORY_LIMIT="160MiB", **OFFLOAD)
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "run.html").as_uri()
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--window-size=1280,1300"]
+    dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True,
+                         timeout=120).stdout
+    failure = re.search(r'<html[^>]*data-script-error="([^"]*)"', dom)
+    assert failure is None, f"the page's script failed: {failure and failure.group(1)}"
+    assert re.search(r'data-points-drawn="[1-9]', dom), "the page's script did not finish:\n" + dom[-2000:]
+    assert re.search(r'<polyline[^>]*class="limit-line"[^>]*data-limit-bytes="167772160"', dom)
+    assert 'data-on-scale="true"' in dom
+    assert 'data-step-markers="5"' in dom  # steps 2 to 6 begin on the timeline
+    assert all(f'class="step-marker" data-step="{step}"' in dom for step in range(2, 7))
+    assert "time since zeroalloc started (s)" in dom and "memory (MiB)" in dom
+    assert 'data-step-rows="6"' in dom and "6 (under way)" in dom
+    third = re.search(r'<tr><td>3</td>(.*?)</tr>', dom).group(1)
+    cells = re.findall(r"<td>([^<]*)</td>", third)
+    assert cells[-3:-1] == ["48.00 MiB", "0 B"], cells  # step 3 moved the states to the host
+
+    screenshot = tmp_path / "run.png"
+    shot = subprocess.run([*flags, f"--screenshot={screenshot}", page], capture_output=True,
+                          text=True, timeout=120)
+    assert screenshot.exists(), shot.stderr[-2000:]
+    width, height, pixels = png_pixels(screenshot)
+    assert (width, height) == (1280, 1300)
+    limit_red = sum(1 for r, g, b in pixels if abs(r - 214) < 24 and g < 80 and b < 80)
+    assert limit_red > 400, f"only {limit_red} pixels of the limit's red in {screenshot}"
+    assert len(set(pixels)) > 50, "the screenshot is blank"
