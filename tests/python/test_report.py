@@ -296,6 +296,11 @@ def test_reports_show_per_step_what_was_resident_what_moved_and_the_limit(tmp_pa
     assert all(f["device_waited_ns"] >= 0 for f in figures)
     limits = report["timeline"]["devices"]["0"]["limit"]
     assert len(limits) == len(report["timeline"]["t_ms"]) and set(limits) == {512 << 20}
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                              str(tmp_path / "steps.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True, timeout=60)
+    assert "steps: 3 ended, the last at" in summary.stdout, summary.stdout + summary.stderr
 
 
 def test_steps_are_recorded_without_offload_and_stay_bounded_over_a_long_run(tmp_path):

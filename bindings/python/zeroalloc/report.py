@@ -54,6 +54,10 @@ def summary(report: dict) -> str:
                          f"at {allocation['address']:#x}")
     samples = len(report["timeline"]["t_ms"])
     lines.append(f"timeline: {samples} samples")
+    ended = [step for step in report.get("steps", []) if step["ended"]]  # none in older reports
+    if ended:
+        lines.append(f"steps: {ended[-1]['last_step']} ended, the last at "
+                     f"{ended[-1]['end_ms'] / 1000:.2f} s (the page has a table per step)")
     return "\n".join(lines)
 
 
