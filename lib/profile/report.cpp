@@ -223,9 +223,14 @@ reporter::step_record reporter::step_since_boundary(const std::vector<device_rea
     device_step did;
     did.ordinal = reading.ordinal;
     did.device_class_bytes = reading.device_class_bytes;
-    did.bytes_to_host = reading.tier.bytes_to_host - before.bytes_to_host;
-    did.bytes_to_device = reading.tier.bytes_to_device - before.bytes_to_device;
-    did.device_waited_ns = reading.tier.device_waited_ns - before.device_waited_ns;
+    // Never below zero: a report's reading of the step under way may be older than a
+    // boundary another thread recorded meanwhile.
+    const auto since = [](std::uint64_t now, std::uint64_t then) {
+      return now > then ? now - then : 0;
+    };
+    did.bytes_to_host = since(reading.tier.bytes_to_host, before.bytes_to_host);
+    did.bytes_to_device = since(reading.tier.bytes_to_device, before.bytes_to_device);
+    did.device_waited_ns = since(reading.tier.device_waited_ns, before.device_waited_ns);
     step.devices.push_back(did);
   }
   return step;

@@ -6,10 +6,11 @@
 // out of memory, and on SIGUSR1.
 //
 // Note [Step records]: a program that trains says where each step ends
-// (zeroalloc_step_boundary, which zeroalloc.torch's optimizer step calls). The reporter then
-// records the moment and, per device, what each allocation class holds on the device and
-// the offload tier's counters, so that a report shows per step what was resident, what
-// moved each way and how long the device waited for it. Steps are where programs repeat
+// (zeroalloc_step_boundary, which the optimizer step of zeroalloc.torch.offload() calls, and
+// which teaches the offload engine its order). The reporter then records the moment and, per
+// device, what each allocation class holds on the device and the offload tier's counters, so
+// that a report shows per step what was resident, what moved each way and how long the
+// device waited for it. Steps are where programs repeat
 // themselves: a difference between two steps is what a user looks for. The records are
 // bounded as the timeline is: past kMaxStepRecords, neighbours merge (steps 1-2, 3-4, ...)
 // and later records each cover as many steps.
