@@ -364,6 +364,7 @@ replay_result replay_through_zeroalloc(const std::vector<trace_event>& events, i
                                 streams[static_cast<std::size_t>(event.stream)]);
         break;
       case trace_event::step_end:
+        zeroalloc_step_boundary();  // the offload engine learns the order; reports mark steps
         end_step(true);
         break;
     }

@@ -242,7 +242,10 @@ void zeroalloc_use_in_place_many(const void* const* pointers, size_t count,
                                  zeroalloc_stream_t stream);
 void zeroalloc_use_ends_many(const void* const* pointers, size_t count, zeroalloc_stream_t stream);
 
-/** Hint: a training step ended; the access order recorded during it becomes the learned one. */
+/** Hint: a training step ended; the access order recorded during it becomes the learned one.
+ * A memory report (ZEROALLOC_REPORT) marks the boundary on its timeline and shows per step
+ * what each allocation class held on the device, what moved and how long the device waited;
+ * also without offload. */
 void zeroalloc_step_boundary(void);
 
 /**

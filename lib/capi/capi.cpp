@@ -448,6 +448,11 @@ ZA_EXPORT void zeroalloc_step_boundary(void) {
     for (zeroalloc::caching_allocator* each : started.started_allocators()) {
       if (auto* engine = started.engine(each->backing().ordinal())) engine->step_boundary();
     }
+    // Note [Step records] in profile/report.hpp: also without offload.
+    if (zeroalloc::reporter* active = started.memory_reporter();
+        active != nullptr && started.reporting_process()) {
+      active->step_ended();
+    }
   });
 }
 

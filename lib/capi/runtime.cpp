@@ -53,6 +53,18 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
             ordinal < kMaxDevices ? engines_[ordinal].load(std::memory_order_acquire) : nullptr;
         return engine != nullptr ? engine->mover().figures().host_resident_bytes : 0;
       };
+      tiers.counters = [this](int ordinal) {
+        reporter::tier_counters counters;
+        offload_engine* engine =
+            ordinal < kMaxDevices ? engines_[ordinal].load(std::memory_order_acquire) : nullptr;
+        if (engine == nullptr) return counters;
+        const migration_figures moved = engine->mover().figures();
+        counters.host_resident_class_bytes = moved.host_resident_class_bytes;
+        counters.bytes_to_host = moved.bytes_to_host;
+        counters.bytes_to_device = moved.bytes_to_device;
+        counters.device_waited_ns = engine->figures().device_waited_ns;
+        return counters;
+      };
     }
     reporter_ = std::make_unique<reporter>(
         prefix, [this] { return started_allocators(); }, std::move(shown), 200, std::move(tiers));

@@ -11,10 +11,10 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <nlohmann/json.hpp>
 
 #include "alloc/caching_allocator.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/passthrough.hpp"
 #include "core/units.hpp"
@@ -25,8 +25,12 @@ extern const char* const kReportTemplate;  // report_template.cpp, generated fro
 
 namespace {
 
+// Objects keep the order they are written in: the JSON reads top-down like the page.
+using json = nlohmann::ordered_json;
+
 constexpr std::size_t kMaxSamples = 4096;
-constexpr std::uint64_t kWake = 1;  // SIGUSR1 or stop(); g_signal_pending tells which
+constexpr std::size_t kMaxStepRecords = 512;  // Note [Step records]
+constexpr std::uint64_t kWake = 1;            // SIGUSR1 or stop(); g_signal_pending tells which
 
 // The eventfd the SIGUSR1 handler writes to: a handler may only do async-signal-safe work.
 std::atomic<int> g_signal_fd{-1};
@@ -77,6 +81,13 @@ std::optional<std::string> write_file(const std::string& path, const std::string
     return detail::concat(path, ": ", std::strerror(errno));
   }
   return std::nullopt;
+}
+
+// A JSON text another part of the library wrote (statistics, offload figures), as a value;
+// the text as a string should it not parse, so that the rest of the report still comes.
+json embedded(const std::string& text) {
+  json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return parsed.is_discarded() ? json(text) : parsed;
 }
 
 }  // namespace
@@ -161,7 +172,10 @@ void reporter::take_sample() {
     auto found = std::find_if(samples_.begin(), samples_.end(),
                               [&](const auto& entry) { return entry.first == ordinal; });
     if (found == samples_.end()) {
-      samples_.emplace_back(ordinal, std::vector<sample>(times_ms_.size() - 1));
+      // Nothing was held before the device started; its limit was the one it starts with.
+      sample before_start;
+      before_start.limit = static_cast<std::int64_t>(each->limit_bytes());
+      samples_.emplace_back(ordinal, std::vector<sample>(times_ms_.size() - 1, before_start));
       found = std::prev(samples_.end());
     }
     const stats_snapshot figures = each->stats();
@@ -169,6 +183,7 @@ void reporter::take_sample() {
     taken.allocated = figures.total.allocated_bytes.current;
     taken.reserved = figures.total.reserved_bytes.current;
     taken.device = static_cast<std::int64_t>(each->held_bytes());
+    taken.limit = static_cast<std::int64_t>(each->limit_bytes());
     if (tiers_.host_resident_bytes) {
       taken.host = static_cast<std::int64_t>(tiers_.host_resident_bytes(ordinal));
     }
@@ -176,64 +191,192 @@ void reporter::take_sample() {
   }
 }
 
-std::string reporter::build_json(const std::string& reason) const {
-  std::string out = detail::concat(
-      "{\"version\":", json_quote(ZEROALLOC_VERSION), ",\"reason\":", json_quote(reason),
-      ",\"time\":", json_quote(timestamp()), ",\"pid\":", ::getpid(), ",\"settings\":{");
-  const char* separator = "";
-  for (const auto& [name, value] : settings_) {
-    out += detail::concat(separator, json_quote(name), ":", json_quote(value));
-    separator = ",";
+std::vector<reporter::device_reading> reporter::read_devices() const {
+  std::vector<device_reading> readings;
+  for (caching_allocator* each : allocators_()) {
+    device_reading reading;
+    reading.ordinal = each->backing().ordinal();
+    if (tiers_.counters) reading.tier = tiers_.counters(reading.ordinal);
+    for (const allocation_class cls : kAllocationClasses) {
+      const std::size_t slot = class_index(cls);
+      // A class's segments are on the device but for the chunks moved to the host.
+      reading.device_class_bytes[slot] = std::max<std::int64_t>(
+          0, each->reserved_bytes(cls) -
+                 static_cast<std::int64_t>(reading.tier.host_resident_class_bytes[slot]));
+    }
+    readings.push_back(reading);
   }
-  out += "},\"devices\":[";
-  separator = "";
+  return readings;
+}
+
+reporter::step_record reporter::step_since_boundary(const std::vector<device_reading>& readings,
+                                                    std::int64_t now) const {
+  step_record step;
+  step.first_step = step.last_step = steps_.empty() ? 1 : steps_.back().last_step + 1;
+  step.start_ms = steps_.empty() ? 0 : steps_.back().end_ms;
+  step.end_ms = now;
+  for (const device_reading& reading : readings) {
+    tier_counters before;  // zero: the device started during this step
+    for (const device_reading& earlier : at_last_boundary_) {
+      if (earlier.ordinal == reading.ordinal) before = earlier.tier;
+    }
+    device_step did;
+    did.ordinal = reading.ordinal;
+    did.device_class_bytes = reading.device_class_bytes;
+    // Never below zero: a report's reading of the step under way may be older than a
+    // boundary another thread recorded meanwhile.
+    const auto since = [](std::uint64_t now, std::uint64_t then) {
+      return now > then ? now - then : 0;
+    };
+    did.bytes_to_host = since(reading.tier.bytes_to_host, before.bytes_to_host);
+    did.bytes_to_device = since(reading.tier.bytes_to_device, before.bytes_to_device);
+    did.device_waited_ns = since(reading.tier.device_waited_ns, before.device_waited_ns);
+    step.devices.push_back(did);
+  }
+  return step;
+}
+
+void reporter::step_ended() noexcept {
+  try {
+    const std::vector<device_reading> readings = read_devices();
+    std::lock_guard lock(mutex_);
+    step_record step = step_since_boundary(readings, now_ms() - started_ms_);
+    at_last_boundary_ = readings;
+    // `later` (the steps right after `into`'s) joins `into`: the traffic adds up, what is
+    // resident is what it was at the end.
+    const auto merge = [](step_record& into, const step_record& later) {
+      into.last_step = later.last_step;
+      into.end_ms = later.end_ms;
+      for (const device_step& did : later.devices) {
+        auto found =
+            std::find_if(into.devices.begin(), into.devices.end(),
+                         [&](const device_step& each) { return each.ordinal == did.ordinal; });
+        if (found == into.devices.end()) {
+          into.devices.push_back(did);
+          continue;
+        }
+        found->device_class_bytes = did.device_class_bytes;
+        found->bytes_to_host += did.bytes_to_host;
+        found->bytes_to_device += did.bytes_to_device;
+        found->device_waited_ns += did.device_waited_ns;
+      }
+    };
+    if (!steps_.empty() &&
+        steps_.back().last_step - steps_.back().first_step + 1 < steps_per_record_) {
+      merge(steps_.back(), step);
+    } else {
+      steps_.push_back(std::move(step));
+    }
+    if (steps_.size() > kMaxStepRecords) {
+      // Neighbours merge, and later records each cover as many steps.
+      std::size_t kept = 0;
+      for (std::size_t i = 0; i < steps_.size(); i += 2, ++kept) {
+        step_record joined = std::move(steps_[i]);
+        if (i + 1 < steps_.size()) merge(joined, steps_[i + 1]);
+        steps_[kept] = std::move(joined);
+      }
+      steps_.resize(kept);
+      steps_per_record_ *= 2;
+    }
+  } catch (const std::exception& failure) {
+    log().warn("report: recording a step failed: {}", failure.what());
+  } catch (...) {
+  }
+}
+
+std::string reporter::build_json(const std::string& reason) const {
+  json report;
+  report["version"] = ZEROALLOC_VERSION;
+  report["reason"] = reason;
+  report["time"] = timestamp();
+  report["pid"] = ::getpid();
+  // Each part is built whole, then added: a reference into `report` would dangle once a
+  // later key is added (an ordered_json object is a vector).
+  json settings = json::object();
+  for (const auto& [name, value] : settings_) settings[name] = value;
+  report["settings"] = std::move(settings);
+  json devices = json::array();
   for (caching_allocator* each : allocators_()) {
     const int ordinal = each->backing().ordinal();
-    out +=
-        detail::concat(separator, "{\"device\":", ordinal, ",\"stats\":", each->stats_json(),
-                       ",\"offload\":", tiers_.offload_json ? tiers_.offload_json(ordinal) : "null",
-                       ",\"largest_allocations\":[");
-    const char* inner = "";
+    json largest = json::array();
     for (const auto& record : each->largest_allocations(20)) {
-      out += detail::concat(inner, "{\"address\":", record.address, ",\"size\":", record.bytes,
-                            ",\"class\":", json_quote(class_name(record.cls)), "}");
-      inner = ",";
+      largest.push_back({{"address", record.address},
+                         {"size", record.bytes},
+                         {"class", std::string(class_name(record.cls))}});
     }
-    out += "]}";
-    separator = ",";
+    devices.push_back(
+        {{"device", ordinal},
+         {"stats", embedded(each->stats_json())},
+         {"offload", tiers_.offload_json ? embedded(tiers_.offload_json(ordinal)) : json()},
+         {"largest_allocations", std::move(largest)}});
   }
+  report["devices"] = std::move(devices);
+  report["passthrough"] = embedded(passthrough_json());
+  const std::vector<device_reading> readings = read_devices();  // before the lock
   std::lock_guard lock(mutex_);
-  out +=
-      detail::concat("],\"passthrough\":", passthrough_json(), ",\"last_out_of_memory\":",
-                     last_out_of_memory_.empty() ? "null" : last_out_of_memory_, ",\"timeline\":{");
-  out += detail::concat("\"interval_ms\":", interval_ms_.load(), ",\"t_ms\":[");
-  for (std::size_t i = 0; i < times_ms_.size(); ++i)
-    out += detail::concat(i ? "," : "", times_ms_[i]);
-  out += "],\"devices\":{";
-  separator = "";
+  report["last_out_of_memory"] =
+      last_out_of_memory_
+          ? json{{"time", last_out_of_memory_->time}, {"message", last_out_of_memory_->message}}
+          : json();
+  json timeline;
+  timeline["interval_ms"] = interval_ms_.load();
+  timeline["t_ms"] = times_ms_;
+  json series_by_device = json::object();
   for (const auto& [ordinal, series] : samples_) {
-    std::string allocated;
-    std::string reserved;
-    std::string device;
-    std::string host;
+    json allocated = json::array();
+    json reserved = json::array();
+    json device = json::array();
+    json host = json::array();
+    json limit = json::array();
     bool offloaded = false;
-    for (std::size_t i = 0; i < series.size(); ++i) {
-      const char* comma = i ? "," : "";
-      allocated += detail::concat(comma, series[i].allocated);
-      reserved += detail::concat(comma, series[i].reserved);
-      device += detail::concat(comma, series[i].device);
-      host += detail::concat(comma, series[i].host);
-      offloaded = offloaded || series[i].host != 0;
+    for (const sample& each : series) {
+      allocated.push_back(each.allocated);
+      reserved.push_back(each.reserved);
+      device.push_back(each.device);
+      host.push_back(each.host);
+      limit.push_back(each.limit);
+      offloaded = offloaded || each.host != 0;
     }
     // "device": physical device memory held; "host": bytes offloaded to host memory, shown
     // when anything was.
-    out += detail::concat(separator, "\"", ordinal, "\":{\"allocated\":[", allocated,
-                          "],\"reserved\":[", reserved, "],\"device\":[", device, "]");
-    if (offloaded) out += detail::concat(",\"host\":[", host, "]");
-    out += "}";
-    separator = ",";
+    json of_device;
+    of_device["allocated"] = std::move(allocated);
+    of_device["reserved"] = std::move(reserved);
+    of_device["device"] = std::move(device);
+    if (offloaded) of_device["host"] = std::move(host);
+    of_device["limit"] = std::move(limit);
+    series_by_device[std::to_string(ordinal)] = std::move(of_device);
   }
-  return out + "}}}";
+  timeline["devices"] = std::move(series_by_device);
+  report["timeline"] = std::move(timeline);
+  // Note [Step records]: the steps that ended, then the one under way (when steps are known).
+  const auto step_json = [](const step_record& step, bool ended) {
+    json of_devices = json::object();
+    for (const device_step& did : step.devices) {
+      json resident = json::object();
+      for (const allocation_class cls : kAllocationClasses)
+        resident[std::string(class_name(cls))] = did.device_class_bytes[class_index(cls)];
+      of_devices[std::to_string(did.ordinal)] = {{"device_class_bytes", std::move(resident)},
+                                                 {"bytes_to_host", did.bytes_to_host},
+                                                 {"bytes_to_device", did.bytes_to_device},
+                                                 {"device_waited_ns", did.device_waited_ns}};
+    }
+    return json{{"first_step", step.first_step},
+                {"last_step", step.last_step},
+                {"start_ms", step.start_ms},
+                {"end_ms", step.end_ms},
+                {"ended", ended},
+                {"devices", std::move(of_devices)}};
+  };
+  json steps = json::array();
+  for (const step_record& step : steps_) steps.push_back(step_json(step, true));
+  if (!steps_.empty()) {
+    steps.push_back(step_json(step_since_boundary(readings, now_ms() - started_ms_), false));
+  }
+  report["steps"] = std::move(steps);
+  // Strings the library did not make (settings, device names) may hold bytes that are not
+  // UTF-8: replaced, not an exception that would lose the report.
+  return report.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::optional<std::string> reporter::render_file(const std::string& json_path,
@@ -271,8 +414,7 @@ std::string reporter::render_html(std::string_view report_json) {
 void reporter::out_of_memory(const std::string& message) {
   {
     std::lock_guard lock(mutex_);
-    last_out_of_memory_ = detail::concat("{\"time\":", json_quote(timestamp()),
-                                         ",\"message\":", json_quote(message), "}");
+    last_out_of_memory_ = out_of_memory_note{timestamp(), message};
     // Frameworks probe (cuDNN tries workspace sizes until one fits): one report per
     // burst of failures, not one per failure.
     const std::int64_t now = now_ms();

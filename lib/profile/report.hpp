@@ -1,10 +1,22 @@
 // Memory reports (ZEROALLOC_REPORT=path/prefix): prefix.json with the settings, per-device
-// and per-class figures, a sampled timeline of allocated and reserved bytes and the largest
-// live allocations; prefix.html, one self-contained page (no network) that draws the
-// timeline and the tables from that JSON; and a short summary in the log. Written at exit,
-// when an allocation fails out of memory, and on SIGUSR1.
+// and per-class figures, a sampled timeline of allocated and reserved bytes and of the limit
+// in force, the training steps (Note [Step records]) and the largest live allocations;
+// prefix.html, one self-contained page (no network) that draws the timeline and the tables
+// from that JSON; and a short summary in the log. Written at exit, when an allocation fails
+// out of memory, and on SIGUSR1.
+//
+// Note [Step records]: a program that trains says where each step ends
+// (zeroalloc_step_boundary, which the optimizer step of zeroalloc.torch.offload() calls, and
+// which teaches the offload engine its order). The reporter then records the moment and, per
+// device, what each allocation class holds on the device and the offload tier's counters, so
+// that a report shows per step what was resident, what moved each way and how long the
+// device waited for it. Steps are where programs repeat
+// themselves: a difference between two steps is what a user looks for. The records are
+// bounded as the timeline is: past kMaxStepRecords, neighbours merge (steps 1-2, 3-4, ...)
+// and later records each cover as many steps.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -16,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "alloc/allocation_class.hpp"
+
 namespace zeroalloc {
 
 class caching_allocator;
@@ -26,12 +40,23 @@ class reporter {
   using allocator_list = std::function<std::vector<caching_allocator*>()>;
   /// Variable name and value of every setting the report shows.
   using settings_list = std::vector<std::pair<std::string, std::string>>;
+  /// A device's offload tier as a step record reads it: what it holds now, and its
+  /// counters since the start.
+  struct tier_counters {
+    /// Bytes of each allocation class (class_index) in host memory now.
+    std::array<std::uint64_t, kAllocationClassCount> host_resident_class_bytes{};
+    std::uint64_t bytes_to_host = 0;
+    std::uint64_t bytes_to_device = 0;
+    std::uint64_t device_waited_ns = 0;  ///< streams waiting for fetched bytes
+  };
   /// The offload tiers of a device, when there are any (Note [Host budget]).
   struct tier_probe {
     /// The device's offload figures as a JSON object, or "null".
     std::function<std::string(int ordinal)> offload_json;
-    /// Bytes of the device's allocations that are in host memory now.
+    /// Bytes of the device's allocations that are in host memory now (read at each sample).
     std::function<std::uint64_t(int ordinal)> host_resident_bytes;
+    /// The device's tier counters (read at step boundaries and reports).
+    std::function<tier_counters(int ordinal)> counters;
   };
 
   reporter(std::string prefix, allocator_list allocators, settings_list settings,
@@ -45,6 +70,9 @@ class reporter {
   void start();
   /// Stops sampling (the last report is written by the caller).
   void stop();
+
+  /// A training step ended and the next begins now (Note [Step records]). Never throws.
+  void step_ended() noexcept;
 
   /// Writes prefix.json and prefix.html now and logs the summary. Never throws. Returns
   /// the failure (naming the path and what to do) when a file could not be written; the
@@ -67,11 +95,42 @@ class reporter {
   void sample_loop();
   void take_sample();
 
+  /// One device at a step boundary, or at a report for the step under way.
+  struct device_reading {
+    int ordinal = 0;
+    std::array<std::int64_t, kAllocationClassCount> device_class_bytes{};  // reserved on device
+    tier_counters tier;
+  };
+  /// Reads every started device; takes no lock of the reporter's (the tiers take theirs).
+  [[nodiscard]] std::vector<device_reading> read_devices() const;
+  /// What a device did during a step (or during several merged, Note [Step records]).
+  struct device_step {
+    int ordinal = 0;
+    std::array<std::int64_t, kAllocationClassCount> device_class_bytes{};  // at the step's end
+    std::uint64_t bytes_to_host = 0;
+    std::uint64_t bytes_to_device = 0;
+    std::uint64_t device_waited_ns = 0;
+  };
+  struct step_record {
+    std::uint64_t first_step = 0;  // counted from 1
+    std::uint64_t last_step = 0;
+    std::int64_t start_ms = 0;  // since the reporter started, as the timeline's times
+    std::int64_t end_ms = 0;
+    std::vector<device_step> devices;
+  };
+  /// The step from the last boundary to `reading`, at `now_ms`; mutex_ held.
+  [[nodiscard]] step_record step_since_boundary(const std::vector<device_reading>& reading,
+                                                std::int64_t now_ms) const;
+
   const std::string prefix_;
   const allocator_list allocators_;
   const settings_list settings_;
   std::atomic<unsigned> interval_ms_;
-  std::string last_out_of_memory_;  // JSON object, or empty
+  struct out_of_memory_note {
+    std::string time;
+    std::string message;
+  };
+  std::optional<out_of_memory_note> last_out_of_memory_;
   std::int64_t last_out_of_memory_report_ms_ = 0;
   mutable std::mutex mutex_;  // timeline and writes
   std::vector<std::uint64_t> times_ms_;
@@ -80,10 +139,15 @@ class reporter {
     std::int64_t reserved = 0;
     std::int64_t device = 0;  // physical device memory held
     std::int64_t host = 0;    // bytes offloaded to host memory
+    std::int64_t limit = 0;   // the limit in force (ZEROALLOC_MEMORY_LIMIT, or the device's total)
   };
   // device ordinal -> samples, aligned with times_ms_
   std::vector<std::pair<int, std::vector<sample>>> samples_;
   const tier_probe tiers_;
+  std::vector<step_record> steps_;
+  std::uint64_t steps_per_record_ = 1;
+  std::uint64_t steps_ended_ = 0;
+  std::vector<device_reading> at_last_boundary_;  // at the start when no step has ended
   std::int64_t started_ms_ = 0;
   std::atomic<bool> stopping_{false};
   int wake_fd_ = -1;  // eventfd: SIGUSR1 and stop() wake the sampler

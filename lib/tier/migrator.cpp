@@ -9,6 +9,9 @@
 namespace zeroalloc {
 namespace {
 
+// A chunk_info's class (an int) as an index of the figures by class.
+std::size_t class_slot(int cls) { return class_index(static_cast<allocation_class>(cls)); }
+
 constexpr std::size_t kStagingSlots = 8;  // fetches whose copies may be in flight at once
 
 std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
@@ -234,7 +237,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
   {
     std::lock_guard lock(mutex_);
     auto found = on_host_.find(address);
-    if (found != on_host_.end()) host = found->second;
+    if (found != on_host_.end()) host = found->second.host;
   }
   if (!host.valid()) {  // its segment went while the claim was being made
     release_claim(address);
@@ -433,11 +436,12 @@ void migrator::finish(transfer& done) {
   figures_.remap_ns += remap_ns;
   if (done.to_host) {
     bytes_leaving_device_ -= bytes;
-    on_host_[address] = done.host;
+    on_host_[address] = {done.host, done.chunk.allocation_class};
     host_owner_[{done.host.handle.value, done.host.handle.offset}] = address;
     ++figures_.chunks_to_host;
     figures_.bytes_to_host += bytes;
     figures_.host_resident_bytes += bytes;
+    figures_.host_resident_class_bytes[class_slot(done.chunk.allocation_class)] += bytes;
   }
   if (verify_) ++figures_.verified_chunks;
   spare_events_.push_back(std::exchange(done.copied, nullptr));
@@ -587,6 +591,8 @@ void migrator::forget_host_copy(transfer& fetched) {
   ++figures_.chunks_to_device;
   figures_.bytes_to_device += fetched.chunk.handle.bytes;
   figures_.host_resident_bytes -= fetched.chunk.handle.bytes;
+  figures_.host_resident_class_bytes[class_slot(fetched.chunk.allocation_class)] -=
+      fetched.chunk.handle.bytes;
 }
 
 void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped) {
@@ -618,7 +624,9 @@ void migrator::return_host_chunk(physical_handle handle) {
       log().warn("offload: a host chunk of {} came back that no migration recorded; pooled",
                  format_bytes(handle.bytes));
     } else {
-      chunk = on_host_.at(owner->second);
+      const chunk_on_host& away = on_host_.at(owner->second);
+      chunk = away.host;
+      figures_.host_resident_class_bytes[class_slot(away.allocation_class)] -= handle.bytes;
       on_host_.erase(owner->second);
       host_owner_.erase(owner);
       figures_.host_resident_bytes -= handle.bytes;

@@ -39,6 +39,7 @@
 // training step remaps nothing (bench/RESULTS.md, the Llama runs).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -65,10 +66,12 @@ struct migration_figures {
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_to_device = 0;
   std::uint64_t host_resident_bytes = 0;  ///< bytes of live chunks on the host now
-  std::uint64_t waits = 0;                ///< wait_until_settled calls that had to wait
-  std::uint64_t waited_ns = 0;            ///< time they waited
-  std::uint64_t verified_chunks = 0;      ///< ZEROALLOC_VERIFY checks passed
-  std::uint64_t remap_ns = 0;             ///< time spent remapping chunks (all threads)
+  /// ... by allocation class (class_index), for reports
+  std::array<std::uint64_t, kAllocationClassCount> host_resident_class_bytes{};
+  std::uint64_t waits = 0;            ///< wait_until_settled calls that had to wait
+  std::uint64_t waited_ns = 0;        ///< time they waited
+  std::uint64_t verified_chunks = 0;  ///< ZEROALLOC_VERIFY checks passed
+  std::uint64_t remap_ns = 0;         ///< time spent remapping chunks (all threads)
 };
 
 class migrator {
@@ -192,7 +195,11 @@ class migrator {
   std::deque<transfer> in_flight_;  // in request order; the worker finishes them in order
   std::unordered_map<std::uintptr_t, residency> moving_;       // chunk address -> direction
   std::unordered_map<std::uintptr_t, event_handle> arriving_;  // remapped early: copy event
-  std::unordered_map<std::uintptr_t, host_chunk> on_host_;     // chunk address -> host chunk
+  struct chunk_on_host {
+    host_chunk host;
+    int allocation_class = 0;  // the chunk's, for the figures by class
+  };
+  std::unordered_map<std::uintptr_t, chunk_on_host> on_host_;  // chunk address -> its host copy
   // host slice (slab handle, offset) -> chunk address
   std::map<std::pair<std::uint64_t, std::size_t>, std::uintptr_t> host_owner_;
   migration_figures figures_;

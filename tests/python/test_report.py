@@ -6,9 +6,11 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ def run_program(body: str, **environment) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim", **environment}
     code = textwrap.dedent(PROGRAM_PRELUDE) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          errors="replace", timeout=120)
 
 
 def test_report_at_exit_holds_figures_timeline_and_largest_allocations(tmp_path):
@@ -138,6 +140,7 @@ def test_unwritable_report_path_warns_and_the_program_goes_on():
 
 def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
     run_program("kept = lib.zeroalloc_malloc(3 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    written_by_the_library = (tmp_path / "r.html").read_bytes()
     (tmp_path / "r.html").unlink()
     result = subprocess.run([sys.executable, "-m", "zeroalloc", "report", str(tmp_path / "r.json")],
                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
@@ -145,7 +148,36 @@ def test_report_command_prints_the_summary_and_rebuilds_the_page(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "because of: exit" in result.stdout
     assert "live: 3.00 MiB (other)" in result.stdout
-    assert (tmp_path / "r.html").exists()
+    assert (tmp_path / "r.html").read_bytes() == written_by_the_library, \
+        "the rebuilt page differs from the one the library wrote (one template, one rendering)"
+
+
+def test_report_command_rebuilds_the_page_without_the_native_library(tmp_path):
+    """The package renders the page itself, from its own template: an installed copy of the
+    package, with no libzeroalloc.so to be found, rebuilds it and never maps the library."""
+    run_program("kept = lib.zeroalloc_malloc(3 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    written_by_the_library = (tmp_path / "r.html").read_bytes()
+    (tmp_path / "r.html").unlink()
+    installed = tmp_path / "site-packages"
+    shutil.copytree(PACKAGE / "zeroalloc", installed / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    code = textwrap.dedent(f"""
+        import sys
+        from zeroalloc import report
+        status = report.main([{str(tmp_path / "r.json")!r}])
+        mapped = open("/proc/self/maps").read()
+        print("library mapped:", "libzeroalloc" in mapped)
+        sys.exit(status)
+    """)
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("LD_PRELOAD", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                            env={**environment, "PYTHONPATH": str(installed),
+                                 "ZEROALLOC_LIBRARY": str(tmp_path / "absent" / "libzeroalloc.so")},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "library mapped: False" in result.stdout
+    assert (tmp_path / "r.html").read_bytes() == written_by_the_library
 
 
 def test_report_command_says_what_is_wrong_with_a_file_that_is_not_a_report(tmp_path):
@@ -216,3 +248,179 @@ def test_without_offload_the_timeline_has_no_host_series(tmp_path):
     assert report["devices"][0]["offload"] is None
     assert "host" not in report["timeline"]["devices"]["0"]
     assert "device" in report["timeline"]["devices"]["0"]
+
+
+def test_a_setting_that_is_not_utf8_still_gives_a_readable_report(tmp_path):
+    """Settings come from the environment, where any bytes may stand: the report stays valid
+    UTF-8 JSON (the bytes replaced) that the page inlines."""
+    prefix = tmp_path / "run-\udcff"  # the byte 0xff in the file name
+    result = run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)",
+                         ZEROALLOC_REPORT=str(prefix))
+    assert result.returncode == 0, result.stderr
+    written = Path(f"{prefix}.json").read_bytes()
+    report = json.loads(written.decode("utf-8"))  # strict: valid UTF-8
+    assert report["settings"]["ZEROALLOC_REPORT"].endswith("run-\ufffd")
+    assert written.decode("utf-8") in Path(f"{prefix}.html").read_bytes().decode("utf-8")
+
+
+def test_reports_show_per_step_what_was_resident_what_moved_and_the_limit(tmp_path):
+    """Each step boundary (zeroalloc_step_boundary) starts a step: the report says, per step,
+    what each class held on the device at its end and what moved each way during it; the
+    timeline samples the limit in force."""
+    result = run_program("""
+        MiB = 1 << 20
+        parameters = lib.zeroalloc_malloc_class(32 * MiB, 0, None, 1)
+        assert parameters, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 1: allocated
+        assert lib.zeroalloc_offload(parameters, 1) == 0, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 2: to the host
+        assert lib.zeroalloc_fetch(parameters, 1) == 0, zeroalloc._library.last_error()
+        time.sleep(0.3)
+        lib.zeroalloc_step_boundary()                               # step 3: back
+        time.sleep(0.3)                                             # step 4, under way at exit
+    """, ZEROALLOC_REPORT=str(tmp_path / "steps"), ZEROALLOC_MEMORY_LIMIT="512MiB", **OFFLOAD)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "steps.json").read_text())
+    steps = report["steps"]
+    assert [(s["first_step"], s["last_step"], s["ended"]) for s in steps] == \
+        [(1, 1, True), (2, 2, True), (3, 3, True), (4, 4, False)]
+    assert steps[0]["start_ms"] == 0
+    for earlier, later in zip(steps, steps[1:]):
+        assert later["start_ms"] == earlier["end_ms"] >= earlier["start_ms"] + 250
+    figures = [s["devices"]["0"] for s in steps]
+    assert [f["device_class_bytes"]["parameter"] for f in figures] == [32 << 20, 0, 32 << 20, 32 << 20]
+    assert [f["bytes_to_host"] for f in figures] == [0, 32 << 20, 0, 0]
+    assert [f["bytes_to_device"] for f in figures] == [0, 0, 32 << 20, 0]
+    assert all(f["device_waited_ns"] >= 0 for f in figures)
+    limits = report["timeline"]["devices"]["0"]["limit"]
+    assert len(limits) == len(report["timeline"]["t_ms"]) and set(limits) == {512 << 20}
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                              str(tmp_path / "steps.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True, timeout=60)
+    assert "steps: 3 ended, the last at" in summary.stdout, summary.stdout + summary.stderr
+
+
+def test_steps_are_recorded_without_offload_and_stay_bounded_over_a_long_run(tmp_path):
+    result = run_program("""
+        kept = lib.zeroalloc_malloc_class(32 << 20, 0, None, 2)  # gradients
+        for _ in range(1100):
+            lib.zeroalloc_step_boundary()
+    """, ZEROALLOC_REPORT=str(tmp_path / "long"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "long.json").read_text())
+    steps = report["steps"]
+    ended = [s for s in steps if s["ended"]]
+    assert len(ended) <= 512, "the step records grow with the run"
+    assert ended[0]["first_step"] == 1 and ended[-1]["last_step"] == 1100
+    for earlier, later in zip(ended, ended[1:]):  # merged neighbours: no step lost
+        assert later["first_step"] == earlier["last_step"] + 1
+    assert steps[-1]["first_step"] == 1101 and not steps[-1]["ended"]
+    figures = steps[-1]["devices"]["0"]
+    assert figures["device_class_bytes"]["gradient"] == 32 << 20
+    assert figures["bytes_to_host"] == 0 and report["devices"][0]["offload"] is None
+    # A device's limit without ZEROALLOC_MEMORY_LIMIT: its whole memory.
+    assert set(report["timeline"]["devices"]["0"]["limit"]) == \
+        {report["devices"][0]["stats"]["limit_bytes"]}
+
+
+def test_a_run_that_marks_no_steps_has_none(tmp_path):
+    run_program("kept = lib.zeroalloc_malloc(1 << 20, 0, None)", ZEROALLOC_REPORT=str(tmp_path / "r"))
+    assert json.loads((tmp_path / "r.json").read_text())["steps"] == []
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Width, height and the RGB pixels of an 8-bit RGB or RGBA PNG (what Chromium writes),
+    decoded with the standard library."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    offset, compressed, header = 8, b"", None
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset:offset + 4])
+        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            compressed += body
+        offset += 12 + length
+    width, height, depth, colour, _, _, interlace = header
+    assert depth == 8 and colour in (2, 6) and interlace == 0, header
+    channels = 3 if colour == 2 else 4
+    raw = zlib.decompress(compressed)
+    stride = width * channels
+    rows, previous = [], bytearray(stride)
+    for r in range(height):
+        start = r * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up = previous[i]
+            up_left = previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + up) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 0xFF
+            elif kind == 4:
+                estimate = left + up - up_left
+                nearest = min((abs(estimate - left), 0, left), (abs(estimate - up), 1, up),
+                              (abs(estimate - up_left), 2, up_left))[2]
+                line[i] = (line[i] + nearest) & 0xFF
+        rows.append(line)
+        previous = line
+    pixels = [tuple(row[i:i + 3]) for row in rows for i in range(0, stride, channels)]
+    return width, height, pixels
+
+
+def test_page_draws_the_limit_and_the_steps_in_a_screenshot(tmp_path):
+    """A run of several steps under a limit, opened in headless Chromium as a user would: the
+    script runs without error, the limit is a red dashed line on the timeline with a marker
+    where each step begins, both axes name their units, the steps table has a row per step,
+    and the screenshot shows the limit's red."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("skipped: chromium is not installed (apt-get install chromium)")
+    result = run_program("""
+        MiB = 1 << 20
+        states = lib.zeroalloc_malloc_class(48 * MiB, 0, None, 3)   # optimizer states
+        for step in range(5):
+            activations = [lib.zeroalloc_malloc(16 * MiB, 0, None) for _ in range(2 + step % 3)]
+            time.sleep(0.25)
+            for pointer in activations:
+                lib.zeroalloc_free(pointer, 0, 0, None)
+            if step == 2:
+                assert lib.zeroalloc_offload(states, 1) == 0, zeroalloc._library.last_error()
+            lib.zeroalloc_step_boundary()
+        time.sleep(0.2)
+    """, ZEROALLOC_REPORT=str(tmp_path / "run"), ZEROALLOC_MEMORY_LIMIT="160MiB", **OFFLOAD)
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "run.html").as_uri()
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--window-size=1280,1300"]
+    dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True,
+                         timeout=120).stdout
+    failure = re.search(r'<html[^>]*data-script-error="([^"]*)"', dom)
+    assert failure is None, f"the page's script failed: {failure and failure.group(1)}"
+    assert re.search(r'data-points-drawn="[1-9]', dom), "the page's script did not finish:\n" + dom[-2000:]
+    assert re.search(r'<polyline[^>]*class="limit-line"[^>]*data-limit-bytes="167772160"', dom)
+    assert 'data-on-scale="true"' in dom
+    assert 'data-step-markers="5"' in dom  # steps 2 to 6 begin on the timeline
+    assert all(f'class="step-marker" data-step="{step}"' in dom for step in range(2, 7))
+    assert "time since zeroalloc started (s)" in dom and "memory (MiB)" in dom
+    assert 'data-step-rows="6"' in dom and "6 (under way)" in dom
+    third = re.search(r'<tr><td>3</td>(.*?)</tr>', dom).group(1)
+    cells = re.findall(r"<td>([^<]*)</td>", third)
+    assert cells[-3:-1] == ["48.00 MiB", "0 B"], cells  # step 3 moved the states to the host
+
+    screenshot = tmp_path / "run.png"
+    shot = subprocess.run([*flags, f"--screenshot={screenshot}", page], capture_output=True,
+                          text=True, timeout=120)
+    assert screenshot.exists(), shot.stderr[-2000:]
+    width, height, pixels = png_pixels(screenshot)
+    assert (width, height) == (1280, 1300)
+    limit_red = sum(1 for r, g, b in pixels if abs(r - 214) < 24 and g < 80 and b < 80)
+    assert limit_red > 400, f"only {limit_red} pixels of the limit's red in {screenshot}"
+    assert len(set(pixels)) > 50, "the screenshot is blank"

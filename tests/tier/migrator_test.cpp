@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -115,6 +116,9 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
   engine.drain();
   for (const chunk_info& chunk : chunks) EXPECT_EQ(engine.where(chunk.address), residency::host);
   EXPECT_EQ(engine.figures().host_resident_bytes, kBytes);
+  // By class too, for the report's per-step residency (Note [Step records]).
+  EXPECT_EQ(engine.figures().host_resident_class_bytes,
+            (std::array<std::uint64_t, kAllocationClassCount>{0, 0, 0, kBytes}));
   EXPECT_EQ(engine.figures().bytes_to_host, kBytes);
   EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed on the host";
   EXPECT_EQ(allocator_->arena().pooled_bytes(), kBytes) << "device chunks were not freed";
@@ -125,6 +129,8 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
   for (const chunk_info& chunk : chunks) EXPECT_EQ(engine.where(chunk.address), residency::device);
   EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed coming back";
   EXPECT_EQ(engine.figures().host_resident_bytes, 0u);
+  EXPECT_EQ(engine.figures().host_resident_class_bytes,
+            (std::array<std::uint64_t, kAllocationClassCount>{}));
   EXPECT_EQ(pool_->figures().in_use_bytes, 0u);
   allocator_->deallocate(pointer);
 }
@@ -482,10 +488,14 @@ TEST_F(MigratorTest, AFreedHostResidentAllocationGivesItsHostChunkBack) {
   for (const chunk_info& chunk : chunks_of(pointer)) ASSERT_TRUE(engine.evict_async(chunk.address));
   engine.drain();
   EXPECT_EQ(pool_->figures().in_use_bytes, 16 * MiB);
+  EXPECT_EQ(engine.figures().host_resident_class_bytes[class_index(allocation_class::gradient)],
+            16 * MiB);
   allocator_->deallocate(pointer);
   allocator_->empty_cache();
   EXPECT_EQ(pool_->figures().in_use_bytes, 0u);
   EXPECT_EQ(engine.figures().host_resident_bytes, 0u);
+  EXPECT_EQ(engine.figures().host_resident_class_bytes,
+            (std::array<std::uint64_t, kAllocationClassCount>{}));
 }
 
 TEST_F(MigratorTest, AChunkMovingOrMovedCannotBeStartedTwice) {

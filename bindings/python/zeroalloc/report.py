@@ -1,14 +1,20 @@
 """python -m zeroalloc report prefix.json: prints a report's summary and rebuilds its page
-(prefix.html) from the JSON, with the same template the library writes it with."""
+(prefix.html) from the JSON, with the same template the library writes it with
+(report_template.html, this package's data file, which the build compiles into the
+library). Loads no native library: a report can be read where zeroalloc never ran."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from importlib import resources
 from pathlib import Path
 
-from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc._stats import _format_bytes
+
+# Where the template takes the report's JSON (as in lib/profile/report.cpp).
+_JSON_MARKER = "/*ZEROALLOC_REPORT_JSON*/"
 
 
 def _peak(gauge: dict) -> int:
@@ -48,7 +54,32 @@ def summary(report: dict) -> str:
                          f"at {allocation['address']:#x}")
     samples = len(report["timeline"]["t_ms"])
     lines.append(f"timeline: {samples} samples")
+    ended = [step for step in report.get("steps", []) if step["ended"]]  # none in older reports
+    if ended:
+        lines.append(f"steps: {ended[-1]['last_step']} ended, the last at "
+                     f"{ended[-1]['end_ms'] / 1000:.2f} s (the page has a table per step)")
     return "\n".join(lines)
+
+
+def render_html(report_json: str) -> str:
+    """The page of a report: the template with the report's JSON text inlined, byte for byte
+    the page the library writes for the same JSON."""
+    template = resources.files("zeroalloc").joinpath("report_template.html").read_text(
+        encoding="utf-8")
+    # Inlined in a script element: "</" must not close it early.
+    return template.replace(_JSON_MARKER, report_json.replace("</", "<\\/"), 1)
+
+
+def write_page(json_text: str, html_path: Path) -> None:
+    """Writes the page through a temporary file and a rename, as the library does: a reader
+    never sees half a page, and a failed write leaves the previous one."""
+    temporary = html_path.with_name(f"{html_path.name}.tmp.{os.getpid()}")
+    try:
+        temporary.write_text(render_html(json_text), encoding="utf-8", errors="surrogateescape")
+        temporary.replace(html_path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str]) -> int:
@@ -57,7 +88,9 @@ def main(argv: list[str]) -> int:
         return 2
     json_path = Path(argv[0])
     try:
-        report = json.loads(json_path.read_text())
+        # As bytes: the page inlines the JSON exactly as the library wrote it.
+        json_text = json_path.read_bytes().decode("utf-8", errors="surrogateescape")
+        report = json.loads(json_text)
     except (OSError, ValueError) as failure:
         print(f"cannot read the report {json_path}: {failure}", file=sys.stderr)
         return 1
@@ -69,10 +102,8 @@ def main(argv: list[str]) -> int:
         return 1
     html_path = json_path.with_suffix(".html")
     try:
-        if library().zeroalloc_report_render(str(json_path).encode(),
-                                             str(html_path).encode()) != 0:
-            raise ZeroallocError(last_error())
-    except (ZeroallocError, OSError) as failure:
+        write_page(json_text, html_path)
+    except OSError as failure:
         print(f"the page was not rebuilt: {failure}", file=sys.stderr)
         return 1
     print(f"page: {html_path}")
