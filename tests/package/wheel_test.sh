@@ -30,8 +30,9 @@ for name in $needed; do
     || fail "$library needs $name: the wheel's library must need only glibc ($needed)"
 done
 [[ -f $site/zeroalloc-startup.pth ]] || fail "zeroalloc-startup.pth is not at the top of $site"
-"$python" -m zeroalloc summary | grep -q "simulated device" \
-  || fail "python -m zeroalloc summary did not run on the simulated device"
+summary=$("$python" -m zeroalloc summary) || fail "python -m zeroalloc summary failed"
+[[ $summary == *"simulated device"* ]] \
+  || fail "python -m zeroalloc summary did not run on the simulated device: $summary"
 allocations=$(LD_PRELOAD=$library "$python" -c '
 import zeroalloc
 lib = zeroalloc.library()
