@@ -3,7 +3,9 @@
 #include <cuda.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -101,6 +103,23 @@ bool valid_class(const zeroalloc_class& cls) {
   return value >= 0 && value < ZEROALLOC_CLASS_COUNT;
 }
 
+// CUDA's special stream handles (cudaStreamLegacy, cudaStreamPerThread) are streams to
+// CUDA, passed as they are. The simulated device has one default stream, which stands for
+// them (a fence recorded on one as if it were a stream of its own crashed it).
+bool is_special(zeroalloc_stream_t stream) {
+  const auto value = reinterpret_cast<std::uintptr_t>(stream);
+  return value == 0x1 || value == 0x2;
+}
+
+bool is_null_or_special(zeroalloc_stream_t stream) {
+  return stream == nullptr || is_special(stream);
+}
+
+zeroalloc_stream_t device_stream(zeroalloc_stream_t stream) {
+  if (!is_special(stream)) return stream;
+  return runtime::get().simulated() ? nullptr : stream;
+}
+
 }  // namespace
 
 int zeroalloc::last_failure_cuda_code() noexcept { return t_last_code; }
@@ -113,8 +132,8 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
     if (size < 0) ZA_THROW(zeroalloc::invalid_argument, "size ", size, " is negative");
     if (!valid_class(cls))
       ZA_THROW(zeroalloc::invalid_argument, "the class is not a zeroalloc_class");
-    return runtime::get().allocator(device).allocate(static_cast<std::size_t>(size), stream,
-                                                     static_cast<allocation_class>(cls));
+    return runtime::get().allocator(device).allocate(
+        static_cast<std::size_t>(size), device_stream(stream), static_cast<allocation_class>(cls));
   });
 }
 
@@ -183,7 +202,7 @@ ZA_EXPORT void zeroalloc_set_memory_fraction(double fraction, int device) {
 ZA_EXPORT void zeroalloc_record_stream(void* ptr, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_record_stream", [&] {
     zeroalloc::caching_allocator* owner = runtime::get().owner_of(ptr);
-    if (owner == nullptr || !owner->record_stream(ptr, stream)) {
+    if (owner == nullptr || !owner->record_stream(ptr, device_stream(stream))) {
       ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr, " is not a live zeroalloc allocation");
     }
   });
@@ -269,7 +288,7 @@ ZA_EXPORT zeroalloc_stream_t zeroalloc_stream_create(int device) {
 }
 
 ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
-  if (stream == nullptr) return;
+  if (is_null_or_special(stream)) return;
   guarded_void("zeroalloc_stream_destroy", [&] {
     zeroalloc::caching_allocator& owner = runtime::get().allocator(device);
     owner.forget_stream(stream);
@@ -339,6 +358,63 @@ ZA_EXPORT int zeroalloc_device_count(void) {
 
 ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error; }
 
+ZA_EXPORT int zeroalloc_last_error_code(void) { return t_last_code; }
+
+// ---- Serving CUDA's own calls ------------------------------------------------------------
+
+ZA_EXPORT int zeroalloc_free_if_owned(void* ptr, zeroalloc_stream_t stream,
+                                      int (*synchronize)(void)) {
+  if (ptr == nullptr) return ZEROALLOC_NOT_OWNED;
+  return guarded("zeroalloc_free_if_owned", static_cast<int>(ZEROALLOC_FREE_FAILED), [&] {
+    runtime* started = nullptr;
+    try {
+      started = &runtime::get();
+    } catch (...) {  // the library could not start: it owns nothing
+      return static_cast<int>(ZEROALLOC_NOT_OWNED);
+    }
+    zeroalloc::caching_allocator* owner = started->owner_of(ptr);
+    if (owner == nullptr) return static_cast<int>(ZEROALLOC_NOT_OWNED);
+    if (synchronize != nullptr) {
+      synchronize();  // its error, if any, is the device's: the program's next call reports it
+    } else {
+      owner->record_stream(ptr, device_stream(stream));  // Note [Stream-ordered reuse]
+    }
+    if (!owner->deallocate(ptr)) {
+      ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr,
+               " lies in zeroalloc's memory but is not a live allocation (freed twice, or "
+               "inside one); ignored");
+    }
+    return static_cast<int>(ZEROALLOC_FREED);
+  });
+}
+
+ZA_EXPORT int zeroalloc_memory_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  return guarded("zeroalloc_memory_info", -1, [&] {
+    zeroalloc::caching_allocator& allocator = runtime::get().allocator(device);
+    const std::uint64_t limit = allocator.limit_bytes();
+    const std::uint64_t held = allocator.held_bytes();
+    if (free_bytes != nullptr) {
+      *free_bytes = std::min<std::uint64_t>(held < limit ? limit - held : 0,
+                                            allocator.backing().query_memory().free_bytes);
+    }
+    if (total_bytes != nullptr) *total_bytes = limit;
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_forget_stream(zeroalloc_stream_t stream) {
+  if (is_null_or_special(stream)) return 0;  // never destroyed
+  // Not started (nothing allocated yet): it knows no stream, and is not started for this.
+  runtime* started = runtime::if_started();
+  if (started == nullptr) return 0;
+  return guarded("zeroalloc_forget_stream", -1, [&] {
+    for (zeroalloc::caching_allocator* each : started->started_allocators()) {
+      each->forget_stream(stream);
+    }
+    return 0;
+  });
+}
+
 // ---- Offload -----------------------------------------------------------------------------
 
 namespace {
@@ -362,7 +438,7 @@ zeroalloc::offload_engine& engine_for(const void* pointer) {
 ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_begins", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_begins(pointer, stream);
+      engine->use_begins(pointer, device_stream(stream));
     }
   });
 }
@@ -370,7 +446,7 @@ ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stre
 ZA_EXPORT void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_in_place", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_in_place(pointer, stream);
+      engine->use_in_place(pointer, device_stream(stream));
     }
   });
 }
@@ -378,7 +454,7 @@ ZA_EXPORT void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t st
 ZA_EXPORT void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_ends", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_ends(pointer, stream);
+      engine->use_ends(pointer, device_stream(stream));
     }
   });
 }
@@ -420,8 +496,9 @@ void hint_many(const void* const* pointers, std::size_t count, Hint hint) {
 ZA_EXPORT void zeroalloc_use_begins_many(const void* const* pointers, size_t count,
                                          zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_begins_many", [&] {
-    hint_many(pointers, count,
-              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_begins(run, stream); });
+    hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
+      engine.use_begins(run, device_stream(stream));
+    });
   });
 }
 
@@ -429,7 +506,7 @@ ZA_EXPORT void zeroalloc_use_in_place_many(const void* const* pointers, size_t c
                                            zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_in_place_many", [&] {
     hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
-      engine.use_in_place(run, stream);
+      engine.use_in_place(run, device_stream(stream));
     });
   });
 }
@@ -437,8 +514,9 @@ ZA_EXPORT void zeroalloc_use_in_place_many(const void* const* pointers, size_t c
 ZA_EXPORT void zeroalloc_use_ends_many(const void* const* pointers, size_t count,
                                        zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_ends_many", [&] {
-    hint_many(pointers, count,
-              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_ends(run, stream); });
+    hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
+      engine.use_ends(run, device_stream(stream));
+    });
   });
 }
 
