@@ -122,8 +122,6 @@ zeroalloc_stream_t device_stream(zeroalloc_stream_t stream) {
 
 }  // namespace
 
-int zeroalloc::last_failure_cuda_code() noexcept { return t_last_code; }
-
 ZA_EXPORT int zeroalloc_abi_version(void) { return ZEROALLOC_ABI_VERSION; }
 
 ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_stream_t stream,
