@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -18,7 +19,6 @@
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/options.hpp"
 #include "core/passthrough.hpp"
@@ -237,6 +237,14 @@ ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
 
 namespace {
 
+// JSON as the library writes it: its keys in the order they were set, compact. A byte that
+// is not UTF-8 (a variable's value can hold anything) becomes U+FFFD instead of a failure.
+using json = nlohmann::ordered_json;
+
+std::string text_of(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 // Copies `text` into the caller's buffer (NUL-terminated, truncated to fit) and returns the
 // length of the whole text, so a caller can size its buffer with a first call.
 int copy_out(const std::string& text, char* buffer, size_t length) {
@@ -253,11 +261,10 @@ int copy_out(const std::string& text, char* buffer, size_t length) {
 ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
   return guarded("zeroalloc_stats_json", -1, [&] {
     // The device's figures, and the process-wide counts of calls zeroalloc passed through.
-    std::string text = runtime::get().allocator(device).stats_json();
-    text.pop_back();  // the closing brace
-    text += ",\"passthrough\":" + zeroalloc::passthrough_json();
-    text += ",\"offload\":" + runtime::get().offload_json(device) + "}";
-    return copy_out(text, buffer, length);
+    json stats = json::parse(runtime::get().allocator(device).stats_json());
+    stats["passthrough"] = zeroalloc::passthrough_figures();
+    stats["offload"] = json::parse(runtime::get().offload_json(device));
+    return copy_out(text_of(stats), buffer, length);
   });
 }
 
@@ -269,12 +276,13 @@ ZA_EXPORT int zeroalloc_snapshot_json(int device, char* buffer, size_t length) {
     } else {
       chosen.push_back(&runtime::get().allocator(device));
     }
-    std::string text = "{\"devices\":[";
-    for (std::size_t i = 0; i < chosen.size(); ++i) {
-      if (i > 0) text += ',';
-      text += chosen[i]->snapshot_json();
+    json devices = json::array();
+    for (const zeroalloc::caching_allocator* each : chosen) {
+      devices.push_back(json::parse(each->snapshot_json()));
     }
-    return copy_out(text + "]}", buffer, length);
+    json snapshot;
+    snapshot["devices"] = std::move(devices);
+    return copy_out(text_of(snapshot), buffer, length);
   });
 }
 
@@ -295,9 +303,10 @@ ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
 }
 
 ZA_EXPORT const char* zeroalloc_build_info(void) {
-  static const std::string info = zeroalloc::detail::concat(
-      "{\"version\":\"", ZEROALLOC_VERSION, "\",\"abi\":", ZEROALLOC_ABI_VERSION,
-      ",\"cuda_version\":", CUDA_VERSION, ",\"nccl_version\":", NCCL_VERSION_CODE, "}");
+  static const std::string info = text_of(json{{"version", ZEROALLOC_VERSION},
+                                               {"abi", ZEROALLOC_ABI_VERSION},
+                                               {"cuda_version", CUDA_VERSION},
+                                               {"nccl_version", NCCL_VERSION_CODE}});
   return info.c_str();
 }
 
@@ -309,20 +318,20 @@ ZA_EXPORT int zeroalloc_options_json(char* buffer, size_t length) {
     } catch (const zeroalloc::config_error& failure) {
       error = failure.what();
     }
-    std::string text = "{\"valid\":" + std::string(error.empty() ? "true" : "false") +
-                       ",\"error\":" + zeroalloc::json_quote(error) + ",\"options\":[";
-    const char* separator = "";
+    json options = json::array();
     for (const zeroalloc::option_spec& spec : zeroalloc::option_table()) {
       const char* value = std::getenv(std::string(spec.name).c_str());
-      text += zeroalloc::detail::concat(
-          separator, "{\"name\":", zeroalloc::json_quote(spec.name),
-          ",\"value\":", value == nullptr ? std::string("null") : zeroalloc::json_quote(value),
-          ",\"default\":", zeroalloc::json_quote(spec.default_value),
-          ",\"accepted\":", zeroalloc::json_quote(zeroalloc::accepted_form(spec)),
-          ",\"help\":", zeroalloc::json_quote(spec.help), "}");
-      separator = ",";
+      options.push_back({{"name", std::string(spec.name)},
+                         {"value", value != nullptr ? json(value) : json(nullptr)},
+                         {"default", std::string(spec.default_value)},
+                         {"accepted", std::string(zeroalloc::accepted_form(spec))},
+                         {"help", std::string(spec.help)}});
     }
-    return copy_out(text + "]}", buffer, length);
+    json report;
+    report["valid"] = error.empty();
+    report["error"] = error;
+    report["options"] = std::move(options);
+    return copy_out(text_of(report), buffer, length);
   });
 }
 
