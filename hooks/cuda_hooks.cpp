@@ -23,7 +23,6 @@
 #include <strings.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <climits>
