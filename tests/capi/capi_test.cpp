@@ -265,6 +265,8 @@ TEST_F(CApiTest, CudasSpecialStreamHandlesAreStreams) {
     ASSERT_NE(other, nullptr) << zeroalloc_last_error();
     zeroalloc_free(other, 1 << 20, 0, nullptr);
     EXPECT_EQ(zeroalloc_forget_stream(special), 0);  // never destroyed: nothing to do
+    zeroalloc_stream_destroy(0, special);            // ignored, as NULL is
+    EXPECT_STREQ(zeroalloc_last_error(), "");
     zeroalloc_empty_cache();
     EXPECT_STREQ(zeroalloc_last_error(), "");
   }
