@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -262,20 +263,19 @@ void print_classes(const replay_result& result) {
   row("total", result.final_stats.total);
 }
 
-// A figure of the "offload" object of zeroalloc_stats_json, or -1.
+// A figure of the "offload" object of zeroalloc_stats_json, or -1 (offload off: the object
+// is null).
 double offload_figure(int device, const char* key) {
-  std::string text(4096, '\0');
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    const int length = zeroalloc_stats_json(device, text.data(), text.size());
-    if (length < 0) return -1;
-    if (static_cast<std::size_t>(length) < text.size()) break;
-    text.assign(static_cast<std::size_t>(length) + 4096, '\0');
-  }
-  const std::size_t section = text.find("\"offload\":{");
-  const std::string quoted = std::string("\"") + key + "\":";
-  const std::size_t at = text.find(quoted, section);
-  if (section == std::string::npos || at == std::string::npos) return -1;
-  return std::strtod(text.c_str() + at + quoted.size(), nullptr);
+  const int length = zeroalloc_stats_json(device, nullptr, 0);
+  if (length < 0) return -1;
+  std::string text(static_cast<std::size_t>(length) + 1, '\0');
+  zeroalloc_stats_json(device, text.data(), text.size());
+  text.resize(static_cast<std::size_t>(length));
+  const nlohmann::json stats = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!stats.contains("offload")) return -1;  // also when the text did not parse
+  const nlohmann::json& offload = stats["offload"];
+  if (!offload.contains(key) || !offload[key].is_number()) return -1;
+  return offload[key].get<double>();
 }
 
 // The second replay of --offload: a limit that holds the trace's peak minus three quarters

@@ -4,6 +4,11 @@
 // (PyTorch reaches cuMem* that way; cuBLAS and NCCL use cuGetProcAddress) or through dlsym
 // on a library's handle (ctypes, Numba, JAX load libcuda so).
 //
+// A hook is a thin shim over the C ABI (zeroalloc/zeroalloc.h) and reaches zeroalloc through
+// it alone: zeroalloc_malloc, zeroalloc_free_if_owned, zeroalloc_memory_info,
+// zeroalloc_forget_stream and zeroalloc_last_error_code, so that a fix to one of those
+// serves the hooks and every other caller at once.
+//
 // Note [Hook safety]: a hook never throws (everything below the C ABI is caught), never
 // logs, and does not allocate on the lookup path (string compares only). The real functions
 // are found once and cached: from the real lookup when a program fetched the hook through
@@ -18,7 +23,6 @@
 #include <strings.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <climits>
@@ -27,7 +31,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "capi/runtime.hpp"
 #include "core/passthrough.hpp"
 #include "zeroalloc/zeroalloc.h"
 
@@ -180,68 +183,52 @@ int driver_current_device() {
   return runtime_current_device();
 }
 
-// The stream zeroalloc keys blocks by. On the simulated device there is no per-thread or
-// legacy default stream: its streams are the library's own, and its default one stands for
-// CUDA's special handles (cudaStreamLegacy, cudaStreamPerThread), which it cannot resolve.
-void* served_stream(void* stream, bool per_thread) {
-  if (stream != nullptr && stream != kLegacyStream && stream != kPerThreadStream) return stream;
-  bool simulated = false;
-  try {
-    simulated = zeroalloc::runtime::get().simulated();
-  } catch (...) {  // the library could not start: the allocation itself will say why
-  }
-  // The simulated device has one default stream, which stands for CUDA's special handles.
-  if (simulated) return nullptr;
-  return stream == nullptr && per_thread ? kPerThreadStream : stream;
+// The stream a call names: a stream-ordered call of the per-thread default stream ABI (the
+// _ptsz variants) means cudaStreamPerThread by NULL. The C ABI takes CUDA's special handles
+// as they are (on the simulated device they stand for its default stream).
+zeroalloc_stream_t named_stream(void* stream, bool per_thread) {
+  return static_cast<zeroalloc_stream_t>(stream == nullptr && per_thread ? kPerThreadStream
+                                                                         : stream);
 }
 
 // Serves an allocation hook. Fails as CUDA does: out of memory with
 // cudaErrorMemoryAllocation (CUDA_ERROR_OUT_OF_MEMORY), a library that could not start (a
 // malformed variable) with cudaErrorInitializationError, a bad device with
 // cudaErrorInvalidDevice: the numbers agree between the runtime and the driver
-// (zeroalloc::last_failure_cuda_code). `driver` (cuMemAlloc): a zero size is
+// (zeroalloc_last_error_code). `driver` (cuMemAlloc): a zero size is
 // CUDA_ERROR_INVALID_VALUE, as cuMemAlloc says; cudaMalloc(0) succeeds with a null pointer,
 // and so do the stream-ordered calls here.
-int serve_allocation(void** pointer, std::size_t size, int device, void* stream,
+int serve_allocation(void** pointer, std::size_t size, int device, zeroalloc_stream_t stream,
                      bool driver = false) {
   if (pointer == nullptr) return kInvalidValue;
   *pointer = nullptr;
   if (size == 0) return driver ? kInvalidValue : kSuccess;
   if (size > static_cast<std::size_t>(SSIZE_MAX)) return kOutOfMemory;
-  *pointer =
-      zeroalloc_malloc(static_cast<ssize_t>(size), device, static_cast<zeroalloc_stream_t>(stream));
+  *pointer = zeroalloc_malloc(static_cast<ssize_t>(size), device, stream);
   if (*pointer != nullptr) return kSuccess;
-  const int code = zeroalloc::last_failure_cuda_code();
+  const int code = zeroalloc_last_error_code();
   return code != 0 ? code : kOutOfMemory;
 }
 
-// Frees `pointer` if zeroalloc owns it. A free ordered on another stream than the block's
-// own first records that stream, so the block waits for it (Note [Stream-ordered reuse]).
-// A free ordered on no stream (cudaFree, cuMemFree) first waits for the device, as those
-// do: programs rely on it, and work on any stream may still use the memory, which the next
-// allocation on the legacy stream would otherwise get at once (`synchronize`: the real
-// cudaDeviceSynchronize or cuCtxSynchronize, called only for memory zeroalloc owns).
+// Frees `pointer` if zeroalloc owns it (zeroalloc_free_if_owned). A free ordered on no
+// stream (cudaFree, cuMemFree) passes `synchronize`, the real cudaDeviceSynchronize or
+// cuCtxSynchronize: zeroalloc first waits for the device with it, as those frees do, and
+// programs rely on it (work on any stream may still use the memory, which the next
+// allocation on the legacy stream would otherwise get at once). A free ordered on a stream
+// (cudaFreeAsync, cuMemFreeAsync) passes none, and the block waits for that stream.
 // Returns kNotOurs for memory zeroalloc does not own (the real function frees it), else the
 // result: success, cudaErrorInvalidValue for a pointer into zeroalloc's memory that is not
 // a live allocation (freed twice, or inside one), as CUDA answers; a failing device's
 // error as cudaErrorUnknown (the block stays allocated: nothing else may free it).
 constexpr int kNotOurs = -1;
-int serve_free(void* pointer, void* stream, bool ordered_on_stream,
-               int (*synchronize)() = nullptr) {
-  zeroalloc::caching_allocator* owner = nullptr;
-  try {
-    owner = zeroalloc::runtime::get().owner_of(pointer);
-  } catch (...) {  // the library could not start: it owns nothing
-    return kNotOurs;
-  }
-  if (owner == nullptr) return kNotOurs;
-  try {
-    if (ordered_on_stream) owner->record_stream(pointer, stream);
-    // Its error, if any, is the device's: the program's next call reports it.
-    if (synchronize != nullptr) synchronize();
-    return owner->deallocate(pointer) ? kSuccess : kInvalidValue;
-  } catch (...) {
-    return kUnknown;
+int serve_free(void* pointer, zeroalloc_stream_t stream, int (*synchronize)() = nullptr) {
+  switch (zeroalloc_free_if_owned(pointer, stream, synchronize)) {
+    case ZEROALLOC_FREED:
+      return kSuccess;
+    case ZEROALLOC_NOT_OWNED:
+      return kNotOurs;
+    default:
+      return zeroalloc_last_error_code() == kInvalidValue ? kInvalidValue : kUnknown;
   }
 }
 
@@ -249,41 +236,24 @@ int serve_free(void* pointer, void* stream, bool ordered_on_stream,
 // use on another stream records a fence on it. Once the program destroys the stream, that
 // record fails (the allocation with it), and a new stream that gets the same handle back
 // would reuse the blocks without waiting for the old stream's last work. So before the
-// real call, every allocator that knows the stream waits for its work and detaches its
-// blocks (caching_allocator::forget_stream); a stream zeroalloc never saw costs nothing.
-// The special handles (legacy, per-thread) are never destroyed.
+// real call, zeroalloc_forget_stream makes every allocator that knows the stream wait for
+// its work and detach its blocks; a stream zeroalloc never saw costs nothing, and nothing
+// is started for it. A failing device's error is left to the real call to report.
 void forget_destroyed_stream(void* stream) {
-  if (stream == nullptr || stream == kLegacyStream || stream == kPerThreadStream) return;
-  // Not started (nothing allocated yet): it knows no stream, and is not started for this.
-  zeroalloc::runtime* started = zeroalloc::runtime::if_started();
-  if (started == nullptr) return;
-  try {
-    for (zeroalloc::caching_allocator* each : started->started_allocators()) {
-      each->forget_stream(stream);
-    }
-  } catch (...) {
-    // The device failed: the real call reports the device's error.
-  }
+  zeroalloc_forget_stream(static_cast<zeroalloc_stream_t>(stream));
 }
 
+// The limit in force and what is left under it (zeroalloc_memory_info); any failure is
+// cudaErrorInvalidValue (CUDA_ERROR_INVALID_VALUE).
 int serve_memory_info(std::size_t* free_bytes, std::size_t* total_bytes, int device) {
-  try {
-    zeroalloc::caching_allocator& allocator = zeroalloc::runtime::get().allocator(device);
-    const std::uint64_t limit = allocator.limit_bytes();
-    const std::uint64_t held = allocator.held_bytes();
-    // Under the limit, and no more than the device has: memory held outside zeroalloc
-    // (other processes, PyTorch's expandable segments, whose VMM calls pass through) is
-    // not zeroalloc's to give.
-    std::uint64_t left = held < limit ? limit - held : 0;
-    if (free_bytes != nullptr) {
-      left = std::min<std::uint64_t>(left, allocator.backing().query_memory().free_bytes);
-      *free_bytes = left;
-    }
-    if (total_bytes != nullptr) *total_bytes = limit;
-    return kSuccess;
-  } catch (...) {
+  std::uint64_t free_left = 0;
+  std::uint64_t limit = 0;
+  if (zeroalloc_memory_info(device, free_bytes != nullptr ? &free_left : nullptr, &limit) != 0) {
     return kInvalidValue;
   }
+  if (free_bytes != nullptr) *free_bytes = static_cast<std::size_t>(free_left);
+  if (total_bytes != nullptr) *total_bytes = static_cast<std::size_t>(limit);
+  return kSuccess;
 }
 
 }  // namespace
@@ -300,7 +270,7 @@ ZA_HOOK int cudaFree(void* pointer) {
   // cudaFree(NULL) is the idiom that creates the context: it always reaches the real one.
   if (interception_active() && pointer != nullptr) {
     const int served =
-        serve_free(pointer, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cudaDeviceSynchronize));
+        serve_free(pointer, nullptr, ZA_REAL_UNHOOKED(int (*)(), cudaDeviceSynchronize));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
@@ -311,7 +281,7 @@ ZA_HOOK int cudaMallocAsync(void** pointer, std::size_t size, void* stream) {
   if (!interception_active()) {
     return ZA_REAL(int (*)(void**, std::size_t, void*), cudaMallocAsync)(pointer, size, stream);
   }
-  return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, false));
+  return serve_allocation(pointer, size, runtime_current_device(), named_stream(stream, false));
 }
 
 ZA_HOOK int cudaMallocAsync_ptsz(void** pointer, std::size_t size, void* stream) {
@@ -319,7 +289,7 @@ ZA_HOOK int cudaMallocAsync_ptsz(void** pointer, std::size_t size, void* stream)
     return ZA_REAL(int (*)(void**, std::size_t, void*), cudaMallocAsync_ptsz)(pointer, size,
                                                                               stream);
   }
-  return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, true));
+  return serve_allocation(pointer, size, runtime_current_device(), named_stream(stream, true));
 }
 
 ZA_HOOK int cudaMallocFromPoolAsync(void** pointer, std::size_t size, void* pool, void* stream) {
@@ -327,7 +297,7 @@ ZA_HOOK int cudaMallocFromPoolAsync(void** pointer, std::size_t size, void* pool
     return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync)(
         pointer, size, pool, stream);
   }
-  return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, false));
+  return serve_allocation(pointer, size, runtime_current_device(), named_stream(stream, false));
 }
 
 ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void* pool,
@@ -336,12 +306,12 @@ ZA_HOOK int cudaMallocFromPoolAsync_ptsz(void** pointer, std::size_t size, void*
     return ZA_REAL(int (*)(void**, std::size_t, void*, void*), cudaMallocFromPoolAsync_ptsz)(
         pointer, size, pool, stream);
   }
-  return serve_allocation(pointer, size, runtime_current_device(), served_stream(stream, true));
+  return serve_allocation(pointer, size, runtime_current_device(), named_stream(stream, true));
 }
 
 ZA_HOOK int cudaFreeAsync(void* pointer, void* stream) {
   if (interception_active() && pointer != nullptr) {
-    const int served = serve_free(pointer, served_stream(stream, false), true);
+    const int served = serve_free(pointer, named_stream(stream, false));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
@@ -350,7 +320,7 @@ ZA_HOOK int cudaFreeAsync(void* pointer, void* stream) {
 
 ZA_HOOK int cudaFreeAsync_ptsz(void* pointer, void* stream) {
   if (interception_active() && pointer != nullptr) {
-    const int served = serve_free(pointer, served_stream(stream, true), true);
+    const int served = serve_free(pointer, named_stream(stream, true));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cuda_free_not_owned);
   }
@@ -381,8 +351,7 @@ ZA_HOOK int cuMemAlloc_v2(device_pointer* pointer, std::size_t size) {
 ZA_HOOK int cuMemFree_v2(device_pointer pointer) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    const int served =
-        serve_free(address, nullptr, false, ZA_REAL_UNHOOKED(int (*)(), cuCtxSynchronize));
+    const int served = serve_free(address, nullptr, ZA_REAL_UNHOOKED(int (*)(), cuCtxSynchronize));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
@@ -395,7 +364,7 @@ ZA_HOOK int cuMemAllocAsync(device_pointer* pointer, std::size_t size, void* str
                                                                                   stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, false));
+                          named_stream(stream, false));
 }
 
 ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void* stream) {
@@ -404,13 +373,13 @@ ZA_HOOK int cuMemAllocAsync_ptsz(device_pointer* pointer, std::size_t size, void
         pointer, size, stream);
   }
   return serve_allocation(reinterpret_cast<void**>(pointer), size, driver_current_device(),
-                          served_stream(stream, true));
+                          named_stream(stream, true));
 }
 
 ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    const int served = serve_free(address, served_stream(stream, false), true);
+    const int served = serve_free(address, named_stream(stream, false));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }
@@ -420,7 +389,7 @@ ZA_HOOK int cuMemFreeAsync(device_pointer pointer, void* stream) {
 ZA_HOOK int cuMemFreeAsync_ptsz(device_pointer pointer, void* stream) {
   auto* address = reinterpret_cast<void*>(pointer);
   if (interception_active() && address != nullptr) {
-    const int served = serve_free(address, served_stream(stream, true), true);
+    const int served = serve_free(address, named_stream(stream, true));
     if (served != kNotOurs) return served;
     zeroalloc::count_passthrough(zeroalloc::passthrough_call::cu_mem_free_not_owned);
   }

@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -267,13 +269,20 @@ int main(int argc, char** argv) {
               copies.host_to_device);
   std::printf("%-16s %10.1f %16.1f %7.2f %14.1f\n", "both at once", moved.both, baseline.both,
               ratio(moved.both, baseline.both), copies.both);
-  std::printf(
-      "{\"bench\": \"migration\", \"device\": \"%s\", \"bytes\": %zu, \"rounds\": %d, "
-      "\"migrator_gbps\": {\"to_host\": %.2f, \"to_device\": %.2f, \"both\": %.2f}, "
-      "\"cuda_memcpy_gbps\": {\"to_host\": %.2f, \"to_device\": %.2f, \"both\": %.2f}, "
-      "\"chunk_copies_gbps\": {\"to_host\": %.2f, \"to_device\": %.2f, \"both\": %.2f}}\n",
-      backing->name().c_str(), bytes, rounds, moved.device_to_host, moved.host_to_device,
-      moved.both, baseline.device_to_host, baseline.host_to_device, baseline.both,
-      copies.device_to_host, copies.host_to_device, copies.both);
+  // Two decimals, as the table shows them.
+  auto gbps = [](const copy_figures& figures) {
+    auto rounded = [](double value) { return std::round(value * 100) / 100; };
+    return nlohmann::ordered_json{{"to_host", rounded(figures.device_to_host)},
+                                  {"to_device", rounded(figures.host_to_device)},
+                                  {"both", rounded(figures.both)}};
+  };
+  const nlohmann::ordered_json result = {{"bench", "migration"},
+                                         {"device", backing->name()},
+                                         {"bytes", bytes},
+                                         {"rounds", rounds},
+                                         {"migrator_gbps", gbps(moved)},
+                                         {"cuda_memcpy_gbps", gbps(baseline)},
+                                         {"chunk_copies_gbps", gbps(copies)}};
+  std::printf("%s\n", result.dump().c_str());
   return 0;
 }

@@ -30,11 +30,20 @@
 extern "C" {
 #endif
 
-/** A CUDA stream (cudaStream_t and CUstream are the same pointer). NULL: default stream. */
+/**
+ * A CUDA stream (cudaStream_t and CUstream are the same pointer). NULL: default stream.
+ * CUDA's special handles cudaStreamLegacy (0x1) and cudaStreamPerThread (0x2) are accepted
+ * wherever work is ordered on a stream; on the simulated device, which has one default
+ * stream, they are that stream.
+ */
 typedef struct CUstream_st* zeroalloc_stream_t;
 
-/** Version of this ABI: major * 10000 + minor * 100 + patch. */
-#define ZEROALLOC_ABI_VERSION 100
+/**
+ * Version of this ABI: major * 10000 + minor * 100 + patch. 200 added
+ * zeroalloc_free_if_owned, zeroalloc_memory_info, zeroalloc_forget_stream and
+ * zeroalloc_last_error_code.
+ */
+#define ZEROALLOC_ABI_VERSION 200
 int zeroalloc_abi_version(void);
 
 /**
@@ -142,7 +151,10 @@ int zeroalloc_stats_json(int device, char* buffer, size_t length);
  */
 zeroalloc_stream_t zeroalloc_stream_create(int device);
 
-/** Waits for the work enqueued on `stream` so far and destroys it. NULL is ignored. */
+/**
+ * Waits for the work enqueued on `stream` so far and destroys it. NULL and CUDA's special
+ * handles are ignored.
+ */
 void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream);
 
 /**
@@ -193,6 +205,70 @@ int zeroalloc_device_count(void);
  * Valid until the thread's next call into zeroalloc.
  */
 const char* zeroalloc_last_error(void);
+
+/**
+ * The CUDA error that stands for the calling thread's last failure, numbered as the runtime
+ * (cudaError_t) and the driver (CUresult) both number it: 2 out of memory, 3 the library
+ * could not start (not initialised: a malformed ZEROALLOC_* variable), 1 an invalid
+ * argument (a pointer that is no live allocation, a negative size), 101 no such device, 999
+ * anything else (a failing device). 0 when the thread's last call that can fail did not.
+ */
+int zeroalloc_last_error_code(void);
+
+/* ---- Serving CUDA's own calls ---------------------------------------------------------- *
+ * For a caller that serves a program's cudaFree, cudaMemGetInfo and cudaStreamDestroy with
+ * zeroalloc while the program also holds memory from elsewhere: the LD_PRELOAD hooks
+ * (hooks/cuda_hooks.cpp) are such a caller, and call nothing else of zeroalloc's besides
+ * zeroalloc_malloc. None of these functions logs. */
+
+/** What zeroalloc_free_if_owned did with a pointer. */
+typedef enum zeroalloc_free_result {
+  ZEROALLOC_FREED = 0,       /**< it was a live allocation of zeroalloc's, and is freed */
+  ZEROALLOC_NOT_OWNED = 1,   /**< not zeroalloc's memory: nothing done, the caller frees it */
+  ZEROALLOC_FREE_FAILED = -1 /**< zeroalloc's memory, but see zeroalloc_last_error() */
+} zeroalloc_free_result;
+
+/**
+ * Frees `ptr` when it is zeroalloc's, as cudaFree or cudaFreeAsync would, and leaves any
+ * other pointer alone. With `synchronize` NULL, the free is ordered on `stream`, as
+ * cudaFreeAsync's: the memory is reused on other streams only once the work enqueued on
+ * `stream` so far has completed (on its allocation stream at once). With `synchronize` set,
+ * the free is ordered on no stream, as cudaFree's, and `stream` is ignored: zeroalloc first
+ * calls `synchronize` (the caller's real cudaDeviceSynchronize or cuCtxSynchronize, which
+ * wait for the calling thread's current device as cudaFree does), so work on any stream
+ * that may still use the memory has finished before it can be reused. `synchronize` is
+ * called only for memory zeroalloc owns; its result is the device's, reported by the
+ * program's next call, and is ignored here.
+ * Returns a zeroalloc_free_result: ZEROALLOC_NOT_OWNED for NULL, for memory zeroalloc did not
+ * allocate, and when the library could not start (it owns nothing then); ZEROALLOC_FREE_FAILED
+ * with zeroalloc_last_error() and zeroalloc_last_error_code() set when `ptr` lies in
+ * zeroalloc's memory but is not a live allocation (freed twice, or inside one: code 1, as
+ * CUDA answers) or the device failed (code 999); the allocation then stays live.
+ */
+int zeroalloc_free_if_owned(void* ptr, zeroalloc_stream_t stream, int (*synchronize)(void));
+
+/**
+ * What cudaMemGetInfo answers under zeroalloc for `device`: `*total_bytes` receives the limit
+ * in force (ZEROALLOC_MEMORY_LIMIT, zeroalloc_set_memory_fraction, else the device's memory),
+ * `*free_bytes` that limit less the memory zeroalloc holds (its cache included), and never
+ * more than the device has free: memory held outside zeroalloc (other processes, VMM calls
+ * that pass it by) is not zeroalloc's to give. Either pointer may be NULL. Returns 0, or -1
+ * with zeroalloc_last_error() set when `device` is not valid or the library could not start.
+ */
+int zeroalloc_memory_info(int device, uint64_t* free_bytes, uint64_t* total_bytes);
+
+/**
+ * Call before destroying a stream that zeroalloc memory was allocated, used or freed on
+ * (cudaStreamDestroy, cuStreamDestroy): waits for the work enqueued on `stream` so far and
+ * detaches the blocks zeroalloc cached for it on every device, so that no fence is ever
+ * recorded on the destroyed stream and a new stream that gets the same handle back does not
+ * reuse them before the old stream's work has run. A stream zeroalloc never saw costs
+ * nothing. NULL and CUDA's special handles (never destroyed) are ignored, and so is every
+ * stream before the library has started: it knows none then, and is not started for this.
+ * zeroalloc_stream_destroy does this itself. Returns 0, or -1 with zeroalloc_last_error()
+ * set when a device failed while waiting.
+ */
+int zeroalloc_forget_stream(zeroalloc_stream_t stream);
 
 /* ---- Offload (ZEROALLOC_OFFLOAD=host) ------------------------------------------------- *
  * Hints are a promise. Once work on an allocation is hinted (use begins ... use ends), the

@@ -3,11 +3,14 @@
 #include <cuda.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -16,7 +19,6 @@
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/options.hpp"
 #include "core/passthrough.hpp"
@@ -101,9 +103,24 @@ bool valid_class(const zeroalloc_class& cls) {
   return value >= 0 && value < ZEROALLOC_CLASS_COUNT;
 }
 
-}  // namespace
+// CUDA's special stream handles (cudaStreamLegacy, cudaStreamPerThread) are streams to
+// CUDA, passed as they are. The simulated device has one default stream, which stands for
+// them (a fence recorded on one as if it were a stream of its own crashed it).
+bool is_special(zeroalloc_stream_t stream) {
+  const auto value = reinterpret_cast<std::uintptr_t>(stream);
+  return value == 0x1 || value == 0x2;
+}
 
-int zeroalloc::last_failure_cuda_code() noexcept { return t_last_code; }
+bool is_null_or_special(zeroalloc_stream_t stream) {
+  return stream == nullptr || is_special(stream);
+}
+
+zeroalloc_stream_t device_stream(zeroalloc_stream_t stream) {
+  if (!is_special(stream)) return stream;
+  return runtime::get().simulated() ? nullptr : stream;
+}
+
+}  // namespace
 
 ZA_EXPORT int zeroalloc_abi_version(void) { return ZEROALLOC_ABI_VERSION; }
 
@@ -113,8 +130,8 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
     if (size < 0) ZA_THROW(zeroalloc::invalid_argument, "size ", size, " is negative");
     if (!valid_class(cls))
       ZA_THROW(zeroalloc::invalid_argument, "the class is not a zeroalloc_class");
-    return runtime::get().allocator(device).allocate(static_cast<std::size_t>(size), stream,
-                                                     static_cast<allocation_class>(cls));
+    return runtime::get().allocator(device).allocate(
+        static_cast<std::size_t>(size), device_stream(stream), static_cast<allocation_class>(cls));
   });
 }
 
@@ -183,7 +200,7 @@ ZA_EXPORT void zeroalloc_set_memory_fraction(double fraction, int device) {
 ZA_EXPORT void zeroalloc_record_stream(void* ptr, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_record_stream", [&] {
     zeroalloc::caching_allocator* owner = runtime::get().owner_of(ptr);
-    if (owner == nullptr || !owner->record_stream(ptr, stream)) {
+    if (owner == nullptr || !owner->record_stream(ptr, device_stream(stream))) {
       ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr, " is not a live zeroalloc allocation");
     }
   });
@@ -220,6 +237,14 @@ ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
 
 namespace {
 
+// JSON as the library writes it: its keys in the order they were set, compact. A byte that
+// is not UTF-8 (a variable's value can hold anything) becomes U+FFFD instead of a failure.
+using json = nlohmann::ordered_json;
+
+std::string text_of(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 // Copies `text` into the caller's buffer (NUL-terminated, truncated to fit) and returns the
 // length of the whole text, so a caller can size its buffer with a first call.
 int copy_out(const std::string& text, char* buffer, size_t length) {
@@ -236,11 +261,10 @@ int copy_out(const std::string& text, char* buffer, size_t length) {
 ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
   return guarded("zeroalloc_stats_json", -1, [&] {
     // The device's figures, and the process-wide counts of calls zeroalloc passed through.
-    std::string text = runtime::get().allocator(device).stats_json();
-    text.pop_back();  // the closing brace
-    text += ",\"passthrough\":" + zeroalloc::passthrough_json();
-    text += ",\"offload\":" + runtime::get().offload_json(device) + "}";
-    return copy_out(text, buffer, length);
+    json stats = json::parse(runtime::get().allocator(device).stats_json());
+    stats["passthrough"] = zeroalloc::passthrough_figures();
+    stats["offload"] = json::parse(runtime::get().offload_json(device));
+    return copy_out(text_of(stats), buffer, length);
   });
 }
 
@@ -252,12 +276,13 @@ ZA_EXPORT int zeroalloc_snapshot_json(int device, char* buffer, size_t length) {
     } else {
       chosen.push_back(&runtime::get().allocator(device));
     }
-    std::string text = "{\"devices\":[";
-    for (std::size_t i = 0; i < chosen.size(); ++i) {
-      if (i > 0) text += ',';
-      text += chosen[i]->snapshot_json();
+    json devices = json::array();
+    for (const zeroalloc::caching_allocator* each : chosen) {
+      devices.push_back(json::parse(each->snapshot_json()));
     }
-    return copy_out(text + "]}", buffer, length);
+    json snapshot;
+    snapshot["devices"] = std::move(devices);
+    return copy_out(text_of(snapshot), buffer, length);
   });
 }
 
@@ -269,7 +294,7 @@ ZA_EXPORT zeroalloc_stream_t zeroalloc_stream_create(int device) {
 }
 
 ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
-  if (stream == nullptr) return;
+  if (is_null_or_special(stream)) return;
   guarded_void("zeroalloc_stream_destroy", [&] {
     zeroalloc::caching_allocator& owner = runtime::get().allocator(device);
     owner.forget_stream(stream);
@@ -278,9 +303,10 @@ ZA_EXPORT void zeroalloc_stream_destroy(int device, zeroalloc_stream_t stream) {
 }
 
 ZA_EXPORT const char* zeroalloc_build_info(void) {
-  static const std::string info = zeroalloc::detail::concat(
-      "{\"version\":\"", ZEROALLOC_VERSION, "\",\"abi\":", ZEROALLOC_ABI_VERSION,
-      ",\"cuda_version\":", CUDA_VERSION, ",\"nccl_version\":", NCCL_VERSION_CODE, "}");
+  static const std::string info = text_of(json{{"version", ZEROALLOC_VERSION},
+                                               {"abi", ZEROALLOC_ABI_VERSION},
+                                               {"cuda_version", CUDA_VERSION},
+                                               {"nccl_version", NCCL_VERSION_CODE}});
   return info.c_str();
 }
 
@@ -292,20 +318,20 @@ ZA_EXPORT int zeroalloc_options_json(char* buffer, size_t length) {
     } catch (const zeroalloc::config_error& failure) {
       error = failure.what();
     }
-    std::string text = "{\"valid\":" + std::string(error.empty() ? "true" : "false") +
-                       ",\"error\":" + zeroalloc::json_quote(error) + ",\"options\":[";
-    const char* separator = "";
+    json options = json::array();
     for (const zeroalloc::option_spec& spec : zeroalloc::option_table()) {
       const char* value = std::getenv(std::string(spec.name).c_str());
-      text += zeroalloc::detail::concat(
-          separator, "{\"name\":", zeroalloc::json_quote(spec.name),
-          ",\"value\":", value == nullptr ? std::string("null") : zeroalloc::json_quote(value),
-          ",\"default\":", zeroalloc::json_quote(spec.default_value),
-          ",\"accepted\":", zeroalloc::json_quote(zeroalloc::accepted_form(spec)),
-          ",\"help\":", zeroalloc::json_quote(spec.help), "}");
-      separator = ",";
+      options.push_back({{"name", std::string(spec.name)},
+                         {"value", value != nullptr ? json(value) : json(nullptr)},
+                         {"default", std::string(spec.default_value)},
+                         {"accepted", std::string(zeroalloc::accepted_form(spec))},
+                         {"help", std::string(spec.help)}});
     }
-    return copy_out(text + "]}", buffer, length);
+    json report;
+    report["valid"] = error.empty();
+    report["error"] = error;
+    report["options"] = std::move(options);
+    return copy_out(text_of(report), buffer, length);
   });
 }
 
@@ -339,6 +365,63 @@ ZA_EXPORT int zeroalloc_device_count(void) {
 
 ZA_EXPORT const char* zeroalloc_last_error(void) { return t_last_error; }
 
+ZA_EXPORT int zeroalloc_last_error_code(void) { return t_last_code; }
+
+// ---- Serving CUDA's own calls ------------------------------------------------------------
+
+ZA_EXPORT int zeroalloc_free_if_owned(void* ptr, zeroalloc_stream_t stream,
+                                      int (*synchronize)(void)) {
+  if (ptr == nullptr) return ZEROALLOC_NOT_OWNED;
+  return guarded("zeroalloc_free_if_owned", static_cast<int>(ZEROALLOC_FREE_FAILED), [&] {
+    runtime* started = nullptr;
+    try {
+      started = &runtime::get();
+    } catch (...) {  // the library could not start: it owns nothing
+      return static_cast<int>(ZEROALLOC_NOT_OWNED);
+    }
+    zeroalloc::caching_allocator* owner = started->owner_of(ptr);
+    if (owner == nullptr) return static_cast<int>(ZEROALLOC_NOT_OWNED);
+    if (synchronize != nullptr) {
+      synchronize();  // its error, if any, is the device's: the program's next call reports it
+    } else {
+      owner->record_stream(ptr, device_stream(stream));  // Note [Stream-ordered reuse]
+    }
+    if (!owner->deallocate(ptr)) {
+      ZA_THROW(zeroalloc::invalid_argument, "pointer ", ptr,
+               " lies in zeroalloc's memory but is not a live allocation (freed twice, or "
+               "inside one); ignored");
+    }
+    return static_cast<int>(ZEROALLOC_FREED);
+  });
+}
+
+ZA_EXPORT int zeroalloc_memory_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  return guarded("zeroalloc_memory_info", -1, [&] {
+    zeroalloc::caching_allocator& allocator = runtime::get().allocator(device);
+    const std::uint64_t limit = allocator.limit_bytes();
+    const std::uint64_t held = allocator.held_bytes();
+    if (free_bytes != nullptr) {
+      *free_bytes = std::min<std::uint64_t>(held < limit ? limit - held : 0,
+                                            allocator.backing().query_memory().free_bytes);
+    }
+    if (total_bytes != nullptr) *total_bytes = limit;
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_forget_stream(zeroalloc_stream_t stream) {
+  if (is_null_or_special(stream)) return 0;  // never destroyed
+  // Not started (nothing allocated yet): it knows no stream, and is not started for this.
+  runtime* started = runtime::if_started();
+  if (started == nullptr) return 0;
+  return guarded("zeroalloc_forget_stream", -1, [&] {
+    for (zeroalloc::caching_allocator* each : started->started_allocators()) {
+      each->forget_stream(stream);
+    }
+    return 0;
+  });
+}
+
 // ---- Offload -----------------------------------------------------------------------------
 
 namespace {
@@ -362,7 +445,7 @@ zeroalloc::offload_engine& engine_for(const void* pointer) {
 ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_begins", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_begins(pointer, stream);
+      engine->use_begins(pointer, device_stream(stream));
     }
   });
 }
@@ -370,7 +453,7 @@ ZA_EXPORT void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stre
 ZA_EXPORT void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_in_place", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_in_place(pointer, stream);
+      engine->use_in_place(pointer, device_stream(stream));
     }
   });
 }
@@ -378,7 +461,7 @@ ZA_EXPORT void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t st
 ZA_EXPORT void zeroalloc_use_ends(const void* pointer, zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_ends", [&] {
     if (zeroalloc::offload_engine* engine = runtime::get().engine_of(pointer)) {
-      engine->use_ends(pointer, stream);
+      engine->use_ends(pointer, device_stream(stream));
     }
   });
 }
@@ -420,8 +503,9 @@ void hint_many(const void* const* pointers, std::size_t count, Hint hint) {
 ZA_EXPORT void zeroalloc_use_begins_many(const void* const* pointers, size_t count,
                                          zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_begins_many", [&] {
-    hint_many(pointers, count,
-              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_begins(run, stream); });
+    hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
+      engine.use_begins(run, device_stream(stream));
+    });
   });
 }
 
@@ -429,7 +513,7 @@ ZA_EXPORT void zeroalloc_use_in_place_many(const void* const* pointers, size_t c
                                            zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_in_place_many", [&] {
     hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
-      engine.use_in_place(run, stream);
+      engine.use_in_place(run, device_stream(stream));
     });
   });
 }
@@ -437,8 +521,9 @@ ZA_EXPORT void zeroalloc_use_in_place_many(const void* const* pointers, size_t c
 ZA_EXPORT void zeroalloc_use_ends_many(const void* const* pointers, size_t count,
                                        zeroalloc_stream_t stream) {
   guarded_void("zeroalloc_use_ends_many", [&] {
-    hint_many(pointers, count,
-              [&](zeroalloc::offload_engine& engine, auto run) { engine.use_ends(run, stream); });
+    hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
+      engine.use_ends(run, device_stream(stream));
+    });
   });
 }
 

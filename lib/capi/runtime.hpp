@@ -85,10 +85,4 @@ class runtime {
   std::unique_ptr<reporter> reporter_;
 };
 
-/// The CUDA result (the same number for the runtime and the driver) that stands for the
-/// calling thread's last C ABI failure: out of memory 2, the library could not start
-/// (not initialised) 3, a bad argument 1, no such device 101, anything else 999 (unknown).
-/// 0 when its last call did not fail. For the LD_PRELOAD hooks.
-int last_failure_cuda_code() noexcept;
-
 }  // namespace zeroalloc

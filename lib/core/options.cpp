@@ -18,79 +18,6 @@ namespace {
 
 constexpr std::string_view kPrefix = "ZEROALLOC_";
 
-// Note [Before the library's constructors]: under LD_PRELOAD, the constructors of the
-// program's own libraries run before this library's, and one may already call cudaMalloc,
-// which starts zeroalloc. So nothing that start reads is a namespace-scope object with a
-// dynamic initialiser (it would still be empty): the table and the logger are made on
-// first use.
-const std::vector<option_spec>& table() {
-  static const std::vector<option_spec> kTable = {
-      {"ZEROALLOC_DEVICE", option_kind::choice, "auto", "auto|cuda|sim",
-       "Which device backs allocations: cuda (the GPU through the CUDA driver), sim (the "
-       "simulated device in host memory), or auto (cuda when a driver and a GPU are present, "
-       "else sim)."},
-      {"ZEROALLOC_MEMORY_LIMIT", option_kind::byte_size_or_share, "", "",
-       "Most device memory zeroalloc may hold per device, in bytes with a unit (512MiB, 80GB) "
-       "or as a share of the device (0.9, 90%). Unset: the whole device."},
-      {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
-       "Size of the physical memory chunks that back large allocations and that later tiers "
-       "move as a unit; a multiple of the device's 2 MiB granularity."},
-      {"ZEROALLOC_OFFLOAD", option_kind::choice, "none", "none|host",
-       "host: when the device runs short, chunks of parameters, gradients and optimizer states "
-       "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
-       "back before they are needed; the host pool is created in the background at start-up. "
-       "none: everything stays on the device."},
-      {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
-       "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
-       "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
-       "move to the host as a last resort: training fits under a lower limit, at a cost in "
-       "speed where the states alone could make room. 0: gradients stay with the activations "
-       "and never move."},
-      {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_share, "0.5", "",
-       "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
-       "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
-       "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
-       "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
-       "comes from the GPU's NUMA node when that node has room, else from any node."},
-      {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
-       "How far ahead along the learned access order the offload engine brings chunks back to "
-       "the device, in bytes; it keeps that much device memory free for them."},
-      {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
-       "1 checksums every chunk the offload engine moves, before and after, and stops with an "
-       "error naming the chunk when the bytes changed in transit (for tests and bug hunts)."},
-      {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
-       "Least severe message that is logged."},
-      {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
-       "Write the log to this file instead of standard error."},
-      {"ZEROALLOC_SIM_MEMORY", option_kind::byte_size, "8GiB", "",
-       "Memory of each simulated device (ZEROALLOC_DEVICE=sim)."},
-      {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
-       "Number of simulated devices (ZEROALLOC_DEVICE=sim)."},
-      {"ZEROALLOC_SIM_MAPS_SLICES", option_kind::boolean, "1", "",
-       "0 makes the simulated device map only whole physical allocations, as CUDA drivers do "
-       "(the host tier then takes the paths it takes on a GPU)."},
-      {"ZEROALLOC_REPORT", option_kind::text, "", "",
-       "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
-       "allocation fails out of memory, and on SIGUSR1, with a summary in the log."},
-      {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
-       "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
-       "driver."},
-      {"ZEROALLOC_TORCH", option_kind::choice, "native", "native|zeroalloc",
-       "Which allocator PyTorch uses when the Python package's start-up hook is active "
-       "(libzeroalloc.so preloaded, or this variable set): native keeps PyTorch's caching "
-       "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
-       "torch is imported, as zeroalloc.torch.install() does."},
-      {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
-       "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
-       "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
-       "itself is not part of this release."},
-      {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
-       "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
-       "in the build tree."},
-  };
-  return kTable;
-}
-
 std::string lowercase(std::string_view text) {
   std::string out(text);
   std::transform(out.begin(), out.end(), out.begin(),
@@ -124,6 +51,183 @@ std::optional<double> parse_decimal(std::string_view text) {
   ZA_THROW(config_error, name, "='", value, "' is not valid: expected ", form, ".");
 }
 
+// ---- The readers: each parses one kind of value (trimmed; a text as it is) ---------------
+
+std::string read_choice(const option_spec& spec, std::string_view value) {
+  const std::string word = lowercase(trim(value));
+  std::string_view rest = spec.choices;
+  while (!rest.empty()) {
+    const std::size_t bar = rest.find('|');
+    if (rest.substr(0, bar) == word) return word;
+    rest = bar == std::string_view::npos ? std::string_view() : rest.substr(bar + 1);
+  }
+  reject(spec.name, value, std::string("one of ") + std::string(accepted_form(spec)));
+}
+
+std::uint64_t read_byte_size(const option_spec& spec, std::string_view value) {
+  const std::optional<std::uint64_t> bytes = parse_byte_size(value);
+  if (!bytes || *bytes == 0) reject(spec.name, value, accepted_form(spec));
+  return *bytes;
+}
+
+// A chunk is mapped as a unit: a whole number of the device's mapping granularity.
+std::uint64_t read_chunk_size(const option_spec& spec, std::string_view value) {
+  const std::uint64_t bytes = read_byte_size(spec, value);
+  if (bytes % (2 * MiB) != 0) {
+    reject(spec.name, value,
+           "a multiple of 2MiB (the device's mapping granularity), such as 64MiB");
+  }
+  return bytes;
+}
+
+memory_limit read_memory_limit(const option_spec& spec, std::string_view value) {
+  const std::string_view trimmed = trim(value);
+  memory_limit limit;
+  limit.text = std::string(trimmed);
+  if (!trimmed.empty() && trimmed.back() == '%') {
+    const std::optional<double> percent =
+        parse_decimal(trim(trimmed.substr(0, trimmed.size() - 1)));
+    if (!percent || *percent <= 0 || *percent > 100) reject(spec.name, value, accepted_form(spec));
+    limit.share = *percent / 100.0;
+  } else if (trimmed.find('.') != std::string_view::npos &&
+             trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
+    const std::optional<double> share = parse_decimal(trimmed);
+    if (!share || *share <= 0 || *share > 1) {
+      reject(spec.name, value,
+             "a share between 0 and 1 (such as 0.9), or a byte size such as 80GB");
+    }
+    limit.share = *share;
+  } else {
+    const std::optional<std::uint64_t> bytes = parse_byte_size(trimmed);
+    if (!bytes || *bytes == 0) reject(spec.name, value, accepted_form(spec));
+    limit.bytes = *bytes;
+  }
+  return limit;
+}
+
+int read_count(const option_spec& spec, std::string_view value) {
+  const std::string_view trimmed = trim(value);
+  int number = 0;
+  auto [end, status] = std::from_chars(trimmed.data(), trimmed.data() + trimmed.size(), number);
+  if (status != std::errc() || end != trimmed.data() + trimmed.size() || number < 1 ||
+      number > kMostDevices) {
+    reject(spec.name, value, accepted_form(spec));
+  }
+  return number;
+}
+
+bool read_boolean(const option_spec& spec, std::string_view value) {
+  const std::string word = lowercase(trim(value));
+  if (word == "1" || word == "true" || word == "yes" || word == "on") return true;
+  if (word == "0" || word == "false" || word == "no" || word == "off") return false;
+  reject(spec.name, value, accepted_form(spec));
+}
+
+std::string read_text(const option_spec&, std::string_view value) { return std::string(value); }
+
+// A row's `read`: parses with `read_value` and stores the result in `field`.
+template <auto field, auto read_value>
+void store(const option_spec& spec, std::string_view value, options& parsed) {
+  parsed.*field = read_value(spec, value);
+}
+
+// A row's `read` for a variable the library checks but others act on (the Python package,
+// the hooks): a bad value still stops the start, and names the variable.
+template <auto read_value>
+void check(const option_spec& spec, std::string_view value, options& /*parsed*/) {
+  read_value(spec, value);
+}
+
+// Note [Before the library's constructors]: under LD_PRELOAD, the constructors of the
+// program's own libraries run before this library's, and one may already call cudaMalloc,
+// which starts zeroalloc. So nothing that start reads is a namespace-scope object with a
+// dynamic initialiser (it would still be empty): the table and the logger are made on
+// first use.
+const std::vector<option_spec>& table() {
+  static const std::vector<option_spec> kTable = {
+      {"ZEROALLOC_DEVICE", option_kind::choice, "auto", "auto|cuda|sim",
+       "Which device backs allocations: cuda (the GPU through the CUDA driver), sim (the "
+       "simulated device in host memory), or auto (cuda when a driver and a GPU are present, "
+       "else sim).",
+       store<&options::device, read_choice>},
+      {"ZEROALLOC_MEMORY_LIMIT", option_kind::byte_size_or_device_share, "", "",
+       "Most device memory zeroalloc may hold per device, in bytes with a unit (512MiB, 80GB) "
+       "or as a share of the device (0.9, 90%). Unset: the whole device.",
+       store<&options::limit, read_memory_limit>},
+      {"ZEROALLOC_CHUNK_SIZE", option_kind::byte_size, "64MiB", "",
+       "Size of the physical memory chunks that back large allocations and that later tiers "
+       "move as a unit; a multiple of the device's 2 MiB granularity.",
+       store<&options::chunk_bytes, read_chunk_size>},
+      {"ZEROALLOC_LOG_LEVEL", option_kind::choice, "warn", "trace|debug|info|warn|error|off",
+       "Least severe message that is logged.", store<&options::log_level, read_choice>},
+      {"ZEROALLOC_LOG_FILE", option_kind::text, "", "",
+       "Write the log to this file instead of standard error.",
+       store<&options::log_file, read_text>},
+      {"ZEROALLOC_SIM_MEMORY", option_kind::byte_size, "8GiB", "",
+       "Memory of each simulated device (ZEROALLOC_DEVICE=sim).",
+       store<&options::sim_memory_bytes, read_byte_size>},
+      {"ZEROALLOC_SIM_DEVICES", option_kind::count, "2", "",
+       "Number of simulated devices (ZEROALLOC_DEVICE=sim).",
+       store<&options::sim_device_count, read_count>},
+      {"ZEROALLOC_SIM_MAPS_SLICES", option_kind::boolean, "1", "",
+       "0 makes the simulated device map only whole physical allocations, as CUDA drivers do "
+       "(the host tier then takes the paths it takes on a GPU).",
+       store<&options::sim_maps_slices, read_boolean>},
+      {"ZEROALLOC_REPORT", option_kind::text, "", "",
+       "Path prefix of memory reports: prefix.json and prefix.html are written at exit, when an "
+       "allocation fails out of memory, and on SIGUSR1, with a summary in the log.",
+       store<&options::report_prefix, read_text>},
+      {"ZEROALLOC_DISABLE", option_kind::boolean, "0", "",
+       "1 makes a preloaded libzeroalloc.so inert: every CUDA call goes to the real runtime and "
+       "driver.",
+       check<read_boolean>},
+      {"ZEROALLOC_OFFLOAD", option_kind::choice, "none", "none|host",
+       "host: when the device runs short, chunks of parameters, gradients and optimizer states "
+       "move to pinned host memory (same addresses; kernels still reach them over PCIe) and come "
+       "back before they are needed; the host pool is created in the background at start-up. "
+       "none: everything stays on the device.",
+       store<&options::offload, read_choice>},
+      {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
+       "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
+       "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
+       "move to the host as a last resort: training fits under a lower limit, at a cost in "
+       "speed where the states alone could make room. 0: gradients stay with the activations "
+       "and never move.",
+       store<&options::offload_gradients, read_boolean>},
+      {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_host_share, "0.5", "",
+       "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
+       "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
+       "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
+       "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
+       "comes from the GPU's NUMA node when that node has room, else from any node.",
+       store<&options::host_limit, read_memory_limit>},
+      {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
+       "How far ahead along the learned access order the offload engine brings chunks back to "
+       "the device, in bytes; it keeps that much device memory free for them.",
+       store<&options::prefetch_bytes, read_byte_size>},
+      {"ZEROALLOC_VERIFY", option_kind::boolean, "0", "",
+       "1 checksums every chunk the offload engine moves, before and after, and stops with an "
+       "error naming the chunk when the bytes changed in transit (for tests and bug hunts).",
+       store<&options::verify, read_boolean>},
+      {"ZEROALLOC_TORCH", option_kind::choice, "native", "native|zeroalloc",
+       "Which allocator PyTorch uses when the Python package's start-up hook is active "
+       "(libzeroalloc.so preloaded, or this variable set): native keeps PyTorch's caching "
+       "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
+       "torch is imported, as zeroalloc.torch.install() does.",
+       check<read_choice>},
+      {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
+       "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
+       "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
+       "itself is not part of this release.",
+       check<read_text>},
+      {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
+       "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
+       "in the build tree.",
+       check<read_text>},
+  };
+  return kTable;
+}
+
 }  // namespace
 
 const std::vector<option_spec>& option_table() { return table(); }
@@ -132,11 +236,10 @@ std::string_view accepted_form(const option_spec& spec) {
   switch (spec.kind) {
     case option_kind::byte_size:
       return "a byte size such as 512MiB, 80GB or 1048576";
-    case option_kind::byte_size_or_share:
-      return spec.name == "ZEROALLOC_HOST_LIMIT"
-                 ? "a byte size such as 64GiB, or a share of the host's memory such as 0.5 or 50%"
-                 : "a byte size such as 512MiB or 80GB, or a share of the device such as 0.9 "
-                   "or 90%";
+    case option_kind::byte_size_or_device_share:
+      return "a byte size such as 512MiB or 80GB, or a share of the device such as 0.9 or 90%";
+    case option_kind::byte_size_or_host_share:
+      return "a byte size such as 64GiB, or a share of the host's memory such as 0.5 or 50%";
     case option_kind::boolean:
       return "1 or 0 (also true/false, yes/no, on/off)";
     case option_kind::count:
@@ -224,77 +327,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
                ".");
     }
     if (value.empty()) continue;  // unset, no default
-    const std::string_view form = accepted_form(spec);
-
-    if (spec.kind == option_kind::choice) {
-      const std::string word = lowercase(trim(value));
-      std::string_view rest = spec.choices;
-      bool found = false;
-      while (!rest.empty()) {
-        const std::size_t bar = rest.find('|');
-        if (rest.substr(0, bar) == word) found = true;
-        rest = bar == std::string_view::npos ? std::string_view() : rest.substr(bar + 1);
-      }
-      if (!found) reject(name, value, std::string("one of ") + std::string(form));
-      if (name == "ZEROALLOC_DEVICE") parsed.device = word;
-      if (name == "ZEROALLOC_LOG_LEVEL") parsed.log_level = word;
-      if (name == "ZEROALLOC_OFFLOAD") parsed.offload = word;
-    } else if (spec.kind == option_kind::byte_size) {
-      const std::optional<std::uint64_t> bytes = parse_byte_size(value);
-      if (!bytes || *bytes == 0) reject(name, value, form);
-      if (name == "ZEROALLOC_CHUNK_SIZE") {
-        if (*bytes % (2 * MiB) != 0) {
-          reject(name, value,
-                 "a multiple of 2MiB (the device's mapping granularity), such as 64MiB");
-        }
-        parsed.chunk_bytes = *bytes;
-      }
-      if (name == "ZEROALLOC_SIM_MEMORY") parsed.sim_memory_bytes = *bytes;
-      if (name == "ZEROALLOC_PREFETCH_BYTES") parsed.prefetch_bytes = *bytes;
-    } else if (spec.kind == option_kind::byte_size_or_share) {
-      const std::string_view trimmed = trim(value);
-      memory_limit limit;
-      limit.text = std::string(trimmed);
-      if (!trimmed.empty() && trimmed.back() == '%') {
-        const std::optional<double> percent =
-            parse_decimal(trim(trimmed.substr(0, trimmed.size() - 1)));
-        if (!percent || *percent <= 0 || *percent > 100) reject(name, value, form);
-        limit.share = *percent / 100.0;
-      } else if (trimmed.find('.') != std::string_view::npos &&
-                 trimmed.find_first_not_of("0123456789.") == std::string_view::npos) {
-        const std::optional<double> share = parse_decimal(trimmed);
-        if (!share || *share <= 0 || *share > 1) {
-          reject(name, value, "a share between 0 and 1 (such as 0.9), or a byte size such as 80GB");
-        }
-        limit.share = *share;
-      } else {
-        const std::optional<std::uint64_t> bytes = parse_byte_size(trimmed);
-        if (!bytes || *bytes == 0) reject(name, value, form);
-        limit.bytes = *bytes;
-      }
-      (name == "ZEROALLOC_HOST_LIMIT" ? parsed.host_limit : parsed.limit) = limit;
-    } else if (spec.kind == option_kind::count) {
-      const std::string_view trimmed = trim(value);
-      int number = 0;
-      auto [end, status] = std::from_chars(trimmed.data(), trimmed.data() + trimmed.size(), number);
-      if (status != std::errc() || end != trimmed.data() + trimmed.size() || number < 1 ||
-          number > kMostDevices) {
-        reject(name, value, form);
-      }
-      if (name == "ZEROALLOC_SIM_DEVICES") parsed.sim_device_count = number;
-    } else if (spec.kind == option_kind::boolean) {
-      const std::string word = lowercase(trim(value));
-      const bool known = word == "1" || word == "0" || word == "true" || word == "false" ||
-                         word == "yes" || word == "no" || word == "on" || word == "off";
-      if (!known) reject(name, value, form);
-      const bool on = word == "1" || word == "true" || word == "yes" || word == "on";
-      if (name == "ZEROALLOC_VERIFY") parsed.verify = on;
-      if (name == "ZEROALLOC_OFFLOAD_GRADIENTS") parsed.offload_gradients = on;
-      if (name == "ZEROALLOC_SIM_MAPS_SLICES") parsed.sim_maps_slices = on;
-    } else if (spec.kind == option_kind::text) {
-      if (name == "ZEROALLOC_LOG_FILE") parsed.log_file = std::string(value);
-      if (name == "ZEROALLOC_REPORT") parsed.report_prefix = std::string(value);
-    }
+    spec.read(spec, value, parsed);
   }
   return parsed;
 }

@@ -14,26 +14,35 @@
 
 namespace zeroalloc {
 
-/// How a variable's value is read.
+struct options;
+
+/// How a variable's value is read, and so the accepted form its messages give.
 enum class option_kind {
-  byte_size,           ///< "512MiB", "80GB", "1048576"
-  byte_size_or_share,  ///< a byte_size, or a share of the device: "0.9", "90%"
-  boolean,             ///< 1/0, true/false, yes/no, on/off
-  count,               ///< a positive whole number
-  choice,              ///< one of a listed set of words
-  text,                ///< free text (a path, a name)
+  byte_size,                  ///< "512MiB", "80GB", "1048576"
+  byte_size_or_device_share,  ///< a byte_size, or a share of the device: "0.9", "90%"
+  byte_size_or_host_share,    ///< a byte_size, or a share of the host's memory: "0.5", "50%"
+  boolean,                    ///< 1/0, true/false, yes/no, on/off
+  count,                      ///< a positive whole number
+  choice,                     ///< one of a listed set of words
+  text,                       ///< free text (a path, a name)
 };
 
-/// One row of the table.
+/// One row of the table. Adding a variable is adding a row: its `read` parses the value and
+/// stores it in its field of `options` (or only checks it, for a variable the Python
+/// package or the hooks read).
 struct option_spec {
   std::string_view name;  ///< "ZEROALLOC_MEMORY_LIMIT"
   option_kind kind;
   std::string_view default_value;  ///< as the user would write it; empty = unset
   std::string_view choices;        ///< for option_kind::choice: "auto|cuda|sim"
-  std::string_view help;           ///< one sentence, shown in README and by `doctor`
+  std::string_view help;           ///< one sentence, shown by zeroalloc_options_json
+  /// Parses `value` (as set, or the default; never empty) into `parsed`. Throws
+  /// config_error naming the variable, the value and the accepted form.
+  void (*read)(const option_spec& spec, std::string_view value, options& parsed);
 };
 
-/// Every variable the library reads, in README order.
+/// Every variable the library reads, in the order of README.md's table (options_test checks
+/// that the two agree).
 const std::vector<option_spec>& option_table();
 
 /// The accepted form of a variable's value, as error messages and `doctor` say it.

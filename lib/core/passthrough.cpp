@@ -1,6 +1,6 @@
 #include "core/passthrough.hpp"
 
-#include "core/json.hpp"
+#include <nlohmann/json.hpp>
 
 namespace zeroalloc {
 namespace {
@@ -21,15 +21,15 @@ void count_passthrough(passthrough_call call, std::uint64_t bytes) noexcept {
   if (bytes != 0) each.bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
-std::string passthrough_json() {
-  std::string out = "{";
+nlohmann::ordered_json passthrough_figures() {
+  nlohmann::ordered_json figures = nlohmann::ordered_json::object();
   for (std::size_t i = 0; i < std::size(counters); ++i) {
-    if (i > 0) out += ',';
-    out += json_quote(kPassthroughNames[i]);
-    out += ":{\"calls\":" + std::to_string(counters[i].calls.load(std::memory_order_relaxed)) +
-           ",\"bytes\":" + std::to_string(counters[i].bytes.load(std::memory_order_relaxed)) + "}";
+    figures[kPassthroughNames[i]] = {{"calls", counters[i].calls.load(std::memory_order_relaxed)},
+                                     {"bytes", counters[i].bytes.load(std::memory_order_relaxed)}};
   }
-  return out + "}";
+  return figures;
 }
+
+std::string passthrough_json() { return passthrough_figures().dump(); }
 
 }  // namespace zeroalloc

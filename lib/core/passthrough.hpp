@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <iterator>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 namespace zeroalloc {
@@ -50,6 +51,9 @@ static_assert(std::size(kPassthroughNames) == static_cast<std::size_t>(passthrou
 void count_passthrough(passthrough_call call, std::uint64_t bytes = 0) noexcept;
 
 /// {"cuMemCreate":{"calls":N,"bytes":B},...}: every call, in the order above, process-wide.
+nlohmann::ordered_json passthrough_figures();
+
+/// passthrough_figures() as JSON text.
 std::string passthrough_json();
 
 }  // namespace zeroalloc

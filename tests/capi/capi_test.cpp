@@ -205,6 +205,130 @@ TEST_F(CApiTest, StreamsOfTheDeviceCanBeCreatedAndUsed) {
   zeroalloc_stream_destroy(0, stream);
 }
 
+// zeroalloc_free_if_owned: what a caller holding memory from zeroalloc and from elsewhere
+// (the LD_PRELOAD hooks' cudaFree) needs to know, and CUDA's answers for bad frees.
+int g_synchronized = 0;
+int count_synchronize() {
+  ++g_synchronized;
+  return 0;
+}
+
+TEST_F(CApiTest, FreeIfOwnedLeavesForeignPointersAloneAndFreesItsOwn) {
+  int on_the_stack = 0;
+  g_synchronized = 0;
+  EXPECT_EQ(zeroalloc_free_if_owned(&on_the_stack, nullptr, count_synchronize),
+            ZEROALLOC_NOT_OWNED);
+  EXPECT_EQ(zeroalloc_free_if_owned(nullptr, nullptr, count_synchronize), ZEROALLOC_NOT_OWNED);
+  EXPECT_EQ(g_synchronized, 0) << "a free of foreign memory waited for the device";
+
+  const long long before = total_allocated_bytes();
+  auto* pointer = static_cast<char*>(zeroalloc_malloc(1 << 20, 0, nullptr));
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_free_if_owned(pointer + 4096, nullptr, count_synchronize),
+            ZEROALLOC_FREE_FAILED);
+  EXPECT_EQ(zeroalloc_last_error_code(), 1);  // cudaErrorInvalidValue, as CUDA answers
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("not a live allocation"), std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(total_allocated_bytes(), before + (1 << 20)) << "the allocation must stay live";
+
+  g_synchronized = 0;
+  EXPECT_EQ(zeroalloc_free_if_owned(pointer, nullptr, count_synchronize), ZEROALLOC_FREED);
+  EXPECT_EQ(g_synchronized, 1) << "a free ordered on no stream waits for the device first";
+  EXPECT_EQ(total_allocated_bytes(), before);
+  EXPECT_EQ(zeroalloc_free_if_owned(pointer, nullptr, nullptr), ZEROALLOC_FREE_FAILED)
+      << "freed twice";
+  EXPECT_EQ(zeroalloc_last_error_code(), 1);
+}
+
+TEST_F(CApiTest, FreeIfOwnedOrderedOnAStreamMakesTheMemoryReusable) {
+  zeroalloc_stream_t stream = zeroalloc_stream_create(0);
+  ASSERT_NE(stream, nullptr) << zeroalloc_last_error();
+  void* pointer = zeroalloc_malloc(4 << 20, 0, stream);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_free_if_owned(pointer, stream, nullptr), ZEROALLOC_FREED);
+  void* again = zeroalloc_malloc(4 << 20, 0, stream);
+  EXPECT_EQ(again, pointer) << "reused on its own stream at once";
+  EXPECT_EQ(zeroalloc_free_if_owned(again, nullptr, nullptr), ZEROALLOC_FREED);
+  zeroalloc_stream_destroy(0, stream);
+}
+
+// CUDA's cudaStreamLegacy and cudaStreamPerThread are streams on every device: on the
+// simulated one they are its default stream.
+TEST_F(CApiTest, CudasSpecialStreamHandlesAreStreams) {
+  for (std::uintptr_t handle : {std::uintptr_t{0x1}, std::uintptr_t{0x2}}) {
+    auto* special = reinterpret_cast<zeroalloc_stream_t>(handle);
+    void* pointer = zeroalloc_malloc(1 << 20, 0, special);
+    ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+    EXPECT_EQ(zeroalloc_free_if_owned(pointer, special, nullptr), ZEROALLOC_FREED)
+        << zeroalloc_last_error();
+    void* other = zeroalloc_malloc(1 << 20, 0, nullptr);  // fenced on the special stream
+    ASSERT_NE(other, nullptr) << zeroalloc_last_error();
+    zeroalloc_free(other, 1 << 20, 0, nullptr);
+    EXPECT_EQ(zeroalloc_forget_stream(special), 0);  // never destroyed: nothing to do
+    zeroalloc_stream_destroy(0, special);            // ignored, as NULL is
+    EXPECT_STREQ(zeroalloc_last_error(), "");
+    zeroalloc_empty_cache();
+    EXPECT_STREQ(zeroalloc_last_error(), "");
+  }
+}
+
+TEST_F(CApiTest, MemoryInfoIsTheLimitAndWhatIsLeftUnderIt) {
+  zeroalloc_empty_cache();
+  std::uint64_t free_bytes = 0;
+  std::uint64_t total_bytes = 0;
+  ASSERT_EQ(zeroalloc_memory_info(0, &free_bytes, &total_bytes), 0) << zeroalloc_last_error();
+  std::uint64_t limit = 0;
+  const std::string text = stats_text(0);
+  const std::size_t at = text.find("\"limit_bytes\":");
+  ASSERT_NE(at, std::string::npos) << text;
+  limit = std::stoull(text.substr(at + 14));
+  EXPECT_EQ(total_bytes, limit);
+  EXPECT_LE(free_bytes, total_bytes);
+  void* pointer = zeroalloc_malloc(64 << 20, 0, nullptr);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  std::uint64_t free_after = 0;
+  ASSERT_EQ(zeroalloc_memory_info(0, &free_after, nullptr), 0);
+  EXPECT_LE(free_after, free_bytes - (64 << 20)) << "the allocation's memory is not free";
+  zeroalloc_free(pointer, 64 << 20, 0, nullptr);
+  ASSERT_EQ(zeroalloc_memory_info(0, nullptr, &total_bytes), 0);
+  EXPECT_EQ(total_bytes, limit);
+  EXPECT_EQ(zeroalloc_memory_info(999, &free_bytes, &total_bytes), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("device 999 does not exist"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_last_error_code(), 101);  // cudaErrorInvalidDevice
+}
+
+// Note [Destroyed streams] in hooks/cuda_hooks.cpp: once told, zeroalloc waits for the stream
+// and lets go of it, so memory freed on it serves the next allocation on another stream.
+TEST_F(CApiTest, MemoryFreedOnAForgottenStreamServesTheNextAllocation) {
+  EXPECT_EQ(zeroalloc_forget_stream(nullptr), 0);
+  zeroalloc_stream_t stream = zeroalloc_stream_create(0);
+  ASSERT_NE(stream, nullptr) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_forget_stream(stream), 0) << "a stream zeroalloc never saw";
+  void* pointer = zeroalloc_malloc(8 << 20, 0, stream);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_free_if_owned(pointer, stream, nullptr), ZEROALLOC_FREED);
+  EXPECT_EQ(zeroalloc_forget_stream(stream), 0) << zeroalloc_last_error();
+  zeroalloc_stream_destroy(0, stream);
+  void* again = zeroalloc_malloc(8 << 20, 0, nullptr);
+  EXPECT_EQ(again, pointer) << "the cached block should serve it";
+  zeroalloc_free(again, 8 << 20, 0, nullptr);
+}
+
+TEST_F(CApiTest, LastErrorCodeIsCudasNumberForTheFailure) {
+  EXPECT_EQ(zeroalloc_malloc(-1, 0, nullptr), nullptr);
+  EXPECT_EQ(zeroalloc_last_error_code(), 1);  // invalid value
+  EXPECT_EQ(zeroalloc_malloc(16, 999, nullptr), nullptr);
+  EXPECT_EQ(zeroalloc_last_error_code(), 101);  // invalid device
+  EXPECT_EQ(zeroalloc_malloc(ssize_t{1} << 50, 0, nullptr), nullptr);
+  EXPECT_EQ(zeroalloc_last_error_code(), 2);  // out of memory
+  void* pointer = zeroalloc_malloc(4096, 0, nullptr);
+  ASSERT_NE(pointer, nullptr);
+  EXPECT_EQ(zeroalloc_last_error_code(), 0);
+  zeroalloc_free(pointer, 4096, 0, nullptr);
+}
+
 // Note [Fork]: a child forked while other threads allocate can still free and allocate
 // (a DataLoader worker dropping a tensor); no lock is left held in it.
 TEST_F(CApiTest, AChildForkedWhileOtherThreadsAllocateDoesNotHang) {
@@ -263,6 +387,43 @@ void expect_refusal(const char* name, const char* value, const char* expected) {
         std::exit(pointer == nullptr ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), expected);
+}
+
+// cudaMemGetInfo under LD_PRELOAD answers with this: the total is the limit the variable set.
+TEST(CApiConfiguration, MemoryInfoHonoursTheMemoryLimitVariable) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_MEMORY_LIMIT", "384MiB", 1);
+        std::uint64_t free_bytes = 0;
+        std::uint64_t total_bytes = 0;
+        const int result = zeroalloc_memory_info(0, &free_bytes, &total_bytes);
+        std::fprintf(stderr, "result %d, total %llu, free %llu: %s\n", result,
+                     static_cast<unsigned long long>(total_bytes),
+                     static_cast<unsigned long long>(free_bytes), zeroalloc_last_error());
+        std::exit(result == 0 && total_bytes == (std::uint64_t{384} << 20) &&
+                          free_bytes <= total_bytes
+                      ? 0
+                      : 1);
+      },
+      ::testing::ExitedWithCode(0), "total 402653184");
+}
+
+// A library that could not start owns nothing: its hooks' frees go to CUDA, its
+// allocations fail as not initialised.
+TEST(CApiConfiguration, ALibraryThatCannotStartOwnsNothing) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_MEMORY_LIMIT", "lots", 1);
+        int on_the_stack = 0;
+        const int freed = zeroalloc_free_if_owned(&on_the_stack, nullptr, nullptr);
+        const void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        const int code = zeroalloc_last_error_code();
+        std::fprintf(stderr, "free %d, code %d\n", freed, code);
+        std::exit(freed == ZEROALLOC_NOT_OWNED && pointer == nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "free 1, code 3");
 }
 
 TEST(CApiConfiguration, MalformedVariablesStopTheStartAndAreNamed) {

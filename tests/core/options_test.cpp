@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "core/errors.hpp"
 
@@ -135,6 +137,58 @@ TEST(Options, EveryVariableHasHelpAndAnAcceptedDefault) {
     EXPECT_FALSE(spec.help.empty()) << spec.name;
   }
   EXPECT_NO_THROW(parse_with({}));
+}
+
+// ZEROALLOC_DISABLE (the hooks), ZEROALLOC_TORCH (the Python package): read elsewhere, but a
+// bad value stops the start here too, named with the value as it was written.
+TEST(Options, VariablesReadElsewhereAreCheckedToo) {
+  EXPECT_NE(error_of({{"ZEROALLOC_DISABLE", "perhaps"}}).find("ZEROALLOC_DISABLE='perhaps'"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"ZEROALLOC_TORCH", "both"}}).find("one of native|zeroalloc"),
+            std::string::npos);
+  EXPECT_NO_THROW(parse_with({{"ZEROALLOC_TORCH", " ZeroAlloc "}, {"ZEROALLOC_DISABLE", "on"}}));
+  EXPECT_NE(
+      error_of({{"ZEROALLOC_MEMORY_LIMIT", " lots "}}).find("ZEROALLOC_MEMORY_LIMIT=' lots '"),
+      std::string::npos);
+}
+
+// README.md's Settings table lists the variables the library reads (its rows begin
+// "| `ZEROALLOC_"): the same, in the table's order, with the same defaults. A default the
+// table leaves empty reads as words there ("whole device"), never as a value.
+TEST(Options, TheReadmeListsEveryVariableWithItsDefault) {
+  std::ifstream readme(ZEROALLOC_README);
+  ASSERT_TRUE(readme) << "cannot read " << ZEROALLOC_README;
+  struct row {
+    std::string name;
+    std::string default_column;
+  };
+  std::vector<row> listed;
+  for (std::string line; std::getline(readme, line);) {
+    if (line.rfind("| `ZEROALLOC_", 0) != 0) continue;
+    const std::size_t name_end = line.find('`', 3);
+    const std::size_t column = line.find('|', name_end);
+    const std::size_t column_end = line.find('|', column + 1);
+    ASSERT_NE(column_end, std::string::npos) << line;
+    std::string cell = line.substr(column + 1, column_end - column - 1);
+    cell.erase(0, cell.find_first_not_of(' '));
+    cell.erase(cell.find_last_not_of(' ') + 1);
+    listed.push_back({line.substr(3, name_end - 3), cell});
+  }
+  std::vector<std::string> table_names;
+  std::vector<std::string> readme_names;
+  for (const option_spec& spec : option_table()) table_names.emplace_back(spec.name);
+  for (const row& each : listed) readme_names.push_back(each.name);
+  ASSERT_EQ(readme_names, table_names) << "README.md's Settings table and the options table "
+                                          "list different variables, or in another order";
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    const option_spec& spec = option_table()[i];
+    if (spec.default_value.empty()) {
+      EXPECT_EQ(listed[i].default_column.find('`'), std::string::npos)
+          << spec.name << " has no default, but README.md gives " << listed[i].default_column;
+    } else {
+      EXPECT_EQ(listed[i].default_column, "`" + std::string(spec.default_value) + "`") << spec.name;
+    }
+  }
 }
 
 }  // namespace

@@ -227,7 +227,9 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_report_write", "zeroalloc_report_render",
                                       "zeroalloc_options_json", "zeroalloc_set_thread_class",
                                       "zeroalloc_offload", "zeroalloc_fetch",
-                                      "zeroalloc_residency", "zeroalloc_room"})
+                                      "zeroalloc_residency", "zeroalloc_room",
+                                      "zeroalloc_last_error_code", "zeroalloc_free_if_owned",
+                                      "zeroalloc_memory_info", "zeroalloc_forget_stream"})
     assert not missing, f"not declared in zeroalloc._library: {missing}"
     stream = lib.zeroalloc_stream_create(0)
     assert stream, zeroalloc._library.last_error()
