@@ -152,7 +152,7 @@ class caching_allocator {
   [[nodiscard]] device& backing() { return device_; }
 
   // What the offload engine (lib/tier) works with: chunks of live segments, pinned while
-  // they move (Note [Pinned chunks] in heap.cpp), and device chunks from the arena.
+  // they move (Note [Pinned chunks] in heap_pinning.cpp), and device chunks from the arena.
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;
   /// Appends the chunks the live allocation at `pointer` spans; false when there is none.

@@ -56,7 +56,7 @@ class chunk_arena {
 
   /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`:
   /// first `donated` (chunks taken from free segments, see Note [Moving free memory between
-  /// classes] in heap.cpp; emptied on success), then chunks from the pool or created.
+  /// classes] in heap_donation.cpp; emptied on success), then chunks from the pool or created.
   /// Returns false when the limit or the device's memory is exhausted, and throws
   /// device_error for any other failure; either way this call's mappings are undone, its new
   /// chunks are pooled, and the donated chunks are left in `donated` for the caller. When an

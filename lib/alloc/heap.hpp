@@ -1,6 +1,10 @@
 // A heap: the blocks of one allocation class and one size kind (small or large) of one
 // device, in segments inside the heap's own address region. Used by caching_allocator only;
 // see Note [Stream-ordered reuse] in caching_allocator.hpp.
+//
+// One class, one source per subject: heap.cpp (blocks, free lists, new segments),
+// heap_donation.cpp (free segments given to another heap), heap_release.cpp (free segments
+// unmapped), heap_pinning.cpp (the offload engine's chunks).
 #pragma once
 
 #include <array>
@@ -115,7 +119,7 @@ class heap {
   /// appended to `into`, and its old addresses are unmapped once that work has run.
   bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                   donated_memory& into);
-  // The offload engine's view (Note [Pinned chunks] in heap.cpp).
+  // The offload engine's view (Note [Pinned chunks] in heap_pinning.cpp).
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;
   /// Appends the chunks that the live allocation starting at `pointer` spans; false when
@@ -193,6 +197,9 @@ class heap {
   /// and also when either throws.
   template <typename Then>
   void fenced(stream_handle on, Then&& then);
+  /// The next value of the process-wide clock of segment::generation and last_activity.
+  static std::uint64_t next_activity();
+  static std::size_t bytes_of(const std::vector<physical_handle>& chunks);
   /// The segment and chunk index of the chunk mapped at `address`, or {nullptr, 0}.
   std::pair<segment*, std::size_t> chunk_at(std::uintptr_t address) const;
   /// Only those overlapping [from, to) when given.
@@ -235,5 +242,18 @@ class heap {
   std::vector<heap*> donors_;
   std::vector<std::uintptr_t> pinned_;  // chunk addresses (Note [Pinned chunks])
 };
+
+template <typename Then>
+inline void heap::fenced(stream_handle on, Then&& then) {
+  event_handle fence = obtain_event();
+  try {
+    device_.record_event(fence, on);
+    then(fence);
+  } catch (...) {
+    spare_events_.push_back(fence);  // unrecorded, or recorded and never waited on
+    throw;
+  }
+  spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
+}
 
 }  // namespace zeroalloc
