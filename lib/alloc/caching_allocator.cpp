@@ -179,37 +179,6 @@ std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
   return released;
 }
 
-// Note [Idle classes' cache]: a class with nothing allocated holds only cache, and keeps
-// it until its next use: the gradients' from one step's end (zero_grad) to the next
-// backward, through the whole forward. The offload engine takes it before it moves anything
-// live to the host (a fetch that finds no room, the headroom kept for prefetches): an unmap
-// now and a map at the class's next use cost far less than a chunk's round trip over PCIe.
-// Only idle classes: the activations' cache would be taken from under the forward that is
-// about to reuse it, and their next allocation would meet the pressure path instead.
-std::uint64_t caching_allocator::idle_cache_bytes() const {
-  std::uint64_t bytes = 0;
-  for (allocation_class cls : kAllocationClasses) {
-    const live_gauges& figures = stats_.classes[class_index(cls)];
-    if (figures.allocated_bytes.current() == 0 && figures.pending_bytes.current() == 0) {
-      bytes +=
-          static_cast<std::uint64_t>(std::max<std::int64_t>(0, figures.reserved_bytes.current()));
-    }
-  }
-  return bytes;
-}
-
-std::uint64_t caching_allocator::release_idle_cache() {
-  std::lock_guard lock(reclaim_mutex_);
-  std::uint64_t released = 0;
-  for (allocation_class cls : kAllocationClasses) {
-    const live_gauges& figures = stats_.classes[class_index(cls)];
-    if (figures.allocated_bytes.current() != 0 || figures.reserved_bytes.current() == 0) continue;
-    released += heaps_[2 * class_index(cls)]->release_free_segments();
-    released += heaps_[2 * class_index(cls) + 1]->release_free_segments();
-  }
-  return released;
-}
-
 std::uint64_t caching_allocator::release_all_cached() {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
@@ -457,31 +426,11 @@ void append_figures(std::string& out, const class_figures& figures) {
 
 }  // namespace
 
-void caching_allocator::list_chunks(std::vector<chunk_info>& into) const {
-  for (const auto& each : heaps_) each->list_chunks(into);
-}
-
 bool caching_allocator::chunks_of_allocation(const void* pointer,
                                              std::vector<chunk_info>& into) const {
   heap* owner = heap_at(reinterpret_cast<std::uintptr_t>(pointer));
   return owner != nullptr &&
          owner->chunks_of_allocation(reinterpret_cast<std::uintptr_t>(pointer), into);
-}
-
-bool caching_allocator::pin_chunk(std::uintptr_t address, chunk_info& into) {
-  heap* owner = heap_at(address);
-  return owner != nullptr && owner->pin_chunk(address, into);
-}
-
-physical_handle caching_allocator::remap_pinned_chunk(std::uintptr_t address,
-                                                      physical_handle replacement) {
-  heap* owner = heap_at(address);
-  ZA_REQUIRE(owner != nullptr, "no chunk of this allocator at ", address);
-  return owner->remap_pinned_chunk(address, replacement);
-}
-
-void caching_allocator::unpin_chunk(std::uintptr_t address) {
-  if (heap* owner = heap_at(address)) owner->unpin_chunk(address);
 }
 
 std::string caching_allocator::snapshot_json() const {

@@ -32,6 +32,7 @@
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
 #include "alloc/memory_limit.hpp"
+#include "alloc/paging_view.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -90,18 +91,6 @@ class caching_allocator {
   /// Physical device memory held: mapped segments and idle pooled chunks.
   [[nodiscard]] std::uint64_t held_bytes() const { return limiter_.used_bytes(); }
 
-  /// Note [Idle classes' cache]: bytes of the cache of classes with nothing allocated (the
-  /// gradients' between a step and the next backward), which release_idle_cache() would give
-  /// back; cheaper to take than anything live is to move.
-  [[nodiscard]] std::uint64_t idle_cache_bytes() const;
-  /// Bytes of mapped segments of `cls` now (on the device or moved to the host); no lock.
-  [[nodiscard]] std::int64_t reserved_bytes(allocation_class cls) const {
-    return stats_.classes[class_index(cls)].reserved_bytes.current();
-  }
-  /// Releases the cache of every class with nothing allocated (waits for the work queued on
-  /// it: call it off the training thread, or where a wait is due anyway); returns the bytes.
-  std::uint64_t release_idle_cache();
-
   /// Called, without locks held, when an allocation fails even after the cache was released;
   /// returns the bytes it freed (the offload engine will evict here). Optional.
   using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
@@ -151,16 +140,13 @@ class caching_allocator {
 
   [[nodiscard]] device& backing() { return device_; }
 
-  // What the offload engine (lib/tier) works with: chunks of live segments, pinned while
-  // they move (Note [Pinned chunks] in heap_pinning.cpp), and device chunks from the arena.
-  /// Appends the chunks of every segment that holds live allocations.
-  void list_chunks(std::vector<chunk_info>& into) const;
-  /// Appends the chunks the live allocation at `pointer` spans; false when there is none.
+  /// Appends the physical chunks the live allocation at `pointer` spans, with where each is
+  /// now (chunk_info); false when there is none.
   bool chunks_of_allocation(const void* pointer, std::vector<chunk_info>& into) const;
-  bool pin_chunk(std::uintptr_t address, chunk_info& into);
-  physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
-  void unpin_chunk(std::uintptr_t address);
-  [[nodiscard]] chunk_arena& arena() { return arena_; }
+
+  /// What the tier works with besides allocations: chunks to pin and remap, the arena, the
+  /// idle classes' cache.
+  [[nodiscard]] paging_view paging() { return paging_view(*this); }
 
   /// Around fork(): take every lock of this allocator, in the one order the allocator
   /// itself takes them, and give them back in parent and child (Note [Fork]).
@@ -168,6 +154,8 @@ class caching_allocator {
   void after_fork();
 
  private:
+  friend class paging_view;
+
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
   /// The heap whose address region holds `address`, or nullptr.
   heap* heap_at(std::uintptr_t address) const;

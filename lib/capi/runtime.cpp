@@ -221,7 +221,7 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   owned_host_pools_.push_back(std::make_unique<host_pool>(backing, limit, source));
   host_pool* pool = owned_host_pools_.back().get();
   // Pinned memory takes about 0.25 s per GiB to create: in the background, from now.
-  pool->start_prefill(allocator.arena().chunk_bytes(), limit);
+  pool->start_prefill(allocator.paging().arena().chunk_bytes(), limit);
   offload_settings settings;
   settings.prefetch_bytes = options_.prefetch_bytes;
   owned_engines_.push_back(

@@ -173,7 +173,7 @@ class migrator {
   void give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped);
   void return_host_chunk(physical_handle handle);  // the arena's sink
 
-  caching_allocator& allocator_;
+  paging_view paging_;
   device& device_;
   host_pool& pool_;
   const bool verify_;

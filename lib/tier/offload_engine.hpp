@@ -237,6 +237,7 @@ class offload_engine {
   event_handle timing_event();  // caller holds mutex_
 
   caching_allocator& allocator_;
+  paging_view paging_;
   device& device_;
   host_pool& pool_;
   migrator migrator_;

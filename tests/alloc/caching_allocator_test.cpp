@@ -232,7 +232,7 @@ TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStrea
   const std::uint64_t generation_in_use = chunks.at(0).generation;
   allocator->deallocate(pointer);  // pending: the consumer is still asleep
   chunks.clear();
-  allocator->list_chunks(chunks);
+  allocator->paging().list_chunks(chunks);
   const auto chunk = std::find_if(chunks.begin(), chunks.end(),
                                   [&](const chunk_info& each) { return each.address == first; });
   ASSERT_NE(chunk, chunks.end());

@@ -117,7 +117,7 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
   EXPECT_EQ(engine.figures().host_resident_bytes, kBytes);
   EXPECT_EQ(engine.figures().bytes_to_host, kBytes);
   EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed on the host";
-  EXPECT_EQ(allocator_->arena().pooled_bytes(), kBytes) << "device chunks were not freed";
+  EXPECT_EQ(allocator_->paging().arena().pooled_bytes(), kBytes) << "device chunks were not freed";
   EXPECT_EQ(allocator_->held_bytes(), held_before);  // pooled, still charged until reused
 
   for (const chunk_info& chunk : chunks) ASSERT_TRUE(engine.fetch_async(chunk.address));
@@ -389,7 +389,7 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
     }
     ASSERT_EQ(device.failed_unmaps(), kSlots);
     const std::uint64_t held = allocator.held_bytes();
-    const std::uint64_t pooled = allocator.arena().pooled_bytes();
+    const std::uint64_t pooled = allocator.paging().arena().pooled_bytes();
     for (int attempt = 0; attempt < 3; ++attempt) {
       try {
         engine.fetch_async(chunks[kSlots]);
@@ -400,7 +400,8 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
       }
     }
     EXPECT_EQ(allocator.held_bytes(), held);
-    EXPECT_EQ(allocator.arena().pooled_bytes(), pooled) << "a failed fetch kept its device chunk";
+    EXPECT_EQ(allocator.paging().arena().pooled_bytes(), pooled)
+        << "a failed fetch kept its device chunk";
     EXPECT_EQ(engine.where(chunks[kSlots]), residency::host);
     EXPECT_EQ(read_back(device, pointers[kSlots], kChunkBytes),
               std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(kSlots + 1)));

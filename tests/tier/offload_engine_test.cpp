@@ -640,7 +640,7 @@ TEST_F(OffloadEngineTest, AUseBetweenTwoAttemptsOfAFetchMakesTheFetchWaitForIt) 
   ASSERT_TRUE(engine.evict(held_up, /*wait=*/true));
   // Their device chunks serve an activation: no room for the state until the layer goes.
   void* activations = allocator_->allocate(2 * kBytes, nullptr, allocation_class::other);
-  ASSERT_EQ(allocator_->arena().pooled_bytes(), 0u);
+  ASSERT_EQ(allocator_->paging().arena().pooled_bytes(), 0u);
   std::thread opener([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     gate_reader->set_value();
@@ -878,7 +878,7 @@ TEST_F(OffloadEngineTest, AFetchTakesTheCacheOfAClassWithNothingAllocatedBeforeA
   const std::uint64_t gradients_cache =
       allocator_->stats().of(allocation_class::gradient).reserved_bytes.current;
   ASSERT_EQ(gradients_cache, 16 * MiB);
-  EXPECT_EQ(allocator_->idle_cache_bytes(), gradients_cache);
+  EXPECT_EQ(allocator_->paging().idle_cache_bytes(), gradients_cache);
 
   ASSERT_TRUE(engine.fetch(layer, /*wait=*/true));
   EXPECT_EQ(where_first_chunk(layer), residency::device);
