@@ -28,10 +28,10 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
   const std::size_t region_bytes = 2 * backing.query_memory().total_bytes;
   for (allocation_class cls : kAllocationClasses) {
     const bool paged = cls != allocation_class::other;
-    heaps_[2 * class_index(cls)] =
-        std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::small, region_bytes);
+    heaps_[2 * class_index(cls)] = std::make_unique<heap>(arena_, stats_, listener_, cls,
+                                                          heap::size_kind::small, region_bytes);
     heaps_[2 * class_index(cls) + 1] = std::make_unique<heap>(
-        arena_, stats_, cls, heap::size_kind::large,
+        arena_, stats_, listener_, cls, heap::size_kind::large,
         region_bytes + (paged ? static_cast<std::size_t>(settings.host_tier_bytes) : 0));
   }
   std::vector<heap*> all;
@@ -60,14 +60,10 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
 }
 
 void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream) {
-  host_landing_handler handler;
-  {
-    std::lock_guard lock(settings_mutex_);
-    handler = host_landing_handler_;
-  }
-  if (!handler) return;
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
+  if (listener == nullptr) return;
   try {
-    handler(pointer, stream);
+    listener->allocated_on_host(pointer, stream);
   } catch (const std::exception& failure) {  // the allocation stands, on the host
     log().warn("bringing a new allocation back from host memory failed: {}", failure.what());
   }
@@ -76,7 +72,7 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
 void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
                                                 std::size_t requested_bytes, stream_handle stream,
                                                 allocation_class cls, bool& on_host,
-                                                const pressure_handler& handler) {
+                                                paging_listener* listener) {
   std::uint64_t released = release_cached(needed);
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -92,9 +88,10 @@ void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t 
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
   }
-  // The handler frees device memory for a whole new segment, a few times if it must (the
+  // The listener frees device memory for a whole new segment, a few times if it must (the
   // chunks it frees need not match the sizes the segment needs).
-  for (int round = 0; handler && round < 4 && handler(needed) > 0; ++round) {
+  for (int round = 0; listener != nullptr && round < 4 && listener->relieve_pressure(needed) > 0;
+       ++round) {
     if (void* pointer =
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
@@ -107,15 +104,11 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                                                  allocation_class cls, bool& on_host) {
   // Out of new memory: give back cached free segments (of every class), the largest first,
   // as many as the new segment needs, and retry; then all of them (Note [Releasing what is
-  // needed]); then let the pressure handler free memory, and retry once more.
+  // needed]); then let the listener (the offload engine) free memory, and retry once more.
   stats_.apply(
       cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
-  pressure_handler handler;
-  {
-    std::lock_guard lock(settings_mutex_);
-    handler = pressure_handler_;
-  }
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
   if (needed > limiter_.limit_bytes()) {
     // Nothing freed could make room: releasing the cache and moving every movable chunk
     // to the host first would only slow the program down before the same failure.
@@ -123,25 +116,18 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(needed),
                format_bytes(limiter_.limit_bytes()));
   } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes, stream,
-                                                    cls, on_host, handler)) {
+                                                    cls, on_host, listener)) {
     return pointer;
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   std::string message = out_of_memory_message(rounded_bytes, cls);
-  out_of_memory_observer observer;
-  pressure_note note;
-  {
-    std::lock_guard lock(settings_mutex_);
-    observer = out_of_memory_observer_;
-    note = pressure_note_;
-  }
-  if (note && handler && needed <= limiter_.limit_bytes()) {
-    if (const std::string why = note(); !why.empty()) {
+  if (listener != nullptr && needed <= limiter_.limit_bytes()) {
+    if (const std::string why = listener->pressure_note(); !why.empty()) {
       message += " Offloading could not make room: " + why;
     }
   }
-  if (observer) observer(message);
+  if (listener != nullptr) listener->out_of_memory(message);
   throw out_of_memory(message);
 }
 
@@ -294,11 +280,6 @@ void caching_allocator::after_fork() {
   reclaim_mutex_.unlock();
 }
 
-void caching_allocator::set_out_of_memory_observer(out_of_memory_observer observer) {
-  std::lock_guard lock(settings_mutex_);
-  out_of_memory_observer_ = std::move(observer);
-}
-
 std::vector<caching_allocator::allocation_record> caching_allocator::largest_allocations(
     std::size_t count) const {
   std::vector<allocation_record> records;
@@ -313,25 +294,6 @@ std::vector<caching_allocator::allocation_record> caching_allocator::largest_all
       [](const allocation_record& a, const allocation_record& b) { return a.bytes > b.bytes; });
   records.resize(kept);
   return records;
-}
-
-void caching_allocator::set_pressure_handler(pressure_handler handler) {
-  std::lock_guard lock(settings_mutex_);
-  pressure_handler_ = std::move(handler);
-}
-
-void caching_allocator::set_pressure_note(pressure_note note) {
-  std::lock_guard lock(settings_mutex_);
-  pressure_note_ = std::move(note);
-}
-
-void caching_allocator::set_chunk_observer(const chunk_observer& observer) {
-  for (auto& each : heaps_) each->set_chunk_observer(observer);
-}
-
-void caching_allocator::set_host_landing_handler(host_landing_handler handler) {
-  std::lock_guard lock(settings_mutex_);
-  host_landing_handler_ = std::move(handler);
 }
 
 std::uint64_t caching_allocator::allocated_bytes() const {

@@ -139,11 +139,12 @@ void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
   chunks.clear();
 }
 
-void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {
+void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks,
+                           paging_listener* listener) {
   std::vector<physical_handle> on_host;
   auto sink_host_chunks = [&] {
     for (const physical_handle& handle : on_host) {
-      if (host_chunk_sink_) host_chunk_sink_(handle);
+      if (listener != nullptr) listener->host_chunk_released(handle);
     }
   };
   std::size_t unmapped = 0;

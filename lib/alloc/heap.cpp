@@ -35,9 +35,15 @@ std::uint64_t heap::next_activity() {
   return clock.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
-heap::heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
+heap::heap(chunk_arena& arena, allocator_stats& stats,
+           const std::atomic<paging_listener*>& listener, allocation_class cls, size_kind kind,
            std::size_t region_bytes)
-    : arena_(arena), device_(arena.backing()), stats_(stats), class_(cls), kind_(kind) {
+    : arena_(arena),
+      device_(arena.backing()),
+      stats_(stats),
+      listener_(listener),
+      class_(cls),
+      kind_(kind) {
   region_bytes_ = round_up(region_bytes, arena.granularity());
   region_start_ = arena.reserve_region(region_bytes_);
   free_addresses_.give_back(region_start_, region_bytes_);
@@ -48,7 +54,9 @@ heap::~heap() {
     std::lock_guard lock(mutex_);
     retire_donated(true);
     for (auto& owned : segments_) {
-      if (!owned->chunks.empty()) arena_.decommit(owned->address, owned->chunks);
+      if (!owned->chunks.empty()) {
+        arena_.decommit(owned->address, owned->chunks, listener_.load(std::memory_order_acquire));
+      }
     }
     for (event_handle event : all_events_) device_.destroy_event(event);
   } catch (const std::exception& failure) {
@@ -260,7 +268,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   whole->owner = owned.get();
   whole->stream = stream;
   owned->first = whole;
-  tell_chunks(owned->chunks, +1);
+  tell_chunks(owned->chunks, /*gained=*/true);
   segments_.push_back(std::move(owned));
   stats_.apply(class_, [&](live_gauges& figures) {
     figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
@@ -517,14 +525,16 @@ void heap::process_pending(bool wait) {
   pending_.resize(kept);
 }
 
-void heap::set_chunk_observer(chunk_observer observer) {
-  std::lock_guard lock(mutex_);
-  chunk_observer_ = std::move(observer);
-}
-
-void heap::tell_chunks(const std::vector<physical_handle>& chunks, int change) {
-  if (!chunk_observer_) return;
-  for (const physical_handle& chunk : chunks) chunk_observer_(class_, chunk.bytes, change);
+void heap::tell_chunks(const std::vector<physical_handle>& chunks, bool gained) {
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
+  if (listener == nullptr) return;
+  for (const physical_handle& chunk : chunks) {
+    if (gained) {
+      listener->chunk_gained(class_, chunk.bytes);
+    } else {
+      listener->chunk_lost(class_, chunk.bytes);
+    }
+  }
 }
 
 std::uint64_t heap::host_resident_bytes() const {

@@ -8,9 +8,9 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,6 +20,7 @@
 #include "alloc/allocation_class.hpp"
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
+#include "alloc/paging_listener.hpp"
 #include "alloc/pointer_map.hpp"
 #include "core/free_ranges.hpp"
 #include "core/spin_lock.hpp"
@@ -74,8 +75,10 @@ class heap {
 
   enum class size_kind { small, large };
 
-  heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
-       std::size_t region_bytes);
+  /// `listener`: the allocator's, told of the chunks this heap's segments gain and lose
+  /// and of host chunks it unmaps (paging_listener), with the heap's lock held.
+  heap(chunk_arena& arena, allocator_stats& stats, const std::atomic<paging_listener*>& listener,
+       allocation_class cls, size_kind kind, std::size_t region_bytes);
   ~heap();
 
   /// A block of `rounded_bytes` (asked for as `requested_bytes`) for `stream`, or nullptr
@@ -96,13 +99,6 @@ class heap {
   /// Waits for pending frees, then unmaps fully free segments, largest first, until
   /// `enough` bytes are unmapped (all of them by default). Returns bytes unmapped.
   std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX);
-
-  /// Told of each physical chunk a segment of this heap gains (`change` +1: mapped) or loses
-  /// (-1: released, donated), with the heap's lock held: it must be brief and must not call
-  /// into the heap. Set before the heap is used (the host tier anticipates chunk sizes).
-  using chunk_observer =
-      std::function<void(allocation_class cls, std::size_t chunk_bytes, int change)>;
-  void set_chunk_observer(chunk_observer observer);
 
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
@@ -211,11 +207,13 @@ class heap {
   block* new_block();
   void recycle_block(block* unused);
   event_handle obtain_event();
-  void tell_chunks(const std::vector<physical_handle>& chunks, int change);
+  /// Tells the listener, if any, that a segment gained (or lost) `chunks`.
+  void tell_chunks(const std::vector<physical_handle>& chunks, bool gained);
 
   chunk_arena& arena_;
   device& device_;
   allocator_stats& stats_;
+  const std::atomic<paging_listener*>& listener_;
   const allocation_class class_;
   const size_kind kind_;
   std::uintptr_t region_start_ = 0;
@@ -224,7 +222,6 @@ class heap {
   // A spin lock: the sections it guards are a few hundred instructions, except
   // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
   mutable spin_lock mutex_;
-  chunk_observer chunk_observer_;
   heap_counts counts_;
   free_ranges free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;

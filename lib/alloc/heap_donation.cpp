@@ -185,7 +185,7 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
     figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes));
   });
   ++counts_.segments_donated;
-  tell_chunks(given.chunks, -1);
+  tell_chunks(given.chunks, /*gained=*/false);
   retiring_.push_back(std::move(old_addresses));
   segments_.erase(chosen);
   return true;

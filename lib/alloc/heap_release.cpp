@@ -63,14 +63,14 @@ std::uint64_t heap::release_segment(segment& idle) {
     piece = next;
   }
   idle.first = nullptr;
-  tell_chunks(idle.chunks, -1);
+  tell_chunks(idle.chunks, /*gained=*/false);
   auto unreserve = [&](std::size_t bytes) {
     stats_.apply(class_, [&](live_gauges& figures) {
       figures.reserved_bytes.add(-static_cast<std::int64_t>(bytes));
     });
   };
   try {
-    arena_.decommit(idle.address, idle.chunks);
+    arena_.decommit(idle.address, idle.chunks, listener_.load(std::memory_order_acquire));
   } catch (const std::exception& failure) {
     // Note [A failed unmap]: the chunks still mapped are the segment's last ones. They stay
     // told as gone: nothing can move or reuse them.

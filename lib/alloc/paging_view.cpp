@@ -9,6 +9,15 @@
 
 namespace zeroalloc {
 
+void paging_view::attach(paging_listener& listener) {
+  paging_listener* none = nullptr;
+  ZA_REQUIRE(
+      allocator_.listener_.compare_exchange_strong(none, &listener, std::memory_order_acq_rel),
+      "the allocator of ", allocator_.device_.name(), " has a paging listener already");
+}
+
+void paging_view::detach() { allocator_.listener_.store(nullptr, std::memory_order_release); }
+
 void paging_view::list_chunks(std::vector<chunk_info>& into) const {
   for (const auto& each : allocator_.heaps_) each->list_chunks(into);
 }

@@ -1,5 +1,6 @@
 // The paging view of a caching allocator: what the tier (lib/tier) does with the allocator's
-// memory besides allocating it. The offload engine and the migrator move the physical chunks
+// memory besides allocating it; paging_listener is the other direction, what the allocator
+// tells the tier. The offload engine and the migrator move the physical chunks
 // of live segments between device and host memory at fixed addresses; for that they list
 // chunks, pin one while it moves (Note [Pinned chunks] in heap_pinning.cpp), map another
 // backing under it, take device chunks from the arena to copy into, and take the cache of
@@ -14,6 +15,7 @@
 
 #include "alloc/allocation_class.hpp"
 #include "alloc/chunk_arena.hpp"
+#include "alloc/paging_listener.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -22,6 +24,12 @@ class caching_allocator;
 
 class paging_view {
  public:
+  /// Makes `listener` the allocator's (paging_listener): once, before the allocator is used
+  /// by other threads. Throws invalid_argument when one is attached already.
+  void attach(paging_listener& listener);
+  /// Detaches the listener, before it is destroyed; no allocation may be in flight.
+  void detach();
+
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;
   /// Pins the chunk mapped at `address` so that its segment is neither unmapped nor given

@@ -28,6 +28,41 @@ struct startup {
 
 std::atomic<runtime*> g_started{nullptr};  // constant-initialised: if_started() reads it
 
+// An allocator tells one paging_listener: its device's offload engine. When a memory report
+// is written, the report must hear of out-of-memory failures too, with offload on or off:
+// this listener passes everything on to the engine (when there is one) and reports them.
+class reporting_listener final : public paging_listener {
+ public:
+  reporting_listener(runtime& owner, paging_listener* tier) : owner_(owner), tier_(tier) {}
+
+  std::uint64_t relieve_pressure(std::size_t bytes_needed) override {
+    return tier_ != nullptr ? tier_->relieve_pressure(bytes_needed) : 0;
+  }
+  std::string pressure_note() override {
+    return tier_ != nullptr ? tier_->pressure_note() : std::string();
+  }
+  void allocated_on_host(const void* pointer, stream_handle stream) override {
+    if (tier_ != nullptr) tier_->allocated_on_host(pointer, stream);
+  }
+  void chunk_gained(allocation_class cls, std::size_t chunk_bytes) override {
+    if (tier_ != nullptr) tier_->chunk_gained(cls, chunk_bytes);
+  }
+  void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override {
+    if (tier_ != nullptr) tier_->chunk_lost(cls, chunk_bytes);
+  }
+  void host_chunk_released(physical_handle chunk) override {
+    if (tier_ != nullptr) tier_->host_chunk_released(chunk);
+  }
+  void out_of_memory(const std::string& message) override {
+    if (tier_ != nullptr) tier_->out_of_memory(message);
+    if (owner_.reporting_process()) owner_.memory_reporter()->out_of_memory(message);
+  }
+
+ private:
+  runtime& owner_;
+  paging_listener* const tier_;
+};
+
 }  // namespace
 
 runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
@@ -123,12 +158,14 @@ caching_allocator& runtime::allocator(int ordinal) {
   }
   owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
   caching_allocator* created = owned_allocators_.back().get();
-  if (reporter_) {
-    created->set_out_of_memory_observer([this](const std::string& message) {
-      if (reporting_process()) reporter_->out_of_memory(message);
-    });
-  }
   if (offload_enabled()) start_offload(ordinal, *created);
+  offload_engine* engine = engines_[ordinal].load(std::memory_order_acquire);
+  if (reporter_) {
+    owned_listeners_.push_back(std::make_unique<reporting_listener>(*this, engine));
+    created->paging().attach(*owned_listeners_.back());
+  } else if (engine != nullptr) {
+    created->paging().attach(*engine);
+  }
   allocators_[ordinal].store(created, std::memory_order_release);
   log().info("device {}: {}, limit {}", ordinal, opened.name(),
              format_bytes(created->limit_bytes()));
@@ -227,17 +264,6 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   owned_engines_.push_back(
       std::make_unique<offload_engine>(allocator, *pool, options_.verify, settings));
   offload_engine* engine = owned_engines_.back().get();
-  allocator.set_pressure_handler(
-      [engine](std::size_t bytes) { return engine->relieve_pressure(bytes); });
-  allocator.set_pressure_note([engine] { return engine->pressure_note(); });
-  allocator.set_host_landing_handler([engine](void* pointer, stream_handle stream) {
-    engine->allocated_on_host(pointer, stream);
-  });
-  // The sizes of the optimizer states' chunks, for pinned memory made ahead of need (Note
-  // [Anticipated sizes] in tier/host_pool.hpp): what pressure sends to the host first.
-  allocator.set_chunk_observer([pool](allocation_class cls, std::size_t bytes, int change) {
-    if (cls == allocation_class::optimizer_state) pool->expect_chunks(bytes, change);
-  });
   host_pools_[ordinal].store(pool, std::memory_order_release);
   engines_[ordinal].store(engine, std::memory_order_release);
   log().info("device {}: offload to host memory on, up to {} ({})", ordinal, format_bytes(limit),

@@ -32,8 +32,6 @@ migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
   for (std::size_t i = kStagingSlots; i-- > 0;) {
     free_slots_.push_back(staging_region_ + i * staging_slot_bytes_);
   }
-  paging_.arena().set_host_chunk_sink(
-      [this](physical_handle handle) { return_host_chunk(handle); });
   worker_ = std::thread([this] { worker(); });
 }
 
@@ -71,7 +69,6 @@ migrator::~migrator() {
   }
   changed_.notify_all();
   worker_.join();
-  paging_.arena().set_host_chunk_sink(nullptr);
   try {
     for (event_handle event : spare_events_) device_.destroy_event(event);
     for (const auto& [address, bytes] : retired_slots_) {
@@ -378,7 +375,7 @@ void migrator::finish(transfer& done) {
   physical_handle left_behind;  // to host: the device chunk the chunk no longer uses
   if (done.to_host) {
     // Stays pinned until on_host_ knows the chunk (below): a segment unmapped in between
-    // would hand its host slice to return_host_chunk before it could be found.
+    // would hand its host slice to host_chunk_released before it could be found.
     left_behind = paging_.remap_pinned_chunk(address, done.host.handle);
   } else if (!done.remapped_early) {
     // Stays pinned through the verification below, which reads the chunk's addresses: a
@@ -608,7 +605,7 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
   paging_.arena().return_chunk(device_chunk);
 }
 
-void migrator::return_host_chunk(physical_handle handle) {
+void migrator::host_chunk_released(physical_handle handle) {
   host_chunk chunk;
   chunk.handle = handle;  // if no migration knows it, the slice still goes back to the pool
   {

@@ -656,6 +656,22 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
 }
 
+void offload_engine::chunk_gained(allocation_class cls, std::size_t chunk_bytes) {
+  if (settings_.anticipate_state_chunks && cls == allocation_class::optimizer_state) {
+    pool_.expect_chunks(chunk_bytes, +1);
+  }
+}
+
+void offload_engine::chunk_lost(allocation_class cls, std::size_t chunk_bytes) {
+  if (settings_.anticipate_state_chunks && cls == allocation_class::optimizer_state) {
+    pool_.expect_chunks(chunk_bytes, -1);
+  }
+}
+
+void offload_engine::host_chunk_released(physical_handle chunk) {
+  migrator_.host_chunk_released(chunk);
+}
+
 // Note [Nothing movable]: an allocation fails with nothing on the device that the engine
 // may move. Say what stays and why; gradients allocated with the activations (the default
 // of the Python package) are the one thing the user can make movable.

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "device/sim_device.hpp"
+#include "support/attached_listener.hpp"
 #include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
@@ -68,12 +69,14 @@ class MigratorTest : public ::testing::Test {
   }
   void TearDown() override {
     if (allocator_) allocator_->empty_cache();  // cached segments give their host chunks back
+    if (migrator_) allocator_->paging().detach();
     migrator_.reset();
     allocator_.reset();
     pool_.reset();
   }
   void start(bool verify = false) {
     migrator_ = std::make_unique<migrator>(*allocator_, *pool_, verify);
+    allocator_->paging().attach(*migrator_);
   }
 
   // Random bytes written to `pointer` through the device.
@@ -139,6 +142,7 @@ TEST_F(MigratorTest, AFailedUnmapAfterAFetchLosesNoBytesAndSharesNoMemory) {
   host_pool& pool = stack.pool;
   {
     migrator engine(allocator, pool, false);
+    testing::attached_listener attached(allocator, engine);
     void* first = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     void* second = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(first, 0x11, kChunkBytes, nullptr);
@@ -187,6 +191,7 @@ TEST_F(MigratorTest, AFetchThatFailsAfterQueuingItsCopyWaitsForItAndKeepsTheChun
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     stream_handle compute = device.create_stream();
     void* first = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
     void* second = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
@@ -261,6 +266,7 @@ TEST_F(MigratorTest, AMoveThatFailsWhileItsCopyMayRunWaitsForTheCopy) {
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     stream_handle compute = device.create_stream();
     void* pointer = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, compute);
@@ -323,6 +329,7 @@ TEST_F(MigratorTest, AnEvictionThatFailsAtItsRemapKeepsTheChunkOnTheDeviceAndLea
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
     device.synchronize_stream(nullptr);
@@ -365,6 +372,7 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     constexpr int kSlots = 8;  // the migrator's staging addresses
     std::vector<void*> pointers;
     std::vector<std::uintptr_t> chunks;
@@ -544,6 +552,7 @@ TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
     testing::faulty_device& device = *stack.device;
     caching_allocator& allocator = stack.allocator;
     migrator engine(allocator, stack.pool, /*verify=*/true);
+    testing::attached_listener attached(allocator, engine);
     void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
     device.synchronize_stream(nullptr);
@@ -575,6 +584,7 @@ TEST_F(MigratorTest, VerifyModeChecksWhatArrivedNotWhatAKernelWroteAfterwards) {
   void* pointer = allocator.allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
   {
     migrator engine(allocator, stack.pool, /*verify=*/true);
+    testing::attached_listener attached(allocator, engine);
     stream_handle stream = device.create_stream();
     device.fill_async(pointer, 0x33, 48 * MiB, nullptr);
     device.synchronize_stream(nullptr);
