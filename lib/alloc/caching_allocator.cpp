@@ -1,12 +1,11 @@
 #include "alloc/caching_allocator.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <exception>
+#include <nlohmann/json.hpp>
 
 #include "alloc/heap.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
 
@@ -353,37 +352,33 @@ void caching_allocator::reset_peak_stats() {
 
 namespace {
 
-void append_figures(std::string& out, const class_figures& figures) {
-  char text[1024];
-  std::snprintf(text, sizeof text,
-                "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"active_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
-                "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_"
-                "donated\":%llu,\"segments_split\":%llu,"
-                "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
-                static_cast<long long>(figures.allocated_bytes.current),
-                static_cast<long long>(figures.allocated_bytes.peak),
-                static_cast<long long>(figures.allocated_bytes.lifetime_peak),
-                static_cast<long long>(figures.reserved_bytes.current),
-                static_cast<long long>(figures.reserved_bytes.peak),
-                static_cast<long long>(figures.reserved_bytes.lifetime_peak),
-                static_cast<long long>(figures.active_bytes.current),
-                static_cast<long long>(figures.active_bytes.peak),
-                static_cast<long long>(figures.active_bytes.lifetime_peak),
-                static_cast<unsigned long long>(figures.allocations),
-                static_cast<unsigned long long>(figures.frees),
-                static_cast<unsigned long long>(figures.cache_hits),
-                static_cast<unsigned long long>(figures.retries),
-                static_cast<unsigned long long>(figures.failures),
-                static_cast<unsigned long long>(figures.segments_mapped),
-                static_cast<unsigned long long>(figures.segments_unmapped),
-                static_cast<unsigned long long>(figures.segments_donated),
-                static_cast<unsigned long long>(figures.segments_split),
-                static_cast<unsigned long long>(figures.largest_free_block_bytes),
-                static_cast<long long>(figures.fragmentation_bytes()));
-  out += text;
+nlohmann::ordered_json gauge_json(const gauge_figures& figures) {
+  return {{"current", figures.current},
+          {"peak", figures.peak},
+          {"lifetime_peak", figures.lifetime_peak}};
+}
+
+nlohmann::ordered_json figures_json(const class_figures& figures) {
+  return {{"allocated_bytes", gauge_json(figures.allocated_bytes)},
+          {"reserved_bytes", gauge_json(figures.reserved_bytes)},
+          {"active_bytes", gauge_json(figures.active_bytes)},
+          {"allocations", figures.allocations},
+          {"frees", figures.frees},
+          {"cache_hits", figures.cache_hits},
+          {"retries", figures.retries},
+          {"failures", figures.failures},
+          {"segments_mapped", figures.segments_mapped},
+          {"segments_unmapped", figures.segments_unmapped},
+          {"segments_donated", figures.segments_donated},
+          {"segments_split", figures.segments_split},
+          {"largest_free_block_bytes", figures.largest_free_block_bytes},
+          {"fragmentation_bytes", figures.fragmentation_bytes()}};
+}
+
+// Names (the device's, the limit's source) may hold bytes that are not UTF-8: replaced, not
+// thrown.
+std::string dump(const nlohmann::ordered_json& document) {
+  return document.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace
@@ -396,10 +391,9 @@ bool caching_allocator::chunks_of_allocation(const void* pointer,
 }
 
 std::string caching_allocator::snapshot_json() const {
-  std::string out = detail::concat("{\"device\":", device_.ordinal(), ",\"segments\":[");
-  const char* separator = "";
-  for (const auto& each : heaps_) each->append_snapshot(out, separator);
-  return out + "]}";
+  nlohmann::ordered_json segments = nlohmann::ordered_json::array();
+  for (const auto& each : heaps_) each->append_snapshot(segments);
+  return dump({{"device", device_.ordinal()}, {"segments", std::move(segments)}});
 }
 
 std::string caching_allocator::stats_json() const {
@@ -408,22 +402,20 @@ std::string caching_allocator::stats_json() const {
     std::lock_guard lock(settings_mutex_);
     source = limit_source_;
   }
-  std::string out = detail::concat(
-      "{\"device\":", device_.ordinal(), ",\"device_name\":", json_quote(device_.name()),
-      ",\"simulated\":", device_.is_simulated() ? "true" : "false",
-      ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_quote(source),
-      ",\"held_bytes\":", limiter_.used_bytes(), ",\"pooled_bytes\":", arena_.pooled_bytes(),
-      ",\"total\":");
+  nlohmann::ordered_json out = {{"device", device_.ordinal()},
+                                {"device_name", device_.name()},
+                                {"simulated", device_.is_simulated()},
+                                {"limit_bytes", limiter_.limit_bytes()},
+                                {"limit_source", source},
+                                {"held_bytes", limiter_.used_bytes()},
+                                {"pooled_bytes", arena_.pooled_bytes()}};
   const stats_snapshot snapshot = stats();
-  std::string classes;
+  out["total"] = figures_json(snapshot.total);
+  nlohmann::ordered_json& classes = out["classes"] = nlohmann::ordered_json::object();
   for (allocation_class cls : kAllocationClasses) {
-    classes += classes.empty() ? "" : ",";
-    classes += json_quote(std::string(class_name(cls))) + ":";
-    append_figures(classes, snapshot.of(cls));
+    classes[std::string(class_name(cls))] = figures_json(snapshot.of(cls));
   }
-  append_figures(out, snapshot.total);
-  out += ",\"classes\":{" + classes + "}}";
-  return out;
+  return dump(out);
 }
 
 }  // namespace zeroalloc

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <nlohmann/json.hpp>
 
 #include "core/errors.hpp"
 #include "core/log.hpp"
@@ -567,27 +568,27 @@ std::size_t heap::largest_free_block() const {
   return largest;
 }
 
-void heap::append_snapshot(std::string& out, const char*& separator) const {
+void heap::append_snapshot(nlohmann::ordered_json& segments) const {
   std::lock_guard lock(mutex_);
   const char* kind = kind_ == size_kind::small ? "small" : "large";
   for (const auto& owned : segments_) {
-    out += detail::concat(
-        separator, "{\"address\":", owned->address, ",\"total_size\":", owned->bytes,
-        ",\"class\":\"", class_name(class_), "\",\"kind\":\"", kind,
-        "\",\"stream\":", reinterpret_cast<std::uintptr_t>(owned->first->stream), ",\"blocks\":[");
-    separator = ",";
-    const char* block_separator = "";
+    nlohmann::ordered_json blocks = nlohmann::ordered_json::array();
     for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
       const char* state = piece->allocated ? "active_allocated"
                           : piece->pending ? "active_pending_free"
                                            : "inactive";
-      out += detail::concat(
-          block_separator, "{\"address\":", piece->address, ",\"size\":", piece->bytes,
-          ",\"requested_size\":", piece->allocated ? piece->requested_bytes : piece->bytes,
-          ",\"state\":\"", state, "\"}");
-      block_separator = ",";
+      blocks.push_back(
+          {{"address", piece->address},
+           {"size", piece->bytes},
+           {"requested_size", piece->allocated ? piece->requested_bytes : piece->bytes},
+           {"state", state}});
     }
-    out += "]}";
+    segments.push_back({{"address", owned->address},
+                        {"total_size", owned->bytes},
+                        {"class", class_name(class_)},
+                        {"kind", kind},
+                        {"stream", reinterpret_cast<std::uintptr_t>(owned->first->stream)},
+                        {"blocks", std::move(blocks)}});
   }
 }
 

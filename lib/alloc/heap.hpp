@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -131,9 +132,9 @@ class heap {
   physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   void unpin_chunk(std::uintptr_t address);
 
-  /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,
-  /// after `separator` for the first) in the shape of PyTorch's memory snapshot.
-  void append_snapshot(std::string& out, const char*& separator) const;
+  /// Appends this heap's segments, with their blocks, to the JSON array `segments`, in the
+  /// shape of PyTorch's memory snapshot.
+  void append_snapshot(nlohmann::ordered_json& segments) const;
   /// Appends (address, bytes) of every live allocation.
   void list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>& into) const;
   /// Takes and gives back the heap's lock around fork() (Note [Fork] in caching_allocator.cpp).
