@@ -1,12 +1,12 @@
-// The paging view of a caching allocator: what the tier (lib/tier) does with the allocator's
-// memory besides allocating it; paging_listener is the other direction, what the allocator
-// tells the tier. The offload engine and the migrator move the physical chunks
-// of live segments between device and host memory at fixed addresses; for that they list
-// chunks, pin one while it moves (Note [Pinned chunks] in heap_pinning.cpp), map another
-// backing under it, take device chunks from the arena to copy into, and take the cache of
-// idle classes before they move anything live. A user of the allocator needs none of this,
-// so it is not on caching_allocator's own surface: the tier asks caching_allocator::paging()
-// for this view and keeps it.
+// The paging view of a caching allocator: what the tier (lib/tier) does with the
+// allocator's memory besides allocating it; paging_listener is the other direction, what
+// the allocator tells the tier. The offload engine and the migrator move the physical
+// chunks of live segments between device and host memory at fixed addresses; for that they
+// list chunks, pin one while it moves (Note [Pinned chunks] in heap_pinning.cpp), map
+// another backing under it, take device chunks from the arena to copy into, and take the
+// cache of idle classes before they move anything live. A user of the allocator needs none
+// of this, so it is not on caching_allocator's own surface: the tier asks
+// caching_allocator::paging() for this view and keeps it.
 #pragma once
 
 #include <cstddef>
