@@ -182,6 +182,7 @@ copy_figures measure_migrator(device& backing, std::size_t bytes, int rounds) {
   copy_figures result;
   {
     migrator mover(allocator, pool, /*verify=*/false);
+    allocator.paging().attach(mover);  // host chunks of unmapped segments go back to the pool
     chunk_set first = allocate_chunks(allocator, bytes);
     chunk_set second = allocate_chunks(allocator, bytes);
     for (void* pointer : first.allocations) backing.fill_async(pointer, 1, kChunkBytes, nullptr);
@@ -232,6 +233,7 @@ copy_figures measure_migrator(device& backing, std::size_t bytes, int rounds) {
     result.both = median(both_rates);
     for (void* pointer : first.allocations) allocator.deallocate(pointer);
     for (void* pointer : second.allocations) allocator.deallocate(pointer);
+    allocator.paging().detach();
   }
   allocator.empty_cache();
   return result;

@@ -1,12 +1,11 @@
 #include "alloc/caching_allocator.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <exception>
+#include <nlohmann/json.hpp>
 
 #include "alloc/heap.hpp"
 #include "core/errors.hpp"
-#include "core/json.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
 
@@ -28,10 +27,10 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
   const std::size_t region_bytes = 2 * backing.query_memory().total_bytes;
   for (allocation_class cls : kAllocationClasses) {
     const bool paged = cls != allocation_class::other;
-    heaps_[2 * class_index(cls)] =
-        std::make_unique<heap>(arena_, stats_, cls, heap::size_kind::small, region_bytes);
+    heaps_[2 * class_index(cls)] = std::make_unique<heap>(arena_, stats_, listener_, cls,
+                                                          heap::size_kind::small, region_bytes);
     heaps_[2 * class_index(cls) + 1] = std::make_unique<heap>(
-        arena_, stats_, cls, heap::size_kind::large,
+        arena_, stats_, listener_, cls, heap::size_kind::large,
         region_bytes + (paged ? static_cast<std::size_t>(settings.host_tier_bytes) : 0));
   }
   std::vector<heap*> all;
@@ -60,14 +59,10 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
 }
 
 void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream) {
-  host_landing_handler handler;
-  {
-    std::lock_guard lock(settings_mutex_);
-    handler = host_landing_handler_;
-  }
-  if (!handler) return;
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
+  if (listener == nullptr) return;
   try {
-    handler(pointer, stream);
+    listener->allocated_on_host(pointer, stream);
   } catch (const std::exception& failure) {  // the allocation stands, on the host
     log().warn("bringing a new allocation back from host memory failed: {}", failure.what());
   }
@@ -76,7 +71,7 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
 void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
                                                 std::size_t requested_bytes, stream_handle stream,
                                                 allocation_class cls, bool& on_host,
-                                                const pressure_handler& handler) {
+                                                paging_listener* listener) {
   std::uint64_t released = release_cached(needed);
   log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
              format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
@@ -92,9 +87,10 @@ void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t 
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
   }
-  // The handler frees device memory for a whole new segment, a few times if it must (the
+  // The listener frees device memory for a whole new segment, a few times if it must (the
   // chunks it frees need not match the sizes the segment needs).
-  for (int round = 0; handler && round < 4 && handler(needed) > 0; ++round) {
+  for (int round = 0; listener != nullptr && round < 4 && listener->relieve_pressure(needed) > 0;
+       ++round) {
     if (void* pointer =
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
       return pointer;
@@ -107,15 +103,11 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                                                  allocation_class cls, bool& on_host) {
   // Out of new memory: give back cached free segments (of every class), the largest first,
   // as many as the new segment needs, and retry; then all of them (Note [Releasing what is
-  // needed]); then let the pressure handler free memory, and retry once more.
+  // needed]); then let the listener (the offload engine) free memory, and retry once more.
   stats_.apply(
       cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
-  pressure_handler handler;
-  {
-    std::lock_guard lock(settings_mutex_);
-    handler = pressure_handler_;
-  }
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
   if (needed > limiter_.limit_bytes()) {
     // Nothing freed could make room: releasing the cache and moving every movable chunk
     // to the host first would only slow the program down before the same failure.
@@ -123,25 +115,18 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
                format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(needed),
                format_bytes(limiter_.limit_bytes()));
   } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes, stream,
-                                                    cls, on_host, handler)) {
+                                                    cls, on_host, listener)) {
     return pointer;
   }
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   std::string message = out_of_memory_message(rounded_bytes, cls);
-  out_of_memory_observer observer;
-  pressure_note note;
-  {
-    std::lock_guard lock(settings_mutex_);
-    observer = out_of_memory_observer_;
-    note = pressure_note_;
-  }
-  if (note && handler && needed <= limiter_.limit_bytes()) {
-    if (const std::string why = note(); !why.empty()) {
+  if (listener != nullptr && needed <= limiter_.limit_bytes()) {
+    if (const std::string why = listener->pressure_note(); !why.empty()) {
       message += " Offloading could not make room: " + why;
     }
   }
-  if (observer) observer(message);
+  if (listener != nullptr) listener->out_of_memory(message);
   throw out_of_memory(message);
 }
 
@@ -176,37 +161,6 @@ std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
                           [&] { released += each->release_free_segments(enough - released); });
   }
   if (first_failure) std::rethrow_exception(first_failure);
-  return released;
-}
-
-// Note [Idle classes' cache]: a class with nothing allocated holds only cache, and keeps
-// it until its next use: the gradients' from one step's end (zero_grad) to the next
-// backward, through the whole forward. The offload engine takes it before it moves anything
-// live to the host (a fetch that finds no room, the headroom kept for prefetches): an unmap
-// now and a map at the class's next use cost far less than a chunk's round trip over PCIe.
-// Only idle classes: the activations' cache would be taken from under the forward that is
-// about to reuse it, and their next allocation would meet the pressure path instead.
-std::uint64_t caching_allocator::idle_cache_bytes() const {
-  std::uint64_t bytes = 0;
-  for (allocation_class cls : kAllocationClasses) {
-    const live_gauges& figures = stats_.classes[class_index(cls)];
-    if (figures.allocated_bytes.current() == 0 && figures.pending_bytes.current() == 0) {
-      bytes +=
-          static_cast<std::uint64_t>(std::max<std::int64_t>(0, figures.reserved_bytes.current()));
-    }
-  }
-  return bytes;
-}
-
-std::uint64_t caching_allocator::release_idle_cache() {
-  std::lock_guard lock(reclaim_mutex_);
-  std::uint64_t released = 0;
-  for (allocation_class cls : kAllocationClasses) {
-    const live_gauges& figures = stats_.classes[class_index(cls)];
-    if (figures.allocated_bytes.current() != 0 || figures.reserved_bytes.current() == 0) continue;
-    released += heaps_[2 * class_index(cls)]->release_free_segments();
-    released += heaps_[2 * class_index(cls) + 1]->release_free_segments();
-  }
   return released;
 }
 
@@ -325,11 +279,6 @@ void caching_allocator::after_fork() {
   reclaim_mutex_.unlock();
 }
 
-void caching_allocator::set_out_of_memory_observer(out_of_memory_observer observer) {
-  std::lock_guard lock(settings_mutex_);
-  out_of_memory_observer_ = std::move(observer);
-}
-
 std::vector<caching_allocator::allocation_record> caching_allocator::largest_allocations(
     std::size_t count) const {
   std::vector<allocation_record> records;
@@ -344,25 +293,6 @@ std::vector<caching_allocator::allocation_record> caching_allocator::largest_all
       [](const allocation_record& a, const allocation_record& b) { return a.bytes > b.bytes; });
   records.resize(kept);
   return records;
-}
-
-void caching_allocator::set_pressure_handler(pressure_handler handler) {
-  std::lock_guard lock(settings_mutex_);
-  pressure_handler_ = std::move(handler);
-}
-
-void caching_allocator::set_pressure_note(pressure_note note) {
-  std::lock_guard lock(settings_mutex_);
-  pressure_note_ = std::move(note);
-}
-
-void caching_allocator::set_chunk_observer(const chunk_observer& observer) {
-  for (auto& each : heaps_) each->set_chunk_observer(observer);
-}
-
-void caching_allocator::set_host_landing_handler(host_landing_handler handler) {
-  std::lock_guard lock(settings_mutex_);
-  host_landing_handler_ = std::move(handler);
 }
 
 std::uint64_t caching_allocator::allocated_bytes() const {
@@ -422,44 +352,36 @@ void caching_allocator::reset_peak_stats() {
 
 namespace {
 
-void append_figures(std::string& out, const class_figures& figures) {
-  char text[1024];
-  std::snprintf(text, sizeof text,
-                "{\"allocated_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"reserved_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"active_bytes\":{\"current\":%lld,\"peak\":%lld,\"lifetime_peak\":%lld},"
-                "\"allocations\":%llu,\"frees\":%llu,\"cache_hits\":%llu,\"retries\":%llu,"
-                "\"failures\":%llu,\"segments_mapped\":%llu,\"segments_unmapped\":%llu,\"segments_"
-                "donated\":%llu,\"segments_split\":%llu,"
-                "\"largest_free_block_bytes\":%llu,\"fragmentation_bytes\":%lld}",
-                static_cast<long long>(figures.allocated_bytes.current),
-                static_cast<long long>(figures.allocated_bytes.peak),
-                static_cast<long long>(figures.allocated_bytes.lifetime_peak),
-                static_cast<long long>(figures.reserved_bytes.current),
-                static_cast<long long>(figures.reserved_bytes.peak),
-                static_cast<long long>(figures.reserved_bytes.lifetime_peak),
-                static_cast<long long>(figures.active_bytes.current),
-                static_cast<long long>(figures.active_bytes.peak),
-                static_cast<long long>(figures.active_bytes.lifetime_peak),
-                static_cast<unsigned long long>(figures.allocations),
-                static_cast<unsigned long long>(figures.frees),
-                static_cast<unsigned long long>(figures.cache_hits),
-                static_cast<unsigned long long>(figures.retries),
-                static_cast<unsigned long long>(figures.failures),
-                static_cast<unsigned long long>(figures.segments_mapped),
-                static_cast<unsigned long long>(figures.segments_unmapped),
-                static_cast<unsigned long long>(figures.segments_donated),
-                static_cast<unsigned long long>(figures.segments_split),
-                static_cast<unsigned long long>(figures.largest_free_block_bytes),
-                static_cast<long long>(figures.fragmentation_bytes()));
-  out += text;
+nlohmann::ordered_json gauge_json(const gauge_figures& figures) {
+  return {{"current", figures.current},
+          {"peak", figures.peak},
+          {"lifetime_peak", figures.lifetime_peak}};
+}
+
+nlohmann::ordered_json figures_json(const class_figures& figures) {
+  return {{"allocated_bytes", gauge_json(figures.allocated_bytes)},
+          {"reserved_bytes", gauge_json(figures.reserved_bytes)},
+          {"active_bytes", gauge_json(figures.active_bytes)},
+          {"allocations", figures.allocations},
+          {"frees", figures.frees},
+          {"cache_hits", figures.cache_hits},
+          {"retries", figures.retries},
+          {"failures", figures.failures},
+          {"segments_mapped", figures.segments_mapped},
+          {"segments_unmapped", figures.segments_unmapped},
+          {"segments_donated", figures.segments_donated},
+          {"segments_split", figures.segments_split},
+          {"largest_free_block_bytes", figures.largest_free_block_bytes},
+          {"fragmentation_bytes", figures.fragmentation_bytes()}};
+}
+
+// Names (the device's, the limit's source) may hold bytes that are not UTF-8: replaced, not
+// thrown.
+std::string dump(const nlohmann::ordered_json& document) {
+  return document.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace
-
-void caching_allocator::list_chunks(std::vector<chunk_info>& into) const {
-  for (const auto& each : heaps_) each->list_chunks(into);
-}
 
 bool caching_allocator::chunks_of_allocation(const void* pointer,
                                              std::vector<chunk_info>& into) const {
@@ -468,27 +390,10 @@ bool caching_allocator::chunks_of_allocation(const void* pointer,
          owner->chunks_of_allocation(reinterpret_cast<std::uintptr_t>(pointer), into);
 }
 
-bool caching_allocator::pin_chunk(std::uintptr_t address, chunk_info& into) {
-  heap* owner = heap_at(address);
-  return owner != nullptr && owner->pin_chunk(address, into);
-}
-
-physical_handle caching_allocator::remap_pinned_chunk(std::uintptr_t address,
-                                                      physical_handle replacement) {
-  heap* owner = heap_at(address);
-  ZA_REQUIRE(owner != nullptr, "no chunk of this allocator at ", address);
-  return owner->remap_pinned_chunk(address, replacement);
-}
-
-void caching_allocator::unpin_chunk(std::uintptr_t address) {
-  if (heap* owner = heap_at(address)) owner->unpin_chunk(address);
-}
-
 std::string caching_allocator::snapshot_json() const {
-  std::string out = detail::concat("{\"device\":", device_.ordinal(), ",\"segments\":[");
-  const char* separator = "";
-  for (const auto& each : heaps_) each->append_snapshot(out, separator);
-  return out + "]}";
+  nlohmann::ordered_json segments = nlohmann::ordered_json::array();
+  for (const auto& each : heaps_) each->append_snapshot(segments);
+  return dump({{"device", device_.ordinal()}, {"segments", std::move(segments)}});
 }
 
 std::string caching_allocator::stats_json() const {
@@ -497,22 +402,20 @@ std::string caching_allocator::stats_json() const {
     std::lock_guard lock(settings_mutex_);
     source = limit_source_;
   }
-  std::string out = detail::concat(
-      "{\"device\":", device_.ordinal(), ",\"device_name\":", json_quote(device_.name()),
-      ",\"simulated\":", device_.is_simulated() ? "true" : "false",
-      ",\"limit_bytes\":", limiter_.limit_bytes(), ",\"limit_source\":", json_quote(source),
-      ",\"held_bytes\":", limiter_.used_bytes(), ",\"pooled_bytes\":", arena_.pooled_bytes(),
-      ",\"total\":");
+  nlohmann::ordered_json out = {{"device", device_.ordinal()},
+                                {"device_name", device_.name()},
+                                {"simulated", device_.is_simulated()},
+                                {"limit_bytes", limiter_.limit_bytes()},
+                                {"limit_source", source},
+                                {"held_bytes", limiter_.used_bytes()},
+                                {"pooled_bytes", arena_.pooled_bytes()}};
   const stats_snapshot snapshot = stats();
-  std::string classes;
+  out["total"] = figures_json(snapshot.total);
+  nlohmann::ordered_json& classes = out["classes"] = nlohmann::ordered_json::object();
   for (allocation_class cls : kAllocationClasses) {
-    classes += classes.empty() ? "" : ",";
-    classes += json_quote(std::string(class_name(cls))) + ":";
-    append_figures(classes, snapshot.of(cls));
+    classes[std::string(class_name(cls))] = figures_json(snapshot.of(cls));
   }
-  append_figures(out, snapshot.total);
-  out += ",\"classes\":{" + classes + "}}";
-  return out;
+  return dump(out);
 }
 
 }  // namespace zeroalloc

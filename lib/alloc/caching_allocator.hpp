@@ -17,12 +17,17 @@
 // that may still touch it is queued elsewhere; no host thread waits. Blocks used on more
 // streams (record_stream) are not reused at all until events recorded on each of those
 // streams at free time have completed.
+//
+// The tier above (lib/tier) meets the allocator at two small interfaces, one each way: the
+// paging_listener it attaches is what the allocator tells it and asks of it (relieve
+// pressure, a chunk gained or lost, ...), and the paging_view it obtains from paging() is
+// what it may do with the allocator's chunks. The surface below is a user's.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +37,8 @@
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
 #include "alloc/memory_limit.hpp"
+#include "alloc/paging_listener.hpp"
+#include "alloc/paging_view.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -90,38 +97,6 @@ class caching_allocator {
   /// Physical device memory held: mapped segments and idle pooled chunks.
   [[nodiscard]] std::uint64_t held_bytes() const { return limiter_.used_bytes(); }
 
-  /// Note [Idle classes' cache]: bytes of the cache of classes with nothing allocated (the
-  /// gradients' between a step and the next backward), which release_idle_cache() would give
-  /// back; cheaper to take than anything live is to move.
-  [[nodiscard]] std::uint64_t idle_cache_bytes() const;
-  /// Bytes of mapped segments of `cls` now (on the device or moved to the host); no lock.
-  [[nodiscard]] std::int64_t reserved_bytes(allocation_class cls) const {
-    return stats_.classes[class_index(cls)].reserved_bytes.current();
-  }
-  /// Releases the cache of every class with nothing allocated (waits for the work queued on
-  /// it: call it off the training thread, or where a wait is due anyway); returns the bytes.
-  std::uint64_t release_idle_cache();
-
-  /// Called, without locks held, when an allocation fails even after the cache was released;
-  /// returns the bytes it freed (the offload engine will evict here). Optional.
-  using pressure_handler = std::function<std::uint64_t(std::size_t bytes_needed)>;
-  void set_pressure_handler(pressure_handler handler);
-  /// Asked, without locks held, when an allocation fails after the pressure handler ran:
-  /// why it could not free more (the host tier is full, say), or empty. Appended to the
-  /// out-of-memory message. Optional.
-  using pressure_note = std::function<std::string()>;
-  void set_pressure_note(pressure_note note);
-  /// Called, without locks held, when a new allocation lies in memory the offload engine
-  /// moved to the host (cached free space of an offloaded chunk), with the allocation's
-  /// stream: the engine brings it back, ordered before that stream's next work. Optional.
-  using host_landing_handler = std::function<void(void* pointer, stream_handle stream)>;
-  void set_host_landing_handler(host_landing_handler handler);
-  /// Told of each physical chunk a segment of any class gains (+1) or loses (-1), with a
-  /// heap's lock held (heap::set_chunk_observer). Set before the allocator is used.
-  using chunk_observer =
-      std::function<void(allocation_class cls, std::size_t chunk_bytes, int change)>;
-  void set_chunk_observer(const chunk_observer& observer);
-
   /// Every figure of every class, read now.
   [[nodiscard]] stats_snapshot stats() const;
   /// Sets every peak to its current value.
@@ -139,11 +114,6 @@ class caching_allocator {
   /// The `count` largest live allocations, largest first.
   [[nodiscard]] std::vector<allocation_record> largest_allocations(std::size_t count) const;
 
-  /// Called (without locks held) when an allocation is about to fail out of memory, with
-  /// the message it will fail with; reports hook in here. Optional.
-  using out_of_memory_observer = std::function<void(const std::string& message)>;
-  void set_out_of_memory_observer(out_of_memory_observer observer);
-
   /// Every segment with its blocks, as JSON (the format of zeroalloc_snapshot_json).
   [[nodiscard]] std::string snapshot_json() const;
   /// Statistics as a JSON object (the format of zeroalloc_stats_json).
@@ -151,16 +121,14 @@ class caching_allocator {
 
   [[nodiscard]] device& backing() { return device_; }
 
-  // What the offload engine (lib/tier) works with: chunks of live segments, pinned while
-  // they move (Note [Pinned chunks] in heap.cpp), and device chunks from the arena.
-  /// Appends the chunks of every segment that holds live allocations.
-  void list_chunks(std::vector<chunk_info>& into) const;
-  /// Appends the chunks the live allocation at `pointer` spans; false when there is none.
+  /// Appends the physical chunks the live allocation at `pointer` spans, with where each is
+  /// now (chunk_info); false when there is none. The tier reads it, and so does the C ABI's
+  /// residency query.
   bool chunks_of_allocation(const void* pointer, std::vector<chunk_info>& into) const;
-  bool pin_chunk(std::uintptr_t address, chunk_info& into);
-  physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
-  void unpin_chunk(std::uintptr_t address);
-  [[nodiscard]] chunk_arena& arena() { return arena_; }
+
+  /// What the tier works with besides allocations: its listener (paging_listener), chunks
+  /// to pin and remap, the arena, the idle classes' cache.
+  [[nodiscard]] paging_view paging() { return paging_view(*this); }
 
   /// Around fork(): take every lock of this allocator, in the one order the allocator
   /// itself takes them, and give them back in parent and child (Note [Fork]).
@@ -168,6 +136,8 @@ class caching_allocator {
   void after_fork();
 
  private:
+  friend class paging_view;
+
   heap& heap_for(allocation_class cls, std::size_t rounded_bytes);
   /// The heap whose address region holds `address`, or nullptr.
   heap* heap_at(std::uintptr_t address) const;
@@ -175,12 +145,11 @@ class caching_allocator {
   void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
                                 stream_handle stream, allocation_class cls, bool& on_host);
   /// Releases cache (what the new segment of `needed` bytes needs, then all of it), then
-  /// asks `handler` to free memory, retrying the allocation after each; nullptr when none
-  /// made room.
+  /// asks `listener` (when attached) to relieve the pressure, retrying the allocation after
+  /// each; nullptr when none made room.
   void* make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
                                std::size_t requested_bytes, stream_handle stream,
-                               allocation_class cls, bool& on_host,
-                               const pressure_handler& handler);
+                               allocation_class cls, bool& on_host, paging_listener* listener);
   void bring_back_from_host(void* pointer, stream_handle stream);
   std::uint64_t release_all_cached();
   std::uint64_t release_cached(std::uint64_t enough);  // Note [Releasing what is needed]
@@ -190,6 +159,9 @@ class caching_allocator {
   memory_limiter limiter_;
   chunk_arena arena_;
   allocator_stats stats_;
+  // The tier's listener (paging_view::attach), or none; the heaps read it too. Read on slow
+  // paths only.
+  std::atomic<paging_listener*> listener_{nullptr};
   std::array<std::unique_ptr<heap>, 2 * kAllocationClassCount> heaps_;
   struct region {  // heaps_[i]'s address region, kept flat for the lookup on every free
     std::uintptr_t start = 0;
@@ -199,10 +171,6 @@ class caching_allocator {
   std::mutex reclaim_mutex_;  // one thread at a time releases cache across heaps
   mutable std::mutex settings_mutex_;
   std::string limit_source_;
-  pressure_handler pressure_handler_;
-  pressure_note pressure_note_;
-  host_landing_handler host_landing_handler_;
-  out_of_memory_observer out_of_memory_observer_;
 };
 
 }  // namespace zeroalloc

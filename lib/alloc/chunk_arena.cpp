@@ -22,7 +22,7 @@ chunk_arena::~chunk_arena() {
     log().warn("releasing the memory of {} failed at exit: {}", device_.name(), failure.what());
   }
   // Each region on its own: one still holding a mapping (Note [A failed unmap] in
-  // alloc/heap.cpp) fails to free, the others need not.
+  // alloc/heap_release.cpp) fails to free, the others need not.
   for (auto [address, bytes] : regions_) {
     try {
       device_.free_addresses(address, bytes);
@@ -80,7 +80,7 @@ bool chunk_arena::commit(std::uintptr_t address, std::size_t bytes,
   // Undoes this call's mappings, once. Donated chunks stay in `donated` for the caller, who
   // must first let the donors' queued work finish; the others go back to the pool. An
   // unmap that fails stops it: the chunks unmapped before it leave `chunks`, which keeps
-  // the failed one and those after it, still mapped (Note [A failed unmap] in heap.cpp).
+  // the failed one and those after it, still mapped (Note [A failed unmap] in heap_release.cpp).
   bool undone = false;
   auto undo = [&] {
     if (std::exchange(undone, true)) return;
@@ -139,11 +139,12 @@ void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
   chunks.clear();
 }
 
-void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks) {
+void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks,
+                           paging_listener* listener) {
   std::vector<physical_handle> on_host;
   auto sink_host_chunks = [&] {
     for (const physical_handle& handle : on_host) {
-      if (host_chunk_sink_) host_chunk_sink_(handle);
+      if (listener != nullptr) listener->host_chunk_released(handle);
     }
   };
   std::size_t unmapped = 0;

@@ -15,12 +15,12 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <vector>
 
 #include "alloc/memory_limit.hpp"
+#include "alloc/paging_listener.hpp"
 #include "device/device.hpp"
 
 namespace zeroalloc {
@@ -56,7 +56,7 @@ class chunk_arena {
 
   /// Maps physical chunks over [address, address + bytes) and appends them to `chunks`:
   /// first `donated` (chunks taken from free segments, see Note [Moving free memory between
-  /// classes] in heap.cpp; emptied on success), then chunks from the pool or created.
+  /// classes] in heap_donation.cpp; emptied on success), then chunks from the pool or created.
   /// Returns false when the limit or the device's memory is exhausted, and throws
   /// device_error for any other failure; either way this call's mappings are undone, its new
   /// chunks are pooled, and the donated chunks are left in `donated` for the caller. When an
@@ -69,12 +69,14 @@ class chunk_arena {
   void keep_in_pool(std::vector<physical_handle>& chunks);
 
   /// Unmaps the chunks that commit() mapped at `address` and keeps them in the pool; a chunk
-  /// the offload engine moved to host memory goes to the host chunk sink instead.
+  /// the offload engine moved to host memory goes back to the tier instead, through
+  /// `listener`'s host_chunk_released (called with no lock of the arena held).
   /// The caller guarantees that no queued work still touches the range. Throws
   /// device_error when an unmap fails: the chunks before it are unmapped and kept as above,
   /// and `chunks` is left with those still mapped (the failed one first, at the end of the
   /// range).
-  void decommit(std::uintptr_t address, std::vector<physical_handle>& chunks);
+  void decommit(std::uintptr_t address, std::vector<physical_handle>& chunks,
+                paging_listener* listener);
 
   /// A device chunk of `bytes` for the offload engine to copy into: from the pool, else
   /// created within the limit; invalid when neither is possible.
@@ -82,11 +84,6 @@ class chunk_arena {
   /// Gives the offload engine's device chunk (one that take_chunk returned, or one it moved
   /// out of an allocation) to the pool.
   void return_chunk(physical_handle chunk);
-
-  /// Where host-located chunks go when their segment is unmapped (the offload engine's
-  /// host pool). Called with no lock of the arena held. Set once, before use.
-  using host_chunk_sink = std::function<void(physical_handle)>;
-  void set_host_chunk_sink(host_chunk_sink sink) { host_chunk_sink_ = std::move(sink); }
 
   /// Releases every pooled chunk to the device; returns the bytes released.
   std::uint64_t release_pool();
@@ -112,7 +109,6 @@ class chunk_arena {
   std::map<std::size_t, std::vector<physical_handle>> pool_;  // bytes -> idle handles
   std::uint64_t pooled_bytes_ = 0;
   std::vector<std::pair<std::uintptr_t, std::size_t>> regions_;
-  host_chunk_sink host_chunk_sink_;
 };
 
 }  // namespace zeroalloc

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <nlohmann/json.hpp>
 
 #include "core/errors.hpp"
 #include "core/log.hpp"
@@ -13,8 +14,14 @@ namespace zeroalloc {
 namespace {
 
 constexpr std::size_t kMinBlockBytes = 512;
+constexpr std::size_t kSmallSegmentBytes = 2 * MiB;
+constexpr std::size_t kSmallRequestBytes = 1 * MiB;
+constexpr std::size_t kMediumRequestBytes = 10 * MiB;
+constexpr std::size_t kMediumSegmentBytes = 20 * MiB;
 
-std::size_t bytes_of(const std::vector<physical_handle>& chunks) {
+}  // namespace
+
+std::size_t heap::bytes_of(const std::vector<physical_handle>& chunks) {
   std::size_t bytes = 0;
   for (const physical_handle& chunk : chunks) bytes += chunk.bytes;
   return bytes;
@@ -24,20 +31,20 @@ std::size_t bytes_of(const std::vector<physical_handle>& chunks) {
 // allocations and frees in any heap tick it, so chunks of different classes compare, and a
 // segment made at addresses an earlier one had never starts at that one's generation (the
 // offload engine's hints about the earlier segment's chunks must not match it).
-std::uint64_t next_activity() {
+std::uint64_t heap::next_activity() {
   static std::atomic<std::uint64_t> clock{0};
   return clock.fetch_add(1, std::memory_order_relaxed) + 1;
 }
-constexpr std::size_t kSmallSegmentBytes = 2 * MiB;
-constexpr std::size_t kSmallRequestBytes = 1 * MiB;
-constexpr std::size_t kMediumRequestBytes = 10 * MiB;
-constexpr std::size_t kMediumSegmentBytes = 20 * MiB;
 
-}  // namespace
-
-heap::heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
+heap::heap(chunk_arena& arena, allocator_stats& stats,
+           const std::atomic<paging_listener*>& listener, allocation_class cls, size_kind kind,
            std::size_t region_bytes)
-    : arena_(arena), device_(arena.backing()), stats_(stats), class_(cls), kind_(kind) {
+    : arena_(arena),
+      device_(arena.backing()),
+      stats_(stats),
+      listener_(listener),
+      class_(cls),
+      kind_(kind) {
   region_bytes_ = round_up(region_bytes, arena.granularity());
   region_start_ = arena.reserve_region(region_bytes_);
   free_addresses_.give_back(region_start_, region_bytes_);
@@ -48,7 +55,9 @@ heap::~heap() {
     std::lock_guard lock(mutex_);
     retire_donated(true);
     for (auto& owned : segments_) {
-      if (!owned->chunks.empty()) arena_.decommit(owned->address, owned->chunks);
+      if (!owned->chunks.empty()) {
+        arena_.decommit(owned->address, owned->chunks, listener_.load(std::memory_order_acquire));
+      }
     }
     for (event_handle event : all_events_) device_.destroy_event(event);
   } catch (const std::exception& failure) {
@@ -127,19 +136,6 @@ block* heap::find_fit(free_index& index, std::size_t bytes) {
   return nullptr;
 }
 
-template <typename Then>
-void heap::fenced(stream_handle on, Then&& then) {
-  event_handle fence = obtain_event();
-  try {
-    device_.record_event(fence, on);
-    then(fence);
-  } catch (...) {
-    spare_events_.push_back(fence);  // unrecorded, or recorded and never waited on
-    throw;
-  }
-  spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
-}
-
 block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   block* best = nullptr;
   for (auto& index : indexes_) {
@@ -168,41 +164,6 @@ std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   return round_up(rounded_bytes, arena_.granularity());
 }
 
-// Note [Moving free memory between classes]: classes live in separate segments, so memory
-// one class frees (activations, at the end of backward) would otherwise sit cached while
-// another class (gradients, optimizer states) maps new memory, and reserved memory would
-// grow to the sum of every class's peak instead of the peak of their sum. So before
-// creating physical memory, a heap takes the chunks of fully free segments, of any heap of
-// the device, and maps them at its own addresses. No host thread waits: a physical chunk
-// may be mapped at two addresses at once, so the donor's old mapping stays until fences
-// recorded on its streams have passed (retire_donated), and the receiving stream waits for
-// those fences before its first use. Donated segments are sized to the need (within an
-// eighth, and at most eight of them), so a small heap never swallows a large segment.
-void heap::gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into) {
-  const std::size_t eighth = std::max(bytes / 8, arena_.granularity());
-  for (heap* donor : donors_) {
-    while (into.bytes < bytes) {
-      const std::size_t remaining = bytes - into.bytes;
-      const std::size_t least = std::min(remaining, eighth);
-      const std::size_t most = remaining + eighth;
-      const bool given = donor == this ? donate_locked(least, most, stream, into)
-                                       : donor->try_donate(least, most, stream, into);
-      if (!given) break;
-    }
-    if (into.bytes >= bytes) break;
-  }
-}
-
-bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
-                      donated_memory& into) {
-  // try_lock: the requesting heap holds its own lock, so waiting here could deadlock with a
-  // heap asking this one's neighbour; a busy heap is simply skipped.
-  std::unique_lock lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock()) return false;
-  if (!pending_.empty()) process_pending(false);  // an idle heap never runs it otherwise
-  return donate_locked(least_bytes, most_bytes, for_stream, into);
-}
-
 std::vector<stream_handle> heap::streams_of(const segment& owner) const {
   std::vector<stream_handle> streams;
   auto add = [&](stream_handle stream) {
@@ -216,201 +177,6 @@ std::vector<stream_handle> heap::streams_of(const segment& owner) const {
     for (stream_handle other : piece->other_streams) add(other);  // record_stream's
   }
   return streams;
-}
-
-// Note [Splitting free runs off a segment]: a segment whose blocks are partly in use gives
-// nothing away as a whole, yet a training step leaves free runs of whole chunks inside busy
-// segments (activations freed in backward, next to ones still live), and a fully free
-// segment larger than the need is not given whole either. Such a run is split off into a
-// segment of its own, at chunk boundaries (every chunk is mapped on its own, so the
-// pieces unmap as they were mapped): the run becomes a fully free segment that another
-// class can take, the rest stay segments of this heap. Only segments with no chunk pinned
-// or on the host are cut (the offload engine's bookkeeping stays per chunk). A run may be
-// about twice the need (chunks are large; a run that must fit within an eighth of the
-// need rarely exists). On the recorded Llama traces with their four classes (simulated
-// device), peak reserved / peak allocated goes from 1.204 to 1.16 (1.3B parameters),
-// 1.184 to 1.118 (438M) and 1.040 to 1.016 (271M, the demo's); with one class it does not
-// change. Tried and dropped: runs up to the need plus half a chunk (1.182, 1.138, 1.022),
-// up to three or four times the need (no better, and less stable across traces).
-segment* heap::split_free_run(std::size_t least_bytes, std::size_t most_bytes) {
-  if (!unmerged_.empty()) coalesce_freed();  // free blocks at their largest
-  for (auto it = segments_.begin(); it != segments_.end(); ++it) {
-    segment& whole = **it;
-    if (whole.pinned_chunks != 0 || whole.host_chunks != 0 || whole.chunks.size() < 2) continue;
-    for (block* piece = whole.first; piece != nullptr; piece = piece->next) {
-      if (piece->allocated || piece->pending || piece->bytes < least_bytes) continue;
-      // The chunks wholly inside the free block, from its first chunk boundary on, up to
-      // `most_bytes`.
-      std::size_t first = 0;
-      std::uintptr_t start = whole.address;
-      while (first < whole.chunks.size() && start < piece->address) {
-        start += whole.chunks[first++].bytes;
-      }
-      std::size_t last = first;
-      std::uintptr_t end = start;
-      const std::uintptr_t limit = piece->address + piece->bytes;
-      while (last < whole.chunks.size() && end + whole.chunks[last].bytes <= limit &&
-             end + whole.chunks[last].bytes - start <= most_bytes) {
-        end += whole.chunks[last++].bytes;
-      }
-      if (end - start < least_bytes || last == first ||
-          (first == 0 && last == whole.chunks.size())) {
-        continue;
-      }
-      return cut_segment(it, piece, first, last, start, end);
-    }
-  }
-  return nullptr;
-}
-
-segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner, block* free_block,
-                           std::size_t first_chunk, std::size_t last_chunk, std::uintptr_t start,
-                           std::uintptr_t end) {
-  segment& whole = **owner;
-  // One free block exactly over [start, end), its remainders free blocks of their own.
-  remove_free(free_block);
-  block* middle = free_block;
-  if (middle->address < start) {
-    middle = split_block(middle, start);
-    insert_free(middle->previous);  // binned by its final size
-  }
-  if (middle->address + middle->bytes > end) insert_free(split_block(middle, end));
-  insert_free(middle);
-  // Three runs of blocks, each a segment: before the run, the run, after it.
-  std::vector<std::unique_ptr<segment>> parts;
-  auto make_part = [&](block* head, std::uintptr_t address, std::size_t from, std::size_t to) {
-    auto part = std::make_unique<segment>();
-    part->address = address;
-    part->chunks.assign(whole.chunks.begin() + static_cast<std::ptrdiff_t>(from),
-                        whole.chunks.begin() + static_cast<std::ptrdiff_t>(to));
-    for (const physical_handle& chunk : part->chunks) part->bytes += chunk.bytes;
-    part->generation = next_activity();
-    part->last_activity = whole.last_activity;
-    part->first = head;
-    head->previous = nullptr;
-    for (block* piece = head; piece != nullptr; piece = piece->next) {
-      piece->owner = part.get();
-      if (piece->allocated || piece->pending) ++part->busy_blocks;
-    }
-    parts.push_back(std::move(part));
-  };
-  block* after = middle->next;
-  if (middle->previous != nullptr) middle->previous->next = nullptr;
-  middle->next = nullptr;
-  if (first_chunk != 0) make_part(whole.first, whole.address, 0, first_chunk);
-  make_part(middle, start, first_chunk, last_chunk);
-  segment* run = parts.back().get();
-  if (after != nullptr) make_part(after, end, last_chunk, whole.chunks.size());
-  segments_.erase(owner);
-  counts_.segments_split += parts.size() - 1;  // segments added
-  for (auto& part : parts) segments_.push_back(std::move(part));
-  return run;
-}
-
-bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
-                         donated_memory& into) {
-  auto pick = [&] {
-    auto chosen = segments_.end();
-    for (auto it = segments_.begin(); it != segments_.end(); ++it) {
-      const segment& candidate = **it;
-      if (candidate.busy_blocks != 0 || candidate.pinned_chunks != 0 ||
-          candidate.bytes < least_bytes || candidate.bytes > most_bytes) {
-        continue;
-      }
-      // Host memory behind another class's fresh allocation would be a slow surprise.
-      if (std::any_of(candidate.chunks.begin(), candidate.chunks.end(),
-                      [](const auto& chunk) { return chunk.location == memory_location::host; })) {
-        continue;
-      }
-      if (chosen == segments_.end() || candidate.bytes > (*chosen)->bytes) chosen = it;
-    }
-    return chosen;
-  };
-  auto chosen = pick();
-  if (chosen == segments_.end()) {
-    if (segment* run = split_free_run(least_bytes, 2 * most_bytes)) {
-      chosen = std::find_if(segments_.begin(), segments_.end(),
-                            [&](const auto& owned) { return owned.get() == run; });
-    }
-  }
-  if (chosen == segments_.end()) return false;
-  segment& given = **chosen;
-  retiring_range old_addresses{given.address, given.bytes, given.chunks, {}};
-  try {  // fenced before anything changes: if the device fails, the segment stays
-    for (stream_handle stream : streams_of(given)) {
-      old_addresses.fences.push_back(obtain_event());
-      device_.record_event(old_addresses.fences.back(), stream);
-      if (stream != for_stream) device_.stream_wait_event(for_stream, old_addresses.fences.back());
-    }
-  } catch (...) {
-    spare_events_.insert(spare_events_.end(), old_addresses.fences.begin(),
-                         old_addresses.fences.end());
-    throw;
-  }
-  for (block* piece = given.first; piece != nullptr;) {
-    block* next = piece->next;
-    remove_free(piece);
-    recycle_block(piece);
-    piece = next;
-  }
-  into.chunks.insert(into.chunks.end(), given.chunks.begin(), given.chunks.end());
-  into.bytes += given.bytes;
-  stats_.apply(class_, [&](live_gauges& figures) {
-    figures.reserved_bytes.add(-static_cast<std::int64_t>(given.bytes));
-  });
-  ++counts_.segments_donated;
-  tell_chunks(given.chunks, -1);
-  retiring_.push_back(std::move(old_addresses));
-  segments_.erase(chosen);
-  return true;
-}
-
-void heap::retire_donated(bool wait) {
-  // As process_pending: a range whose fences a device call could not check stays; one
-  // whose unmap failed is gone (unmap_old_addresses says what stays mapped).
-  std::size_t kept = 0;
-  std::size_t next = 0;
-  bool gone = false;
-  try {
-    for (; next < retiring_.size(); ++next) {
-      retiring_range& range = retiring_[next];
-      gone = false;
-      if (!events_done(range.fences, wait)) {
-        if (kept != next) retiring_[kept] = std::move(range);
-        ++kept;
-        continue;
-      }
-      spare_events_.insert(spare_events_.end(), range.fences.begin(), range.fences.end());
-      range.fences.clear();
-      gone = true;
-      unmap_old_addresses(range);
-    }
-  } catch (...) {
-    retiring_.erase(retiring_.begin() + static_cast<std::ptrdiff_t>(kept),
-                    retiring_.begin() + static_cast<std::ptrdiff_t>(next + (gone ? 1 : 0)));
-    throw;
-  }
-  retiring_.resize(kept);
-}
-
-void heap::unmap_old_addresses(const retiring_range& range) {
-  std::size_t offset = 0;
-  try {
-    for (const physical_handle& chunk : range.chunks) {
-      device_.unmap(range.address + offset, chunk.bytes);
-      offset += chunk.bytes;
-    }
-  } catch (const std::exception& failure) {
-    // Note [A failed unmap]. The chunks themselves serve their new segment.
-    if (offset != 0) return_addresses(range.address, offset);
-    log().error(
-        "unmapping the old addresses of a donated {} segment at {:#x} on {} failed ({}); its "
-        "last {} stay mapped and out of use. The GPU driver is failing: restart the process",
-        format_bytes(range.bytes), range.address, device_.name(), failure.what(),
-        format_bytes(range.bytes - offset));
-    throw;
-  }
-  return_addresses(range.address, range.bytes);
 }
 
 void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
@@ -503,7 +269,7 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   whole->owner = owned.get();
   whole->stream = stream;
   owned->first = whole;
-  tell_chunks(owned->chunks, +1);
+  tell_chunks(owned->chunks, /*gained=*/true);
   segments_.push_back(std::move(owned));
   stats_.apply(class_, [&](live_gauges& figures) {
     figures.reserved_bytes.add(static_cast<std::int64_t>(bytes));
@@ -760,98 +526,16 @@ void heap::process_pending(bool wait) {
   pending_.resize(kept);
 }
 
-void heap::set_chunk_observer(chunk_observer observer) {
-  std::lock_guard lock(mutex_);
-  chunk_observer_ = std::move(observer);
-}
-
-void heap::tell_chunks(const std::vector<physical_handle>& chunks, int change) {
-  if (!chunk_observer_) return;
-  for (const physical_handle& chunk : chunks) chunk_observer_(class_, chunk.bytes, change);
-}
-
-std::uint64_t heap::release_free_segments(std::uint64_t enough) {
-  std::lock_guard lock(mutex_);
-  process_pending(true);
-  retire_donated(true);
-  auto unused = std::stable_partition(segments_.begin(), segments_.end(), [](const auto& owned) {
-    return owned->busy_blocks != 0 || owned->pinned_chunks != 0;
-  });
-  if (enough != UINT64_MAX) {  // the largest free segments that release `enough`, kept last
-    std::stable_sort(unused, segments_.end(),
-                     [](const auto& a, const auto& b) { return a->bytes < b->bytes; });
-    std::uint64_t chosen = 0;
-    auto first = segments_.end();
-    while (first != unused && chosen < enough) {
-      --first;
-      chosen += (*first)->bytes;
-    }
-    unused = first;
-  }
-  // Work queued before the frees may still touch the segments: unmap only after it ran.
-  // Every fence comes first, so that a device call failing here changes nothing.
-  std::vector<stream_handle> streams;
-  for (auto it = unused; it != segments_.end(); ++it) {
-    for (stream_handle stream : streams_of(**it)) {
-      if (std::find(streams.begin(), streams.end(), stream) == streams.end())
-        streams.push_back(stream);
+void heap::tell_chunks(const std::vector<physical_handle>& chunks, bool gained) {
+  paging_listener* listener = listener_.load(std::memory_order_acquire);
+  if (listener == nullptr) return;
+  for (const physical_handle& chunk : chunks) {
+    if (gained) {
+      listener->chunk_gained(class_, chunk.bytes);
+    } else {
+      listener->chunk_lost(class_, chunk.bytes);
     }
   }
-  for (stream_handle stream : streams) {
-    fenced(stream, [&](event_handle fence) { device_.synchronize_event(fence); });
-  }
-  std::uint64_t released = 0;
-  auto it = unused;
-  try {
-    for (; it != segments_.end(); ++it) released += release_segment(**it);
-  } catch (...) {
-    segments_.erase(unused, std::next(it));  // the failed one is out of the heap too
-    throw;
-  }
-  segments_.erase(unused, segments_.end());
-  return released;
-}
-
-// Note [A failed unmap]: a chunk that fails to unmap (a failing driver) stays mapped at its
-// addresses, and so do the chunks after it; those before it are unmapped and pooled. The
-// segment leaves the heap all the same, its blocks with it: what is still mapped is held
-// out of use (its addresses are not given back, so no later segment is placed over them)
-// and stays counted as reserved, since it still holds device memory. The caller gets the
-// device_error; nothing is released twice, no block is handed out over the old mapping.
-std::uint64_t heap::release_segment(segment& idle) {
-  for (block* piece = idle.first; piece != nullptr;) {
-    block* next = piece->next;
-    remove_free(piece);
-    recycle_block(piece);
-    piece = next;
-  }
-  idle.first = nullptr;
-  tell_chunks(idle.chunks, -1);
-  auto unreserve = [&](std::size_t bytes) {
-    stats_.apply(class_, [&](live_gauges& figures) {
-      figures.reserved_bytes.add(-static_cast<std::int64_t>(bytes));
-    });
-  };
-  try {
-    arena_.decommit(idle.address, idle.chunks);
-  } catch (const std::exception& failure) {
-    // Note [A failed unmap]: the chunks still mapped are the segment's last ones. They stay
-    // told as gone: nothing can move or reuse them.
-    const std::size_t still_mapped = bytes_of(idle.chunks);
-    const std::size_t unmapped = idle.bytes - still_mapped;
-    if (unmapped != 0) return_addresses(idle.address, unmapped);
-    unreserve(unmapped);
-    log().error(
-        "unmapping a free {} segment of {} at {:#x} on {} failed ({}); its last {} stay mapped, "
-        "out of use and counted as reserved. The GPU driver is failing: restart the process",
-        format_bytes(idle.bytes), class_name(class_), idle.address, device_.name(), failure.what(),
-        format_bytes(still_mapped));
-    throw;
-  }
-  return_addresses(idle.address, idle.bytes);
-  unreserve(idle.bytes);
-  ++counts_.segments_unmapped;
-  return idle.bytes;
 }
 
 std::uint64_t heap::host_resident_bytes() const {
@@ -884,27 +568,27 @@ std::size_t heap::largest_free_block() const {
   return largest;
 }
 
-void heap::append_snapshot(std::string& out, const char*& separator) const {
+void heap::append_snapshot(nlohmann::ordered_json& segments) const {
   std::lock_guard lock(mutex_);
   const char* kind = kind_ == size_kind::small ? "small" : "large";
   for (const auto& owned : segments_) {
-    out += detail::concat(
-        separator, "{\"address\":", owned->address, ",\"total_size\":", owned->bytes,
-        ",\"class\":\"", class_name(class_), "\",\"kind\":\"", kind,
-        "\",\"stream\":", reinterpret_cast<std::uintptr_t>(owned->first->stream), ",\"blocks\":[");
-    separator = ",";
-    const char* block_separator = "";
+    nlohmann::ordered_json blocks = nlohmann::ordered_json::array();
     for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
       const char* state = piece->allocated ? "active_allocated"
                           : piece->pending ? "active_pending_free"
                                            : "inactive";
-      out += detail::concat(
-          block_separator, "{\"address\":", piece->address, ",\"size\":", piece->bytes,
-          ",\"requested_size\":", piece->allocated ? piece->requested_bytes : piece->bytes,
-          ",\"state\":\"", state, "\"}");
-      block_separator = ",";
+      blocks.push_back(
+          {{"address", piece->address},
+           {"size", piece->bytes},
+           {"requested_size", piece->allocated ? piece->requested_bytes : piece->bytes},
+           {"state", state}});
     }
-    out += "]}";
+    segments.push_back({{"address", owned->address},
+                        {"total_size", owned->bytes},
+                        {"class", class_name(class_)},
+                        {"kind", kind},
+                        {"stream", reinterpret_cast<std::uintptr_t>(owned->first->stream)},
+                        {"blocks", std::move(blocks)}});
   }
 }
 
@@ -971,112 +655,6 @@ event_handle heap::obtain_event() {
   event_handle event = device_.create_event();
   all_events_.push_back(event);
   return event;
-}
-
-}  // namespace zeroalloc
-
-namespace zeroalloc {
-
-// Note [Pinned chunks]: the offload engine moves a chunk in steps that outlive one lock
-// hold (copy on a copy stream, wait for the copy's event, remap). Pinning keeps the chunk's
-// segment in place meanwhile: a pinned segment is neither unmapped by
-// release_free_segments nor donated to another class, even if its last block is freed. A
-// segment with host-located chunks is never donated either: its memory is slow.
-
-void heap::append_chunks(const segment& owner, std::vector<chunk_info>& into, std::uintptr_t from,
-                         std::uintptr_t to) const {
-  std::uintptr_t address = owner.address;
-  const std::vector<stream_handle> streams = streams_of(owner);
-  const block* piece = owner.first;
-  for (const physical_handle& chunk : owner.chunks) {
-    const std::uintptr_t end = address + chunk.bytes;
-    if (address >= to) break;
-    if (end <= from) {
-      address = end;
-      continue;
-    }
-    bool live = false;
-    // Blocks are in address order: skip those before the chunk, look at those inside it.
-    while (piece != nullptr && piece->address + piece->bytes <= address) piece = piece->next;
-    for (const block* inside = piece; inside != nullptr && inside->address < end;
-         inside = inside->next) {
-      live = live || inside->allocated || inside->pending;
-    }
-    into.push_back({address, chunk, static_cast<int>(class_), streams, live, owner.generation,
-                    owner.last_activity});
-    address = end;
-  }
-}
-
-void heap::list_chunks(std::vector<chunk_info>& into) const {
-  std::lock_guard lock(mutex_);
-  for (const auto& owned : segments_) {
-    if (owned->busy_blocks != 0) append_chunks(*owned, into);
-  }
-}
-
-bool heap::chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>& into) const {
-  std::lock_guard lock(mutex_);
-  const block* found = live_.find(pointer);
-  if (found == nullptr) return false;
-  // Only the chunks it overlaps: a parameter's segment can span a hundred chunks, and the
-  // hints ask for a module's parameters several times a step.
-  append_chunks(*found->owner, into, found->address, found->address + found->bytes);
-  return true;
-}
-
-std::pair<segment*, std::size_t> heap::chunk_at(std::uintptr_t address) const {
-  for (const auto& owned : segments_) {
-    if (address < owned->address || address >= owned->address + owned->bytes) continue;
-    std::uintptr_t start = owned->address;
-    for (std::size_t i = 0; i < owned->chunks.size(); ++i) {
-      if (start == address) return {owned.get(), i};
-      start += owned->chunks[i].bytes;
-    }
-    return {nullptr, 0};
-  }
-  return {nullptr, 0};
-}
-
-bool heap::pin_chunk(std::uintptr_t address, chunk_info& into) {
-  std::lock_guard lock(mutex_);
-  auto [owner, index] = chunk_at(address);
-  if (owner == nullptr) return false;
-  if (std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end()) return false;
-  pinned_.push_back(address);
-  ++owner->pinned_chunks;
-  std::vector<chunk_info> all;
-  append_chunks(*owner, all);
-  into = all.at(index);
-  return true;
-}
-
-physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle replacement) {
-  std::lock_guard lock(mutex_);
-  auto [owner, index] = chunk_at(address);
-  ZA_REQUIRE(owner != nullptr && owner->chunks[index].bytes == replacement.bytes &&
-                 std::find(pinned_.begin(), pinned_.end(), address) != pinned_.end(),
-             "no pinned chunk of ", replacement.bytes, " bytes at ", address);
-  const physical_handle previous = owner->chunks[index];
-  device_.unmap(address, previous.bytes);
-  try {
-    device_.map(address, replacement);
-  } catch (...) {
-    device_.map(address, previous);  // the bytes stay where they were
-    throw;
-  }
-  owner->chunks[index] = replacement;
-  if (previous.location == memory_location::host) --owner->host_chunks;
-  if (replacement.location == memory_location::host) ++owner->host_chunks;
-  return previous;
-}
-
-void heap::unpin_chunk(std::uintptr_t address) {
-  std::lock_guard lock(mutex_);
-  auto [owner, index] = chunk_at(address);
-  (void)index;
-  if (owner == nullptr || std::erase(pinned_, address) == 0) return;
-  --owner->pinned_chunks;
 }
 
 }  // namespace zeroalloc

@@ -1,21 +1,27 @@
 // A heap: the blocks of one allocation class and one size kind (small or large) of one
 // device, in segments inside the heap's own address region. Used by caching_allocator only;
 // see Note [Stream-ordered reuse] in caching_allocator.hpp.
+//
+// One class, one source per subject: heap.cpp (blocks, free lists, new segments),
+// heap_donation.cpp (free segments given to another heap), heap_release.cpp (free segments
+// unmapped), heap_pinning.cpp (the offload engine's chunks).
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
 #include "alloc/allocation_class.hpp"
 #include "alloc/allocator_stats.hpp"
 #include "alloc/chunk_arena.hpp"
+#include "alloc/paging_listener.hpp"
 #include "alloc/pointer_map.hpp"
 #include "core/free_ranges.hpp"
 #include "core/spin_lock.hpp"
@@ -70,8 +76,10 @@ class heap {
 
   enum class size_kind { small, large };
 
-  heap(chunk_arena& arena, allocator_stats& stats, allocation_class cls, size_kind kind,
-       std::size_t region_bytes);
+  /// `listener`: the allocator's, told of the chunks this heap's segments gain and lose
+  /// and of host chunks it unmaps (paging_listener), with the heap's lock held.
+  heap(chunk_arena& arena, allocator_stats& stats, const std::atomic<paging_listener*>& listener,
+       allocation_class cls, size_kind kind, std::size_t region_bytes);
   ~heap();
 
   /// A block of `rounded_bytes` (asked for as `requested_bytes`) for `stream`, or nullptr
@@ -93,13 +101,6 @@ class heap {
   /// `enough` bytes are unmapped (all of them by default). Returns bytes unmapped.
   std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX);
 
-  /// Told of each physical chunk a segment of this heap gains (`change` +1: mapped) or loses
-  /// (-1: released, donated), with the heap's lock held: it must be brief and must not call
-  /// into the heap. Set before the heap is used (the host tier anticipates chunk sizes).
-  using chunk_observer =
-      std::function<void(allocation_class cls, std::size_t chunk_bytes, int change)>;
-  void set_chunk_observer(chunk_observer observer);
-
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
   [[nodiscard]] std::size_t largest_free_block() const;
@@ -115,7 +116,7 @@ class heap {
   /// appended to `into`, and its old addresses are unmapped once that work has run.
   bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
                   donated_memory& into);
-  // The offload engine's view (Note [Pinned chunks] in heap.cpp).
+  // The offload engine's view (Note [Pinned chunks] in heap_pinning.cpp).
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;
   /// Appends the chunks that the live allocation starting at `pointer` spans; false when
@@ -131,9 +132,9 @@ class heap {
   physical_handle remap_pinned_chunk(std::uintptr_t address, physical_handle replacement);
   void unpin_chunk(std::uintptr_t address);
 
-  /// Appends this heap's segments, with their blocks, as JSON objects (comma-separated,
-  /// after `separator` for the first) in the shape of PyTorch's memory snapshot.
-  void append_snapshot(std::string& out, const char*& separator) const;
+  /// Appends this heap's segments, with their blocks, to the JSON array `segments`, in the
+  /// shape of PyTorch's memory snapshot.
+  void append_snapshot(nlohmann::ordered_json& segments) const;
   /// Appends (address, bytes) of every live allocation.
   void list_allocations(std::vector<std::pair<std::uintptr_t, std::size_t>>& into) const;
   /// Takes and gives back the heap's lock around fork() (Note [Fork] in caching_allocator.cpp).
@@ -193,6 +194,9 @@ class heap {
   /// and also when either throws.
   template <typename Then>
   void fenced(stream_handle on, Then&& then);
+  /// The next value of the process-wide clock of segment::generation and last_activity.
+  static std::uint64_t next_activity();
+  static std::size_t bytes_of(const std::vector<physical_handle>& chunks);
   /// The segment and chunk index of the chunk mapped at `address`, or {nullptr, 0}.
   std::pair<segment*, std::size_t> chunk_at(std::uintptr_t address) const;
   /// Only those overlapping [from, to) when given.
@@ -204,11 +208,13 @@ class heap {
   block* new_block();
   void recycle_block(block* unused);
   event_handle obtain_event();
-  void tell_chunks(const std::vector<physical_handle>& chunks, int change);
+  /// Tells the listener, if any, that a segment gained (or lost) `chunks`.
+  void tell_chunks(const std::vector<physical_handle>& chunks, bool gained);
 
   chunk_arena& arena_;
   device& device_;
   allocator_stats& stats_;
+  const std::atomic<paging_listener*>& listener_;
   const allocation_class class_;
   const size_kind kind_;
   std::uintptr_t region_start_ = 0;
@@ -217,7 +223,6 @@ class heap {
   // A spin lock: the sections it guards are a few hundred instructions, except
   // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
   mutable spin_lock mutex_;
-  chunk_observer chunk_observer_;
   heap_counts counts_;
   free_ranges free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;
@@ -235,5 +240,18 @@ class heap {
   std::vector<heap*> donors_;
   std::vector<std::uintptr_t> pinned_;  // chunk addresses (Note [Pinned chunks])
 };
+
+template <typename Then>
+inline void heap::fenced(stream_handle on, Then&& then) {
+  event_handle fence = obtain_event();
+  try {
+    device_.record_event(fence, on);
+    then(fence);
+  } catch (...) {
+    spare_events_.push_back(fence);  // unrecorded, or recorded and never waited on
+    throw;
+  }
+  spare_events_.push_back(fence);  // the wait captured the recorded point: reusable now
+}
 
 }  // namespace zeroalloc

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "core/errors.hpp"
 #include "core/host_memory.hpp"
@@ -27,6 +28,41 @@ struct startup {
 };
 
 std::atomic<runtime*> g_started{nullptr};  // constant-initialised: if_started() reads it
+
+// An allocator tells one paging_listener: its device's offload engine. When a memory report
+// is written, the report must hear of out-of-memory failures too, with offload on or off:
+// this listener passes everything on to the engine (when there is one) and reports them.
+class reporting_listener final : public paging_listener {
+ public:
+  reporting_listener(runtime& owner, paging_listener* tier) : owner_(owner), tier_(tier) {}
+
+  std::uint64_t relieve_pressure(std::size_t bytes_needed) override {
+    return tier_ != nullptr ? tier_->relieve_pressure(bytes_needed) : 0;
+  }
+  std::string pressure_note() override {
+    return tier_ != nullptr ? tier_->pressure_note() : std::string();
+  }
+  void allocated_on_host(const void* pointer, stream_handle stream) override {
+    if (tier_ != nullptr) tier_->allocated_on_host(pointer, stream);
+  }
+  void chunk_gained(allocation_class cls, std::size_t chunk_bytes) override {
+    if (tier_ != nullptr) tier_->chunk_gained(cls, chunk_bytes);
+  }
+  void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override {
+    if (tier_ != nullptr) tier_->chunk_lost(cls, chunk_bytes);
+  }
+  void host_chunk_released(physical_handle chunk) override {
+    if (tier_ != nullptr) tier_->host_chunk_released(chunk);
+  }
+  void out_of_memory(const std::string& message) override {
+    if (tier_ != nullptr) tier_->out_of_memory(message);
+    if (owner_.reporting_process()) owner_.memory_reporter()->out_of_memory(message);
+  }
+
+ private:
+  runtime& owner_;
+  paging_listener* const tier_;
+};
 
 }  // namespace
 
@@ -135,12 +171,14 @@ caching_allocator& runtime::allocator(int ordinal) {
   }
   owned_allocators_.push_back(std::make_unique<caching_allocator>(opened, settings));
   caching_allocator* created = owned_allocators_.back().get();
-  if (reporter_) {
-    created->set_out_of_memory_observer([this](const std::string& message) {
-      if (reporting_process()) reporter_->out_of_memory(message);
-    });
-  }
   if (offload_enabled()) start_offload(ordinal, *created);
+  offload_engine* engine = engines_[ordinal].load(std::memory_order_acquire);
+  if (reporter_) {
+    owned_listeners_.push_back(std::make_unique<reporting_listener>(*this, engine));
+    created->paging().attach(*owned_listeners_.back());
+  } else if (engine != nullptr) {
+    created->paging().attach(*engine);
+  }
   allocators_[ordinal].store(created, std::memory_order_release);
   log().info("device {}: {}, limit {}", ordinal, opened.name(),
              format_bytes(created->limit_bytes()));
@@ -219,23 +257,12 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   owned_host_pools_.push_back(std::make_unique<host_pool>(backing, limit, source));
   host_pool* pool = owned_host_pools_.back().get();
   // Pinned memory takes about 0.25 s per GiB to create: in the background, from now.
-  pool->start_prefill(allocator.arena().chunk_bytes(), limit);
+  pool->start_prefill(allocator.paging().arena().chunk_bytes(), limit);
   offload_settings settings;
   settings.prefetch_bytes = options_.prefetch_bytes;
   owned_engines_.push_back(
       std::make_unique<offload_engine>(allocator, *pool, options_.verify, settings));
   offload_engine* engine = owned_engines_.back().get();
-  allocator.set_pressure_handler(
-      [engine](std::size_t bytes) { return engine->relieve_pressure(bytes); });
-  allocator.set_pressure_note([engine] { return engine->pressure_note(); });
-  allocator.set_host_landing_handler([engine](void* pointer, stream_handle stream) {
-    engine->allocated_on_host(pointer, stream);
-  });
-  // The sizes of the optimizer states' chunks, for pinned memory made ahead of need (Note
-  // [Anticipated sizes] in tier/host_pool.hpp): what pressure sends to the host first.
-  allocator.set_chunk_observer([pool](allocation_class cls, std::size_t bytes, int change) {
-    if (cls == allocation_class::optimizer_state) pool->expect_chunks(bytes, change);
-  });
   host_pools_[ordinal].store(pool, std::memory_order_release);
   engines_[ordinal].store(engine, std::memory_order_release);
   log().info("device {}: offload to host memory on, up to {} ({})", ordinal, format_bytes(limit),
@@ -261,24 +288,32 @@ std::string runtime::offload_json(int ordinal) {
   const host_pool_figures host = pool->figures();
   const double hit_rate =
       uses.uses == 0 ? 1.0 : static_cast<double>(uses.hits) / static_cast<double>(uses.uses);
-  return detail::concat(
-      "{\"host_limit_bytes\":", host.limit_bytes, ",\"host_created_bytes\":", host.created_bytes,
-      ",\"host_in_use_bytes\":", host.in_use_bytes,
-      ",\"host_peak_in_use_bytes\":", host.peak_in_use_bytes,
-      ",\"host_chunks_created_on_demand\":", host.created_on_demand,
-      ",\"host_resident_bytes\":", moved.host_resident_bytes,
-      ",\"bytes_to_host\":", moved.bytes_to_host, ",\"bytes_to_device\":", moved.bytes_to_device,
-      ",\"chunks_to_host\":", moved.chunks_to_host,
-      ",\"chunks_to_device\":", moved.chunks_to_device,
-      ",\"verified_chunks\":", moved.verified_chunks, ",\"uses\":", uses.uses,
-      ",\"prefetch_hits\":", uses.hits, ",\"prefetch_hit_rate\":", hit_rate,
-      ",\"prefetches\":", uses.prefetches, ",\"evictions\":", uses.evictions,
-      ",\"pressure_evictions\":", uses.pressure_evictions,
-      ",\"device_waited_ns\":", uses.device_waited_ns, ",\"host_waited_ns\":", uses.waited_ns,
-      ",\"steps\":", uses.steps, ",\"learned_order_chunks\":", uses.learned_order_chunks,
-      ",\"in_place_uses\":", uses.in_place_uses, ",\"headroom_searches\":", uses.headroom_searches,
-      ",\"headroom_search_ns\":", uses.headroom_search_ns,
-      ",\"chunks_in_use\":", uses.chunks_in_use, "}");
+  const nlohmann::ordered_json figures = {{"host_limit_bytes", host.limit_bytes},
+                                          {"host_created_bytes", host.created_bytes},
+                                          {"host_in_use_bytes", host.in_use_bytes},
+                                          {"host_peak_in_use_bytes", host.peak_in_use_bytes},
+                                          {"host_chunks_created_on_demand", host.created_on_demand},
+                                          {"host_resident_bytes", moved.host_resident_bytes},
+                                          {"bytes_to_host", moved.bytes_to_host},
+                                          {"bytes_to_device", moved.bytes_to_device},
+                                          {"chunks_to_host", moved.chunks_to_host},
+                                          {"chunks_to_device", moved.chunks_to_device},
+                                          {"verified_chunks", moved.verified_chunks},
+                                          {"uses", uses.uses},
+                                          {"prefetch_hits", uses.hits},
+                                          {"prefetch_hit_rate", hit_rate},
+                                          {"prefetches", uses.prefetches},
+                                          {"evictions", uses.evictions},
+                                          {"pressure_evictions", uses.pressure_evictions},
+                                          {"device_waited_ns", uses.device_waited_ns},
+                                          {"host_waited_ns", uses.waited_ns},
+                                          {"steps", uses.steps},
+                                          {"learned_order_chunks", uses.learned_order_chunks},
+                                          {"in_place_uses", uses.in_place_uses},
+                                          {"headroom_searches", uses.headroom_searches},
+                                          {"headroom_search_ns", uses.headroom_search_ns},
+                                          {"chunks_in_use", uses.chunks_in_use}};
+  return figures.dump();
 }
 
 offload_engine* runtime::engine_of(const void* pointer) {

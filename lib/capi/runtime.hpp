@@ -72,6 +72,7 @@ class runtime {
   std::array<std::atomic<caching_allocator*>, kMaxDevices> allocators_{};
   std::vector<std::unique_ptr<device>> devices_;
   std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
+  /// Creates the host pool and offload engine of `ordinal` (the caller attaches the engine).
   void start_offload(int ordinal, caching_allocator& allocator);
   static std::uint64_t host_memory_bytes();
   /// The devices and processes a share of the host's memory is split among.
@@ -82,6 +83,7 @@ class runtime {
   std::array<std::atomic<host_pool*>, kMaxDevices> host_pools_{};
   std::vector<std::unique_ptr<host_pool>> owned_host_pools_;
   std::vector<std::unique_ptr<offload_engine>> owned_engines_;
+  std::vector<std::unique_ptr<paging_listener>> owned_listeners_;
   std::unique_ptr<reporter> reporter_;
 };
 

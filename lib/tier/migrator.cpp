@@ -26,17 +26,15 @@ std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
 }  // namespace
 
 migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
-    : allocator_(allocator), device_(allocator.backing()), pool_(pool), verify_(verify) {
+    : paging_(allocator.paging()), device_(allocator.backing()), pool_(pool), verify_(verify) {
   out_stream_ = device_.create_stream();
   in_stream_ = device_.create_stream();
-  staging_slot_bytes_ = allocator_.arena().chunk_bytes();
-  staging_region_ = device_.reserve_addresses(staging_slot_bytes_ * kStagingSlots,
-                                              allocator_.arena().granularity());
+  staging_slot_bytes_ = paging_.arena().chunk_bytes();
+  staging_region_ =
+      device_.reserve_addresses(staging_slot_bytes_ * kStagingSlots, paging_.arena().granularity());
   for (std::size_t i = kStagingSlots; i-- > 0;) {
     free_slots_.push_back(staging_region_ + i * staging_slot_bytes_);
   }
-  allocator_.arena().set_host_chunk_sink(
-      [this](physical_handle handle) { return_host_chunk(handle); });
   worker_ = std::thread([this] { worker(); });
 }
 
@@ -74,7 +72,6 @@ migrator::~migrator() {
   }
   changed_.notify_all();
   worker_.join();
-  allocator_.arena().set_host_chunk_sink(nullptr);
   try {
     for (event_handle event : spare_events_) device_.destroy_event(event);
     for (const auto& [address, bytes] : retired_slots_) {
@@ -160,19 +157,19 @@ bool migrator::claim_eviction(std::uintptr_t address, chunk_info& claimed) {
   }
   bool pinned = false;
   try {  // not under mutex_: the heaps call in under theirs
-    pinned = allocator_.pin_chunk(address, claimed);
+    pinned = paging_.pin_chunk(address, claimed);
   } catch (...) {
     release_claim(address);
     throw;
   }
   if (pinned && claimed.handle.location == memory_location::device) return true;
-  if (pinned) allocator_.unpin_chunk(address);
+  if (pinned) paging_.unpin_chunk(address);
   release_claim(address);
   return false;
 }
 
 void migrator::cancel_eviction(std::uintptr_t address) {
-  allocator_.unpin_chunk(address);
+  paging_.unpin_chunk(address);
   release_claim(address);
 }
 
@@ -244,13 +241,13 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     return false;
   }
   chunk_info chunk;
-  if (!allocator_.pin_chunk(address, chunk)) {
+  if (!paging_.pin_chunk(address, chunk)) {
     release_claim(address);
     return false;
   }
   if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
     // remapped behind our back: not ours
-    allocator_.unpin_chunk(address);
+    paging_.unpin_chunk(address);
     release_claim(address);
     return false;
   }
@@ -261,9 +258,9 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
   moving.chunk = chunk;
   moving.to_host = false;
   moving.host = host;
-  moving.device_chunk = allocator_.arena().take_chunk(chunk.handle.bytes);
+  moving.device_chunk = paging_.arena().take_chunk(chunk.handle.bytes);
   if (!moving.device_chunk.valid()) {
-    allocator_.unpin_chunk(address);
+    paging_.unpin_chunk(address);
     release_claim(address);
     return false;
   }
@@ -278,7 +275,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
         moving.checksum = checksum_of(host.staging_address, chunk.handle.bytes, in_stream_);
       }
       const auto remap_started = std::chrono::steady_clock::now();
-      allocator_.remap_pinned_chunk(address, moving.device_chunk);
+      paging_.remap_pinned_chunk(address, moving.device_chunk);
       moving.remapped_early = true;
       early_remap_ns =
           static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -301,7 +298,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       bool stays_on_device = false;
       if (moving.remapped_early) {
         try {
-          allocator_.remap_pinned_chunk(address, host.handle);
+          paging_.remap_pinned_chunk(address, host.handle);
         } catch (const std::exception& again) {
           // Its addresses still map the device chunk: that is where it is now, with the
           // bytes the copy brought (synchronized above) or without them.
@@ -317,9 +314,9 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       if (stays_on_device) {
         forget_host_copy(moving);
       } else {
-        allocator_.arena().return_chunk(moving.device_chunk);
+        paging_.arena().return_chunk(moving.device_chunk);
       }
-      allocator_.unpin_chunk(address);
+      paging_.unpin_chunk(address);
       release_claim(address);
       throw;
     }
@@ -352,10 +349,10 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     if (moving.staging != 0) {
       give_back_staging(moving.staging, moving.device_chunk, mapped);
     } else {
-      allocator_.arena().return_chunk(moving.device_chunk);  // no slot was free
+      paging_.arena().return_chunk(moving.device_chunk);  // no slot was free
     }
     if (moving.copied != nullptr) return_event(moving.copied);
-    allocator_.unpin_chunk(address);
+    paging_.unpin_chunk(address);
     release_claim(address);
     throw;
   }
@@ -381,16 +378,16 @@ void migrator::finish(transfer& done) {
   physical_handle left_behind;  // to host: the device chunk the chunk no longer uses
   if (done.to_host) {
     // Stays pinned until on_host_ knows the chunk (below): a segment unmapped in between
-    // would hand its host slice to return_host_chunk before it could be found.
-    left_behind = allocator_.remap_pinned_chunk(address, done.host.handle);
+    // would hand its host slice to host_chunk_released before it could be found.
+    left_behind = paging_.remap_pinned_chunk(address, done.host.handle);
   } else if (!done.remapped_early) {
     // Stays pinned through the verification below, which reads the chunk's addresses: a
     // segment released in between would leave them unmapped, or mapping another's bytes.
-    allocator_.remap_pinned_chunk(address, done.device_chunk);  // the host chunk: below
+    paging_.remap_pinned_chunk(address, done.device_chunk);  // the host chunk: below
   }
   done.committed = true;
   if (done.to_host) {
-    allocator_.arena().return_chunk(left_behind);
+    paging_.arena().return_chunk(left_behind);
   } else if (!done.remapped_early) {
     try {
       device_.unmap(done.staging, bytes);
@@ -425,7 +422,7 @@ void migrator::finish(transfer& done) {
     }
   }
   if (!done.to_host) {
-    allocator_.unpin_chunk(address);  // a fetch: after the verification that reads it
+    paging_.unpin_chunk(address);  // a fetch: after the verification that reads it
     forget_host_copy(done);
   }
   const auto remap_ns =
@@ -449,7 +446,7 @@ void migrator::finish(transfer& done) {
   arriving_.erase(address);
   if (done.to_host) {
     lock.unlock();
-    allocator_.unpin_chunk(address);
+    paging_.unpin_chunk(address);
   }
 }
 
@@ -488,7 +485,7 @@ void migrator::worker() {
       } else {
         give_back_staging(oldest.staging, oldest.device_chunk, /*mapped=*/true);
       }
-      allocator_.unpin_chunk(oldest.chunk.address);
+      paging_.unpin_chunk(oldest.chunk.address);
       std::lock_guard relock(mutex_);
       if (oldest.to_host) bytes_leaving_device_ -= oldest.chunk.handle.bytes;
       moving_.erase(oldest.chunk.address);
@@ -611,10 +608,10 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
     }
   }
   return_staging_slot(slot);
-  allocator_.arena().return_chunk(device_chunk);
+  paging_.arena().return_chunk(device_chunk);
 }
 
-void migrator::return_host_chunk(physical_handle handle) {
+void migrator::host_chunk_released(physical_handle handle) {
   host_chunk chunk;
   chunk.handle = handle;  // if no migration knows it, the slice still goes back to the pool
   {

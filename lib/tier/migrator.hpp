@@ -74,13 +74,18 @@ struct migration_figures {
   std::uint64_t remap_ns = 0;         ///< time spent remapping chunks (all threads)
 };
 
-class migrator {
+/// A paging_listener for the one thing the migrator needs told: a host chunk whose segment
+/// the allocator unmapped comes back to the host pool. Attached to the allocator
+/// (paging_view::attach) where the migrator works alone; the offload engine, which owns one,
+/// passes that on to it.
+class migrator : public paging_listener {
  public:
   /// `verify`: checksum every chunk before its copy and after its remap (ZEROALLOC_VERIFY).
   migrator(caching_allocator& allocator, host_pool& pool, bool verify);
   /// Finishes every migration in flight and brings host-resident chunks back to the device
-  /// where device memory allows (the host pool may be destroyed next).
-  ~migrator();
+  /// where device memory allows (the host pool may be destroyed next). Detach it from the
+  /// allocator first.
+  ~migrator() override;
   migrator(const migrator&) = delete;
   migrator& operator=(const migrator&) = delete;
 
@@ -130,6 +135,10 @@ class migrator {
   /// Waits until every migration in flight has finished.
   void drain();
 
+  /// paging_listener: the host chunk goes back to the pool, and the chunk it held counts as
+  /// gone from the host.
+  void host_chunk_released(physical_handle chunk) override;
+
   [[nodiscard]] residency where(std::uintptr_t address) const;
   /// Bytes of evictions in flight: device memory about to be freed.
   [[nodiscard]] std::uint64_t bytes_leaving_device() const;
@@ -174,9 +183,8 @@ class migrator {
   /// After a fetch through `slot` failed: unmaps the device chunk there (when `mapped`) and
   /// gives both back; an unmap that fails retires both instead.
   void give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped);
-  void return_host_chunk(physical_handle handle);  // the arena's sink
 
-  caching_allocator& allocator_;
+  paging_view paging_;
   device& device_;
   host_pool& pool_;
   const bool verify_;

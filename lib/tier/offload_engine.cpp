@@ -26,6 +26,7 @@ std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
 offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
                                offload_settings settings)
     : allocator_(allocator),
+      paging_(allocator.paging()),
       device_(allocator.backing()),
       pool_(pool),
       migrator_(allocator, pool, verify),
@@ -147,7 +148,7 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
                                                                    std::uint64_t sooner_than,
                                                                    bool only_released) {
   std::vector<chunk_info> all;
-  allocator_.list_chunks(all);
+  paging_.list_chunks(all);
   struct candidate {
     std::uintptr_t address;
     std::size_t bytes;
@@ -489,8 +490,8 @@ std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
   const std::uint64_t held = allocator_.held_bytes();
   // An idle class's cache counts as free: a fetch that needs it releases it (bring_back).
   const std::uint64_t free_now = (limit > held ? limit - held : 0) +
-                                 allocator_.arena().pooled_bytes() +
-                                 migrator_.bytes_leaving_device() + allocator_.idle_cache_bytes();
+                                 paging_.arena().pooled_bytes() + migrator_.bytes_leaving_device() +
+                                 paging_.idle_cache_bytes();
   if (free_now >= settings_.prefetch_bytes) return planned;
   const auto started = std::chrono::steady_clock::now();
   const std::vector<victim> victims = choose_victims(settings_.prefetch_bytes - free_now,
@@ -571,9 +572,9 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
       continue;
     }
     // On the host, and no device memory within the limit: the cache of idle classes goes
-    // first (Note [Idle classes' cache] in alloc/caching_allocator.cpp), then chunks needed
+    // first (Note [Idle classes' cache] in alloc/paging_view.cpp), then chunks needed
     // later than this one.
-    if (allocator_.release_idle_cache() > 0) continue;
+    if (paging_.release_idle_cache() > 0) continue;
     std::vector<planned_eviction> planned;
     {
       std::lock_guard lock(mutex_);
@@ -655,13 +656,29 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   return evicted.empty() ? 0 : std::max<std::uint64_t>(bytes, 1);
 }
 
+void offload_engine::chunk_gained(allocation_class cls, std::size_t chunk_bytes) {
+  if (settings_.anticipate_state_chunks && cls == allocation_class::optimizer_state) {
+    pool_.expect_chunks(chunk_bytes, +1);
+  }
+}
+
+void offload_engine::chunk_lost(allocation_class cls, std::size_t chunk_bytes) {
+  if (settings_.anticipate_state_chunks && cls == allocation_class::optimizer_state) {
+    pool_.expect_chunks(chunk_bytes, -1);
+  }
+}
+
+void offload_engine::host_chunk_released(physical_handle chunk) {
+  migrator_.host_chunk_released(chunk);
+}
+
 // Note [Nothing movable]: an allocation fails with nothing on the device that the engine
 // may move. Say what stays and why; gradients allocated with the activations (the default
 // of the Python package) are the one thing the user can make movable.
 std::string offload_engine::nothing_movable_note() const {
   std::string note =
       "nothing it may move is left on the device (activations and parameters in use stay";
-  if (allocator_.reserved_bytes(allocation_class::gradient) == 0) {
+  if (paging_.reserved_bytes(allocation_class::gradient) == 0) {
     note +=
         "; so do gradients allocated with the activations: zeroalloc.torch.offload(..., "
         "gradient_class=True) or ZEROALLOC_OFFLOAD_GRADIENTS=1 puts them in their own class, "

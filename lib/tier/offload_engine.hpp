@@ -66,6 +66,11 @@ namespace zeroalloc {
 
 struct offload_settings {
   std::uint64_t prefetch_bytes = 512ull << 20;  ///< ZEROALLOC_PREFETCH_BYTES
+  /// Tells the host pool the size of each chunk the optimizer states' segments gain or lose
+  /// (chunk_gained, chunk_lost), so that it makes pinned memory of those sizes ahead of need
+  /// (Note [Anticipated sizes] in host_pool.hpp). Off in tests that set the pool's ready
+  /// chunks themselves.
+  bool anticipate_state_chunks = true;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
   /// test can put another thread's use exactly there. Empty in the library.
@@ -95,11 +100,14 @@ struct offload_figures {
   std::uint64_t chunks_in_use = 0;         ///< chunks with a use open now
 };
 
-class offload_engine {
+/// The tier of one device's allocator: attach it to the allocator (paging_view::attach) to
+/// have allocations that find no room move chunks to the host, and detach it before it is
+/// destroyed.
+class offload_engine : public paging_listener {
  public:
   offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
                  offload_settings settings);
-  ~offload_engine();
+  ~offload_engine() override;
   offload_engine(const offload_engine&) = delete;
   offload_engine& operator=(const offload_engine&) = delete;
 
@@ -124,18 +132,24 @@ class offload_engine {
   /// A training step ended: the order recorded during it becomes the learned order.
   void step_boundary();
 
-  /// The allocator's host-landing handler: a new allocation lies in chunks on the host
-  /// (free space of an offloaded chunk); brings them back, ordered before `stream`'s next
-  /// work, when the device has room (else they stay, reached over PCIe).
-  void allocated_on_host(const void* pointer, stream_handle stream);
-
-  /// The allocator's pressure handler: evicts idle chunks, waiting for them, until
-  /// `bytes_needed` of device memory is free or nothing more can go. Returns bytes evicted.
-  std::uint64_t relieve_pressure(std::size_t bytes_needed);
-  /// The allocator's pressure note: why this thread's last relieve_pressure that moved
-  /// nothing more could not (the host tier's message, naming ZEROALLOC_HOST_LIMIT), or
-  /// empty; read once.
-  std::string pressure_note();
+  // What the allocator tells and asks (paging_listener).
+  /// A new allocation lies in chunks on the host (free space of an offloaded chunk); brings
+  /// them back, ordered before `stream`'s next work, when the device has room (else they
+  /// stay, reached over PCIe).
+  void allocated_on_host(const void* pointer, stream_handle stream) override;
+  /// Evicts idle chunks, waiting for them, until `bytes_needed` of device memory is free or
+  /// nothing more can go. Returns bytes evicted.
+  std::uint64_t relieve_pressure(std::size_t bytes_needed) override;
+  /// Why this thread's last relieve_pressure that moved nothing more could not (the host
+  /// tier's message, naming ZEROALLOC_HOST_LIMIT), or empty; read once.
+  std::string pressure_note() override;
+  /// The optimizer states' chunk sizes go to the host pool, which makes pinned memory of
+  /// those sizes ahead of need (offload_settings::anticipate_state_chunks): pressure sends
+  /// them to the host first.
+  void chunk_gained(allocation_class cls, std::size_t chunk_bytes) override;
+  void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override;
+  /// The migrator takes the host chunk back.
+  void host_chunk_released(physical_handle chunk) override;
   /// Note [Nothing movable]: the pressure note when no chunk on the device may move.
   [[nodiscard]] std::string nothing_movable_note() const;
 
@@ -237,6 +251,7 @@ class offload_engine {
   event_handle timing_event();  // caller holds mutex_
 
   caching_allocator& allocator_;
+  paging_view paging_;
   device& device_;
   host_pool& pool_;
   migrator migrator_;

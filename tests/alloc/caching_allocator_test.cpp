@@ -232,7 +232,7 @@ TEST_F(CachingAllocatorTest, APendingFreeKeepsItsRecordedStreamsInTheChunksStrea
   const std::uint64_t generation_in_use = chunks.at(0).generation;
   allocator->deallocate(pointer);  // pending: the consumer is still asleep
   chunks.clear();
-  allocator->list_chunks(chunks);
+  allocator->paging().list_chunks(chunks);
   const auto chunk = std::find_if(chunks.begin(), chunks.end(),
                                   [&](const chunk_info& each) { return each.address == first; });
   ASSERT_NE(chunk, chunks.end());
@@ -317,26 +317,30 @@ TEST_F(CachingAllocatorTest, OutOfMemoryMessageSaysWhatAndWhichVariable) {
 }
 
 // A request whose segment exceeds the limit fails at once: releasing the cache and asking
-// the pressure handler (the offload engine, which would move every movable chunk to the
+// the paging listener (the offload engine, which would move every movable chunk to the
 // host) could not make it fit, and would only leave the program slower.
 TEST_F(CachingAllocatorTest, ARequestLargerThanTheLimitFailsAtOnceAndKeepsTheCache) {
   auto allocator = make_allocator(64 * MiB);
-  int asked = 0;
-  allocator->set_pressure_handler([&](std::size_t) {
-    ++asked;
-    return std::uint64_t{0};
-  });
+  struct counting_listener : paging_listener {
+    int asked = 0;
+    std::uint64_t relieve_pressure(std::size_t) override {
+      ++asked;
+      return 0;
+    }
+  } listener;
+  allocator->paging().attach(listener);
+  const int& asked = listener.asked;
   void* cached = allocator->allocate(16 * MiB, nullptr, allocation_class::other);
   allocator->deallocate(cached);
   EXPECT_THROW(allocator->allocate(100 * MiB, nullptr, allocation_class::optimizer_state),
                out_of_memory);
-  EXPECT_EQ(asked, 0) << "the pressure handler was asked to make room that cannot exist";
+  EXPECT_EQ(asked, 0) << "the listener was asked to make room that cannot exist";
   EXPECT_EQ(allocator->stats().total.reserved_bytes.current, static_cast<std::int64_t>(16 * MiB))
       << "the cache was released for a request that could never fit";
   void* fits = allocator->allocate(60 * MiB, nullptr, allocation_class::optimizer_state);
   EXPECT_NE(fits, nullptr);  // one that fits under the limit still gets the cache's room
   allocator->deallocate(fits);
-  allocator->set_pressure_handler(nullptr);
+  allocator->paging().detach();
 }
 
 TEST_F(CachingAllocatorTest, FreeMemoryOfAnotherClassServesARequestWithoutNewMemory) {

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "device/sim_device.hpp"
+#include "support/attached_listener.hpp"
 #include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
@@ -69,12 +70,14 @@ class MigratorTest : public ::testing::Test {
   }
   void TearDown() override {
     if (allocator_) allocator_->empty_cache();  // cached segments give their host chunks back
+    if (migrator_) allocator_->paging().detach();
     migrator_.reset();
     allocator_.reset();
     pool_.reset();
   }
   void start(bool verify = false) {
     migrator_ = std::make_unique<migrator>(*allocator_, *pool_, verify);
+    allocator_->paging().attach(*migrator_);
   }
 
   // Random bytes written to `pointer` through the device.
@@ -121,7 +124,7 @@ TEST_F(MigratorTest, BytesSurviveTheTripToTheHostAndBackAtTheSameAddress) {
             (std::array<std::uint64_t, kAllocationClassCount>{0, 0, 0, kBytes}));
   EXPECT_EQ(engine.figures().bytes_to_host, kBytes);
   EXPECT_EQ(read_back(*device_, pointer, kBytes), written) << "bytes changed on the host";
-  EXPECT_EQ(allocator_->arena().pooled_bytes(), kBytes) << "device chunks were not freed";
+  EXPECT_EQ(allocator_->paging().arena().pooled_bytes(), kBytes) << "device chunks were not freed";
   EXPECT_EQ(allocator_->held_bytes(), held_before);  // pooled, still charged until reused
 
   for (const chunk_info& chunk : chunks) ASSERT_TRUE(engine.fetch_async(chunk.address));
@@ -145,6 +148,7 @@ TEST_F(MigratorTest, AFailedUnmapAfterAFetchLosesNoBytesAndSharesNoMemory) {
   host_pool& pool = stack.pool;
   {
     migrator engine(allocator, pool, false);
+    testing::attached_listener attached(allocator, engine);
     void* first = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     void* second = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(first, 0x11, kChunkBytes, nullptr);
@@ -193,6 +197,7 @@ TEST_F(MigratorTest, AFetchThatFailsAfterQueuingItsCopyWaitsForItAndKeepsTheChun
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     stream_handle compute = device.create_stream();
     void* first = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
     void* second = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
@@ -267,6 +272,7 @@ TEST_F(MigratorTest, AMoveThatFailsWhileItsCopyMayRunWaitsForTheCopy) {
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     stream_handle compute = device.create_stream();
     void* pointer = allocator.allocate(kChunkBytes, compute, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, compute);
@@ -329,6 +335,7 @@ TEST_F(MigratorTest, AnEvictionThatFailsAtItsRemapKeepsTheChunkOnTheDeviceAndLea
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
     device.synchronize_stream(nullptr);
@@ -371,6 +378,7 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
   caching_allocator& allocator = stack.allocator;
   {
     migrator engine(allocator, stack.pool, false);
+    testing::attached_listener attached(allocator, engine);
     constexpr int kSlots = 8;  // the migrator's staging addresses
     std::vector<void*> pointers;
     std::vector<std::uintptr_t> chunks;
@@ -395,7 +403,7 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
     }
     ASSERT_EQ(device.failed_unmaps(), kSlots);
     const std::uint64_t held = allocator.held_bytes();
-    const std::uint64_t pooled = allocator.arena().pooled_bytes();
+    const std::uint64_t pooled = allocator.paging().arena().pooled_bytes();
     for (int attempt = 0; attempt < 3; ++attempt) {
       try {
         engine.fetch_async(chunks[kSlots]);
@@ -406,7 +414,8 @@ TEST_F(MigratorTest, AFetchWithNoStagingAddressLeftFailsClearlyAndKeepsNoDeviceM
       }
     }
     EXPECT_EQ(allocator.held_bytes(), held);
-    EXPECT_EQ(allocator.arena().pooled_bytes(), pooled) << "a failed fetch kept its device chunk";
+    EXPECT_EQ(allocator.paging().arena().pooled_bytes(), pooled)
+        << "a failed fetch kept its device chunk";
     EXPECT_EQ(engine.where(chunks[kSlots]), residency::host);
     EXPECT_EQ(read_back(device, pointers[kSlots], kChunkBytes),
               std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(kSlots + 1)));
@@ -553,6 +562,7 @@ TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
     testing::faulty_device& device = *stack.device;
     caching_allocator& allocator = stack.allocator;
     migrator engine(allocator, stack.pool, /*verify=*/true);
+    testing::attached_listener attached(allocator, engine);
     void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
     device.fill_async(pointer, 0x11, kChunkBytes, nullptr);
     device.synchronize_stream(nullptr);
@@ -584,6 +594,7 @@ TEST_F(MigratorTest, VerifyModeChecksWhatArrivedNotWhatAKernelWroteAfterwards) {
   void* pointer = allocator.allocate(48 * MiB, nullptr, allocation_class::optimizer_state);
   {
     migrator engine(allocator, stack.pool, /*verify=*/true);
+    testing::attached_listener attached(allocator, engine);
     stream_handle stream = device.create_stream();
     device.fill_async(pointer, 0x33, 48 * MiB, nullptr);
     device.synchronize_stream(nullptr);

@@ -17,6 +17,7 @@
 
 #include "core/units.hpp"
 #include "device/sim_device.hpp"
+#include "support/attached_listener.hpp"
 #include "support/test_device.hpp"
 
 namespace zeroalloc {
@@ -37,10 +38,8 @@ class OffloadEngineTest : public ::testing::Test {
   }
   void TearDown() override {
     if (allocator_) {
-      allocator_->set_pressure_handler(nullptr);
-      allocator_->set_pressure_note(nullptr);
-      allocator_->set_host_landing_handler(nullptr);
       allocator_->empty_cache();
+      if (engine_) allocator_->paging().detach();
     }
     engine_.reset();
     allocator_.reset();
@@ -52,13 +51,9 @@ class OffloadEngineTest : public ::testing::Test {
     offload_settings settings;
     settings.prefetch_bytes = prefetch_bytes;
     settings.between_fetch_attempts = std::move(between_fetch_attempts);
+    settings.anticipate_state_chunks = anticipate_state_chunks_;
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
-    allocator_->set_pressure_handler(
-        [this](std::size_t bytes) { return engine_->relieve_pressure(bytes); });
-    allocator_->set_pressure_note([this] { return engine_->pressure_note(); });
-    allocator_->set_host_landing_handler([this](void* pointer, stream_handle stream) {
-      engine_->allocated_on_host(pointer, stream);
-    });
+    allocator_->paging().attach(*engine_);
   }
   /// As CUDA drivers do, the device maps host chunks only whole (the simulated one is told
   /// to); a pool of four ready chunks. False where the driver maps slices.
@@ -68,6 +63,7 @@ class OffloadEngineTest : public ::testing::Test {
     pool_ = std::make_unique<host_pool>(*device_, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
     pool_->start_prefill(kChunkBytes, 4 * kChunkBytes);
     pool_->wait_for_prefill();
+    anticipate_state_chunks_ = false;  // the four ready chunks stay as they are
     start(256 * MiB, 0);
     return true;
   }
@@ -95,6 +91,7 @@ class OffloadEngineTest : public ::testing::Test {
   std::unique_ptr<caching_allocator> allocator_;
   std::unique_ptr<host_pool> pool_;
   std::unique_ptr<offload_engine> engine_;
+  bool anticipate_state_chunks_ = true;
 };
 
 TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
@@ -144,8 +141,7 @@ TEST(OffloadEngineRegions, StatesBeyondTwiceTheDeviceFitWhenTheHostTierHoldsThem
     caching_allocator allocator(*small, settings);
     host_pool pool(*small, 512 * MiB, "ZEROALLOC_HOST_LIMIT=512MiB");
     offload_engine engine(allocator, pool, false, offload_settings{});
-    allocator.set_pressure_handler(
-        [&](std::size_t bytes) { return engine.relieve_pressure(bytes); });
+    testing::attached_listener attached(allocator, engine);
     std::vector<void*> states;
     for (int i = 0; i < 24; ++i) {  // 192 MiB of states beside a 64 MiB device
       states.push_back(allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
@@ -157,7 +153,6 @@ TEST(OffloadEngineRegions, StatesBeyondTwiceTheDeviceFitWhenTheHostTierHoldsThem
                 std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(i + 1)))
           << i;
     }
-    allocator.set_pressure_handler(nullptr);
     for (void* state : states) allocator.deallocate(state);
     allocator.empty_cache();
   }
@@ -640,7 +635,7 @@ TEST_F(OffloadEngineTest, AUseBetweenTwoAttemptsOfAFetchMakesTheFetchWaitForIt) 
   ASSERT_TRUE(engine.evict(held_up, /*wait=*/true));
   // Their device chunks serve an activation: no room for the state until the layer goes.
   void* activations = allocator_->allocate(2 * kBytes, nullptr, allocation_class::other);
-  ASSERT_EQ(allocator_->arena().pooled_bytes(), 0u);
+  ASSERT_EQ(allocator_->paging().arena().pooled_bytes(), 0u);
   std::thread opener([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     gate_reader->set_value();
@@ -878,7 +873,7 @@ TEST_F(OffloadEngineTest, AFetchTakesTheCacheOfAClassWithNothingAllocatedBeforeA
   const std::uint64_t gradients_cache =
       allocator_->stats().of(allocation_class::gradient).reserved_bytes.current;
   ASSERT_EQ(gradients_cache, 16 * MiB);
-  EXPECT_EQ(allocator_->idle_cache_bytes(), gradients_cache);
+  EXPECT_EQ(allocator_->paging().idle_cache_bytes(), gradients_cache);
 
   ASSERT_TRUE(engine.fetch(layer, /*wait=*/true));
   EXPECT_EQ(where_first_chunk(layer), residency::device);
