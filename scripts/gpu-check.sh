@@ -85,7 +85,7 @@ fi
 step "caching_allocator_bench (allocation pair), this build${baseline:+ and the baseline}"
 if [[ -z $(skipped alloc_bench) ]]; then
   for tree in build $baseline; do
-    "$tree/bench/caching_allocator_bench" --benchmark_repetitions=11 --benchmark_report_aggregates_only=true \
+    "$tree/bench/caching_allocator_bench" --benchmark_repetitions=${GPU_CHECK_REPETITIONS:-11} --benchmark_report_aggregates_only=true \
       --benchmark_out="$out/alloc_bench-$tree.json" --benchmark_out_format=json 2>&1 \
       | grep -E "median" | sed "s/^/$tree  /" | tee -a "$out/alloc_bench.txt"
   done
@@ -108,7 +108,7 @@ if [[ -z $(skipped torch_empty) ]]; then
   for tree in . ${baseline:+.baseline}; do
     library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
     echo "-- $tree"
-    (cd "$tree" && python3 bench/python/torch_empty_bench.py --rounds 4 --library "$library" 2>&1) \
+    (cd "$tree" && python3 bench/python/torch_empty_bench.py --rounds ${GPU_CHECK_ROUNDS:-4} --library "$library" 2>&1) \
       | tee -a "$out/torch_empty.txt" | grep -v '^{' | tail -6
   done
 else skipped torch_empty; fi
@@ -117,7 +117,7 @@ step "training step time with libzeroalloc.so preloaded vs without, this build${
 if [[ -z $(skipped preload_overhead) ]]; then
   for tree in . ${baseline:+.baseline}; do
     library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
-    (cd "$tree" && python3 bench/python/preload_overhead_bench.py --library "$library" --steps 200 2>&1) \
+    (cd "$tree" && python3 bench/python/preload_overhead_bench.py --library "$library" --steps ${GPU_CHECK_STEPS:-200} --rounds ${GPU_CHECK_ROUNDS:-3} 2>&1) \
       | tee -a "$out/preload_overhead.txt" | grep "^step time" | sed "s|^|$tree  |"
   done
 else skipped preload_overhead; fi
@@ -132,7 +132,7 @@ else skipped trace; fi
 
 step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
 if [[ -z $(skipped pytest) ]]; then
-  ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout 540 python3 -m pytest -q -s -rs --durations=12 \
+  ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout ${GPU_CHECK_PYTEST_TIMEOUT:-540} python3 -m pytest -q -s -rs --durations=12 \
     ${GPU_CHECK_PYTEST:-tests/python} \
     >"$out/pytest.log" 2>&1 || status=1
   tail -22 "$out/pytest.log"

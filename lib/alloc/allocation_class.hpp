@@ -1,5 +1,5 @@
 // Allocation classes: what kind of data an allocation holds. Each class has its own
-// chunks (see DESIGN.md, "Allocation classes"), so paging one class never moves another.
+// chunks (lib/README.md, "Chunks and their states"), so paging one class never moves another.
 #pragma once
 
 #include <array>

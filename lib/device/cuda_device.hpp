@@ -1,5 +1,5 @@
 // One GPU through the CUDA driver's virtual memory management (VMM) API: the device that
-// makes "stable addresses, movable bytes" real (DESIGN.md). Physical handles come from
+// makes "stable addresses, movable bytes" real (lib/README.md). Physical handles come from
 // cuMemCreate, on the GPU or as pinned host memory on the GPU's NUMA node (HOST_NUMA), and
 // either kind is mapped with cuMemMap at addresses reserved with cuMemAddressReserve, with
 // read-write access for the GPU, so a kernel can touch an offloaded chunk over PCIe.

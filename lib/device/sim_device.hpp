@@ -1,6 +1,6 @@
 // The simulated device: a faithful model of the CUDA VMM semantics in host memory, so that
-// every allocator and engine test runs in CI without a GPU (see DESIGN.md, "Testing on
-// machines without a GPU").
+// every allocator and engine test runs in CI without a GPU (lib/README.md, "Testing
+// without a GPU").
 //
 // - A physical handle is a memfd; device-located handles count against the device's
 //   capacity, host-located ones do not.

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloc/caching_allocator.hpp"
+#include "alloc/paging_view.hpp"
 #include "core/errors.hpp"
 #include "core/log.hpp"
 #include "core/passthrough.hpp"
@@ -201,7 +202,7 @@ std::vector<reporter::device_reading> reporter::read_devices() const {
       const std::size_t slot = class_index(cls);
       // A class's segments are on the device but for the chunks moved to the host.
       reading.device_class_bytes[slot] = std::max<std::int64_t>(
-          0, each->reserved_bytes(cls) -
+          0, each->paging().reserved_bytes(cls) -
                  static_cast<std::int64_t>(reading.tier.host_resident_class_bytes[slot]));
     }
     readings.push_back(reading);

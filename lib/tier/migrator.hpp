@@ -1,5 +1,5 @@
 // The migrator: moves chunks of live allocations between device and host memory without
-// changing their addresses (DESIGN.md, "The one idea").
+// changing their addresses (lib/README.md, "The four paths").
 //
 // Note [Fault-free migration]: a chunk moves device -> host by copying its bytes into a
 // pinned host chunk on the out-stream, then remapping its addresses to the host chunk; host
