@@ -21,6 +21,7 @@ root=$PWD
 final=${OUT:-gpu-out}; mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-check.XXXXXX)
 trap 'tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null' EXIT
+trap 'exit 143' TERM INT  # the logs still come back
 prefix=/tmp/zeroalloc-prefix
 if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
   for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
