@@ -108,7 +108,7 @@ step "torch.empty + del through zeroalloc vs native, this build${baseline:+ then
 if [[ -z $(skipped torch_empty) ]]; then
   for tree in . ${baseline:+.baseline}; do
     library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
-    echo "-- $tree"
+    echo "-- $tree" | tee -a "$out/torch_empty.txt"
     (cd "$tree" && python3 bench/python/torch_empty_bench.py --rounds ${GPU_CHECK_ROUNDS:-4} --library "$library" 2>&1) \
       | tee -a "$out/torch_empty.txt" | grep -v '^{' | tail -6
   done
@@ -118,6 +118,7 @@ step "training step time with libzeroalloc.so preloaded vs without, this build${
 if [[ -z $(skipped preload_overhead) ]]; then
   for tree in . ${baseline:+.baseline}; do
     library=$root/build/libzeroalloc.so; [[ $tree == . ]] || library=$root/$baseline/libzeroalloc.so
+    echo "-- $tree" >>"$out/preload_overhead.txt"
     (cd "$tree" && python3 bench/python/preload_overhead_bench.py --library "$library" --steps ${GPU_CHECK_STEPS:-200} --rounds ${GPU_CHECK_ROUNDS:-3} 2>&1) \
       | tee -a "$out/preload_overhead.txt" | grep "^step time" | sed "s|^|$tree  |"
   done
@@ -186,9 +187,12 @@ for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_
         tree = line[3:]
     if re.match(r"^\s*[0-9.]+ [KMG]?i?B ", line):
         rows.append((f"torch.empty+del {tree}", line.strip()))
+tree = "."
 for line in (out / "preload_overhead.txt").read_text().splitlines() if (out / "preload_overhead.txt").exists() else []:
+    if line.startswith("-- "):
+        tree = line[3:]
     if line.startswith("step time:"):
-        rows.append(("preload overhead", line[len("step time: "):]))  # this build, then the baseline
+        rows.append((f"preload overhead {tree}", line[len("step time: "):]))
 for line in (out / "migration.txt").read_text().splitlines() if (out / "migration.txt").exists() else []:
     if re.match(r"^(device -> host|host -> device|both at once)", line):
         rows.append(("migration GB/s (ours, memcpy, ratio)", line.strip()))
