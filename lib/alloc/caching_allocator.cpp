@@ -375,12 +375,6 @@ nlohmann::ordered_json figures_json(const class_figures& figures) {
           {"fragmentation_bytes", figures.fragmentation_bytes()}};
 }
 
-// Names (the device's, the limit's source) may hold bytes that are not UTF-8: replaced, not
-// thrown.
-std::string dump(const nlohmann::ordered_json& document) {
-  return document.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
-}
-
 }  // namespace
 
 bool caching_allocator::chunks_of_allocation(const void* pointer,
@@ -390,13 +384,13 @@ bool caching_allocator::chunks_of_allocation(const void* pointer,
          owner->chunks_of_allocation(reinterpret_cast<std::uintptr_t>(pointer), into);
 }
 
-std::string caching_allocator::snapshot_json() const {
+nlohmann::ordered_json caching_allocator::snapshot_json() const {
   nlohmann::ordered_json segments = nlohmann::ordered_json::array();
   for (const auto& each : heaps_) each->append_snapshot(segments);
-  return dump({{"device", device_.ordinal()}, {"segments", std::move(segments)}});
+  return {{"device", device_.ordinal()}, {"segments", std::move(segments)}};
 }
 
-std::string caching_allocator::stats_json() const {
+nlohmann::ordered_json caching_allocator::stats_json() const {
   std::string source;
   {
     std::lock_guard lock(settings_mutex_);
@@ -415,7 +409,7 @@ std::string caching_allocator::stats_json() const {
   for (allocation_class cls : kAllocationClasses) {
     classes[std::string(class_name(cls))] = figures_json(snapshot.of(cls));
   }
-  return dump(out);
+  return out;
 }
 
 }  // namespace zeroalloc

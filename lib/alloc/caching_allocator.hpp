@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -114,10 +115,10 @@ class caching_allocator {
   /// The `count` largest live allocations, largest first.
   [[nodiscard]] std::vector<allocation_record> largest_allocations(std::size_t count) const;
 
-  /// Every segment with its blocks, as JSON (the format of zeroalloc_snapshot_json).
-  [[nodiscard]] std::string snapshot_json() const;
-  /// Statistics as a JSON object (the format of zeroalloc_stats_json).
-  [[nodiscard]] std::string stats_json() const;
+  /// Every segment with its blocks (a device's entry of zeroalloc_snapshot_json).
+  [[nodiscard]] nlohmann::ordered_json snapshot_json() const;
+  /// Statistics (the object zeroalloc_stats_json returns, less what the runtime adds).
+  [[nodiscard]] nlohmann::ordered_json stats_json() const;
 
   [[nodiscard]] device& backing() { return device_; }
 

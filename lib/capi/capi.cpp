@@ -261,9 +261,9 @@ int copy_out(const std::string& text, char* buffer, size_t length) {
 ZA_EXPORT int zeroalloc_stats_json(int device, char* buffer, size_t length) {
   return guarded("zeroalloc_stats_json", -1, [&] {
     // The device's figures, and the process-wide counts of calls zeroalloc passed through.
-    json stats = json::parse(runtime::get().allocator(device).stats_json());
+    json stats = runtime::get().allocator(device).stats_json();
     stats["passthrough"] = zeroalloc::passthrough_figures();
-    stats["offload"] = json::parse(runtime::get().offload_json(device));
+    stats["offload"] = runtime::get().offload_json(device);
     return copy_out(text_of(stats), buffer, length);
   });
 }
@@ -278,7 +278,7 @@ ZA_EXPORT int zeroalloc_snapshot_json(int device, char* buffer, size_t length) {
     }
     json devices = json::array();
     for (const zeroalloc::caching_allocator* each : chosen) {
-      devices.push_back(json::parse(each->snapshot_json()));
+      devices.push_back(each->snapshot_json());
     }
     json snapshot;
     snapshot["devices"] = std::move(devices);

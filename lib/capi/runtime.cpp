@@ -279,41 +279,40 @@ host_pool* runtime::host_tier(int ordinal) {
   return host_pools_[ordinal].load(std::memory_order_acquire);
 }
 
-std::string runtime::offload_json(int ordinal) {
+nlohmann::ordered_json runtime::offload_json(int ordinal) {
   offload_engine* engine = this->engine(ordinal);
   host_pool* pool = host_tier(ordinal);
-  if (engine == nullptr || pool == nullptr) return "null";
+  if (engine == nullptr || pool == nullptr) return nullptr;
   const offload_figures uses = engine->figures();
   const migration_figures moved = engine->mover().figures();
   const host_pool_figures host = pool->figures();
   const double hit_rate =
       uses.uses == 0 ? 1.0 : static_cast<double>(uses.hits) / static_cast<double>(uses.uses);
-  const nlohmann::ordered_json figures = {{"host_limit_bytes", host.limit_bytes},
-                                          {"host_created_bytes", host.created_bytes},
-                                          {"host_in_use_bytes", host.in_use_bytes},
-                                          {"host_peak_in_use_bytes", host.peak_in_use_bytes},
-                                          {"host_chunks_created_on_demand", host.created_on_demand},
-                                          {"host_resident_bytes", moved.host_resident_bytes},
-                                          {"bytes_to_host", moved.bytes_to_host},
-                                          {"bytes_to_device", moved.bytes_to_device},
-                                          {"chunks_to_host", moved.chunks_to_host},
-                                          {"chunks_to_device", moved.chunks_to_device},
-                                          {"verified_chunks", moved.verified_chunks},
-                                          {"uses", uses.uses},
-                                          {"prefetch_hits", uses.hits},
-                                          {"prefetch_hit_rate", hit_rate},
-                                          {"prefetches", uses.prefetches},
-                                          {"evictions", uses.evictions},
-                                          {"pressure_evictions", uses.pressure_evictions},
-                                          {"device_waited_ns", uses.device_waited_ns},
-                                          {"host_waited_ns", uses.waited_ns},
-                                          {"steps", uses.steps},
-                                          {"learned_order_chunks", uses.learned_order_chunks},
-                                          {"in_place_uses", uses.in_place_uses},
-                                          {"headroom_searches", uses.headroom_searches},
-                                          {"headroom_search_ns", uses.headroom_search_ns},
-                                          {"chunks_in_use", uses.chunks_in_use}};
-  return figures.dump();
+  return {{"host_limit_bytes", host.limit_bytes},
+          {"host_created_bytes", host.created_bytes},
+          {"host_in_use_bytes", host.in_use_bytes},
+          {"host_peak_in_use_bytes", host.peak_in_use_bytes},
+          {"host_chunks_created_on_demand", host.created_on_demand},
+          {"host_resident_bytes", moved.host_resident_bytes},
+          {"bytes_to_host", moved.bytes_to_host},
+          {"bytes_to_device", moved.bytes_to_device},
+          {"chunks_to_host", moved.chunks_to_host},
+          {"chunks_to_device", moved.chunks_to_device},
+          {"verified_chunks", moved.verified_chunks},
+          {"uses", uses.uses},
+          {"prefetch_hits", uses.hits},
+          {"prefetch_hit_rate", hit_rate},
+          {"prefetches", uses.prefetches},
+          {"evictions", uses.evictions},
+          {"pressure_evictions", uses.pressure_evictions},
+          {"device_waited_ns", uses.device_waited_ns},
+          {"host_waited_ns", uses.waited_ns},
+          {"steps", uses.steps},
+          {"learned_order_chunks", uses.learned_order_chunks},
+          {"in_place_uses", uses.in_place_uses},
+          {"headroom_searches", uses.headroom_searches},
+          {"headroom_search_ns", uses.headroom_search_ns},
+          {"chunks_in_use", uses.chunks_in_use}};
 }
 
 offload_engine* runtime::engine_of(const void* pointer) {

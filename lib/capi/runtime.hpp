@@ -47,7 +47,7 @@ class runtime {
   /// The host pool of `ordinal`, or nullptr.
   host_pool* host_tier(int ordinal);
   /// The offload figures of `ordinal` as a JSON object, or "null" when offload is off.
-  std::string offload_json(int ordinal);
+  nlohmann::ordered_json offload_json(int ordinal);
   /// Stops the host tiers' background creation of pinned memory (at exit).
   void stop_background_work();
   /// True when ZEROALLOC_OFFLOAD asks for a host tier.

@@ -30,6 +30,4 @@ nlohmann::ordered_json passthrough_figures() {
   return figures;
 }
 
-std::string passthrough_json() { return passthrough_figures().dump(); }
-
 }  // namespace zeroalloc

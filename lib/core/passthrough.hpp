@@ -53,7 +53,4 @@ void count_passthrough(passthrough_call call, std::uint64_t bytes = 0) noexcept;
 /// {"cuMemCreate":{"calls":N,"bytes":B},...}: every call, in the order above, process-wide.
 nlohmann::ordered_json passthrough_figures();
 
-/// passthrough_figures() as JSON text.
-std::string passthrough_json();
-
 }  // namespace zeroalloc

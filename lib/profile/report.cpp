@@ -84,13 +84,6 @@ std::optional<std::string> write_file(const std::string& path, const std::string
   return std::nullopt;
 }
 
-// A JSON text another part of the library wrote (statistics, offload figures), as a value;
-// the text as a string should it not parse, so that the rest of the report still comes.
-json embedded(const std::string& text) {
-  json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  return parsed.is_discarded() ? json(text) : parsed;
-}
-
 }  // namespace
 
 reporter::reporter(std::string prefix, allocator_list allocators, settings_list settings,
@@ -305,14 +298,13 @@ std::string reporter::build_json(const std::string& reason) const {
                          {"size", record.bytes},
                          {"class", std::string(class_name(record.cls))}});
     }
-    devices.push_back(
-        {{"device", ordinal},
-         {"stats", embedded(each->stats_json())},
-         {"offload", tiers_.offload_json ? embedded(tiers_.offload_json(ordinal)) : json()},
-         {"largest_allocations", std::move(largest)}});
+    devices.push_back({{"device", ordinal},
+                       {"stats", each->stats_json()},
+                       {"offload", tiers_.offload_json ? tiers_.offload_json(ordinal) : json()},
+                       {"largest_allocations", std::move(largest)}});
   }
   report["devices"] = std::move(devices);
-  report["passthrough"] = embedded(passthrough_json());
+  report["passthrough"] = passthrough_figures();
   const std::vector<device_reading> readings = read_devices();  // before the lock
   std::lock_guard lock(mutex_);
   report["last_out_of_memory"] =

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,8 +52,8 @@ class reporter {
   };
   /// The offload tiers of a device, when there are any (Note [Host budget]).
   struct tier_probe {
-    /// The device's offload figures as a JSON object, or "null".
-    std::function<std::string(int ordinal)> offload_json;
+    /// The device's offload figures as a JSON object, or null.
+    std::function<nlohmann::ordered_json(int ordinal)> offload_json;
     /// Bytes of the device's allocations that are in host memory now (read at each sample).
     std::function<std::uint64_t(int ordinal)> host_resident_bytes;
     /// The device's tier counters (read at step boundaries and reports).
