@@ -160,15 +160,15 @@ class caching_allocator {
   memory_limiter limiter_;
   chunk_arena arena_;
   allocator_stats stats_;
-  // The tier's listener (paging_view::attach), or none; the heaps read it too. Read on slow
-  // paths only.
-  std::atomic<paging_listener*> listener_{nullptr};
   std::array<std::unique_ptr<heap>, 2 * kAllocationClassCount> heaps_;
   struct region {  // heaps_[i]'s address region, kept flat for the lookup on every free
     std::uintptr_t start = 0;
     std::size_t bytes = 0;
   };
   std::array<region, 2 * kAllocationClassCount> regions_{};
+  // The tier's listener (paging_view::attach), or none; the heaps read it too. Read on slow
+  // paths only, so it lies after what every allocation and free reads.
+  std::atomic<paging_listener*> listener_{nullptr};
   std::mutex reclaim_mutex_;  // one thread at a time releases cache across heaps
   mutable std::mutex settings_mutex_;
   std::string limit_source_;

@@ -42,9 +42,9 @@ heap::heap(chunk_arena& arena, allocator_stats& stats,
     : arena_(arena),
       device_(arena.backing()),
       stats_(stats),
-      listener_(listener),
       class_(cls),
-      kind_(kind) {
+      kind_(kind),
+      listener_(listener) {
   region_bytes_ = round_up(region_bytes, arena.granularity());
   region_start_ = arena.reserve_region(region_bytes_);
   free_addresses_.give_back(region_start_, region_bytes_);

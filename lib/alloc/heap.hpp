@@ -214,7 +214,6 @@ class heap {
   chunk_arena& arena_;
   device& device_;
   allocator_stats& stats_;
-  const std::atomic<paging_listener*>& listener_;
   const allocation_class class_;
   const size_kind kind_;
   std::uintptr_t region_start_ = 0;
@@ -223,6 +222,7 @@ class heap {
   // A spin lock: the sections it guards are a few hundred instructions, except
   // release_free_segments, which runs on the out-of-memory and empty_cache paths only.
   mutable spin_lock mutex_;
+  const std::atomic<paging_listener*>& listener_;  // the allocator's; read on slow paths
   heap_counts counts_;
   free_ranges free_addresses_;  // unmapped parts of the region
   std::vector<std::unique_ptr<free_index>> indexes_;

@@ -18,6 +18,11 @@ void paging_view::attach(paging_listener& listener) {
 
 void paging_view::detach() { allocator_.listener_.store(nullptr, std::memory_order_release); }
 
+void paging_view::detach(paging_listener& listener) {
+  paging_listener* attached = &listener;
+  allocator_.listener_.compare_exchange_strong(attached, nullptr, std::memory_order_acq_rel);
+}
+
 void paging_view::list_chunks(std::vector<chunk_info>& into) const {
   for (const auto& each : allocator_.heaps_) each->list_chunks(into);
 }

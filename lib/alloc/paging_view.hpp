@@ -29,6 +29,9 @@ class paging_view {
   void attach(paging_listener& listener);
   /// Detaches the listener, before it is destroyed; no allocation may be in flight.
   void detach();
+  /// Detaches `listener` if it is the one attached, else does nothing: what a listener's
+  /// destructor calls, so that none outlives its attachment whoever owns it.
+  void detach(paging_listener& listener);
 
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;

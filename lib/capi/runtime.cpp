@@ -34,7 +34,11 @@ std::atomic<runtime*> g_started{nullptr};  // constant-initialised: if_started()
 // this listener passes everything on to the engine (when there is one) and reports them.
 class reporting_listener final : public paging_listener {
  public:
-  reporting_listener(runtime& owner, paging_listener* tier) : owner_(owner), tier_(tier) {}
+  reporting_listener(runtime& owner, caching_allocator& allocator, paging_listener* tier)
+      : owner_(owner), allocator_(allocator), tier_(tier) {}
+  ~reporting_listener() override { allocator_.paging().detach(*this); }
+  reporting_listener(const reporting_listener&) = delete;
+  reporting_listener& operator=(const reporting_listener&) = delete;
 
   std::uint64_t relieve_pressure(std::size_t bytes_needed) override {
     return tier_ != nullptr ? tier_->relieve_pressure(bytes_needed) : 0;
@@ -61,6 +65,7 @@ class reporting_listener final : public paging_listener {
 
  private:
   runtime& owner_;
+  caching_allocator& allocator_;
   paging_listener* const tier_;
 };
 
@@ -174,7 +179,7 @@ caching_allocator& runtime::allocator(int ordinal) {
   if (offload_enabled()) start_offload(ordinal, *created);
   offload_engine* engine = engines_[ordinal].load(std::memory_order_acquire);
   if (reporter_) {
-    owned_listeners_.push_back(std::make_unique<reporting_listener>(*this, engine));
+    owned_listeners_.push_back(std::make_unique<reporting_listener>(*this, *created, engine));
     created->paging().attach(*owned_listeners_.back());
   } else if (engine != nullptr) {
     created->paging().attach(*engine);

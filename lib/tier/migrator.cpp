@@ -39,6 +39,7 @@ migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
 }
 
 migrator::~migrator() {
+  paging_.detach(*this);
   // Chunks on the host come home: the host pool may go away after this, the allocations
   // may not.
   try {

@@ -35,6 +35,7 @@ offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bo
 }
 
 offload_engine::~offload_engine() {
+  allocator_.paging().detach(*this);
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;

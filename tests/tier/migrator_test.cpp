@@ -576,6 +576,26 @@ TEST_F(MigratorTest, VerifyModeStopsOnAChunkDamagedWhileMoving) {
                "moving to the host");
 }
 
+// A listener detaches itself when destroyed (paging_view::detach(listener)): the allocator
+// it served calls nothing that is gone (releasing a segment tells the listener of the
+// chunks it loses), and a new engine can attach.
+TEST_F(MigratorTest, AMigratorDestroyedWhileAttachedLeavesTheAllocatorToTheNextOne) {
+  faulty_stack stack(64 * MiB);
+  caching_allocator& allocator = stack.allocator;
+  {
+    migrator first(allocator, stack.pool, /*verify=*/false);
+    allocator.paging().attach(first);
+    allocator.deallocate(allocator.allocate(kChunkBytes, nullptr, allocation_class::parameter));
+  }
+  allocator.empty_cache();  // the cached segment goes, and its chunk with it
+  migrator second(allocator, stack.pool, /*verify=*/false);
+  EXPECT_NO_THROW(allocator.paging().attach(second)) << "the destroyed migrator is still attached";
+  void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  ASSERT_NE(pointer, nullptr);
+  allocator.deallocate(pointer);
+  allocator.empty_cache();
+}
+
 // ZEROALLOC_VERIFY must not mistake a user's write for damage: a chunk fetched as idle is
 // mapped at once, and a kernel ordered after its arrival (order_after_arrival) may write it
 // before the migrator's worker gets to the chunk. The check reads what arrived, in stream
