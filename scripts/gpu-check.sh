@@ -21,7 +21,6 @@ root=$PWD
 final=${OUT:-gpu-out}; mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-check.XXXXXX)
 trap 'tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null' EXIT
-trap 'exit 143' TERM INT  # the logs still come back
 prefix=/tmp/zeroalloc-prefix
 if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
   for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
@@ -36,8 +35,10 @@ echo "commit $git_commit" | tee "$out/commit.txt"
 
 skip=" ${GPU_CHECK_SKIP:-} "
 skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
-step() { echo; echo "== $*"; }
-status=0
+# Each step packs the logs so far: a run stopped midway still returns them.
+step() { tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null; echo; echo "== $*"; }
+failed=()  # the gates that failed, named in the last line
+fail() { failed+=("$1"); }
 configure() {  # source-dir build-dir
   cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/usr" \
     >"$out/configure-$(basename "$2").log" 2>&1 \
@@ -52,13 +53,13 @@ step "ctest -L gpu (every GPU test, each under a 300 s timeout)"
 grep -E "^ *[0-9]+/[0-9]+ Test +#" "$out/ctest.log"
 grep -A30 -E "^The following tests FAILED" "$out/ctest.log"
 grep -E "[0-9]+% tests passed" "$out/ctest.log" || echo "ctest did not finish"
-grep -q "^100% tests passed" "$out/ctest.log" || status=1
+grep -q "^100% tests passed" "$out/ctest.log" || fail ctest
 
 step "the wheel: installed with pip, then zeroalloc doctor with no variable set"
 wheel=$(ls .whl/zeroalloc-*.whl 2>/dev/null | head -1)
 if [[ -z $wheel ]]; then
-  python3 -m pip wheel --no-deps --no-build-isolation -w "$out/dist" . >"$out/wheel-build.log" 2>&1 \
-    || { tail -20 "$out/wheel-build.log"; status=1; }
+  CMAKE_PREFIX_PATH="$prefix/usr" python3 -m pip wheel --no-deps --no-build-isolation -w "$out/dist" . \
+    >"$out/wheel-build.log" 2>&1 || { tail -20 "$out/wheel-build.log"; fail wheel-build; }
   wheel=$(ls "$out"/dist/zeroalloc-*.whl 2>/dev/null | head -1)
 fi
 site=/tmp/zeroalloc-site
@@ -67,17 +68,17 @@ if [[ -n $wheel ]] && python3 -m pip install -q --no-index --no-deps --target "$
   echo "installed $(basename "$wheel")"
   (cd /tmp && env $(env | grep -o '^ZEROALLOC_[A-Z_]*' | sed 's/^/-u /') PYTHONPATH="$site" \
      python3 -m zeroalloc doctor) 2>&1 | tee "$out/doctor.txt" | tail -16
-  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  [[ ${PIPESTATUS[0]} == 0 ]] || fail doctor
   grep -q "$site/zeroalloc/libzeroalloc.so" "$out/doctor.txt" \
-    || { echo "doctor did not use the installed library"; status=1; }
+    || { echo "doctor did not use the installed library"; fail doctor-library; }
 else
-  echo "no wheel could be installed"; status=1
+  echo "no wheel could be installed"; fail wheel-install
 fi
 
 step "baseline: the tree in .baseline/ (an earlier commit), built for side-by-side figures"
 baseline=""
 if [[ -d .baseline && -z $(skipped baseline) ]]; then
-  configure .baseline build-baseline && baseline=build-baseline
+  configure .baseline build-baseline && baseline=build-baseline || fail baseline-build
   echo "baseline $(cat .baseline/.commit 2>/dev/null || echo '(commit unknown)'): ${baseline:-failed to build}"
 else
   echo skipped
@@ -136,7 +137,7 @@ step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit
 if [[ -z $(skipped pytest) ]]; then
   ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout ${GPU_CHECK_PYTEST_TIMEOUT:-540} python3 -m pytest -q -s -rs --durations=12 \
     ${GPU_CHECK_PYTEST:-tests/python} \
-    >"$out/pytest.log" 2>&1 || status=1
+    >"$out/pytest.log" 2>&1 || fail pytest
   tail -22 "$out/pytest.log"
   echo "-- figures printed by the Python tests"
   grep -E "^(every-step offload|Trainer under|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
@@ -145,7 +146,7 @@ else skipped pytest; fi
 
 step "demo: a Llama-style model trained under a limit through offload, against the whole device"
 skipped demo || { python3 demo/train_offload.py --library build/libzeroalloc.so \
-  --report "$out/train" 2>&1 | tee "$out/demo_train.txt" | tail -4; [[ ${PIPESTATUS[0]} == 0 ]] || status=1; }
+  --report "$out/train" 2>&1 | tee "$out/demo_train.txt" | tail -4; [[ ${PIPESTATUS[0]} == 0 ]] || fail demo; }
 
 step "optimizer step placement: device, in place, bounce, zt.offload's step, migrate, CPU Adam"
 skipped optimizer_step || python3 bench/python/optimizer_step_bench.py \
@@ -157,7 +158,7 @@ skipped llama || python3 bench/python/offload_llama_bench.py \
 
 step summary
 python3 - "$out" <<'PY'
-import json, re, sys, pathlib
+import json, os, re, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 rows = []
 try:
@@ -210,9 +211,10 @@ m = re.search(r"(\d+ checks: .*)", doctor)
 rows.append(("doctor after pip install", m.group(1) if m else "missing"))
 py = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
 m = re.findall(r"(\d+ (?:passed|failed|skipped)[^\n]*)", py)
-rows.append(("pytest tests/python", m[-1] if m else "missing"))
+rows.append((f"pytest {os.environ.get('GPU_CHECK_PYTEST', 'tests/python')}", m[-1] if m else "missing"))
 w = max(len(r[0]) for r in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")
 PY
-exit $status
+if ((${#failed[@]})); then echo "status: FAIL (${failed[*]})"; exit 1; fi
+echo "status: PASS"

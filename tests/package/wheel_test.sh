@@ -5,16 +5,19 @@
 # nothing but glibc, the start-up hook and the `zeroalloc` command are installed, and a
 # preloaded copy serves a program. Exits non-zero, naming the check, when one fails.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd -P)
 work=${1:-$root/build/wheel-test}
 fail() { echo "wheel_test: $*" >&2; exit 1; }
 
 rm -rf "$work" && mkdir -p "$work"
-python3 -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$root" \
+work=$(cd "$work" && pwd -P)
+# A fresh virtual environment brings its own pip (Debian's python3 has none without
+# python3-pip), which builds the wheel and installs it there.
+python3 -m venv "$work/venv" || fail "python3 -m venv failed (apt-get install python3-venv)"
+"$work/venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$root" \
   || fail "pip could not build the wheel (its output is above)"
 wheel=$(ls "$work"/dist/zeroalloc-*.whl)
-python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install --quiet --no-index --no-deps "$wheel"
+"$work/venv/bin/python" -m pip install --quiet --no-index --no-deps "$wheel"
 cd "$work"  # nothing may come from the source tree
 unset ZEROALLOC_LIBRARY PYTHONPATH LD_PRELOAD
 export ZEROALLOC_DEVICE=sim
@@ -33,12 +36,18 @@ done
 summary=$("$python" -m zeroalloc summary) || fail "python -m zeroalloc summary failed"
 [[ $summary == *"simulated device"* ]] \
   || fail "python -m zeroalloc summary did not run on the simulated device: $summary"
-allocations=$(LD_PRELOAD=$library "$python" -c '
-import zeroalloc
-lib = zeroalloc.library()
-pointer = lib.zeroalloc_malloc(1 << 20, 0, None)
-lib.zeroalloc_free(pointer, 1 << 20, 0, None)
-print(zeroalloc.memory_stats()["allocation.all.allocated"])') \
+# Preloaded, the library runs the start-up hook (zeroalloc-startup.pth) and is the one the
+# package uses; an allocation through the process's own symbols lands in it.
+seen=$(LD_PRELOAD=$library "$python" -c '
+import ctypes, sys, zeroalloc
+from zeroalloc._library import library_path
+process = ctypes.CDLL(None)
+process.zeroalloc_malloc.restype = ctypes.c_void_p
+process.zeroalloc_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+pointer = process.zeroalloc_malloc(1 << 20, 0, None)
+print("zeroalloc._startup" in sys.modules, library_path(),
+      zeroalloc.memory_stats()["allocation.all.allocated"])') \
   || fail "a program preloading the installed library failed"
-[[ $allocations == 1 ]] || fail "the preloaded library served $allocations allocations, not 1"
+[[ $seen == "True $library 1" ]] \
+  || fail "preloaded: start-up hook ran, library used, allocations served: $seen (expected True $library 1)"
 echo "wheel_test: $(basename "$wheel") installs and works ($library; needs: $needed)"

@@ -142,7 +142,8 @@ def library() -> ctypes.CDLL:
             raise ZeroallocError(
                 f"{library_path()} is not a libzeroalloc.so this package can use: it lacks "
                 f"{', '.join(missing[:3])}{' and more' if len(missing) > 3 else ''}. Point "
-                "ZEROALLOC_LIBRARY at the libzeroalloc.so built with this package")
+                "ZEROALLOC_LIBRARY at the libzeroalloc.so built with this package, or, when the "
+                "process preloads another, preload that one instead (LD_PRELOAD)")
         for name, (arguments, result) in signatures.items():
             function = getattr(handle, name)
             function.argtypes = arguments
