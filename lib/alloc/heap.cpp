@@ -569,26 +569,53 @@ std::size_t heap::largest_free_block() const {
 }
 
 void heap::append_snapshot(nlohmann::ordered_json& segments) const {
-  std::lock_guard lock(mutex_);
-  const char* kind = kind_ == size_kind::small ? "small" : "large";
-  for (const auto& owned : segments_) {
-    nlohmann::ordered_json blocks = nlohmann::ordered_json::array();
-    for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
-      const char* state = piece->allocated ? "active_allocated"
-                          : piece->pending ? "active_pending_free"
-                                           : "inactive";
-      blocks.push_back(
-          {{"address", piece->address},
-           {"size", piece->bytes},
-           {"requested_size", piece->allocated ? piece->requested_bytes : piece->bytes},
-           {"state", state}});
+  // Copied under the lock, written as JSON after it: the lock is the allocation path's.
+  struct block_record {
+    std::uintptr_t address;
+    std::size_t bytes;
+    std::size_t requested_bytes;
+    const char* state;
+  };
+  struct segment_record {
+    std::uintptr_t address;
+    std::size_t bytes;
+    std::uintptr_t stream;
+    std::size_t blocks_end;  // its blocks end here in `blocks`
+  };
+  std::vector<segment_record> records;
+  std::vector<block_record> blocks;
+  {
+    std::lock_guard lock(mutex_);
+    records.reserve(segments_.size());
+    for (const auto& owned : segments_) {
+      for (const block* piece = owned->first; piece != nullptr; piece = piece->next) {
+        const char* state = piece->allocated ? "active_allocated"
+                            : piece->pending ? "active_pending_free"
+                                             : "inactive";
+        blocks.push_back({piece->address, piece->bytes,
+                          piece->allocated ? piece->requested_bytes : piece->bytes, state});
+      }
+      records.push_back({owned->address, owned->bytes,
+                         reinterpret_cast<std::uintptr_t>(owned->first->stream), blocks.size()});
     }
-    segments.push_back({{"address", owned->address},
-                        {"total_size", owned->bytes},
+  }
+  const char* kind = kind_ == size_kind::small ? "small" : "large";
+  std::size_t next_block = 0;
+  for (const segment_record& record : records) {
+    nlohmann::ordered_json listed = nlohmann::ordered_json::array();
+    for (; next_block < record.blocks_end; ++next_block) {
+      const block_record& piece = blocks[next_block];
+      listed.push_back({{"address", piece.address},
+                        {"size", piece.bytes},
+                        {"requested_size", piece.requested_bytes},
+                        {"state", piece.state}});
+    }
+    segments.push_back({{"address", record.address},
+                        {"total_size", record.bytes},
                         {"class", class_name(class_)},
                         {"kind", kind},
-                        {"stream", reinterpret_cast<std::uintptr_t>(owned->first->stream)},
-                        {"blocks", std::move(blocks)}});
+                        {"stream", record.stream},
+                        {"blocks", std::move(listed)}});
   }
 }
 

@@ -14,7 +14,6 @@
 #include <nlohmann/json.hpp>
 
 #include "alloc/caching_allocator.hpp"
-#include "alloc/paging_view.hpp"
 #include "core/errors.hpp"
 #include "core/log.hpp"
 #include "core/passthrough.hpp"
@@ -191,11 +190,12 @@ std::vector<reporter::device_reading> reporter::read_devices() const {
     device_reading reading;
     reading.ordinal = each->backing().ordinal();
     if (tiers_.counters) reading.tier = tiers_.counters(reading.ordinal);
+    const stats_snapshot figures = each->stats();
     for (const allocation_class cls : kAllocationClasses) {
       const std::size_t slot = class_index(cls);
       // A class's segments are on the device but for the chunks moved to the host.
       reading.device_class_bytes[slot] = std::max<std::int64_t>(
-          0, each->paging().reserved_bytes(cls) -
+          0, figures.of(cls).reserved_bytes.current -
                  static_cast<std::int64_t>(reading.tier.host_resident_class_bytes[slot]));
     }
     readings.push_back(reading);
