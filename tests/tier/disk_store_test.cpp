@@ -14,10 +14,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <optional>
 #include <random>
+#include <thread>
 
 namespace zeroalloc {
 namespace {
@@ -159,6 +161,62 @@ TEST_F(DiskStoreTest, BytesSurviveARoundTripOverSeveralDirectoriesWithManyReques
   EXPECT_GE(figures.write_requests, total / MiB);
   EXPECT_EQ(figures.failed_transfers, 0u);
   for (disk_slot slot : slots) store->release(slot);
+  EXPECT_EQ(store->figures().used_bytes, 0u);
+}
+
+TEST_F(DiskStoreTest, BytesSurviveAtEveryQueueDepthAndRequestSize) {
+  struct setting {
+    unsigned queue_depth;
+    std::size_t request_bytes;
+    std::size_t stripe_bytes;
+  };
+  for (const setting& tried : {setting{1, 1 * MiB, 2 * MiB}, setting{2, 4 * KiB, 2 * MiB},
+                               setting{64, 8 * MiB, 8 * MiB}, setting{32, 2 * MiB, 4 * MiB}}) {
+    SCOPED_TRACE(testing::Message() << "queue depth " << tried.queue_depth << ", requests of "
+                                    << tried.request_bytes << " bytes");
+    disk_store_options options = options_for(2, 128 * MiB);
+    options.queue_depth = tried.queue_depth;
+    options.request_bytes = tried.request_bytes;
+    options.stripe_bytes = tried.stripe_bytes;
+    ZA_OPEN_STORE_OR_SKIP(store, options);
+    host_buffer first(24 * MiB), second(6 * MiB), back(24 * MiB);
+    first.fill(tried.queue_depth);
+    second.fill(tried.request_bytes);
+    const disk_slot first_slot = store->allocate(first.size());
+    const disk_slot second_slot = store->allocate(second.size());
+    const auto first_written = store->write(first_slot, first.data(), first.size());
+    const auto second_written = store->write(second_slot, second.data(), second.size());
+    store->wait(second_written);
+    store->wait(first_written);
+    store->wait(store->read(first_slot, back.data(), first.size()));
+    EXPECT_TRUE(same_bytes(first, back, first.size()));
+    store->wait(store->read(second_slot, back.data(), second.size()));
+    EXPECT_TRUE(same_bytes(second, back, second.size()));
+  }
+}
+
+TEST_F(DiskStoreTest, SeveralThreadsShareTheStore) {
+  disk_store_options options = options_for(2, 256 * MiB);
+  options.queue_depth = 8;
+  options.verify = true;
+  ZA_OPEN_STORE_OR_SKIP(store, options);
+  std::vector<std::thread> threads;
+  std::atomic<int> intact{0};
+  for (int thread = 0; thread < 4; ++thread) {
+    threads.emplace_back([&, thread] {
+      host_buffer chunk(8 * MiB), back(8 * MiB);
+      for (int round = 0; round < 4; ++round) {
+        chunk.fill(thread * 100 + round);
+        const disk_slot slot = store->allocate(chunk.size());
+        store->wait(store->write(slot, chunk.data(), chunk.size()));
+        store->wait(store->read(slot, back.data(), back.size()));
+        intact += same_bytes(chunk, back, chunk.size());
+        store->release(slot);
+      }
+    });
+  }
+  for (std::thread& running : threads) running.join();
+  EXPECT_EQ(intact.load(), 16);
   EXPECT_EQ(store->figures().used_bytes, 0u);
 }
 
