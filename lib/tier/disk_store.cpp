@@ -105,9 +105,12 @@ void disk_store::open_files() {
   const std::uint64_t bytes_per_file = units_ / options_.directories.size() * options_.stripe_bytes;
   for (const std::string& directory : options_.directories) {
     struct stat status {};
-    if (::stat(directory.c_str(), &status) != 0 || !S_ISDIR(status.st_mode)) {
-      ZA_THROW(config_error, "ZEROALLOC_NVME_PATH: '", directory, "' is not a directory (",
-               describe_errno(errno ? errno : ENOTDIR),
+    const int stat_error = ::stat(directory.c_str(), &status) != 0 ? errno
+                           : S_ISDIR(status.st_mode)               ? 0
+                                                                   : ENOTDIR;
+    if (stat_error != 0) {
+      ZA_THROW(config_error, "ZEROALLOC_NVME_PATH: '", directory, "' is not a usable directory (",
+               describe_errno(stat_error),
                "); create it on the drive to swap to, or correct the variable");
     }
     std::string private_directory = directory + "/zeroalloc-swap-XXXXXX";

@@ -297,6 +297,13 @@ TEST_F(DiskStoreTest, AMissingDirectoryIsNamed) {
   const std::string message = config_error_of(options);
   EXPECT_NE(message.find("no-such-drive"), std::string::npos) << message;
   EXPECT_NE(message.find("ZEROALLOC_NVME_PATH"), std::string::npos) << message;
+
+  options.directories.back() = (root_ / "a-file").string();
+  std::fclose(std::fopen(options.directories.back().c_str(), "w"));
+  const std::string not_directory = config_error_of(options);
+  EXPECT_NE(not_directory.find("a-file' is not a usable directory (Not a directory)"),
+            std::string::npos)
+      << not_directory;
 }
 
 // Runs `body` in a child process and returns what it wrote to `report`.
