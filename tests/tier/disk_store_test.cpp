@@ -5,16 +5,21 @@
 #include "tier/disk_store.hpp"
 
 #include <gtest/gtest.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -381,6 +386,37 @@ TEST_F(DiskStoreTest, AFileSystemThatRefusesDirectIoIsNamed) {
   }
   EXPECT_NE(message.find(mount_point.string()), std::string::npos) << message;
   EXPECT_NE(message.find("O_DIRECT"), std::string::npos) << message;
+}
+
+TEST_F(DiskStoreTest, AKernelThatRefusesIoUringIsNamed) {
+  const disk_store_options options = options_for(1, 16 * MiB);
+  // A seccomp filter in a child answers io_uring_setup with EPERM, as
+  // kernel.io_uring_disabled=2 or a container's profile does.
+  const std::string report = in_child([&] {
+    sock_filter refuse_io_uring[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    sock_fprog program{static_cast<unsigned short>(std::size(refuse_io_uring)), refuse_io_uring};
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) != 0) {
+      return std::string("skip: ") + std::strerror(errno);
+    }
+    try {
+      disk_store store(options);
+    } catch (const io_uring_unavailable& unavailable) {
+      return std::string(unavailable.what()) + " code " + std::to_string(unavailable.code());
+    } catch (const std::exception& other) {
+      return std::string("another error: ") + other.what();
+    }
+    return std::string("no error");
+  });
+  if (report.rfind("skip: ", 0) == 0) GTEST_SKIP() << "skipped: no seccomp here (" << report << ")";
+  EXPECT_NE(report.find("io_uring is not available"), std::string::npos) << report;
+  EXPECT_NE(report.find("code " + std::to_string(EPERM)), std::string::npos) << report;
+  EXPECT_TRUE(fs::is_empty(options.directories[0]));
 }
 
 TEST_F(DiskStoreTest, AClosedFileFailsTheWriteNamingItAndLosesNothing) {
