@@ -20,16 +20,22 @@ class config_error : public error {
   using error::error;
 };
 
-/// A device (CUDA driver or simulated) call failed. The message names the call and the
-/// driver's own error string.
-class device_error : public error {
+/// An error that carries the failing call's own code (a CUresult, an errno value).
+class coded_error : public error {
  public:
-  device_error(const std::string& message, int code) : error(message), code_(code) {}
-  /// The driver's result code (CUresult), or an errno value for the simulated device.
+  coded_error(const std::string& message, int code) : error(message), code_(code) {}
   [[nodiscard]] int code() const noexcept { return code_; }
 
  private:
   int code_;
+};
+
+/// A device (CUDA driver or simulated) call failed. The message names the call and the
+/// driver's own error string; code() is the driver's result code (CUresult), or an errno
+/// value for the simulated device.
+class device_error : public coded_error {
+ public:
+  using coded_error::coded_error;
 };
 
 /// The CUDA driver is missing or unusable (no libcuda, no GPU). Distinct from device_error

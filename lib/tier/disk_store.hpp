@@ -47,15 +47,11 @@ struct io_uring;
 namespace zeroalloc {
 
 /// An I/O request of the store failed. The message names the file, the offset, the
-/// operation and the system's error.
-class disk_io_error : public error {
+/// operation and the system's error; code() is the errno value (EIO, ENOSPC, ...), or 0 for
+/// a short transfer.
+class disk_io_error : public coded_error {
  public:
-  disk_io_error(const std::string& message, int code) : error(message), code_(code) {}
-  /// The errno value (EIO, ENOSPC, ...), or 0 for a short transfer.
-  [[nodiscard]] int code() const noexcept { return code_; }
-
- private:
-  int code_;
+  using coded_error::coded_error;
 };
 
 /// The store has no free space left for a slot of the requested size.
@@ -64,15 +60,11 @@ class disk_space_exhausted : public error {
   using error::error;
 };
 
-/// io_uring cannot be used in this process (ENOSYS: an old kernel; EPERM: disabled by
-/// kernel.io_uring_disabled or a seccomp filter).
-class io_uring_unavailable : public error {
+/// io_uring cannot be used in this process; code() is ENOSYS (an old kernel) or EPERM
+/// (disabled by kernel.io_uring_disabled or a seccomp filter).
+class io_uring_unavailable : public coded_error {
  public:
-  io_uring_unavailable(const std::string& message, int code) : error(message), code_(code) {}
-  [[nodiscard]] int code() const noexcept { return code_; }
-
- private:
-  int code_;
+  using coded_error::coded_error;
 };
 
 struct disk_store_options {
