@@ -78,13 +78,26 @@ void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t 
   if (void* pointer =
           heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
     return pointer;
-  released = release_all_cached();
+  released = release_all_cached(/*free_runs_too=*/true);
   if (released > 0) {
     log().info("allocating {} of {} on {}: released the rest of the cache, {}, and retrying",
                format_bytes(rounded_bytes), class_name(cls), device_.name(),
                format_bytes(released));
     if (void* pointer =
             heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
+      return pointer;
+  }
+  // Note [Segments at the limit]: the last of the limit is worth a smaller segment.
+  const std::uint64_t held = arena_.held_bytes();
+  const std::size_t granularity = arena_.granularity();
+  const std::size_t left = held < limiter_.limit_bytes()
+                               ? (limiter_.limit_bytes() - held) / granularity * granularity
+                               : 0;
+  if (left < needed && left >= heap_for(cls, rounded_bytes).least_segment_bytes(rounded_bytes)) {
+    log().info("allocating {} of {} on {}: trying a segment of the {} left under the limit",
+               format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(left));
+    if (void* pointer = heap_for(cls, rounded_bytes)
+                            .allocate(rounded_bytes, requested_bytes, stream, &on_host, left))
       return pointer;
   }
   // The listener frees device memory for a whole new segment, a few times if it must (the
@@ -107,12 +120,15 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   stats_.apply(
       cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
+  // The smallest segment that holds the request (Note [Segments at the limit]).
+  // The smallest segment that holds the request (Note [Segments at the limit] in heap.cpp).
+  const std::size_t least = heap_for(cls, rounded_bytes).least_segment_bytes(rounded_bytes);
   paging_listener* listener = listener_.load(std::memory_order_acquire);
-  if (needed > limiter_.limit_bytes()) {
+  if (least > limiter_.limit_bytes()) {
     // Nothing freed could make room: releasing the cache and moving every movable chunk
     // to the host first would only slow the program down before the same failure.
     log().info("allocating {} of {} on {}: its segment of {} exceeds the limit of {}",
-               format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(needed),
+               format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(least),
                format_bytes(limiter_.limit_bytes()));
   } else if (void* pointer = make_room_and_allocate(needed, rounded_bytes, requested_bytes, stream,
                                                     cls, on_host, listener)) {
@@ -121,7 +137,7 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   std::string message = out_of_memory_message(rounded_bytes, cls);
-  if (listener != nullptr && needed <= limiter_.limit_bytes()) {
+  if (listener != nullptr && least <= limiter_.limit_bytes()) {
     if (const std::string why = listener->pressure_note(); !why.empty()) {
       message += " Offloading could not make room: " + why;
     }
@@ -164,12 +180,13 @@ std::uint64_t caching_allocator::release_cached(std::uint64_t enough) {
   return released;
 }
 
-std::uint64_t caching_allocator::release_all_cached() {
+std::uint64_t caching_allocator::release_all_cached(bool free_runs_too) {
   std::lock_guard lock(reclaim_mutex_);
   std::uint64_t released = 0;
   std::exception_ptr first_failure;
   for (auto& each : heaps_) {
-    keeping_first_failure(first_failure, [&] { released += each->release_free_segments(); });
+    keeping_first_failure(
+        first_failure, [&] { released += each->release_free_segments(UINT64_MAX, free_runs_too); });
   }
   keeping_first_failure(first_failure, [&] { arena_.release_pool(); });
   if (first_failure) std::rethrow_exception(first_failure);

@@ -145,14 +145,17 @@ class caching_allocator {
   /// `on_host`: as heap::allocate's.
   void* allocate_after_pressure(std::size_t rounded_bytes, std::size_t requested_bytes,
                                 stream_handle stream, allocation_class cls, bool& on_host);
-  /// Releases cache (what the new segment of `needed` bytes needs, then all of it), then
-  /// asks `listener` (when attached) to relieve the pressure, retrying the allocation after
-  /// each; nullptr when none made room.
+  /// Releases cache (what the new segment of `needed` bytes needs, then all of it with the
+  /// free runs of segments in use), then tries a segment of what is left under the limit,
+  /// then asks `listener` (when attached) to relieve the pressure, retrying the allocation
+  /// after each; nullptr when none made room.
   void* make_room_and_allocate(std::size_t needed, std::size_t rounded_bytes,
                                std::size_t requested_bytes, stream_handle stream,
                                allocation_class cls, bool& on_host, paging_listener* listener);
   void bring_back_from_host(void* pointer, stream_handle stream);
-  std::uint64_t release_all_cached();
+  /// With `free_runs_too`, free runs of whole chunks in segments still in use go too
+  /// (Note [Segments at the limit] in heap.cpp).
+  std::uint64_t release_all_cached(bool free_runs_too = false);
   std::uint64_t release_cached(std::uint64_t enough);  // Note [Releasing what is needed]
   [[nodiscard]] std::string out_of_memory_message(std::size_t bytes, allocation_class cls) const;
 

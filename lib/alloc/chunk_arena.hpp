@@ -94,6 +94,8 @@ class chunk_arena {
   [[nodiscard]] std::size_t chunk_bytes() const { return chunk_bytes_; }
   /// The limit every byte it holds is charged against.
   [[nodiscard]] std::uint64_t limit_bytes() const { return limiter_.limit_bytes(); }
+  /// Bytes charged against the limit now: chunks mapped or pooled, of every heap.
+  [[nodiscard]] std::uint64_t held_bytes() const { return limiter_.used_bytes(); }
   [[nodiscard]] std::size_t granularity() const { return granularity_; }
   [[nodiscard]] device& backing() { return device_; }
 

@@ -155,12 +155,43 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
   return best;
 }
 
+// Note [Segments at the limit]: under a limit, blocks of one size allocated until refused
+// must reach at least 7/8 of it, and a cache full of one size's free segments must not keep
+// another size from the same. Four rules, all on slow paths, give that:
+// - A medium request's segment holds as many whole requests as 20 MiB does, rounded up to
+//   the granularity, not 20 MiB: two 8 MiB blocks in a 20 MiB segment left 4 MiB that no
+//   later 8 MiB request could use, and filling the limit with them stopped at 3/4 of it.
+// - When even that segment finds no room (the cache released, whole-chunk free runs too),
+//   the allocator tries one last segment of what is left under the limit, down to the
+//   request itself (caching_allocator::make_room_and_allocate): the last megabytes of the
+//   limit are worth a segment that holds fewer blocks.
+// - On the same path, free runs of whole chunks inside segments still in use are split off
+//   and unmapped (Note [Splitting free runs off a segment] cuts them), so that the memory
+//   behind a free tail can back the new segment. Only whole chunks can go: a chunk is one
+//   physical allocation, which the driver maps and releases only whole.
+// - Near the limit (the request's own segment would bring what is held into the limit's
+//   last eighth), a request that would take a whole free segment and leave an eighth of it
+//   or more unused unmaps it and maps its own instead: carved, the rest of that segment
+//   would be held by the block for as long as it lives, out of reach of any later request
+//   of the same size (12 MiB blocks in the free 20 MiB segments of 2 MiB ones stopped at
+//   156 MiB of 256 MiB). For the same reason a free run split off for a new segment is no
+//   larger than a whole donated segment may be (gather_donations). Away from the limit
+//   both are as before: a cache hit maps nothing, and a run may be twice the need.
 std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   if (kind_ == size_kind::small) return kSmallSegmentBytes;
-  if (rounded_bytes < kMediumRequestBytes) return kMediumSegmentBytes;
+  if (rounded_bytes < kMediumRequestBytes) {  // Note [Segments at the limit]
+    const std::size_t whole_requests = kMediumSegmentBytes / rounded_bytes;
+    return round_up(whole_requests * rounded_bytes, arena_.granularity());
+  }
   // Saturates instead of wrapping to 0 for a size near the top of size_t: such a segment
   // is larger than any limit, and fails as one.
   if (rounded_bytes > SIZE_MAX - arena_.granularity()) return SIZE_MAX;
+  return round_up(rounded_bytes, arena_.granularity());
+}
+
+std::size_t heap::least_segment_bytes(std::size_t rounded_bytes) const {
+  if (kind_ == size_kind::small) return kSmallSegmentBytes;
+  if (rounded_bytes > SIZE_MAX - arena_.granularity()) return SIZE_MAX;  // as segment_bytes_for
   return round_up(rounded_bytes, arena_.granularity());
 }
 
@@ -183,9 +214,14 @@ void heap::return_addresses(std::uintptr_t address, std::size_t bytes) {
   free_addresses_.give_back(address, bytes);
 }
 
-block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
+block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream,
+                             std::size_t most_segment_bytes) {
   if (!retiring_.empty()) retire_donated(false);
-  const std::size_t needed = segment_bytes_for(rounded_bytes);
+  // Note [Segments at the limit]: a segment capped below the usual size still holds the
+  // request.
+  const std::size_t needed =
+      std::max(std::min(segment_bytes_for(rounded_bytes), most_segment_bytes),
+               least_segment_bytes(rounded_bytes));
   // A segment larger than the limit can never be mapped: strip no donor for it.
   if (needed > arena_.limit_bytes()) return nullptr;
   // Donations seldom exceed the need by more than an eighth (gather_donations): check that
@@ -219,6 +255,12 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
     pool_donations_after_failure();  // a later donor failed
     throw;
   }
+  // The smallest donated chunks last: what the segment holds beyond the need is then whole
+  // chunks as far as it can be, which the out-of-memory path can unmap (Note [Segments at
+  // the limit]).
+  std::stable_sort(
+      donated.chunks.begin(), donated.chunks.end(),
+      [](const physical_handle& a, const physical_handle& b) { return a.bytes > b.bytes; });
   const std::size_t bytes = std::max(needed, donated.bytes);
   // A run split off a busy segment may give more than the eighth checked above.
   const std::optional<std::uintptr_t> placed = free_addresses_.take_best_fit(bytes);
@@ -281,8 +323,52 @@ block* heap::map_new_segment(std::size_t rounded_bytes, stream_handle stream) {
   return whole;
 }
 
+bool heap::wastes_a_free_segment(const block& chosen, std::size_t rounded_bytes) const {
+  const segment& owner = *chosen.owner;
+  if (owner.busy_blocks != 0 || chosen.bytes != owner.bytes || owner.pinned_chunks != 0 ||
+      owner.host_chunks != 0) {
+    return false;
+  }
+  // What no block of this size could use once the segment is filled with them.
+  const std::size_t stranded_bytes = owner.bytes % rounded_bytes;
+  const std::size_t own_bytes = segment_bytes_for(rounded_bytes);
+  return stranded_bytes >= owner.bytes / 8 && own_bytes <= owner.bytes - owner.bytes / 8 &&
+         near_limit(own_bytes);
+}
+
+bool heap::near_limit(std::size_t more_bytes) const {
+  // Once an allocation has had to make room, the program runs at the limit: what it holds
+  // then drops as free segments are exchanged, but the next requests will fill it again.
+  if (stats_.total.retries.load(std::memory_order_relaxed) != 0) return true;
+  const std::uint64_t limit = arena_.limit_bytes();
+  return arena_.held_bytes() + more_bytes > limit - limit / 8;
+}
+
+block* heap::replace_free_segment(block* whole, std::size_t rounded_bytes, stream_handle stream) {
+  segment* owner = whole->owner;
+  insert_free(whole);  // as release_segment expects; if a fence fails, it stays cached
+  // Work queued before its blocks were freed may still touch the segment.
+  for (stream_handle used : streams_of(*owner)) {
+    fenced(used, [&](event_handle fence) { device_.synchronize_event(fence); });
+  }
+  auto owned = std::find_if(segments_.begin(), segments_.end(),
+                            [&](const auto& each) { return each.get() == owner; });
+  const std::size_t released_bytes = owner->bytes;
+  try {
+    release_segment(*owner);
+  } catch (...) {
+    segments_.erase(owned);  // Note [A failed unmap]
+    throw;
+  }
+  segments_.erase(owned);
+  log().debug("released a free {} segment of {} on {} near the limit for a {} request",
+              format_bytes(released_bytes), class_name(class_), device_.name(),
+              format_bytes(rounded_bytes));
+  return map_new_segment(rounded_bytes, stream);
+}
+
 void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream,
-                     bool* on_host) {
+                     bool* on_host, std::size_t most_segment_bytes) {
   std::lock_guard lock(mutex_);
   if (!pending_.empty()) process_pending(false);
   bool from_cache = true;
@@ -298,7 +384,12 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
     chosen = take_from_other_stream(rounded_bytes, stream);
   }
   if (chosen == nullptr) {
-    chosen = map_new_segment(rounded_bytes, stream);
+    chosen = map_new_segment(rounded_bytes, stream, most_segment_bytes);
+    from_cache = false;
+    if (chosen == nullptr) return nullptr;
+  } else if (chosen->bytes - rounded_bytes >= chosen->bytes / 8 &&
+             wastes_a_free_segment(*chosen, rounded_bytes)) {
+    chosen = replace_free_segment(chosen, rounded_bytes, stream);  // Note [Segments at the limit]
     from_cache = false;
     if (chosen == nullptr) return nullptr;
   }

@@ -87,8 +87,11 @@ class heap {
   /// the arena has none (the caller releases cache and retries).
   /// `on_host`, when given, is set when the block lies (partly) in a chunk the offload engine
   /// moved to host memory or is moving (Note [Landing in a moving chunk]).
+  /// A new segment is at most `most_segment_bytes` (a multiple of the granularity), and never
+  /// less than the request: the allocator's last try under the limit (Note [Segments at the
+  /// limit] in heap.cpp).
   void* allocate(std::size_t rounded_bytes, std::size_t requested_bytes, stream_handle stream,
-                 bool* on_host = nullptr);
+                 bool* on_host = nullptr, std::size_t most_segment_bytes = SIZE_MAX);
   /// Frees; false when `pointer` is not a live allocation of this heap.
   bool deallocate(std::uintptr_t pointer);
   bool record_stream(std::uintptr_t pointer, stream_handle stream);
@@ -98,8 +101,11 @@ class heap {
   /// Whether a block was freed on `stream` or is tagged with it (record_stream).
   [[nodiscard]] bool uses_stream(stream_handle stream) const;
   /// Waits for pending frees, then unmaps fully free segments, largest first, until
-  /// `enough` bytes are unmapped (all of them by default). Returns bytes unmapped.
-  std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX);
+  /// `enough` bytes are unmapped (all of them by default). With `free_runs_too`, first
+  /// splits every free run of whole chunks off the segments still in use, so that those
+  /// runs are released too (Note [Segments at the limit] in heap.cpp). Returns bytes unmapped.
+  std::uint64_t release_free_segments(std::uint64_t enough = UINT64_MAX,
+                                      bool free_runs_too = false);
 
   [[nodiscard]] std::uintptr_t region_start() const { return region_start_; }
   [[nodiscard]] std::size_t region_bytes() const { return region_bytes_; }
@@ -108,14 +114,18 @@ class heap {
   [[nodiscard]] std::uint64_t host_resident_bytes() const;
   /// Bytes of the segment this heap maps for a request of `rounded_bytes`.
   [[nodiscard]] std::size_t segment_bytes_for(std::size_t rounded_bytes) const;
+  /// Bytes of the smallest segment that holds a request of `rounded_bytes` (Note [Segments
+  /// at the limit] in heap.cpp).
+  [[nodiscard]] std::size_t least_segment_bytes(std::size_t rounded_bytes) const;
   /// The heaps (this one included) whose fully free segments may back this heap's new
   /// segments. Set once, before use.
   void set_donors(std::vector<heap*> donors) { donors_ = std::move(donors); }
   /// Unless the heap is busy, gives up one fully free segment of `least_bytes` to
-  /// `most_bytes`: `for_stream` is made to wait for the work queued on it, its chunks are
-  /// appended to `into`, and its old addresses are unmapped once that work has run.
-  bool try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
-                  donated_memory& into);
+  /// `most_bytes` (or a free run of at most `most_run_bytes` split off a segment):
+  /// `for_stream` is made to wait for the work queued on it, its chunks are appended to
+  /// `into`, and its old addresses are unmapped once that work has run.
+  bool try_donate(std::size_t least_bytes, std::size_t most_bytes, std::size_t most_run_bytes,
+                  stream_handle for_stream, donated_memory& into);
   // The offload engine's view (Note [Pinned chunks] in heap_pinning.cpp).
   /// Appends the chunks of every segment that holds live allocations.
   void list_chunks(std::vector<chunk_info>& into) const;
@@ -166,12 +176,22 @@ class heap {
   void remove_free(free_index& index, block* free_block);  // index: the block's stream's
   block* find_fit(free_index& index, std::size_t bytes);
   block* take_from_other_stream(std::size_t bytes, stream_handle stream);
-  block* map_new_segment(std::size_t rounded_bytes, stream_handle stream);
+  block* map_new_segment(std::size_t rounded_bytes, stream_handle stream,
+                         std::size_t most_segment_bytes = SIZE_MAX);
+  /// Whether `chosen`, a free block taken from the cache for `rounded_bytes`, is a whole free
+  /// segment better replaced by one of the request's own size (Note [Segments at the limit]).
+  bool wastes_a_free_segment(const block& chosen, std::size_t rounded_bytes) const;
+  /// Unmaps `whole`'s segment (its only block, out of the free lists) and maps one for the
+  /// request instead; nullptr when that finds no room (the memory stays pooled in the arena).
+  block* replace_free_segment(block* whole, std::size_t rounded_bytes, stream_handle stream);
   void release_block(block* freed);
   void coalesce_freed();
   void merge_free_neighbours(block* freed);
-  bool donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
-                     donated_memory& into);
+  bool donate_locked(std::size_t least_bytes, std::size_t most_bytes, std::size_t most_run_bytes,
+                     stream_handle for_stream, donated_memory& into);
+  /// Whether `more_bytes` beyond what the arena holds would reach the last eighth of the
+  /// limit, or an allocation already had to make room (Note [Segments at the limit]).
+  bool near_limit(std::size_t more_bytes) const;
   void gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into);
   /// Makes a free run of whole chunks, `least_bytes` to `most_bytes`, a fully free segment
   /// of its own (Note [Splitting free runs off a segment]); nullptr when there is none.

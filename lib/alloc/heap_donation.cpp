@@ -21,27 +21,31 @@ namespace zeroalloc {
 // eighth, and at most eight of them), so a small heap never swallows a large segment.
 void heap::gather_donations(std::size_t bytes, stream_handle stream, donated_memory& into) {
   const std::size_t eighth = std::max(bytes / 8, arena_.granularity());
+  // Note [Segments at the limit]: near the limit a run split off is no larger than a whole
+  // segment may be: what the new segment does not need would be held unused by its block.
+  const bool tight = near_limit(bytes);
   for (heap* donor : donors_) {
     while (into.bytes < bytes) {
       const std::size_t remaining = bytes - into.bytes;
       const std::size_t least = std::min(remaining, eighth);
       const std::size_t most = remaining + eighth;
-      const bool given = donor == this ? donate_locked(least, most, stream, into)
-                                       : donor->try_donate(least, most, stream, into);
+      const std::size_t most_run = tight ? most : 2 * most;
+      const bool given = donor == this ? donate_locked(least, most, most_run, stream, into)
+                                       : donor->try_donate(least, most, most_run, stream, into);
       if (!given) break;
     }
     if (into.bytes >= bytes) break;
   }
 }
 
-bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
-                      donated_memory& into) {
+bool heap::try_donate(std::size_t least_bytes, std::size_t most_bytes, std::size_t most_run_bytes,
+                      stream_handle for_stream, donated_memory& into) {
   // try_lock: the requesting heap holds its own lock, so waiting here could deadlock with a
   // heap asking this one's neighbour; a busy heap is simply skipped.
   std::unique_lock lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return false;
   if (!pending_.empty()) process_pending(false);  // an idle heap never runs it otherwise
-  return donate_locked(least_bytes, most_bytes, for_stream, into);
+  return donate_locked(least_bytes, most_bytes, most_run_bytes, for_stream, into);
 }
 
 // Note [Splitting free runs off a segment]: a segment whose blocks are partly in use gives
@@ -133,7 +137,8 @@ segment* heap::cut_segment(std::vector<std::unique_ptr<segment>>::iterator owner
   return run;
 }
 
-bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream_handle for_stream,
+bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes,
+                         std::size_t most_run_bytes, stream_handle for_stream,
                          donated_memory& into) {
   auto pick = [&] {
     auto chosen = segments_.end();
@@ -154,7 +159,7 @@ bool heap::donate_locked(std::size_t least_bytes, std::size_t most_bytes, stream
   };
   auto chosen = pick();
   if (chosen == segments_.end()) {
-    if (segment* run = split_free_run(least_bytes, 2 * most_bytes)) {
+    if (segment* run = split_free_run(least_bytes, most_run_bytes)) {
       chosen = std::find_if(segments_.begin(), segments_.end(),
                             [&](const auto& owned) { return owned.get() == run; });
     }

@@ -7,10 +7,14 @@
 
 namespace zeroalloc {
 
-std::uint64_t heap::release_free_segments(std::uint64_t enough) {
+std::uint64_t heap::release_free_segments(std::uint64_t enough, bool free_runs_too) {
   std::lock_guard lock(mutex_);
   process_pending(true);
   retire_donated(true);
+  if (free_runs_too) {  // Note [Segments at the limit]: each run becomes a free segment
+    while (split_free_run(arena_.granularity(), SIZE_MAX) != nullptr) {
+    }
+  }
   auto unused = std::stable_partition(segments_.begin(), segments_.end(), [](const auto& owned) {
     return owned->busy_blocks != 0 || owned->pinned_chunks != 0;
   });
