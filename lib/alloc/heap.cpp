@@ -168,15 +168,17 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
 // - On the same path, free runs of whole chunks inside segments still in use are split off
 //   and unmapped (Note [Splitting free runs off a segment] cuts them), so that the memory
 //   behind a free tail can back the new segment. Only whole chunks can go: a chunk is one
-//   physical allocation, which the driver maps and releases only whole.
+//   physical allocation, which the driver maps and releases only whole. So donated chunks
+//   are mapped largest first: what a segment holds beyond its need is then whole chunks.
 // - Near the limit (the request's own segment would bring what is held into the limit's
-//   last eighth), a request that would take a whole free segment and leave an eighth of it
-//   or more unused unmaps it and maps its own instead: carved, the rest of that segment
-//   would be held by the block for as long as it lives, out of reach of any later request
-//   of the same size (12 MiB blocks in the free 20 MiB segments of 2 MiB ones stopped at
-//   156 MiB of 256 MiB). For the same reason a free run split off for a new segment is no
-//   larger than a whole donated segment may be (gather_donations). Away from the limit
-//   both are as before: a cache hit maps nothing, and a run may be twice the need.
+//   last eighth, or an allocation has already had to make room), a request that would take
+//   a whole free segment and strand an eighth of it (what no block of its size could use
+//   once the segment is filled with them) unmaps it and maps its own instead: carved, that
+//   rest would be held for as long as the blocks live (12 MiB blocks in the free 20 MiB
+//   segments of 2 MiB ones stopped at 156 MiB of 256 MiB). For the same reason a free run
+//   split off for a new segment is then no larger than a whole donated segment may be
+//   (gather_donations). Away from the limit both are as before: a cache hit maps nothing,
+//   and a run may be twice the need.
 std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   if (kind_ == size_kind::small) return kSmallSegmentBytes;
   if (rounded_bytes < kMediumRequestBytes) {  // Note [Segments at the limit]
