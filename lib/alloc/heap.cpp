@@ -178,7 +178,10 @@ block* heap::take_from_other_stream(std::size_t bytes, stream_handle stream) {
 //   segments of 2 MiB ones stopped at 156 MiB of 256 MiB). For the same reason a free run
 //   split off for a new segment is then no larger than a whole donated segment may be
 //   (gather_donations). Away from the limit both are as before: a cache hit maps nothing,
-//   and a run may be twice the need.
+//   and a run may be twice the need. With the offload engine attached the exchange never
+//   waits: while work queued on the free segment's streams has yet to run, the cache hit
+//   stands (a training loop keeps its streams busy, stalling its thread there would cost
+//   more than the stranded bytes, and the engine can make room by moving memory).
 std::size_t heap::segment_bytes_for(std::size_t rounded_bytes) const {
   if (kind_ == size_kind::small) return kSmallSegmentBytes;
   if (rounded_bytes < kMediumRequestBytes) {  // Note [Segments at the limit]
@@ -348,11 +351,21 @@ bool heap::near_limit(std::size_t more_bytes) const {
 
 block* heap::replace_free_segment(block* whole, std::size_t rounded_bytes, stream_handle stream) {
   segment* owner = whole->owner;
-  insert_free(whole);  // as release_segment expects; if a fence fails, it stays cached
-  // Work queued before its blocks were freed may still touch the segment.
+  // Work queued before its blocks were freed may still touch the segment. With the offload
+  // engine attached, waiting for it would stall a training loop on an allocation that the
+  // cache can serve while the engine can make room by moving memory: unless every stream of
+  // the segment is idle, the cache hit stands. Without it, the program is at the limit with
+  // nothing else to free, and waits as a release of the cache would.
+  const bool may_wait = listener_.load(std::memory_order_acquire) == nullptr;
   for (stream_handle used : streams_of(*owner)) {
-    fenced(used, [&](event_handle fence) { device_.synchronize_event(fence); });
+    bool idle = false;
+    fenced(used, [&](event_handle fence) {
+      if (may_wait) device_.synchronize_event(fence);
+      idle = may_wait || device_.event_completed(fence);
+    });
+    if (!idle) return whole;
   }
+  insert_free(whole);  // as release_segment expects
   auto owned = std::find_if(segments_.begin(), segments_.end(),
                             [&](const auto& each) { return each.get() == owner; });
   const std::size_t released_bytes = owner->bytes;
@@ -391,9 +404,11 @@ void* heap::allocate(std::size_t rounded_bytes, std::size_t requested_bytes, str
     if (chosen == nullptr) return nullptr;
   } else if (chosen->bytes - rounded_bytes >= chosen->bytes / 8 &&
              wastes_a_free_segment(*chosen, rounded_bytes)) {
-    chosen = replace_free_segment(chosen, rounded_bytes, stream);  // Note [Segments at the limit]
-    from_cache = false;
-    if (chosen == nullptr) return nullptr;
+    block* replaced =
+        replace_free_segment(chosen, rounded_bytes, stream);  // Note [Segments at the limit]
+    if (replaced == nullptr) return nullptr;
+    from_cache = replaced == chosen;
+    chosen = replaced;
   }
 
   const std::size_t remainder = chosen->bytes - rounded_bytes;

@@ -183,6 +183,8 @@ class heap {
   bool wastes_a_free_segment(const block& chosen, std::size_t rounded_bytes) const;
   /// Unmaps `whole`'s segment (its only block, out of the free lists) and maps one for the
   /// request instead; nullptr when that finds no room (the memory stays pooled in the arena).
+  /// With a paging listener attached, returns `whole` itself, untouched, while work queued
+  /// on any of its streams has yet to run (that is then never waited for); without, waits.
   block* replace_free_segment(block* whole, std::size_t rounded_bytes, stream_handle stream);
   void release_block(block* freed);
   void coalesce_freed();

@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <map>
 #include <random>
 #include <set>
 #include <thread>
 
 #include "core/errors.hpp"
+#include "support/attached_listener.hpp"
 #include "support/faulty_device.hpp"
 #include "support/test_device.hpp"
 
@@ -417,6 +419,34 @@ TEST_F(CachingAllocatorTest, BlocksOfOneSizeFillAtLeastSevenEighthsOfTheLimit) {
       }
     }
   }
+}
+
+// Note [Segments at the limit]: with the offload engine (any paging listener) attached, a
+// request near the limit that would strand part of a whole free segment exchanges it for one
+// of its own size only when no work is queued on it; otherwise the cache hit stands, and the
+// program's thread never waits for the device there.
+TEST_F(CachingAllocatorTest, NearTheLimitWithAListenerAnAllocationNeverWaitsForQueuedWork) {
+  auto allocator = make_allocator(256 * MiB, "the test", 64 * MiB);
+  paging_listener quiet;
+  testing::attached_listener attached(*allocator, quiet);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 10; ++i)
+    blocks.push_back(allocator->allocate(24 * MiB, nullptr, allocation_class::other));
+  for (void* each : blocks) allocator->deallocate(each);  // 240 MiB of free 24 MiB segments
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  device_->host_function_async([released] { released.wait(); }, nullptr);  // the stream is busy
+  const std::uint64_t mapped = allocator->stats().total.segments_mapped;
+  auto allocation = std::async(std::launch::async, [&] {
+    return allocator->allocate(20 * MiB, nullptr, allocation_class::other);  // strands 4 MiB
+  });
+  const bool returned = allocation.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  release.set_value();
+  EXPECT_TRUE(returned) << "the allocation waited for the work queued on its stream";
+  void* pointer = allocation.get();
+  EXPECT_EQ(allocator->stats().total.segments_mapped, mapped) << "the cache hit did not stand";
+  device_->synchronize_stream(nullptr);
+  allocator->deallocate(pointer);
 }
 
 TEST_F(CachingAllocatorTest, FreeMemoryOfAnotherClassServesARequestWithoutNewMemory) {
