@@ -139,6 +139,17 @@ std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
   return found->second.front() + learned_order_.size() - cursor_;  // in the next step
 }
 
+// Note [Idle memory of any class]: memory of class other (activations, and whatever a
+// program allocates outside the hinted classes: a checkpoint loaded with torch.load onto the
+// device, a cache, a buffer) is written and read within a step, and moving it would cost
+// more than it frees. But a program may also hold such memory while nothing uses it (the
+// loaded checkpoint, until load_state_dict copies it), and failing an allocation while it
+// sits there is worse than moving it: its chunks stay addressable on the host, so a kernel
+// that reads it later reads the right bytes over PCIe. So the allocation-failure path takes
+// it as its last resort, after gradients: chunks with no use open (no hint), the least
+// recently allocated or freed first, so the one a training step keeps touching goes last.
+// Evictions ahead of need never take it.
+
 // Note [Two timelines]: hints arrive in host time, and the host runs ahead of the device.
 // The chunk whose next use is farthest from the host's cursor is the one the host used
 // last, whose use the device has not even run yet: evicting it would make every fetch
@@ -157,14 +168,17 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     std::uint64_t last_use;
     std::uint64_t last_activity;
     std::uint64_t generation;
-    int rank;  // 0, then 1: free space, then 2: a gradient, only when nothing else can go
+    // 0, then 1: free space, then 2: a gradient, only when nothing else can go, then 3:
+    // idle memory of class other (Note [Idle memory of any class])
+    int rank;
   };
   std::vector<candidate> candidates;
   for (const chunk_info& chunk : all) {
-    if (chunk.allocation_class == static_cast<int>(allocation_class::other)) continue;
-    // Note [Residency policy]: gradients go only on the allocation-failure path, last.
+    // Note [Residency policy]: gradients go only on the allocation-failure path, last;
+    // memory of class other after them.
+    const bool other = chunk.allocation_class == static_cast<int>(allocation_class::other);
     const bool gradient = chunk.allocation_class == static_cast<int>(allocation_class::gradient);
-    if (gradient && only_released) continue;
+    if ((gradient || other) && only_released) continue;
     if (chunk.handle.location != memory_location::device) continue;
     // Free space gains little on the host, and whatever is allocated there next comes back
     // (allocated_on_host). But a device held full by the free tails of segments whose
@@ -191,7 +205,8 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     candidates.push_back({chunk.address, chunk.handle.bytes, distance,
                           state == chunks_.end() ? 0 : state->second.last_use, chunk.last_activity,
                           chunk.generation,
-                          gradient     ? 2
+                          other        ? 3
+                          : gradient   ? 2
                           : free_space ? 1
                                        : 0});
   }
@@ -632,7 +647,7 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
       plan_eviction(chosen, planned);
     }
     if (planned.empty()) {
-      pressure_notes_[std::this_thread::get_id()] = nothing_movable_note();
+      pressure_notes_[std::this_thread::get_id()] = nothing_movable_note(bytes_needed);
       return 0;
     }
   }
@@ -674,18 +689,22 @@ void offload_engine::host_chunk_released(physical_handle chunk) {
 }
 
 // Note [Nothing movable]: an allocation fails with nothing on the device that the engine
-// may move. Say what stays and why; gradients allocated with the activations (the default
-// of the Python package) are the one thing the user can make movable.
-std::string offload_engine::nothing_movable_note() const {
-  std::string note =
-      "nothing it may move is left on the device (activations and parameters in use stay";
-  if (paging_.reserved_bytes(allocation_class::gradient) == 0) {
-    note +=
-        "; so do gradients allocated with the activations: zeroalloc.torch.offload(..., "
-        "gradient_class=True) or ZEROALLOC_OFFLOAD_GRADIENTS=1 puts them in their own class, "
-        "where they can move, at a cost in speed";
+// may move. Since memory of every class may go as a last resort (Note [Idle memory of any
+// class]), what stays is memory with a use open (or moving): say so.
+std::string offload_engine::nothing_movable_note(std::size_t bytes_needed) const {
+  std::vector<chunk_info> all;
+  paging_.list_chunks(all);
+  std::uint64_t staying = 0;
+  for (const chunk_info& chunk : all) {
+    if (chunk.handle.location == memory_location::device) staying += chunk.handle.bytes;
   }
-  return note + ")";
+  return "nothing it may move is left on the device: every chunk there (" + format_bytes(staying) +
+         ") has a use open (a layer's parameters, a window of optimizer states, or other memory "
+         "between use hints) or is moving. With the " +
+         format_bytes(bytes_needed) +
+         " this allocation needs, this point of the program needs at least " +
+         format_bytes(staying + bytes_needed) +
+         " of device memory: a smaller limit cannot serve it";
 }
 
 std::string offload_engine::pressure_note() {

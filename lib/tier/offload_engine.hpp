@@ -8,13 +8,13 @@
 // least recently used one before an order is known; where no hint says when a chunk was
 // used (a program without hints, or chunks never hinted), the one whose segment saw the
 // least recent allocation or free (chunk_info::last_activity). Parameters and optimizer states are
-// evicted; activations never: they are written and read within a step. Gradients mostly are
-// too, and are freed after each step (zero_grad): evicted, they would come back as
-// host-resident free space that the next backward writes over PCIe. So they go only when an
-// allocation would otherwise fail and nothing else is left. Chunks that hold only free
-// space go on that path too, after those holding something and before gradients: a
-// segment's free tail no request fits would otherwise hold the device once the segment's
-// blocks are on the host. A chunk is idle when no use hint is open on it.
+// evicted; activations (class other) only as the last resort (Note [Idle memory of any
+// class]): they are written and read within a step. Gradients mostly are too, and are freed after
+// each step (zero_grad): evicted, they would come back as host-resident free space that the next
+// backward writes over PCIe. So they go only when an allocation would otherwise fail and nothing
+// else is left. Chunks that hold only free space go on that path too, after those holding something
+// and before gradients: a segment's free tail no request fits would otherwise hold the device once
+// the segment's blocks are on the host. A chunk is idle when no use hint is open on it.
 //
 // Note [Used in place]: data that a step reads and writes once, in one streaming pass
 // (optimizer states), is cheapest where it already is: a host-resident chunk is reached over
@@ -150,8 +150,10 @@ class offload_engine : public paging_listener {
   void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override;
   /// The migrator takes the host chunk back.
   void host_chunk_released(physical_handle chunk) override;
-  /// Note [Nothing movable]: the pressure note when no chunk on the device may move.
-  [[nodiscard]] std::string nothing_movable_note() const;
+  /// Note [Nothing movable]: the pressure note when no chunk on the device may move and an
+  /// allocation needs `bytes_needed`: what stays, and the smallest limit this point of the
+  /// program needs. Caller holds mutex_.
+  [[nodiscard]] std::string nothing_movable_note(std::size_t bytes_needed) const;
 
   /// Moves every chunk of the allocation at `pointer` (waiting when `wait`), except chunks
   /// with a use open (they may hold another allocation in use). False when `pointer` is not

@@ -112,16 +112,18 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
   for (int i = 0; i < 6; ++i) {
     EXPECT_TRUE(holds(states[i], static_cast<std::uint8_t>(i + 1), kChunkBytes)) << i;
   }
-  // Activations are never evicted: with every state on the host, nothing more can go, and
-  // the message says how much is offloaded already.
+  // Activations with a use open are never evicted: with every state on the host, nothing
+  // more can go, and the message says how much is offloaded already.
+  engine.use_begins(activations, nullptr);
   try {
     allocator_->allocate(48 * MiB, nullptr, allocation_class::other);
-    ADD_FAILURE() << "48 MiB of activations fit under a 48 MiB limit beside 16 MiB of them";
+    ADD_FAILURE() << "48 MiB of activations fit under a 48 MiB limit beside 16 MiB in use";
   } catch (const out_of_memory& failure) {
     const std::string expected =
         format_bytes(engine.mover().figures().host_resident_bytes) + " is offloaded to host memory";
     EXPECT_NE(std::string(failure.what()).find(expected), std::string::npos) << failure.what();
   }
+  engine.use_ends(activations, nullptr);
   allocator_->deallocate(activations);
   for (void* state : states) allocator_->deallocate(state);
 }
@@ -185,14 +187,16 @@ TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLi
   for (void* state : states) allocator_->deallocate(state);
 }
 
-// Note [Nothing movable]: when nothing on the device may move (activations; a layer in
-// use), the error says so, and, while gradients live with the activations, how to let them
-// move.
-TEST_F(OffloadEngineTest, WithNothingMovableTheMessageSaysWhatStaysAndHowGradientsCanMove) {
+// Note [Nothing movable]: when nothing on the device may move (every chunk has a use open),
+// the error says so; once the use ends, even memory of class other moves (Note [Idle memory
+// of any class]) and the allocation succeeds, with the moved bytes intact.
+TEST_F(OffloadEngineTest, WithEveryChunkInUseTheMessageSaysSoAndAnEndedUseLetsItMove) {
   start(32 * MiB, 0);
   offload_engine& engine = *engine_;
   void* activations = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  device_->fill_async(activations, 0x5a, 16 * MiB, nullptr);
   void* layer = allocator_->allocate(16 * MiB, nullptr, allocation_class::parameter);
+  engine.use_begins(activations, nullptr);
   engine.use_begins(layer, nullptr);
   auto failure_of = [&] {
     try {
@@ -202,22 +206,19 @@ TEST_F(OffloadEngineTest, WithNothingMovableTheMessageSaysWhatStaysAndHowGradien
     }
     return std::string("no failure");
   };
-  std::string message = failure_of();
+  const std::string message = failure_of();
   EXPECT_NE(message.find("nothing it may move is left on the device"), std::string::npos)
       << message;
-  EXPECT_NE(message.find("ZEROALLOC_OFFLOAD_GRADIENTS=1"), std::string::npos) << message;
+  // 32 MiB in use and a 16 MiB segment for the request.
+  EXPECT_NE(message.find("needs at least 48.00 MiB of device memory"), std::string::npos) << message;
   EXPECT_EQ(engine.mover().figures().bytes_to_host, 0u);
-  // Gradients in their own class (in use here, so they stay): the advice would be wrong.
-  allocator_->deallocate(activations);
-  void* gradient = allocator_->allocate(16 * MiB, nullptr, allocation_class::gradient);
-  engine.use_begins(gradient, nullptr);
-  message = failure_of();
-  EXPECT_NE(message.find("nothing it may move is left on the device"), std::string::npos)
-      << message;
-  EXPECT_EQ(message.find("ZEROALLOC_OFFLOAD_GRADIENTS"), std::string::npos) << message;
-  engine.use_ends(gradient, nullptr);
+  engine.use_ends(activations, nullptr);
+  EXPECT_EQ(failure_of(), "no failure");
+  EXPECT_EQ(where_first_chunk(activations), residency::host);
+  EXPECT_EQ(where_first_chunk(layer), residency::device);
+  EXPECT_TRUE(holds(activations, 0x5a, 16 * MiB));
   engine.use_ends(layer, nullptr);
-  allocator_->deallocate(gradient);
+  allocator_->deallocate(activations);
   allocator_->deallocate(layer);
 }
 
@@ -854,6 +855,41 @@ TEST_F(OffloadEngineTest, GradientsAreEvictedLast) {
   EXPECT_GT(relieved, 1) << "the gradient went before the free space";
   allocator_->deallocate(gradient);
   allocator_->deallocate(state);
+}
+
+// Note [Idle memory of any class]: memory of class other (a checkpoint loaded onto the
+// device, say) goes only when an allocation would otherwise fail, after the states, the
+// free space and the gradients, the least recently allocated or freed first; it keeps its
+// bytes on the host, and evictions ahead of need never take it.
+TEST_F(OffloadEngineTest, IdleMemoryOfClassOtherMovesLastAndKeepsItsBytes) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  // Loaded first: the least recently allocated or freed of the two.
+  void* loaded = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  device_->fill_async(loaded, 0x3c, 16 * MiB, nullptr);
+  void* recent = allocator_->allocate(16 * MiB, nullptr, allocation_class::other);
+  device_->fill_async(recent, 0x4d, 16 * MiB, nullptr);
+  void* gradient = allocator_->allocate(kChunkBytes, nullptr, allocation_class::gradient);
+  void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  for (void* pointer : {gradient, state}) {
+    engine.use_begins(pointer, nullptr);
+    engine.use_ends(pointer, nullptr);
+  }
+  device_->synchronize_stream(nullptr);
+  auto on_host = [&](void* pointer) { return where_first_chunk(pointer) == residency::host; };
+  ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u);
+  EXPECT_TRUE(on_host(state));
+  EXPECT_FALSE(on_host(loaded));
+  int relieved = 0;
+  while (!on_host(loaded)) {
+    EXPECT_FALSE(on_host(recent)) << "the most recently active memory of class other went first";
+    ASSERT_GT(engine.relieve_pressure(2 * MiB), 0u) << "the idle memory of class other never went";
+    ASSERT_LT(++relieved, 32);
+  }
+  EXPECT_TRUE(on_host(gradient)) << "memory of class other went before the gradient";
+  EXPECT_TRUE(holds(loaded, 0x3c, 16 * MiB));
+  EXPECT_TRUE(holds(recent, 0x4d, 16 * MiB));
+  for (void* pointer : {loaded, recent, gradient, state}) allocator_->deallocate(pointer);
 }
 
 // Note [Idle classes' cache]: the gradients' cache, held from one step's end to the next
