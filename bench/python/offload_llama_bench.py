@@ -301,6 +301,7 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
         "hit_rate": hit_rate,
         "moved_gib_per_step": (timed["bytes_to_host"] + timed["bytes_to_device"]) / steps / GIB
         if steps else nan,
+        "host_gib": (result.get("offload") or {}).get("host_resident_bytes", nan) / GIB,
         "device_wait_s_per_step": timed["device_waited_ns"] / 1e9 / steps if steps else nan,
         "pcie_bound_s": nan,
         "step_over_bound": nan,
@@ -323,7 +324,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     native = results.get("native", {})
     width = max([len(run.name) for run in sweep] + [len(mode) for mode in deepspeed] + [14])
     header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
-              f"{'GiB/step':>8} {'wait s/step':>11} {'PCIe bound s':>12} {'step/bound':>10}")
+              f"{'GiB/step':>8} {'host GiB':>8} {'wait s/step':>11} {'PCIe bound s':>12} "
+              f"{'step/bound':>10}")
     header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
     lines = [header]
     for run in sweep:
@@ -337,7 +339,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
         if run.limit.footprint_of:
             limit += f" ({run.limit.label})"
         line = (f"{run.name:{width}} {limit:>10} {f['tokens_per_s']:8.0f} {f['step_s']:7.3f} "
-                f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} "
+                f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} {f['host_gib']:8.2f} "
                 f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
                 f"{f['step_over_bound']:10.2f}")
         line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
@@ -348,6 +350,9 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     if deepspeed:
         lines.append(f"{', '.join(deepspeed)}: DeepSpeed itself, its peak allocated over the "
                      "timed steps as the limit")
+    lines.append("GiB/step: what the engine migrated (bytes to host + to device over the timed "
+                 "steps, per step); the windowed step's copies of host-resident states through "
+                 "device scratch are not in it: they are about host GiB each way a step")
     lines.append(PCIE_BOUND_FORMULA)
     if bandwidth is None:
         lines.append("pinned bandwidth: not measured (the bandwidth run failed)")

@@ -124,6 +124,7 @@ def test_a_sweep_row_counts_the_timed_steps_alone():
     assert figures["limit_gib"] == 24
     assert figures["hit_rate"] == pytest.approx(0.97)  # not the whole run's 0.5
     assert figures["moved_gib_per_step"] == pytest.approx(10.0)  # 80 GiB over 8 steps
+    assert figures["host_gib"] == 8  # what the windowed step bounces each way
     assert figures["device_wait_s_per_step"] == pytest.approx(0.1)
     bound = 7 * GIB / 50e9  # 31 GiB reserved natively, 24 GiB allowed
     assert figures["pcie_bound_s"] == pytest.approx(bound)
