@@ -436,7 +436,7 @@ def offload_counters(zeroalloc) -> dict:
 def timing_result(args, mode: str, parameters: int, times: list, phases: list, loss) -> dict:
     """The figures every training worker reports, from its timed steps."""
     result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
-              "steps_s": times, "loss": float(loss)}
+              "steps_s": times, "loss": float(loss.detach())}
     # Device time between marks on the default stream: forward, backward, optimizer step.
     result["phases_s"] = {name: statistics.median(p[i] for p in phases)
                           for i, name in enumerate(("forward", "backward", "step"))}
