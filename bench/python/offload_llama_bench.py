@@ -362,7 +362,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                      f"{bandwidth.device_to_host_gbps:.1f} GB/s, both at once "
                      f"{bandwidth.both_gbps:.1f} GB/s")
     if not native.get("peak_reserved"):
-        lines.append("no native run: no PCIe bound (add native to --modes)")
+        lines.append("no PCIe bound: the native run failed or was not asked for (--modes native)")
     return "\n".join(lines)
 
 
