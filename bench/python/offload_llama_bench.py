@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Training a Llama-style model with zeroalloc's offload against PyTorch alone and against
-FSDP2 with CPUOffloadPolicy, side by side in one run.
+"""Training a Llama-style model with zeroalloc's offload against PyTorch alone, against
+FSDP2 with CPUOffloadPolicy and against DeepSpeed's ZeRO-Offload, side by side in one run.
 
 Each configuration runs in its own process (the allocator swap is one per process):
   native   PyTorch's own allocator, everything on the GPU
@@ -9,10 +9,25 @@ Each configuration runs in its own process (the allocator swap is one per proces
            ZEROALLOC_MEMORY_LIMIT below what the native run needed, so that most optimizer
            states must live on the host
   fsdp2    torch.distributed.fsdp.fully_shard with CPUOffloadPolicy (one rank)
+  ds2      DeepSpeed ZeRO-2, optimizer states on the host, CPU Adam (one rank, bf16)
+  ds3      DeepSpeed ZeRO-3, optimizer states and parameters on the host (one rank, bf16)
 The model is a transformers LlamaForCausalLM with random weights (1.3B parameters by
 default), batch 4 x 1024 tokens, bf16 autocast, AdamW. Prints a table, then one JSON line.
 
     python3 bench/python/offload_llama_bench.py [--steps 10] [--modes native,zeroalloc,offload,fsdp2]
+
+A budget sweep runs the offload mode once per limit and prints one more table: tokens/s,
+hit rate, bytes moved and device wait per step, and the step's PCIe-bound estimate from
+the native run and pinned bandwidth measured in the same run. `ds2` in the list stands for
+the peak DeepSpeed ZeRO-2-Offload allocated in this run (its ds2 run comes first):
+
+    python3 bench/python/offload_llama_bench.py --modes native,offload,ds2,ds3 \
+        --limits-gib ds2,18,21,24.8
+
+DeepSpeed is not installed with PyTorch; from the wheels in .whl/ds (no network needed):
+
+    bash scripts/install-deepspeed.sh            # prints the export line for PYTHONPATH
+    export PYTHONPATH=/tmp/deepspeed-site${PYTHONPATH:+:$PYTHONPATH}
 
 A model larger than the GPU (13B: its states alone exceed it) runs the offload mode alone,
 under a limit given outright, with micro-batches per step and model TFLOPS reported:
@@ -23,13 +38,19 @@ under a limit given outright, with micro-batches per step and model TFLOPS repor
 """
 
 import argparse
+import dataclasses
+import importlib.util
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "bindings" / "python"
@@ -38,7 +59,10 @@ PACKAGE = ROOT / "bindings" / "python"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--library", default=str(ROOT / "build" / "libzeroalloc.so"))
-    parser.add_argument("--modes", default="native,zeroalloc,offload,fsdp2")
+    parser.add_argument("--modes", default="native,zeroalloc,offload,fsdp2",
+                        help="comma-separated, run in this order whatever the order given: "
+                        "native, zeroalloc, ds2, ds3, offload, fsdp2 (ds2 and ds3 need "
+                        "DeepSpeed: scripts/install-deepspeed.sh)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fsdp2-steps", type=int, default=3)
@@ -76,7 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "whole forward: 24 GiB at 13B; without it each use casts again)")
     parser.add_argument("--limit-gib", type=float, default=0.0,
                         help="offload mode: this ZEROALLOC_MEMORY_LIMIT instead of one derived "
-                        "from the native run (for models that do not fit: no native run needed)")
+                        "from the native run (for models that do not fit: no native run "
+                        "needed); --limits-gib, when given, replaces it")
+    parser.add_argument("--limits-gib", default="",
+                        help="budget sweep: run the offload mode once per limit, comma-separated "
+                        "GiB or 'ds2' (the peak DeepSpeed ZeRO-2-Offload allocated in this run; "
+                        "its run is added), e.g. ds2,18,21,24.8; then print the sweep's table. "
+                        "Its PCIe-bound column needs the native mode in --modes")
     parser.add_argument("--host-limit", default="32GiB",
                         help="offload mode: ZEROALLOC_HOST_LIMIT")
     parser.add_argument("--profile-dir", default="",
@@ -85,6 +115,300 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+GIB = 2**30
+DEEPSPEED_MODES = ("ds2", "ds3")
+KNOWN_MODES = ("native", "zeroalloc", *DEEPSPEED_MODES, "offload", "fsdp2")
+# The one-rank process groups' ports, one per mode: a mode never waits for the port of the
+# mode before it to be let go.
+MASTER_PORTS = {"fsdp2": "29517", "ds2": "29518", "ds3": "29519"}
+BANDWIDTH_COPY_BYTES = 256 * 2**20
+BANDWIDTH_REPETITIONS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitRequest:
+    """One ZEROALLOC_MEMORY_LIMIT of the offload mode, as asked for: GiB given outright, the
+    peak another mode of this run allocated (footprint_of="ds2"), or, with neither, the
+    native run's peak reserved less the share of the optimizer states sent to the host."""
+    label: str
+    gib: Optional[float] = None
+    footprint_of: str = ""
+
+
+def parse_limits(text: str) -> list[LimitRequest]:
+    """--limits-gib: comma-separated GiB or DeepSpeed modes ("ds2,18,21,24.8")."""
+    requests = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item in DEEPSPEED_MODES:
+            requests.append(LimitRequest(item, footprint_of=item))
+            continue
+        try:
+            gib = float(item)
+        except ValueError:
+            gib = math.nan
+        if not (math.isfinite(gib) and gib > 0):
+            raise ValueError(f"--limits-gib {text!r}: {item!r} is neither a positive number of "
+                             f"GiB nor one of {', '.join(DEEPSPEED_MODES)} "
+                             "(accepted: e.g. ds2,18,21,24.8)")
+        requests.append(LimitRequest(item, gib=gib))
+    return requests
+
+
+def resolve_limit_bytes(request: LimitRequest, results: dict,
+                        states_on_host: float) -> Optional[int]:
+    """The limit in bytes, or None when the run it is read from gave no figure."""
+    if request.gib is not None:
+        return int(request.gib * GIB)
+    if request.footprint_of:
+        peak = results.get(request.footprint_of, {}).get("peak_allocated")
+        return int(peak) if peak else None
+    native = results.get("native", {})
+    if "peak_reserved" not in native:
+        return None
+    states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
+    return int(native["peak_reserved"] - states_on_host * states_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One worker process: `name` is its row in the tables and its key in the JSON line."""
+    name: str
+    mode: str
+    limit: Optional[LimitRequest] = None
+    window_bytes: str = ""
+    overlap_bytes: str = ""
+    gradient_class: str = ""
+    log_suffix: str = ""
+
+
+def plan_runs(args) -> list[Run]:
+    """The runs in the order they must happen: native before the offload limit derived from
+    it, DeepSpeed before an offload limit read from its footprint, and the bandwidth
+    measurement (for the sweep's PCIe-bound column) before the sweep."""
+    modes = [mode for mode in args.modes.split(",") if mode]
+    unknown = [mode for mode in modes if mode not in KNOWN_MODES]
+    if unknown:
+        raise ValueError(f"--modes {args.modes!r}: {', '.join(unknown)} unknown "
+                         f"(accepted: {','.join(KNOWN_MODES)}, any of them)")
+    sweep = parse_limits(args.limits_gib)
+    offload = "offload" in modes or bool(sweep)
+    if sweep:
+        limits = sweep
+    elif args.limit_gib:
+        limits = [LimitRequest(f"{args.limit_gib:g}", gib=args.limit_gib)]
+    else:
+        limits = [LimitRequest("derived")]
+    runs = []
+    derived = offload and any(l.gib is None and not l.footprint_of for l in limits)
+    if "native" in modes or derived:
+        runs.append(Run("native", "native"))
+    if "zeroalloc" in modes:
+        runs.append(Run("zeroalloc", "zeroalloc"))
+    footprints = {l.footprint_of for l in limits if offload and l.footprint_of}
+    for mode in DEEPSPEED_MODES:
+        if mode in modes or mode in footprints:
+            runs.append(Run(mode, mode))
+    if sweep:
+        runs.append(Run("bandwidth", "bandwidth"))
+    if offload:
+        sizes = args.window_bytes.split(",") if args.window_bytes else [""]
+        overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
+        gradients = args.gradient_class.split(",") if args.gradient_class else [""]
+        for limit in limits:
+            for size in sizes:
+                for overlap in overlaps:
+                    for gradient in gradients:
+                        name = "offload"
+                        if sweep:
+                            name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
+                        if len(sizes) > 1:
+                            name += f"_{int(size) >> 20}MiB"
+                        if len(overlaps) > 1:
+                            name += f"_ov{int(overlap) >> 20}M"
+                        if len(gradients) > 1:
+                            name += f"_grad{gradient}"
+                        runs.append(Run(name, "offload", limit, size, overlap, gradient,
+                                        f"_limit{limit.label}" if sweep else ""))
+    if "fsdp2" in modes:
+        runs.append(Run("fsdp2", "fsdp2"))
+    return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidth:
+    """Pinned host memory to and from the device, GB/s (1e9 bytes a second): medians of
+    several copies of BANDWIDTH_COPY_BYTES; `both` counts the bytes of both directions
+    copied at once, over the time the pair took."""
+    host_to_device_gbps: float
+    device_to_host_gbps: float
+    both_gbps: float
+
+    @classmethod
+    def from_result(cls, result: dict) -> Optional["Bandwidth"]:
+        if "error" in result:
+            return None
+        return cls(result["host_to_device_gbps"], result["device_to_host_gbps"],
+                   result["both_gbps"])
+
+
+PCIE_BOUND_FORMULA = ("PCIe bound = max(native step, over / d2h, over / h2d, 2 x over / both), "
+                      "over = max(0, native peak reserved - limit): a lower bound, see "
+                      "pcie_bound_step_s")
+
+
+def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_bytes: int,
+                      bandwidth: Bandwidth) -> float:
+    """The step time the bus allows at a limit (PCIE_BOUND_FORMULA): the bytes the native run
+    held above the limit must leave the device and come back once a step, no faster than
+    pinned copies move, and the step is no shorter than the native one.
+
+    This is a lower bound under its model, not a prediction: it assumes each byte above the
+    limit is needed every step and crosses exactly once each way, at the bandwidth of large
+    copies with nothing else on the bus, entirely hidden behind the native step's compute,
+    and that the offload run needs no more device memory than the native run reserved. The
+    offload run pays what the model leaves out (copies that cannot overlap the work waiting
+    for them, the hooks' host time, remaps), so measured / bound at or above 1 is expected
+    and how far above 1 is what is left to win above the bus. Where the model is off the
+    other way (the native peak reserved counts the caching allocator's slack, so fewer
+    bytes may really need to move), a ratio below 1 says so."""
+    over_bytes = max(0, native_peak_reserved - limit_bytes)
+    to_host_s = over_bytes / (bandwidth.device_to_host_gbps * 1e9)
+    to_device_s = over_bytes / (bandwidth.host_to_device_gbps * 1e9)
+    both_s = 2 * over_bytes / (bandwidth.both_gbps * 1e9)
+    return max(native_step_s, to_host_s, to_device_s, both_s)
+
+
+def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
+                  deepspeed: dict) -> dict:
+    """One offload run's row of the sweep: figures per timed step (the worker's `timed`
+    deltas, warmup left out), the PCIe bound where the native run and the bandwidth are
+    known (else nan), and tokens/s over each DeepSpeed mode's."""
+    timed = result.get("timed") or {}
+    steps = timed.get("steps") or 0
+    nan = math.nan
+    if timed.get("uses"):
+        hit_rate = timed["prefetch_hits"] / timed["uses"]
+    else:  # no use in the timed steps: the whole run's figure
+        hit_rate = (result.get("offload") or {}).get("prefetch_hit_rate", nan)
+    figures = {
+        "limit_gib": result["limit_bytes"] / GIB,
+        "tokens_per_s": result["tokens_per_s"],
+        "step_s": result["step_s"],
+        "hit_rate": hit_rate,
+        "moved_gib_per_step": (timed["bytes_to_host"] + timed["bytes_to_device"]) / steps / GIB
+        if steps else nan,
+        "host_gib": (result.get("offload") or {}).get("host_resident_bytes", nan) / GIB,
+        "device_wait_s_per_step": timed["device_waited_ns"] / 1e9 / steps if steps else nan,
+        "pcie_bound_s": nan,
+        "step_over_bound": nan,
+    }
+    if bandwidth is not None and "step_s" in native and "peak_reserved" in native:
+        bound = pcie_bound_step_s(native["step_s"], native["peak_reserved"],
+                                  result["limit_bytes"], bandwidth)
+        figures["pcie_bound_s"] = bound
+        figures["step_over_bound"] = result["step_s"] / bound
+    for mode, each in deepspeed.items():
+        figures[f"vs_{mode}"] = result["tokens_per_s"] / each["tokens_per_s"]
+    return figures
+
+
+def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Bandwidth]) -> str:
+    """The budget sweep's table: one row per offload run of `sweep` (Runs), then each
+    DeepSpeed mode's own footprint and speed for reference, then how the bound was made."""
+    deepspeed = {mode: results[mode] for mode in DEEPSPEED_MODES
+                 if "tokens_per_s" in results.get(mode, {})}
+    native = results.get("native", {})
+    width = max([len(run.name) for run in sweep] + [len(mode) for mode in deepspeed] + [14])
+    header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
+              f"{'GiB/step':>8} {'host GiB':>8} {'wait s/step':>11} {'PCIe bound s':>12} "
+              f"{'step/bound':>10}")
+    header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
+    lines = [header]
+    for run in sweep:
+        result = results.get(run.name, {})
+        if "tokens_per_s" not in result:
+            last_words = (result.get("error") or "").strip().splitlines()[-1:]
+            lines.append(f"{run.name:{width}} failed" + "".join(f": {w}" for w in last_words))
+            continue
+        f = sweep_figures(result, native, bandwidth, deepspeed)
+        limit = f"{f['limit_gib']:.1f}"
+        if run.limit.footprint_of:
+            limit += f" ({run.limit.label})"
+        line = (f"{run.name:{width}} {limit:>10} {f['tokens_per_s']:8.0f} {f['step_s']:7.3f} "
+                f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} {f['host_gib']:8.2f} "
+                f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
+                f"{f['step_over_bound']:10.2f}")
+        line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
+        lines.append(line)
+    for mode, result in deepspeed.items():  # the reference: its footprint, its speed
+        lines.append(f"{mode:{width}} {result['peak_allocated'] / GIB:10.1f} "
+                     f"{result['tokens_per_s']:8.0f} {result['step_s']:7.3f}")
+    if deepspeed:
+        lines.append(f"{', '.join(deepspeed)}: DeepSpeed itself, its peak allocated over the "
+                     "timed steps as the limit")
+    lines.append("GiB/step: what the engine migrated (bytes to host + to device over the timed "
+                 "steps, per step); the windowed step's copies of host-resident states through "
+                 "device scratch are not in it: they are about host GiB each way a step")
+    lines.append(PCIE_BOUND_FORMULA)
+    if bandwidth is None:
+        lines.append("pinned bandwidth: not measured (the bandwidth run failed)")
+    else:
+        lines.append(f"pinned bandwidth ({BANDWIDTH_COPY_BYTES >> 20} MiB copies): host to "
+                     f"device {bandwidth.host_to_device_gbps:.1f} GB/s, device to host "
+                     f"{bandwidth.device_to_host_gbps:.1f} GB/s, both at once "
+                     f"{bandwidth.both_gbps:.1f} GB/s")
+    if not native.get("peak_reserved"):
+        lines.append("no PCIe bound: the native run failed or was not asked for (--modes native)")
+    return "\n".join(lines)
+
+
+def format_main_table(results: dict) -> str:
+    """Every run side by side: step time, tokens/s, against native and FSDP2, and notes."""
+    native_step = results.get("native", {}).get("step_s")
+    fsdp_tokens = results.get("fsdp2", {}).get("tokens_per_s")
+    width = max([14] + [len(mode) for mode in results])
+    lines = [f"{'mode':{width}} {'step s':>8} {'tokens/s':>10} {'vs native':>10} "
+             f"{'vs fsdp2':>9}  notes"]
+    for mode, result in results.items():
+        if "error" in result:
+            lines.append(f"{mode:{width}} failed")
+            continue
+        notes = ""
+        if result.get("offload"):
+            figures = result["offload"]
+            notes = (f"limit {result['limit_bytes'] / GIB:.1f} GiB; host holds "
+                     f"{figures['host_resident_bytes'] / GIB:.1f} GiB; moved "
+                     f"{figures['bytes_to_host'] / GIB:.1f} GiB out, "
+                     f"{figures['bytes_to_device'] / GIB:.1f} GiB in; hit rate "
+                     f"{figures['prefetch_hit_rate']:.3f}; device waited "
+                     f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
+            overlap = result.get("overlap") or {}
+            if overlap.get("steps"):
+                notes += (f"; staged {overlap['staged_bytes'] / overlap['steps'] / GIB:.2f}, "
+                          f"kept {overlap['kept_bytes'] / overlap['steps'] / GIB:.2f} GiB/step")
+        elif result.get("deepspeed"):
+            setup = result["deepspeed"]
+            notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "
+                     f"{' and '.join(setup['offloaded'])} on the host, "
+                     f"{setup['optimizer']}, bf16 weights; checkpointing "
+                     f"{'on' if setup['checkpointing'] else 'off'}; peak allocated "
+                     f"{result['peak_allocated'] / GIB:.1f} GiB over the timed steps, "
+                     f"{result['peak_allocated_run'] / GIB:.1f} GiB over the run; reserved "
+                     f"{result['peak_reserved'] / GIB:.1f} GiB")
+        elif "peak_allocated" in result:
+            notes = (f"peak allocated {result['peak_allocated'] / GIB:.1f} GiB, reserved "
+                     f"{result['peak_reserved'] / GIB:.1f} GiB")
+        notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
+            **result["phases_s"]) + f"{result['model_tflops']:.0f} model TFLOPS; " + notes
+        vs_native = result["step_s"] / native_step if native_step else math.nan
+        vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else math.nan
+        lines.append(f"{mode:{width}} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
+                     f"{vs_native:10.3f} {vs_fsdp:9.2f}  {notes}")
+    return "\n".join(lines)
 
 
 def build(args, torch, device):
@@ -99,8 +423,37 @@ def build(args, torch, device):
     return model
 
 
+# The offload engine's counters whose change over the timed steps the offload worker reports
+# (raw_stats' `offload` at the end counts the warmup steps too).
+TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits")
+
+
+def offload_counters(zeroalloc) -> dict:
+    figures = zeroalloc.raw_stats(0).get("offload") or {}
+    return {name: figures.get(name, 0) for name in TIMED_COUNTERS}
+
+
+def timing_result(args, mode: str, parameters: int, times: list, phases: list, loss) -> dict:
+    """The figures every training worker reports, from its timed steps."""
+    result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
+              "steps_s": times, "loss": float(loss.detach())}
+    # Device time between marks on the default stream: forward, backward, optimizer step.
+    result["phases_s"] = {name: statistics.median(p[i] for p in phases)
+                          for i, name in enumerate(("forward", "backward", "step"))}
+    result["tokens_per_s"] = args.batch * args.seq * args.accumulate / result["step_s"]
+    # Model FLOPs per token, forward and backward, recomputation not counted (Megatron-LM's
+    # count: 6 per parameter, plus attention's 12 x layers x hidden x sequence).
+    flops_per_token = 6 * parameters + 12 * args.layers * args.hidden * args.seq
+    result["model_tflops"] = result["tokens_per_s"] * flops_per_token / 1e12
+    return result
+
+
 def worker(args) -> int:
     mode = args.worker
+    if mode in DEEPSPEED_MODES:
+        return deepspeed_worker(args)
+    if mode == "bandwidth":
+        return bandwidth_worker()
     import torch
     zt = zeroalloc = None
     if mode in ("zeroalloc", "offload"):
@@ -164,7 +517,10 @@ def worker(args) -> int:
     warmup = 1 if mode == "fsdp2" else args.warmup
     times, phases = [], []
     loss = None
+    timed_from = None
     for index in range(warmup + steps):
+        if index == warmup and mode == "offload":
+            timed_from = offload_counters(zeroalloc)
         torch.cuda.synchronize()
         started = time.perf_counter()
         loss = step()
@@ -195,6 +551,11 @@ def worker(args) -> int:
                       ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
                                 for k, v in sorted(moved.items())), file=sys.stderr)
             previous = figures
+    timed = None
+    if timed_from is not None:
+        timed_to = offload_counters(zeroalloc)
+        timed = {name: timed_to[name] - timed_from[name] for name in TIMED_COUNTERS}
+        timed["steps"] = steps
     if args.profile_dir and mode == "offload":
         # Host time inside the engine's hint calls during one step, by call.
         from zeroalloc import _offload
@@ -237,16 +598,7 @@ def worker(args) -> int:
         with open(plain, "rb") as source, gzip.open(f"{plain}.gz", "wb") as packed:
             packed.write(source.read())
         plain.unlink()
-    result = {"mode": mode, "parameters": parameters, "step_s": statistics.median(times),
-              "steps_s": times, "loss": float(loss)}
-    # Device time between marks on the default stream: forward, backward, optimizer step.
-    result["phases_s"] = {name: statistics.median(p[i] for p in phases)
-                          for i, name in enumerate(("forward", "backward", "step"))}
-    result["tokens_per_s"] = args.batch * args.seq * args.accumulate / result["step_s"]
-    # Model FLOPs per token, forward and backward, recomputation not counted (Megatron-LM's
-    # count: 6 per parameter, plus attention's 12 x layers x hidden x sequence).
-    flops_per_token = 6 * parameters + 12 * args.layers * args.hidden * args.seq
-    result["model_tflops"] = result["tokens_per_s"] * flops_per_token / 1e12
+    result = timing_result(args, mode, parameters, times, phases, loss)
     if mode == "native":
         result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         result["peak_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -259,14 +611,196 @@ def worker(args) -> int:
         result["classes"] = stats.get("classes")
         if mode == "offload":
             result["overlap"] = zt.step_figures(optimizer)
+            result["timed"] = timed
     print("result " + json.dumps(result), flush=True)
     if mode == "fsdp2":
         torch.distributed.destroy_process_group()
     return 0
 
 
+def deepspeed_config(args, stage: int) -> dict:
+    """ZeRO-Offload as DeepSpeed documents it for one GPU: optimizer states (and at stage 3
+    the parameters) in pinned host memory, DeepSpeed's CPU Adam ("AdamW" with an offloaded
+    optimizer becomes DeepSpeedCPUAdam with adamw_mode), bf16 weights; the AdamW of the
+    other modes (lr 1e-4, weight decay 0.01), no gradient clipping (DeepSpeed's default
+    clips at 1.0)."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": args.accumulate,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "zero_optimization": zero,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False}
+
+
+def prepare_cpu_adam_build(torch) -> None:
+    """DeepSpeed installed with DS_BUILD_OPS=0 compiles CPU Adam at its first use
+    (torch.utils.cpp_extension.load, through ninja, into ~/.cache/torch_extensions). It is a
+    host-only extension: it needs a C++ compiler with OpenMP, ninja on PATH and Python's
+    headers, not nvcc. ninja's wheel installed with --target puts the program in TARGET/bin,
+    beside the packages, which is on no one's PATH: add it. CUDA_HOME and the architecture
+    list are set for any CUDA op DeepSpeed might build, so that it is built for this GPU
+    alone."""
+    if shutil.which("ninja") is None:
+        places = []
+        spec = importlib.util.find_spec("deepspeed")
+        if spec is not None and spec.origin:
+            places.append(Path(spec.origin).resolve().parents[1] / "bin")
+        try:
+            import ninja
+            places.append(Path(ninja.BIN_DIR))
+        except (ImportError, AttributeError, TypeError):
+            pass
+        for place in places:
+            if (place / "ninja").is_file():
+                os.environ["PATH"] = f"{place}{os.pathsep}{os.environ.get('PATH', '')}"
+                break
+        else:
+            print("ninja is not on PATH nor beside deepspeed: DeepSpeed cannot build CPU Adam "
+                  "(scripts/install-deepspeed.sh installs it into TARGET/bin)", file=sys.stderr)
+    if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda").is_dir():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+    major, minor = torch.cuda.get_device_capability()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    # torch.utils.cpp_extension includes this directory; a Python without its development
+    # files (python3.12-dev on Ubuntu) fails the build with "Python.h: No such file".
+    headers = Path(sysconfig.get_path("include", scheme="posix_prefix"))
+    if not (headers / "Python.h").is_file():
+        print(f"{headers}/Python.h is missing: DeepSpeed's CPU Adam will not compile "
+              "(install Python's development headers)", file=sys.stderr)
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        print("no C++ compiler (c++ or $CXX) on PATH: DeepSpeed's CPU Adam will not compile",
+              file=sys.stderr)
+
+
+def deepspeed_worker(args) -> int:
+    """ds2 / ds3: the same model, batch, steps and timing as the other modes, trained by
+    DeepSpeed's engine on one rank (the environment run_mode sets stands in for its
+    launcher). DeepSpeed's bf16 mode trains bf16 weights with fp32 master weights on the
+    host, where the other modes autocast over fp32 weights."""
+    mode = args.worker
+    stage = int(mode[len("ds"):])
+    import torch
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    prepare_cpu_adam_build(torch)
+    import deepspeed
+    deepspeed.init_distributed()
+    config = deepspeed_config(args, stage)
+    # ZeRO-3 partitions a model built on the host while it initialises (the engine casts it
+    # to bf16, moves it and converts its parameters), so the full fp32 model never has to fit
+    # on the device; ZeRO-2 keeps the bf16 weights on the device anyway.
+    model = build(args, torch, "cpu" if stage == 3 else device)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    parameters = sum(p.numel() for p in model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model,
+                                                   model_parameters=model.parameters(),
+                                                   config=config)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
+    def step():
+        # The phases of the other modes: first forward; the backwards (with later forwards,
+        # and the engine.step calls inside the accumulation, which only count); the last
+        # engine.step, where the optimizer runs.
+        marks[0].record()
+        for micro in range(args.accumulate):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            if micro == 0:
+                marks[1].record()
+            engine.backward(loss)
+            if micro + 1 < args.accumulate:
+                engine.step()
+        marks[2].record()
+        engine.step()
+        marks[3].record()
+        return loss
+
+    times, phases = [], []
+    loss = None
+    peak_allocated_before = 0
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup:
+            peak_allocated_before = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - started)
+            phases.append([marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)])
+        print(f"step {index}: {time.perf_counter() - started:.3f} s, allocated "
+              f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB", file=sys.stderr, flush=True)
+    result = timing_result(args, mode, parameters, times, phases, loss)
+    result["peak_allocated"] = torch.cuda.max_memory_allocated(device)  # the timed steps
+    result["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    result["peak_allocated_run"] = max(peak_allocated_before, result["peak_allocated"])
+    result["deepspeed"] = {
+        "version": deepspeed.__version__, "stage": stage,
+        "offloaded": ["optimizer states"] + (["parameters"] if stage == 3 else []),
+        "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "checkpointing": bool(args.checkpointing), "config": config}
+    print("result " + json.dumps(result), flush=True)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def bandwidth_worker() -> int:
+    """Pinned host memory to and from the device, each way alone and both at once on two
+    streams: the medians of BANDWIDTH_REPETITIONS copies of BANDWIDTH_COPY_BYTES, after two
+    untimed ones."""
+    import torch
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    size = BANDWIDTH_COPY_BYTES
+    host_source = torch.ones(size, dtype=torch.uint8).pin_memory()
+    host_target = torch.empty(size, dtype=torch.uint8).pin_memory()
+    device_target = torch.empty(size, dtype=torch.uint8, device=device)
+    device_source = torch.ones(size, dtype=torch.uint8, device=device)
+    to_device, to_host = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+
+    def seconds(copy_to_device: bool, copy_to_host: bool) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        for stream, wanted, target, source in ((to_device, copy_to_device, device_target,
+                                                host_source),
+                                               (to_host, copy_to_host, host_target,
+                                                device_source)):
+            if wanted:
+                stream.wait_event(start)
+                with torch.cuda.stream(stream):
+                    target.copy_(source, non_blocking=True)
+                main.wait_stream(stream)
+        end.record(main)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def median_gbps(copy_to_device: bool, copy_to_host: bool) -> float:
+        for _ in range(2):
+            seconds(copy_to_device, copy_to_host)
+        moved = size * (int(copy_to_device) + int(copy_to_host))
+        return statistics.median(moved / seconds(copy_to_device, copy_to_host) / 1e9
+                                 for _ in range(BANDWIDTH_REPETITIONS))
+
+    result = {"mode": "bandwidth", "copy_bytes": size, "repetitions": BANDWIDTH_REPETITIONS,
+              "host_to_device_gbps": median_gbps(True, False),
+              "device_to_host_gbps": median_gbps(False, True),
+              "both_gbps": median_gbps(True, True)}
+    print("result " + json.dumps(result), flush=True)
+    return 0
+
+
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
-             overlap_bytes: str = "", gradient_class: str = "") -> dict:
+             overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -275,8 +809,12 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env["ZEROALLOC_OFFLOAD"] = "host"
         env["ZEROALLOC_HOST_LIMIT"] = args.host_limit
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
-    if mode == "fsdp2":
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
+    if mode in MASTER_PORTS:  # one rank of a process group, without a launcher
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": MASTER_PORTS[mode]})
+    if mode in DEEPSPEED_MODES:
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cuda"})
+        if "CUDA_HOME" not in env and Path("/usr/local/cuda").is_dir():
+            env["CUDA_HOME"] = "/usr/local/cuda"
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
@@ -288,17 +826,20 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
+    others = [line for line in result.stdout.splitlines() if not line.startswith("result ")]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         suffix = f"_{int(window_bytes) >> 20}MiB" if window_bytes else ""
         suffix += f"_ov{int(overlap_bytes) >> 20}MiB" if overlap_bytes else ""
         suffix += f"_grad{gradient_class}" if gradient_class else ""
-        (Path(args.log_dir) / f"{mode}{suffix}.log").write_text(result.stderr)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
+        # DeepSpeed logs to standard output: what a worker printed there besides its result.
+        (Path(args.log_dir) / f"{mode}{suffix}{log_suffix}.log").write_text(
+            result.stderr + "".join(f"{line}\n" for line in others))
     if result.returncode != 0 or not lines:
         ours = [line for line in result.stderr.splitlines() if "zeroalloc" in line]
         print(f"{mode} failed (exit {result.returncode}):\n" + "\n".join(ours[-25:]) +
-              "\n" + result.stderr[-1500:], flush=True)
+              "\n" + "\n".join(others[-10:]) + "\n" + result.stderr[-1500:], flush=True)
         return {"mode": mode, "error": result.stderr[-500:]}
     return json.loads(lines[-1][len("result "):])
 
@@ -307,68 +848,40 @@ def main() -> int:
     args = parse_args()
     if args.worker:
         return worker(args)
-    modes = args.modes.split(",")
     if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
         print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
         return 2
-    results = {}
-    if "native" in modes or ("offload" in modes and not args.limit_gib):
-        results["native"] = run_mode(args, "native")
-    if "zeroalloc" in modes:
-        results["zeroalloc"] = run_mode(args, "zeroalloc")
-    if "offload" in modes and (args.limit_gib or "peak_reserved" in results.get("native", {})):
-        if args.limit_gib:
-            limit = int(args.limit_gib * 2**30)
-        else:
-            native = results["native"]
-            states_bytes = 2 * 4 * native["parameters"]  # AdamW: two fp32 moments
-            limit = int(native["peak_reserved"] - args.states_on_host * states_bytes)
-        sizes = args.window_bytes.split(",") if args.window_bytes else [""]
-        overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
-        gradients = args.gradient_class.split(",") if args.gradient_class else [""]
-        for size in sizes:
-            for overlap in overlaps:
-                for gradient in gradients:
-                    name = "offload"
-                    if len(sizes) > 1:
-                        name += f"_{int(size) >> 20}MiB"
-                    if len(overlaps) > 1:
-                        name += f"_ov{int(overlap) >> 20}M"
-                    if len(gradients) > 1:
-                        name += f"_grad{gradient}"
-                    results[name] = run_mode(args, "offload", limit, size, overlap, gradient)
-    if "fsdp2" in modes:
-        results["fsdp2"] = run_mode(args, "fsdp2")
-    native_step = results.get("native", {}).get("step_s")
-    fsdp_tokens = results.get("fsdp2", {}).get("tokens_per_s")
-    print(f"\n{'mode':14} {'step s':>8} {'tokens/s':>10} {'vs native':>10} {'vs fsdp2':>9}  notes")
-    for mode, result in results.items():
-        if "error" in result:
-            print(f"{mode:10} failed")
+    try:
+        runs = plan_runs(args)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    results, bandwidth_result, sweep = {}, None, []
+    for run in runs:
+        if run.mode == "bandwidth":
+            bandwidth_result = run_mode(args, "bandwidth")
             continue
-        notes = ""
-        if result.get("offload"):
-            figures = result["offload"]
-            notes = (f"limit {result['limit_bytes'] / 2**30:.1f} GiB; host holds "
-                     f"{figures['host_resident_bytes'] / 2**30:.1f} GiB; moved "
-                     f"{figures['bytes_to_host'] / 2**30:.1f} GiB out, "
-                     f"{figures['bytes_to_device'] / 2**30:.1f} GiB in; hit rate "
-                     f"{figures['prefetch_hit_rate']:.3f}; device waited "
-                     f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
-            overlap = result.get("overlap") or {}
-            if overlap.get("steps"):
-                notes += (f"; staged {overlap['staged_bytes'] / overlap['steps'] / 2**30:.2f}, "
-                          f"kept {overlap['kept_bytes'] / overlap['steps'] / 2**30:.2f} GiB/step")
-        elif "peak_allocated" in result:
-            notes = (f"peak allocated {result['peak_allocated'] / 2**30:.1f} GiB, reserved "
-                     f"{result['peak_reserved'] / 2**30:.1f} GiB")
-        notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
-            **result["phases_s"]) + f"{result['model_tflops']:.0f} model TFLOPS; " + notes
-        vs_native = result["step_s"] / native_step if native_step else float("nan")
-        vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else float("nan")
-        print(f"{mode:14} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
-              f"{vs_native:10.3f} {vs_fsdp:9.2f}  {notes}")
-    print(json.dumps({"bench": "offload_llama", "results": results}))
+        limit_bytes = 0
+        if run.limit is not None:
+            limit_bytes = resolve_limit_bytes(run.limit, results, args.states_on_host)
+            if args.limits_gib:
+                sweep.append(run)
+            if limit_bytes is None:
+                source = run.limit.footprint_of or "native"
+                print(f"{run.name} skipped: the {source} run gave no figure to set its limit",
+                      flush=True)
+                results[run.name] = {"mode": run.mode, "error": f"no {source} figure"}
+                continue
+        results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
+                                     run.overlap_bytes, run.gradient_class, run.log_suffix)
+    print("\n" + format_main_table(results))
+    if sweep:
+        bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None
+        print("\nbudget sweep\n" + format_sweep_table(sweep, results, bandwidth))
+    output = {"bench": "offload_llama", "results": results}
+    if bandwidth_result is not None:
+        output["bandwidth"] = bandwidth_result
+    print(json.dumps(output))
     return 0
 
 

@@ -1,0 +1,193 @@
+"""The Llama bench's parent side, which runs no GPU code: the order of its runs (DeepSpeed's
+before an offload limit read from its footprint, the native run before a limit derived from
+it), the PCIe-bound estimate, and the tables it prints, from made-up worker results in
+place of the workers (bench/python/offload_llama_bench.py).
+
+    python3 -m pytest tests/python/test_offload_llama_bench.py
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "python" / "offload_llama_bench.py"
+spec = importlib.util.spec_from_file_location("offload_llama_bench", BENCH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+GIB = 2**30
+BANDWIDTH = bench.Bandwidth(host_to_device_gbps=50.0, device_to_host_gbps=50.0, both_gbps=100.0)
+
+
+def names(argv):
+    return [run.name for run in bench.plan_runs(bench.parse_args(argv))]
+
+
+def test_the_sweep_accepts_gib_and_deepspeed_footprints():
+    limits = bench.parse_limits("ds2, 18,21,24.8")
+    assert [(l.label, l.gib, l.footprint_of) for l in limits] == [
+        ("ds2", None, "ds2"), ("18", 18.0, ""), ("21", 21.0, ""), ("24.8", 24.8, "")]
+    assert bench.parse_limits("") == []
+
+
+@pytest.mark.parametrize("text", ["18,lots", "-1", "0", "nan", "ds4"])
+def test_a_bad_limit_names_the_flag_the_value_and_the_accepted_form(text):
+    with pytest.raises(ValueError, match=r"--limits-gib .*ds2,18,21,24\.8"):
+        bench.parse_limits(text)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="--modes .*ds5 unknown"):
+        names(["--modes", "native,ds5"])
+
+
+def test_deepspeed_runs_before_the_sweep_that_reads_its_footprint():
+    assert names(["--modes", "native,offload,ds2,ds3", "--limits-gib", "ds2,18"]) == [
+        "native", "ds2", "ds3", "bandwidth", "offload_ds2", "offload_18GiB"]
+    # ds2 only in the sweep: its run is added all the same; no native run is asked for.
+    assert names(["--modes", "offload", "--limits-gib", "ds2,21"]) == [
+        "ds2", "bandwidth", "offload_ds2", "offload_21GiB"]
+
+
+def test_the_runs_without_a_sweep_are_those_of_before():
+    # scripts/gpu-check.sh's call.
+    assert names(["--warmup", "8", "--steps", "8", "--overlap-bytes", "0,2147483648"]) == [
+        "native", "zeroalloc", "offload_ov0M", "offload_ov2048M", "fsdp2"]
+    # A limit given outright needs no native run.
+    assert names(["--modes", "offload", "--limit-gib", "128"]) == ["offload"]
+
+
+def test_limits_resolve_from_gib_footprints_and_the_native_run():
+    results = {"ds2": {"peak_allocated": 20 * GIB},
+               "native": {"peak_reserved": 40 * GIB, "parameters": 10**9}}
+    assert bench.resolve_limit_bytes(bench.LimitRequest("18", gib=18.0), results, 0.75) == 18 * GIB
+    assert bench.resolve_limit_bytes(bench.LimitRequest("ds2", footprint_of="ds2"),
+                                     results, 0.75) == 20 * GIB
+    assert bench.resolve_limit_bytes(bench.LimitRequest("derived"), results, 0.75) == \
+        40 * GIB - 6 * 10**9
+    # A DeepSpeed run that failed gives no limit.
+    assert bench.resolve_limit_bytes(bench.LimitRequest("ds2", footprint_of="ds2"),
+                                     {"ds2": {"error": "..."}}, 0.75) is None
+
+
+def test_the_pcie_bound_is_the_native_step_when_nothing_must_move():
+    assert bench.pcie_bound_step_s(0.15, 30 * GIB, 32 * GIB, BANDWIDTH) == 0.15
+
+
+def test_the_pcie_bound_moves_the_bytes_over_the_limit_out_and_back():
+    over = 10 * 10**9  # 10 GB over the limit: 0.2 s each way alone, 0.2 s both at once
+    bound = bench.pcie_bound_step_s(0.15, 20 * GIB + over, 20 * GIB, BANDWIDTH)
+    assert bound == pytest.approx(0.2)
+    slower_both = bench.Bandwidth(50.0, 50.0, 80.0)  # both at once slower than twice one
+    assert bench.pcie_bound_step_s(0.15, 20 * GIB + over, 20 * GIB, slower_both) == \
+        pytest.approx(0.25)
+
+
+def made_up_result(mode, limit_bytes=0):
+    """What a worker would print, with figures chosen to be checked by hand."""
+    phases = {"forward": 0.04, "backward": 0.07, "step": 0.03}
+    result = {"mode": mode, "parameters": 1_300_000_000, "phases_s": phases,
+              "model_tflops": 250.0, "loss": 10.0}
+    if mode == "bandwidth":
+        return {"mode": "bandwidth", "host_to_device_gbps": 50.0, "device_to_host_gbps": 50.0,
+                "both_gbps": 100.0}
+    if mode == "native":
+        return {**result, "step_s": 0.15, "tokens_per_s": 4096 / 0.15,
+                "peak_allocated": 30 * GIB, "peak_reserved": 31 * GIB}
+    if mode in ("ds2", "ds3"):
+        step = 1.0 if mode == "ds2" else 2.0
+        return {**result, "step_s": step, "tokens_per_s": 4096 / step,
+                "peak_allocated": (21 if mode == "ds2" else 9) * GIB,
+                "peak_allocated_run": 26 * GIB, "peak_reserved": 27 * GIB,
+                "deepspeed": {"version": "0.19.8", "stage": int(mode[2]),
+                              "offloaded": ["optimizer states"], "optimizer": "DeepSpeedCPUAdam",
+                              "checkpointing": True}}
+    assert mode == "offload"
+    step = 0.25 if limit_bytes > 20 * GIB else 0.4
+    return {**result, "step_s": step, "tokens_per_s": 4096 / step, "limit_bytes": limit_bytes,
+            "offload": {"host_resident_bytes": 8 * GIB, "bytes_to_host": 100 * GIB,
+                        "bytes_to_device": 100 * GIB, "prefetch_hit_rate": 0.5,
+                        "device_waited_ns": 10**9, "steps": 16},
+            "overlap": {}, "timed": {"steps": 8, "bytes_to_host": 40 * GIB,
+                                     "bytes_to_device": 40 * GIB, "device_waited_ns": 8 * 10**8,
+                                     "uses": 1000, "prefetch_hits": 970}}
+
+
+def test_a_sweep_row_counts_the_timed_steps_alone():
+    results = {"native": made_up_result("native"), "ds2": made_up_result("ds2")}
+    figures = bench.sweep_figures(made_up_result("offload", 24 * GIB), results["native"],
+                                  BANDWIDTH, {"ds2": results["ds2"]})
+    assert figures["limit_gib"] == 24
+    assert figures["hit_rate"] == pytest.approx(0.97)  # not the whole run's 0.5
+    assert figures["moved_gib_per_step"] == pytest.approx(10.0)  # 80 GiB over 8 steps
+    assert figures["host_gib"] == 8  # what the windowed step bounces each way
+    assert figures["device_wait_s_per_step"] == pytest.approx(0.1)
+    bound = 7 * GIB / 50e9  # 31 GiB reserved natively, 24 GiB allowed
+    assert figures["pcie_bound_s"] == pytest.approx(bound)
+    assert figures["step_over_bound"] == pytest.approx(0.25 / bound)
+    assert figures["vs_ds2"] == pytest.approx(4.0)  # 1.0 s against 0.25 s
+
+
+def test_a_sweep_row_without_native_run_has_no_bound():
+    figures = bench.sweep_figures(made_up_result("offload", 24 * GIB), {}, BANDWIDTH, {})
+    assert math.isnan(figures["pcie_bound_s"]) and math.isnan(figures["step_over_bound"])
+
+
+def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, capsys):
+    asked = []
+
+    def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
+                 gradient_class="", log_suffix=""):
+        asked.append((mode, limit_bytes, log_suffix))
+        if mode == "ds3":
+            return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
+        return made_up_result(mode, limit_bytes)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "native,offload,ds2,ds3",
+                                      "--limits-gib", "ds2,18,24.8", "--checkpointing"])
+    assert bench.main() == 0
+    assert asked == [("native", 0, ""), ("ds2", 0, ""), ("ds3", 0, ""), ("bandwidth", 0, ""),
+                     ("offload", 21 * GIB, "_limitds2"), ("offload", 18 * GIB, "_limit18"),
+                     ("offload", int(24.8 * GIB), "_limit24.8")]
+    out = capsys.readouterr().out
+    main_table, sweep_table = out.split("\nbudget sweep\n")
+    rows = {line.split()[0]: line for line in main_table.splitlines() if line.strip()}
+    assert "ZeRO-2" in rows["ds2"] and "checkpointing on" in rows["ds2"]
+    assert "peak allocated 21.0 GiB over the timed steps" in rows["ds2"]
+    assert rows["ds3"].split()[1] == "failed"
+    assert "limit 18.0 GiB" in rows["offload_18GiB"]
+    sweep_lines = sweep_table.splitlines()
+    assert "PCIe bound s" in sweep_lines[0] and "vs ds2" in sweep_lines[0]
+    assert "vs ds3" not in sweep_lines[0]  # it failed: no ratio to it
+    sweep_rows = {line.split()[0]: line.split() for line in sweep_lines[1:]}
+    assert sweep_rows["offload_ds2"][1:3] == ["21.0", "(ds2)"]
+    assert sweep_rows["offload_18GiB"][-1] == "2.50"  # 1.0 s against 0.4 s
+    assert sweep_rows["offload_24.8GiB"][-1] == "4.00"
+    assert sweep_rows["ds2"][1] == "21.0"
+    assert any(line.startswith("PCIe bound = max(native step") for line in sweep_lines)
+    assert any("host to device 50.0 GB/s" in line for line in sweep_lines)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["bandwidth"]["both_gbps"] == 100.0
+    assert set(summary["results"]) == {"native", "ds2", "ds3", "offload_ds2", "offload_18GiB",
+                                       "offload_24.8GiB"}
+
+
+def test_a_sweep_limit_whose_deepspeed_run_failed_is_skipped_and_said_so(monkeypatch, capsys):
+    def run_mode(args, mode, limit_bytes=0, *rest):
+        if mode == "ds2":
+            return {"mode": mode, "error": "ModuleNotFoundError: No module named 'deepspeed'\n"}
+        return made_up_result(mode, limit_bytes)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "native,offload",
+                                      "--limits-gib", "ds2,24"])
+    assert bench.main() == 0
+    sweep_lines = capsys.readouterr().out.split("\nbudget sweep\n")[1].splitlines()
+    assert "vs ds2" not in sweep_lines[0]
+    assert sweep_lines[1].split() == ["offload_ds2", "failed:", "no", "ds2", "figure"]
+    assert sweep_lines[2].startswith("offload_24GiB")
