@@ -12,7 +12,8 @@
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: alloc_bench hint migration remap torch_empty
 # preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
-# 140 s) baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
+# 140 s) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS, _WARMUP, _STEPS, _ARGS)
+# baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
 set -uo pipefail
@@ -156,6 +157,24 @@ step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloa
 skipped llama || python3 bench/python/offload_llama_bench.py \
   --library build/libzeroalloc.so --warmup 8 --steps 8 --overlap-bytes 0,2147483648 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
+# Needs DeepSpeed's sdist and wheels in .whl/ds/ (README, "Benchmarks"): without them the
+# sweep runs zeroalloc's rows alone.
+step "budget sweep: Llama 1.3B under memory limits, beside DeepSpeed ZeRO-Offload, one run"
+if [[ -z $(skipped sweep) ]]; then
+  sweep_modes=native,offload
+  if [[ -d .whl/ds ]] && bash scripts/install-deepspeed.sh /tmp/deepspeed-site >"$out/deepspeed-install.log" 2>&1; then
+    export PYTHONPATH=/tmp/deepspeed-site${PYTHONPATH:+:$PYTHONPATH} PATH=$PATH:/tmp/deepspeed-site/bin
+    sweep_modes=${GPU_CHECK_SWEEP_MODES:-native,offload,ds2}
+  else
+    echo "DeepSpeed not installed (.whl/ds missing or install failed: deepspeed-install.log); zeroalloc rows only"
+    tail -5 "$out/deepspeed-install.log" 2>/dev/null
+  fi
+  PYTHONUNBUFFERED=1 python3 bench/python/offload_llama_bench.py --library build/libzeroalloc.so \
+    --modes "$sweep_modes" --limits-gib "${GPU_CHECK_SWEEP_LIMITS:-ds2,18,21,24.8}" \
+    --warmup ${GPU_CHECK_SWEEP_WARMUP:-4} --steps ${GPU_CHECK_SWEEP_STEPS:-5} ${GPU_CHECK_SWEEP_ARGS:-} \
+    --log-dir "$out/sweep" 2>&1 | tee "$out/sweep.txt" | grep -v '^{' | tail -30
+else skipped sweep; fi
+
 step summary
 python3 - "$out" <<'PY'
 import json, os, re, sys, pathlib
@@ -215,6 +234,9 @@ rows.append((f"pytest {os.environ.get('GPU_CHECK_PYTEST', 'tests/python')}", m[-
 w = max(len(r[0]) for r in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")
+sweep = (out / "sweep.txt").read_text() if (out / "sweep.txt").exists() else ""
+if "budget sweep" in sweep:
+    print(sweep[sweep.index("budget sweep"):].split("\n{")[0].rstrip())
 PY
 if ((${#failed[@]})); then echo "status: FAIL (${failed[*]})"; exit 1; fi
 echo "status: PASS"

@@ -669,8 +669,17 @@ def prepare_cpu_adam_build(torch) -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     # torch.utils.cpp_extension includes this directory; a Python without its development
     # files (python3.12-dev on Ubuntu) fails the build with "Python.h: No such file".
+    # Headers of the same minor version carried beside DeepSpeed's files
+    # (.whl/ds/python-include/python3.X) stand in for them on the compiler's search path.
     headers = Path(sysconfig.get_path("include", scheme="posix_prefix"))
-    if not (headers / "Python.h").is_file():
+    carried = ROOT / ".whl" / "ds" / "python-include" / headers.name
+    if not (headers / "Python.h").is_file() and (carried / "Python.h").is_file():
+        for variable in ("CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"):
+            os.environ[variable] = os.pathsep.join(
+                filter(None, [str(carried), os.environ.get(variable)]))
+        print(f"{headers}/Python.h is missing: compiling CPU Adam with {carried}",
+              file=sys.stderr)
+    elif not (headers / "Python.h").is_file():
         print(f"{headers}/Python.h is missing: DeepSpeed's CPU Adam will not compile "
               "(install Python's development headers)", file=sys.stderr)
     if shutil.which(os.environ.get("CXX", "c++")) is None:
