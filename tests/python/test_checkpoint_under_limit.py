@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent("""
         return loss.item()
 
     losses = [step() for _ in range(3)]
-    path = sys.argv[1]
+    path = sys.argv[2]
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     saved = {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
     loaded = torch.load(path, map_location="cuda")
