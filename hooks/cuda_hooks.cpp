@@ -10,11 +10,12 @@
 // serves the hooks and every other caller at once.
 //
 // Note [Hook safety]: a hook never throws (everything below the C ABI is caught), never
-// logs, and does not allocate on the lookup path (string compares only). The real functions
-// are found once and cached: from the real lookup when a program fetched the hook through
-// cuGetProcAddress, cudaGetDriverEntryPoint or dlsym (the library may have been dlopened
-// with RTLD_LOCAL), else with dlsym(RTLD_NEXT). Hooks are inert (they forward every call)
-// unless the library was preloaded, and when ZEROALLOC_DISABLE=1: the same libzeroalloc.so
+// logs (but for failed allocations, which zeroalloc_malloc logs at most once every 10 s:
+// Note [Failures in the log] in capi.cpp), and does not allocate on the lookup path (string
+// compares only). The real functions are found once and cached: from the real lookup when a program
+// fetched the hook through cuGetProcAddress, cudaGetDriverEntryPoint or dlsym (the library may have
+// been dlopened with RTLD_LOCAL), else with dlsym(RTLD_NEXT). Hooks are inert (they forward every
+// call) unless the library was preloaded, and when ZEROALLOC_DISABLE=1: the same libzeroalloc.so
 // also serves as PyTorch's pluggable allocator, loaded with dlopen, where it must not touch
 // the program's own CUDA calls. Calls not served (the VMM cuMem* family, IPC, managed
 // memory, frees of memory zeroalloc does not own) go to the real functions and are counted

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +42,39 @@ thread_local allocation_class t_class = allocation_class::other;
 
 // The CUDA result standing for the last failure (zeroalloc::last_failure_cuda_code).
 thread_local int t_last_code = 0;
+
+// Note [Failures in the log]: a caller of zeroalloc_malloc may not read the last error (a
+// program's cudaMalloc, answered by the hooks, gets only an error code), so the log says why
+// an allocation failed. But programs probe with allocations that may fail (PyTorch's caching
+// allocator frees its cache and retries; cuDNN and cuBLAS try workspaces of several sizes),
+// and a line per probe would bury everything else: the first failure is logged, then at
+// most one every kFailureLogSeconds, counting those left out. Every failure still sets the
+// last error and counts in the statistics (failures).
+constexpr std::int64_t kFailureLogSeconds = 10;
+std::atomic<std::int64_t> g_last_failure_log_ns{INT64_MIN};
+std::atomic<std::uint64_t> g_failures_not_logged{0};
+
+void log_allocation_failure() {
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch())
+                               .count();
+  std::int64_t last = g_last_failure_log_ns.load(std::memory_order_relaxed);
+  const std::int64_t interval = kFailureLogSeconds * 1'000'000'000;
+  if ((last != INT64_MIN && now - last < interval) ||
+      !g_last_failure_log_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    g_failures_not_logged.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const std::uint64_t left_out = g_failures_not_logged.exchange(0, std::memory_order_relaxed);
+  if (left_out == 0) {
+    zeroalloc::log().error("{}", t_last_error);
+  } else {
+    zeroalloc::log().error(
+        "{} ({} more allocations failed since the last message; at most one "
+        "is logged every {} s)",
+        t_last_error, left_out, kFailureLogSeconds);
+  }
+}
 
 void set_error(const char* function, const char* message, int code = 999) noexcept {
   std::snprintf(t_last_error, sizeof t_last_error, "%s: %s", function, message);
@@ -138,10 +172,7 @@ ZA_EXPORT void* zeroalloc_malloc_class(ssize_t size, int device, zeroalloc_strea
 ZA_EXPORT void* zeroalloc_malloc(ssize_t size, int device, zeroalloc_stream_t stream) {
   void* pointer =
       zeroalloc_malloc_class(size, device, stream, static_cast<zeroalloc_class>(t_class));
-  if (pointer == nullptr && size > 0) {
-    // Callers such as PyTorch's pluggable allocator may not check; the log always says why.
-    zeroalloc::log().error("{}", t_last_error);
-  }
+  if (pointer == nullptr && size > 0) log_allocation_failure();  // Note [Failures in the log]
   return pointer;
 }
 

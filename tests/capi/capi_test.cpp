@@ -316,6 +316,26 @@ TEST_F(CApiTest, MemoryFreedOnAForgottenStreamServesTheNextAllocation) {
   zeroalloc_free(again, 8 << 20, 0, nullptr);
 }
 
+// Note [Failures in the log]: programs probe with allocations that fail (cuDNN's workspace
+// sizes, PyTorch's retry after freeing its cache); each failure sets the last error, but the
+// log gets at most one line for a burst of them.
+TEST_F(CApiTest, ABurstOfFailedAllocationsLogsAtMostOneLine) {
+  testing::internal::CaptureStderr();
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(zeroalloc_malloc(ssize_t{1} << 50, 0, nullptr), nullptr);
+    EXPECT_EQ(zeroalloc_last_error_code(), 2);
+    EXPECT_NE(std::string(zeroalloc_last_error()).find("out of memory"), std::string::npos)
+        << zeroalloc_last_error();
+  }
+  const std::string logged = testing::internal::GetCapturedStderr();
+  std::size_t lines = 0;
+  for (std::size_t at = logged.find("out of memory"); at != std::string::npos;
+       at = logged.find("out of memory", at + 1)) {
+    ++lines;
+  }
+  EXPECT_LE(lines, 1u) << logged;
+}
+
 TEST_F(CApiTest, LastErrorCodeIsCudasNumberForTheFailure) {
   EXPECT_EQ(zeroalloc_malloc(-1, 0, nullptr), nullptr);
   EXPECT_EQ(zeroalloc_last_error_code(), 1);  // invalid value
