@@ -613,3 +613,26 @@ def test_the_windowed_step_reads_as_a_bound_method(engine):
     wrapper = functools.wraps(optimizer.step)(lambda *args, **kwargs: None)
     assert getattr(wrapper, "_zeroalloc_windowed", False)
     assert optimizer.step.__self__ is optimizer
+
+
+def test_with_step_marks_each_iteration_marks_one_boundary_windowed_or_not(engine):
+    # zt.install() registers a global optimizer post-hook that marks a step boundary for
+    # reports (zeroalloc/torch/_step_marks.py); an optimizer under the windowed step, whose
+    # own step runs once per window, marks its own boundary and is left out by the hook.
+    from zeroalloc.torch import _step_marks
+    _step_marks.mark_every_optimizer_step()
+    _step_marks.mark_every_optimizer_step()  # once per process: a second call adds nothing
+    try:
+        model, optimizer = managed(overlap_bytes=0)
+        steps = data(3)
+        for inputs, labels in steps:
+            train(model, optimizer, inputs, labels)
+        assert engine.boundaries == 3
+        plain, plain_optimizer = build()
+        for inputs, labels in steps:
+            train(plain, plain_optimizer, inputs, labels)
+        assert engine.boundaries == 6
+    finally:
+        _step_marks.stop_marking()
+    plain_optimizer.step()
+    assert engine.boundaries == 6  # removed

@@ -30,6 +30,8 @@ def install() -> None:
     """Switches PyTorch to zeroalloc for every CUDA allocation of this process.
 
     Must run before any CUDA work (PyTorch allows the swap only then, once per process).
+    From then on each optimizer step marks a step boundary for reports (one per step of
+    each optimizer; those under zt.offload mark their own).
     Afterwards torch.cuda.memory_stats and memory_snapshot are unavailable (PyTorch's own
     allocator is gone): use zeroalloc.memory_stats() and zeroalloc.memory_summary().
     """
@@ -42,6 +44,8 @@ def install() -> None:
             "chosen tensors instead.")
     torch.cuda.memory.change_current_allocator(pluggable_allocator())
     _installed = True
+    from zeroalloc.torch import _step_marks
+    _step_marks.mark_every_optimizer_step()  # reports show the run step by step
 
 
 def installed() -> bool:
