@@ -1,0 +1,148 @@
+#include "dist/sim_transport.hpp"
+
+#include <bit>
+#include <cstring>
+#include <sstream>
+
+namespace zeroalloc {
+
+namespace {
+
+float bf16_to_float(std::uint16_t value) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(value) << 16);
+}
+
+std::uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40);
+  return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+sim_group::sim_group(device& backing, int world_size, std::chrono::milliseconds timeout)
+    : device_(backing),
+      world_size_(world_size),
+      timeout_(timeout),
+      posted_(static_cast<std::size_t>(world_size)),
+      arrived_(static_cast<std::size_t>(world_size)),
+      departed_(static_cast<std::size_t>(world_size)) {
+  if (world_size < 1) ZA_THROW(invalid_argument, "a group of ", world_size, " ranks");
+  if (!backing.is_simulated()) {
+    ZA_THROW(invalid_argument, "sim_group needs the simulated device, not ", backing.name());
+  }
+}
+
+void sim_group::throw_aborted(int rank, const char* what) const {
+  ZA_THROW(collective_error, "rank ", rank, ": the ", what, " ended because rank ", aborted_->first,
+           " failed: ", aborted_->second);
+}
+
+std::vector<sim_group::posted> sim_group::arrive(int rank, std::uint64_t sequence, const char* what,
+                                                 posted mine) {
+  std::unique_lock lock(mutex_);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  // The previous collective must be over on every rank before this one's buffers are posted.
+  if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || sequence_ == sequence; })) {
+    ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
+             " of the group) waited ", timeout_.count(),
+             " ms for the previous collective to end on every rank");
+  }
+  if (aborted_) throw_aborted(rank, what);
+  posted_[static_cast<std::size_t>(rank)] = mine;
+  arrived_[static_cast<std::size_t>(rank)] = true;
+  ++arrivals_;
+  changed_.notify_all();
+  if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || arrivals_ == world_size_; })) {
+    std::ostringstream missing;
+    for (int each = 0; each < world_size_; ++each) {
+      if (!arrived_[static_cast<std::size_t>(each)])
+        missing << (missing.tellp() > 0 ? ", " : "") << each;
+    }
+    ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
+             " of the group) waited ", timeout_.count(), " ms for rank(s) ", missing.str(),
+             ", which never arrived");
+  }
+  if (aborted_) throw_aborted(rank, what);
+  return posted_;
+}
+
+void sim_group::depart(int rank, std::uint64_t sequence, const char* what) {
+  std::unique_lock lock(mutex_);
+  departed_[static_cast<std::size_t>(rank)] = true;
+  if (++departures_ == world_size_) {
+    std::fill(arrived_.begin(), arrived_.end(), false);
+    std::fill(departed_.begin(), departed_.end(), false);
+    arrivals_ = departures_ = 0;
+    ++sequence_;
+    changed_.notify_all();
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || sequence_ != sequence; })) {
+    ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
+             " of the group) waited ", timeout_.count(),
+             " ms for the other ranks to finish reading its buffers");
+  }
+  if (aborted_ && sequence_ == sequence) throw_aborted(rank, what);
+}
+
+void sim_group::abort(int rank, const std::string& why) {
+  std::lock_guard lock(mutex_);
+  if (!aborted_) aborted_.emplace(rank, why);  // the first failure is the cause
+  changed_.notify_all();
+}
+
+sim_transport::sim_transport(sim_group& group, int rank) : group_(group), rank_(rank) {
+  if (rank < 0 || rank >= group.world_size()) {
+    ZA_THROW(invalid_argument, "rank ", rank, " of a group of ", group.world_size());
+  }
+}
+
+void sim_transport::all_gather(const void* send, void* receive, std::size_t bytes,
+                               stream_handle stream) {
+  group_.device_.synchronize_stream(stream);  // the bytes to send are written
+  const auto all = group_.arrive(rank_, sequence_, "all_gather", {send, receive});
+  auto* into = static_cast<std::byte*>(receive);
+  for (std::size_t each = 0; each < all.size(); ++each) {
+    std::byte* part = into + each * bytes;
+    if (all[each].send != part) std::memmove(part, all[each].send, bytes);
+  }
+  group_.depart(rank_, sequence_++, "all_gather");
+}
+
+void sim_transport::reduce_scatter(const void* send, void* receive, std::size_t count,
+                                   element_type type, stream_handle stream) {
+  group_.device_.synchronize_stream(stream);
+  const auto all = group_.arrive(rank_, sequence_, "reduce_scatter", {send, receive});
+  const std::size_t first = static_cast<std::size_t>(rank_) * count;
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto value = [&](const sim_group::posted& each) {
+      return type == element_type::float32
+                 ? static_cast<const float*>(each.send)[first + i]
+                 : bf16_to_float(static_cast<const std::uint16_t*>(each.send)[first + i]);
+    };
+    float sum = value(all[0]);  // then the other ranks in rank order: the same sum every run
+    for (std::size_t each = 1; each < all.size(); ++each) sum += value(all[each]);
+    if (type == element_type::float32) {
+      static_cast<float*>(receive)[i] = sum;
+    } else {
+      static_cast<std::uint16_t*>(receive)[i] = float_to_bf16(sum);
+    }
+  }
+  group_.depart(rank_, sequence_++, "reduce_scatter");
+}
+
+void sim_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_handle stream) {
+  if (root < 0 || root >= world_size()) {
+    ZA_THROW(invalid_argument, "broadcast from rank ", root, " in a group of ", world_size());
+  }
+  group_.device_.synchronize_stream(stream);
+  const auto all = group_.arrive(rank_, sequence_, "broadcast", {buffer, buffer});
+  if (rank_ != root) std::memmove(buffer, all[static_cast<std::size_t>(root)].send, bytes);
+  group_.depart(rank_, sequence_++, "broadcast");
+}
+
+void sim_transport::abort(const std::string& why) { group_.abort(rank_, why); }
+
+}  // namespace zeroalloc
