@@ -141,10 +141,10 @@ void chunk_arena::keep_in_pool(std::vector<physical_handle>& chunks) {
 
 void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>& chunks,
                            paging_listener* listener) {
-  std::vector<physical_handle> on_host;
+  std::vector<std::pair<physical_handle, std::uintptr_t>> on_host;  // and where it was mapped
   auto sink_host_chunks = [&] {
-    for (const physical_handle& handle : on_host) {
-      if (listener != nullptr) listener->host_chunk_released(handle);
+    for (const auto& [handle, at] : on_host) {
+      if (listener != nullptr) listener->host_chunk_released(handle, at);
     }
   };
   std::size_t unmapped = 0;
@@ -156,7 +156,7 @@ void chunk_arena::decommit(std::uintptr_t address, std::vector<physical_handle>&
       device_.unmap(address + offset, handle.bytes);
       offset += handle.bytes;
       if (handle.location == memory_location::host) {
-        on_host.push_back(handle);
+        on_host.emplace_back(handle, address + offset - handle.bytes);
         continue;
       }
       pool_[handle.bytes].push_back(handle);

@@ -47,10 +47,10 @@ class paging_listener {
   /// calls into the allocator, never throws.
   virtual void chunk_gained(allocation_class /*cls*/, std::size_t /*chunk_bytes*/) {}
   virtual void chunk_lost(allocation_class /*cls*/, std::size_t /*chunk_bytes*/) {}
-  /// A segment was unmapped while `chunk`, host memory the tier mapped into it, still backed
-  /// part of it: the host memory is the tier's again. Called with the heap's lock held (not
-  /// the arena's); never calls into the allocator, never throws.
-  virtual void host_chunk_released(physical_handle /*chunk*/) {}
+  /// A segment was unmapped while `chunk`, host memory the tier mapped into it at
+  /// `address`, still backed part of it: the host memory is the tier's again. Called with
+  /// the heap's lock held (not the arena's); never calls into the allocator, never throws.
+  virtual void host_chunk_released(physical_handle /*chunk*/, std::uintptr_t /*address*/) {}
   /// An allocation is about to throw out_of_memory with `message` (reports keep it). No lock
   /// held; must not throw.
   virtual void out_of_memory(const std::string& /*message*/) {}

@@ -55,8 +55,8 @@ class reporting_listener final : public paging_listener {
   void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override {
     if (tier_ != nullptr) tier_->chunk_lost(cls, chunk_bytes);
   }
-  void host_chunk_released(physical_handle chunk) override {
-    if (tier_ != nullptr) tier_->host_chunk_released(chunk);
+  void host_chunk_released(physical_handle chunk, std::uintptr_t address) override {
+    if (tier_ != nullptr) tier_->host_chunk_released(chunk, address);
   }
   void out_of_memory(const std::string& message) override {
     if (tier_ != nullptr) tier_->out_of_memory(message);

@@ -271,7 +271,9 @@ void cuda_device::map(std::uintptr_t address, physical_handle handle) {
   check_range(driver_.pfn_cuMemMap(address, handle.bytes, handle.offset, handle.value, 0),
               "cuMemMap", ordinal_, address, handle.bytes);
   // A mapping is inaccessible until access is granted. A host-located handle is granted to
-  // the GPU too (location DEVICE): that is what lets a kernel read an offloaded chunk.
+  // the GPU too (location DEVICE): that is what lets a kernel read an offloaded chunk. A
+  // placeholder (`inaccessible`) is granted nothing: a kernel touching it faults.
+  if (handle.inaccessible) return;
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = ordinal_;

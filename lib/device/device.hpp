@@ -35,6 +35,9 @@ struct physical_handle {
   std::size_t bytes = 0;
   memory_location location = memory_location::device;
   std::size_t offset = 0;  ///< where the slice starts in the allocation; 0 for a whole one
+  /// map() maps it with no access: a kernel or copy that touches the range faults instead
+  /// of reading bytes (the disk tier's placeholder behind a chunk whose bytes are on disk).
+  bool inaccessible = false;
   [[nodiscard]] bool valid() const { return value != 0; }
 };
 
@@ -71,7 +74,8 @@ class device {
   virtual std::uintptr_t reserve_addresses(std::size_t bytes, std::size_t alignment) = 0;
   virtual void free_addresses(std::uintptr_t address, std::size_t bytes) = 0;
   /// Maps `handle` (its `bytes` from `offset`) at `address` (reserved, unmapped) and grants
-  /// the device read-write access to it. The bytes behind the address are the handle's.
+  /// the device read-write access to it (none when `handle.inaccessible`). The bytes behind
+  /// the address are the handle's.
   virtual void map(std::uintptr_t address, physical_handle handle) = 0;
   /// True when map() takes slices (a non-zero offset, or fewer bytes than the allocation);
   /// older drivers map only whole allocations.

@@ -250,8 +250,9 @@ void sim_device::map(std::uintptr_t address, physical_handle handle) {
       next != mappings_.begin() && std::prev(next)->first + std::prev(next)->second.bytes > address;
   if (overlaps_next || overlaps_previous) throw_errno("map (range already mapped)", EBUSY);
   void* mapped =
-      ::mmap(reinterpret_cast<void*>(address), bytes, PROT_READ | PROT_WRITE,
-             MAP_SHARED | MAP_FIXED, record->second.memfd, static_cast<off_t>(handle.offset));
+      ::mmap(reinterpret_cast<void*>(address), bytes,
+             handle.inaccessible ? PROT_NONE : PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+             record->second.memfd, static_cast<off_t>(handle.offset));
   if (mapped == MAP_FAILED) throw_errno("map (mmap)", errno);
   mappings_[address] = mapping_record{bytes, handle.value};
   ++record->second.mappings;

@@ -25,10 +25,15 @@ std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
 
 }  // namespace
 
-migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify)
-    : paging_(allocator.paging()), device_(allocator.backing()), pool_(pool), verify_(verify) {
+migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk)
+    : paging_(allocator.paging()),
+      device_(allocator.backing()),
+      pool_(pool),
+      verify_(verify),
+      disk_(disk) {
   out_stream_ = device_.create_stream();
   in_stream_ = device_.create_stream();
+  if (disk_ != nullptr) disk_stream_ = device_.create_stream();
   staging_slot_bytes_ = paging_.arena().chunk_bytes();
   staging_region_ =
       device_.reserve_addresses(staging_slot_bytes_ * kStagingSlots, paging_.arena().granularity());
@@ -44,6 +49,7 @@ migrator::~migrator() {
   // may not.
   try {
     drain();
+    restore_all();
     std::vector<std::uintptr_t> away;
     {
       std::lock_guard lock(mutex_);
@@ -84,6 +90,11 @@ migrator::~migrator() {
     }
     device_.destroy_stream(out_stream_);
     device_.destroy_stream(in_stream_);
+    if (disk_stream_ != nullptr) device_.destroy_stream(disk_stream_);
+    // A placeholder still mapped behind a chunk that could not come back stays.
+    if (on_disk_.empty()) {
+      for (const auto& [bytes, placeholder] : placeholders_) device_.release_physical(placeholder);
+    }
     device_.free_addresses(staging_region_, staging_slot_bytes_ * kStagingSlots);
   } catch (const std::exception& failure) {
     log().error("offload: releasing the migrator's streams failed: {}", failure.what());
@@ -529,7 +540,8 @@ void migrator::drain() {
 residency migrator::where(std::uintptr_t address) const {
   std::lock_guard lock(mutex_);
   if (auto found = moving_.find(address); found != moving_.end()) return found->second;
-  return on_host_.contains(address) ? residency::host : residency::device;
+  if (on_host_.contains(address)) return residency::host;
+  return on_disk_.contains(address) ? residency::disk : residency::device;
 }
 
 std::uint64_t migrator::bytes_leaving_device() const {
@@ -612,7 +624,219 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
   paging_.arena().return_chunk(device_chunk);
 }
 
-void migrator::host_chunk_released(physical_handle handle) {
+// Note [Chunks on disk]: the disk tier sits behind the host tier. A chunk reaches it only
+// from the host (the engine spills host-resident chunks when the host tier is full) and
+// comes back to the host before anything else (restore), then to the device as any
+// host-resident chunk. While its bytes are on disk, its addresses map a placeholder: host
+// memory of its size, shared by every disk-resident chunk of that size and mapped with no
+// access, so that the heap sees a mapped chunk as before (its segment unmaps and releases it
+// as it would a host chunk, handing it to host_chunk_released, which frees the disk slot),
+// and a kernel or copy that touches the chunk faults instead of reading wrong bytes. The
+// engine brings a chunk back before every hinted use; only hinted classes go to disk.
+// The disk store reads and writes CPU-addressable memory, and a host chunk is reached
+// through the device (its staging address): the bytes pass through one bounce buffer, by a
+// copy on the device's own stream, then one request to the store for the whole chunk. A
+// write that fails leaves the chunk on the host, untouched (Note [A failed write loses
+// nothing] in disk_store.hpp); a read that fails leaves it on disk.
+
+physical_handle migrator::placeholder_for(std::size_t bytes) {
+  {
+    std::lock_guard lock(mutex_);
+    if (auto found = placeholders_.find(bytes); found != placeholders_.end()) return found->second;
+  }
+  physical_handle made = device_.create_physical(bytes, memory_location::host);
+  made.inaccessible = true;
+  std::lock_guard lock(mutex_);
+  auto [where, inserted] = placeholders_.emplace(bytes, made);
+  if (!inserted) device_.release_physical(made);  // another thread made one meanwhile
+  return where->second;
+}
+
+std::vector<migrator::host_resident_chunk> migrator::host_resident_chunks() const {
+  std::lock_guard lock(mutex_);
+  std::vector<host_resident_chunk> chunks;
+  chunks.reserve(on_host_.size());
+  for (const auto& [address, away] : on_host_) {
+    if (moving_.contains(address)) continue;
+    chunks.push_back({address, away.host.handle.bytes, away.allocation_class});
+  }
+  return chunks;
+}
+
+bool migrator::claim_spill(std::uintptr_t address) {
+  std::lock_guard lock(mutex_);
+  if (disk_ == nullptr || !on_host_.contains(address) || moving_.contains(address)) return false;
+  moving_[address] = residency::moving_to_disk;
+  return true;
+}
+
+void migrator::start_claimed_spill(std::uintptr_t address) {
+  const auto started = std::chrono::steady_clock::now();
+  host_chunk host;
+  int cls = 0;
+  {
+    std::lock_guard lock(mutex_);
+    auto found = on_host_.find(address);
+    if (found != on_host_.end()) {
+      host = found->second.host;
+      cls = found->second.allocation_class;
+    }
+  }
+  chunk_info chunk;
+  if (!host.valid() || !paging_.pin_chunk(address, chunk)) {  // its segment went meanwhile
+    release_claim(address);
+    return;
+  }
+  const std::size_t bytes = host.handle.bytes;
+  disk_slot slot = 0;
+  try {
+    if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
+      ZA_THROW(error, "the chunk at ", address, " was remapped while moving to the disk");
+    }
+    const physical_handle placeholder = placeholder_for(bytes);
+    slot = disk_->allocate(bytes);
+    {
+      std::lock_guard io(disk_mutex_);
+      if (bounce_bytes_ < bytes) {
+        bounce_.reset(
+            static_cast<std::byte*>(std::aligned_alloc(4 * KiB, round_up(bytes, 4 * KiB))));
+        bounce_bytes_ = bounce_ ? bytes : 0;
+        if (!bounce_) throw std::bad_alloc();
+      }
+      device_.copy_async(bounce_.get(), reinterpret_cast<const void*>(host.staging_address), bytes,
+                         disk_stream_);
+      device_.synchronize_stream(disk_stream_);
+      try {
+        disk_->wait(disk_->write(slot, bounce_.get(), bytes));
+      } catch (...) {
+        slot = 0;  // a failed write released it (Note [A failed write loses nothing])
+        throw;
+      }
+    }
+    paging_.remap_pinned_chunk(address, placeholder);  // on failure the host chunk stays mapped
+  } catch (...) {
+    if (slot != 0) disk_->release(slot);
+    paging_.unpin_chunk(address);
+    release_claim(address);
+    throw;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    on_host_.erase(address);
+    host_owner_.erase({host.handle.value, host.handle.offset});
+    on_disk_[address] = {slot, bytes, cls};
+    figures_.host_resident_bytes -= bytes;
+    figures_.host_resident_class_bytes[class_slot(cls)] -= bytes;
+    figures_.disk_resident_bytes += bytes;
+    figures_.bytes_to_disk += bytes;
+    ++figures_.chunks_to_disk;
+    figures_.disk_ns +=
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - started)
+                                       .count());
+    moving_.erase(address);
+  }
+  changed_.notify_all();
+  paging_.unpin_chunk(address);
+  pool_.release(host);
+}
+
+bool migrator::restore(std::uintptr_t address) {
+  const auto started = std::chrono::steady_clock::now();
+  chunk_on_disk away;
+  {
+    std::lock_guard lock(mutex_);
+    auto found = on_disk_.find(address);
+    if (found == on_disk_.end() || moving_.contains(address)) return false;
+    away = found->second;
+    moving_[address] = residency::moving_from_disk;
+  }
+  host_chunk host;
+  chunk_info chunk;
+  bool pinned = false;
+  try {
+    host = pool_.acquire(away.bytes);  // host_memory_exhausted: the caller makes room
+    pinned = paging_.pin_chunk(address, chunk);
+    if (!pinned || !chunk.handle.inaccessible) {
+      ZA_THROW(error, "the chunk at ", address, " is not mapped to its placeholder");
+    }
+    {
+      std::lock_guard io(disk_mutex_);
+      disk_->wait(disk_->read(away.slot, bounce_.get(), away.bytes));
+      device_.copy_async(reinterpret_cast<void*>(host.staging_address), bounce_.get(), away.bytes,
+                         disk_stream_);
+      device_.synchronize_stream(disk_stream_);
+    }
+    paging_.remap_pinned_chunk(address, host.handle);
+  } catch (...) {
+    if (host.valid()) pool_.release(host);
+    if (pinned) paging_.unpin_chunk(address);
+    release_claim(address);
+    throw;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    on_disk_.erase(address);
+    on_host_[address] = {host, away.allocation_class};
+    host_owner_[{host.handle.value, host.handle.offset}] = address;
+    figures_.disk_resident_bytes -= away.bytes;
+    figures_.host_resident_bytes += away.bytes;
+    figures_.host_resident_class_bytes[class_slot(away.allocation_class)] += away.bytes;
+    figures_.bytes_from_disk += away.bytes;
+    ++figures_.chunks_from_disk;
+    figures_.disk_ns +=
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - started)
+                                       .count());
+    moving_.erase(address);
+  }
+  changed_.notify_all();
+  paging_.unpin_chunk(address);
+  disk_->release(away.slot);
+  return true;
+}
+
+void migrator::restore_all() {
+  std::vector<std::uintptr_t> on_disk;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [address, away] : on_disk_) on_disk.push_back(address);
+  }
+  std::size_t stranded = 0;
+  for (std::uintptr_t address : on_disk) {
+    try {
+      wait_until_settled(address);
+      restore(address);
+    } catch (const std::exception& failure) {
+      ++stranded;
+      log().error("offload: bringing the chunk at {:#x} back from the disk failed: {}", address,
+                  failure.what());
+    }
+  }
+  if (stranded != 0) {
+    log().error("offload: {} chunks stay on the disk, behind addresses no kernel may touch",
+                stranded);
+  }
+}
+
+void migrator::host_chunk_released(physical_handle handle, std::uintptr_t address) {
+  if (handle.inaccessible) {  // a disk-resident chunk's placeholder: its slot is free again
+    std::uint64_t slot = 0;
+    {
+      std::lock_guard lock(mutex_);
+      auto found = on_disk_.find(address);
+      if (found == on_disk_.end()) return;
+      slot = found->second.slot;
+      figures_.disk_resident_bytes -= found->second.bytes;
+      on_disk_.erase(found);
+    }
+    try {
+      disk_->release(slot);
+    } catch (const std::exception& failure) {  // never throws to the heap
+      log().error("offload: freeing the disk slot of a released chunk failed: {}", failure.what());
+    }
+    return;
+  }
   host_chunk chunk;
   chunk.handle = handle;  // if no migration knows it, the slice still goes back to the pool
   {

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -52,12 +53,22 @@
 #include <vector>
 
 #include "alloc/caching_allocator.hpp"
+#include "tier/disk_store.hpp"
 #include "tier/host_pool.hpp"
 
 namespace zeroalloc {
 
 /// Where a chunk's bytes are.
-enum class residency { device, host, moving_to_host, moving_to_device, unknown };
+enum class residency {
+  device,
+  host,
+  moving_to_host,
+  moving_to_device,
+  disk,              ///< in the disk tier (Note [Chunks on disk])
+  moving_to_disk,    ///< from the host to the disk
+  moving_from_disk,  ///< from the disk to the host
+  unknown
+};
 
 /// Counters of the migrator, for statistics and reports.
 struct migration_figures {
@@ -72,6 +83,12 @@ struct migration_figures {
   std::uint64_t waited_ns = 0;        ///< time they waited
   std::uint64_t verified_chunks = 0;  ///< ZEROALLOC_VERIFY checks passed
   std::uint64_t remap_ns = 0;         ///< time spent remapping chunks (all threads)
+  std::uint64_t chunks_to_disk = 0;   ///< the disk tier (Note [Chunks on disk])
+  std::uint64_t chunks_from_disk = 0;
+  std::uint64_t bytes_to_disk = 0;
+  std::uint64_t bytes_from_disk = 0;
+  std::uint64_t disk_resident_bytes = 0;  ///< bytes of live chunks on disk now
+  std::uint64_t disk_ns = 0;              ///< time spent moving chunks to and from the disk
 };
 
 /// A paging_listener for the one thing the migrator needs told: a host chunk whose segment
@@ -81,7 +98,8 @@ struct migration_figures {
 class migrator : public paging_listener {
  public:
   /// `verify`: checksum every chunk before its copy and after its remap (ZEROALLOC_VERIFY).
-  migrator(caching_allocator& allocator, host_pool& pool, bool verify);
+  /// `disk`: the disk tier behind the host tier, or nullptr (Note [Chunks on disk]).
+  migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk = nullptr);
   /// Finishes every migration in flight and brings host-resident chunks back to the device
   /// where device memory allows (the host pool may be destroyed next). Detach it from the
   /// allocator first.
@@ -129,6 +147,34 @@ class migrator : public paging_listener {
   /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
   /// other chunk. No host thread waits.
   bool order_after_arrival(std::uintptr_t address, stream_handle stream);
+  // The disk tier (Note [Chunks on disk]); each call moves one chunk and returns once it
+  // has moved.
+  /// Whether the migrator has a disk tier.
+  [[nodiscard]] bool has_disk() const { return disk_ != nullptr; }
+  /// Marks the host-resident chunk at `address` moving to the disk (uses that begin now wait
+  /// for the move); false when there is no disk tier, or it is not on the host, or moving.
+  /// Every successful claim must be followed by exactly one start_claimed_spill.
+  bool claim_spill(std::uintptr_t address);
+  /// Writes the claimed chunk's bytes to the disk, maps its addresses to a placeholder no
+  /// kernel may touch and gives its host chunk back to the pool. Throws disk_io_error or
+  /// disk_space_exhausted with the chunk still wholly on the host (the claim given up).
+  void start_claimed_spill(std::uintptr_t address);
+  /// Gives up a claim_spill that will not start.
+  void cancel_spill(std::uintptr_t address) { release_claim(address); }
+  /// Reads the disk-resident chunk at `address` into a host chunk and maps its addresses
+  /// there: afterwards it is host-resident, as after an eviction. False when it is not on
+  /// the disk or is moving. Throws host_memory_exhausted (the host tier has no room: make
+  /// some, then try again) or disk_io_error, with the chunk still on the disk.
+  bool restore(std::uintptr_t address);
+  /// The host-resident chunks, with their bytes and class, for the engine's choice of what
+  /// goes to the disk.
+  struct host_resident_chunk {
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    int allocation_class = 0;
+  };
+  [[nodiscard]] std::vector<host_resident_chunk> host_resident_chunks() const;
+
   /// Waits until no migration of the chunk at `address` is in flight; returns the
   /// nanoseconds waited (0 when none was).
   std::uint64_t wait_until_settled(std::uintptr_t address);
@@ -136,8 +182,8 @@ class migrator : public paging_listener {
   void drain();
 
   /// paging_listener: the host chunk goes back to the pool, and the chunk it held counts as
-  /// gone from the host.
-  void host_chunk_released(physical_handle chunk) override;
+  /// gone from the host; for a disk-resident chunk (its placeholder), its disk slot is freed.
+  void host_chunk_released(physical_handle chunk, std::uintptr_t address) override;
 
   [[nodiscard]] residency where(std::uintptr_t address) const;
   /// Bytes of evictions in flight: device memory about to be freed.
@@ -184,10 +230,29 @@ class migrator : public paging_listener {
   /// gives both back; an unmap that fails retires both instead.
   void give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped);
 
+  /// The placeholder mapped behind disk-resident chunks of `bytes` (Note [Chunks on disk]).
+  physical_handle placeholder_for(std::size_t bytes);
+  /// Brings every disk-resident chunk back to the host (the destructor's first step).
+  void restore_all();
+
   paging_view paging_;
   device& device_;
   host_pool& pool_;
   const bool verify_;
+  disk_store* const disk_;
+  stream_handle disk_stream_ = nullptr;  // host chunk <-> bounce buffer copies
+  // One bounce buffer (the disk store reads and writes CPU-addressable memory; a host chunk
+  // is reached through the device), under disk_mutex_: one disk move at a time.
+  std::mutex disk_mutex_;
+  std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, std::free};
+  std::size_t bounce_bytes_ = 0;
+  struct chunk_on_disk {
+    std::uint64_t slot = 0;  // disk_slot
+    std::size_t bytes = 0;
+    int allocation_class = 0;
+  };
+  std::unordered_map<std::uintptr_t, chunk_on_disk> on_disk_;      // under mutex_
+  std::unordered_map<std::size_t, physical_handle> placeholders_;  // by bytes, under mutex_
   stream_handle out_stream_ = nullptr;
   stream_handle in_stream_ = nullptr;
   std::vector<event_handle> spare_events_;

@@ -24,12 +24,12 @@ std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
 }  // namespace
 
 offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
-                               offload_settings settings)
+                               offload_settings settings, disk_store* disk)
     : allocator_(allocator),
       paging_(allocator.paging()),
       device_(allocator.backing()),
       pool_(pool),
-      migrator_(allocator, pool, verify),
+      migrator_(allocator, pool, verify, disk),
       settings_(settings) {
   prefetcher_ = std::thread([this] { prefetch_worker(); });
 }
@@ -98,9 +98,30 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
   try {
     for (; next < planned.size(); ++next) {
       const planned_eviction& each = planned[next];
-      migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences,
-                                       each.fence_streams);
-      started.push_back(each.chunk.address);
+      const std::uintptr_t address = each.chunk.address;
+      try {
+        migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences,
+                                         each.fence_streams);
+      } catch (const host_memory_exhausted&) {
+        // Note [Chunks on disk] in migrator.hpp: with the host tier full, what it holds that
+        // is used farthest ahead goes to the disk, and the eviction tries again. The failed
+        // start gave its claim up: claimed again under the lock a use takes, unless a use
+        // began on it meanwhile, and fenced behind its streams too (its segment may have
+        // changed since the plan).
+        if (make_host_room(each.chunk.handle.bytes, address) == 0) throw;
+        chunk_info again;
+        {
+          std::lock_guard lock(mutex_);
+          auto state = chunks_.find(address);
+          if ((state != chunks_.end() && state->second.open_uses > 0) ||
+              !migrator_.claim_eviction(address, again)) {
+            continue;
+          }
+        }
+        migrator_.start_claimed_eviction(again, each.fences.empty() ? nullptr : &each.fences,
+                                         /*and_chunk_streams=*/true);
+      }
+      started.push_back(address);
     }
   } catch (const host_memory_exhausted& exhausted) {
     for (++next; next < planned.size(); ++next)
@@ -307,7 +328,10 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
       auto state = chunks_.find(next);
       ahead += state != chunks_.end() ? state->second.bytes : 0;
       const residency where = migrator_.where(next);
-      if (where == residency::host || where == residency::moving_to_host) wishes_.push_back(next);
+      if (where == residency::host || where == residency::moving_to_host ||
+          where == residency::disk || where == residency::moving_to_disk) {
+        wishes_.push_back(next);
+      }
       window_positions_ = position - cursor_;
     }
     wished = !wishes_.empty();
@@ -337,6 +361,7 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
 }
 
 bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream, int opened) {
+  off_disk(chunk.address, chunk.handle.bytes);
   const residency where = migrator_.where(chunk.address);
   if (where == residency::device) return true;
   if (where == residency::moving_to_device && wait_for_arrival(chunk.address, stream, opened)) {
@@ -380,6 +405,7 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
   std::exception_ptr first_failure;
   for (const chunk_info& chunk : chunks) {
     try {
+      off_disk(chunk.address, chunk.handle.bytes);  // used where it is: on the host, then
       const residency where = migrator_.where(chunk.address);
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
         migrator_.wait_until_settled(chunk.address);
@@ -550,6 +576,7 @@ void offload_engine::step_boundary() {
 // for the use). Evictions pass over chunks in use the same way.
 bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
                                 bool ordered_use, int callers_uses, bool* fetched) {
+  off_disk(address, bytes);
   bool started = false;
   for (int attempt = 0; attempt < 4 && !started; ++attempt) {
     // Note [Idle at the claim]: whether no queued work touches the host-resident chunk (only
@@ -639,6 +666,70 @@ void offload_engine::prefetch_worker() {
   }
 }
 
+std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep) {
+  if (!migrator_.has_disk()) return 0;
+  std::vector<std::uintptr_t> claimed;
+  std::uint64_t claimed_bytes = 0;
+  {
+    // Note [Chunks on disk]: only optimizer states go (every use of theirs is hinted, so
+    // the engine brings them back first), with no use open, the farthest next use first.
+    std::lock_guard lock(mutex_);
+    struct candidate {
+      std::uintptr_t address;
+      std::size_t bytes;
+      std::uint64_t distance;
+    };
+    std::vector<candidate> candidates;
+    for (const auto& each : migrator_.host_resident_chunks()) {
+      if (each.address == keep ||
+          each.allocation_class != static_cast<int>(allocation_class::optimizer_state)) {
+        continue;
+      }
+      auto state = chunks_.find(each.address);
+      if (state != chunks_.end() && state->second.open_uses > 0) continue;
+      candidates.push_back({each.address, each.bytes, next_use_distance(each.address)});
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const candidate& a, const candidate& b) { return a.distance > b.distance; });
+    for (const candidate& each : candidates) {
+      if (claimed_bytes >= bytes) break;
+      if (!migrator_.claim_spill(each.address)) continue;  // claimed under the lock a use takes
+      claimed.push_back(each.address);
+      claimed_bytes += each.bytes;
+    }
+  }
+  std::uint64_t spilled = 0;
+  for (std::size_t i = 0; i < claimed.size(); ++i) {
+    try {
+      migrator_.start_claimed_spill(claimed[i]);
+      if (migrator_.where(claimed[i]) == residency::disk) ++spilled;
+    } catch (const std::exception& failure) {
+      // The chunk stays on the host; so do the rest, their claims given up.
+      log().warn("offload: moving a chunk to the disk failed, it stays in host memory: {}",
+                 failure.what());
+      for (++i; i < claimed.size(); ++i) migrator_.cancel_spill(claimed[i]);
+      break;
+    }
+  }
+  return spilled;
+}
+
+void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const residency where = migrator_.where(address);
+    if (where == residency::moving_to_disk || where == residency::moving_from_disk) {
+      migrator_.wait_until_settled(address);
+      continue;
+    }
+    if (where != residency::disk) return;
+    try {
+      if (migrator_.restore(address)) return;
+    } catch (const host_memory_exhausted&) {
+      if (make_host_room(bytes, address) == 0) throw;
+    }
+  }
+}
+
 std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   std::vector<planned_eviction> planned;
   {
@@ -684,8 +775,8 @@ void offload_engine::chunk_lost(allocation_class cls, std::size_t chunk_bytes) {
   }
 }
 
-void offload_engine::host_chunk_released(physical_handle chunk) {
-  migrator_.host_chunk_released(chunk);
+void offload_engine::host_chunk_released(physical_handle chunk, std::uintptr_t address) {
+  migrator_.host_chunk_released(chunk, address);
 }
 
 // Note [Nothing movable]: an allocation fails with nothing on the device that the engine
@@ -720,6 +811,7 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
   for (const chunk_info& chunk : chunks_of(pointer)) {
     // Note [Landing in a moving chunk] in alloc/heap.cpp: the move ends first.
     migrator_.wait_until_settled(chunk.address);
+    off_disk(chunk.address, chunk.handle.bytes);
     if (migrator_.where(chunk.address) != residency::host) continue;
     // Another block of the chunk may be in use (a hint open on it): it stays for now.
     if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,

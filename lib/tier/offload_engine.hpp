@@ -105,8 +105,10 @@ struct offload_figures {
 /// destroyed.
 class offload_engine : public paging_listener {
  public:
+  /// `disk`: the disk tier behind the host tier, or nullptr (Note [Chunks on disk] in
+  /// migrator.hpp).
   offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
-                 offload_settings settings);
+                 offload_settings settings, disk_store* disk = nullptr);
   ~offload_engine() override;
   offload_engine(const offload_engine&) = delete;
   offload_engine& operator=(const offload_engine&) = delete;
@@ -149,7 +151,7 @@ class offload_engine : public paging_listener {
   void chunk_gained(allocation_class cls, std::size_t chunk_bytes) override;
   void chunk_lost(allocation_class cls, std::size_t chunk_bytes) override;
   /// The migrator takes the host chunk back.
-  void host_chunk_released(physical_handle chunk) override;
+  void host_chunk_released(physical_handle chunk, std::uintptr_t address) override;
   /// Note [Nothing movable]: the pressure note when no chunk on the device may move and an
   /// allocation needs `bytes_needed`: what stays, and the smallest limit this point of the
   /// program needs. Caller holds mutex_.
@@ -245,6 +247,14 @@ class offload_engine : public paging_listener {
   bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
                   bool ordered_use, int callers_uses = 0, bool* fetched = nullptr);
   void prefetch_worker();
+  /// Note [Chunks on disk] in migrator.hpp: moves idle host-resident optimizer states, the
+  /// farthest next use first (never `keep`), to the disk until `bytes` of host memory are
+  /// free; returns how many chunks went (0: none could, or there is no disk tier). Caller
+  /// does not hold mutex_.
+  std::uint64_t make_host_room(std::size_t bytes, std::uintptr_t keep);
+  /// Brings the chunk at `address` back from the disk to the host, making room there when
+  /// needed; does nothing for a chunk that is not on the disk. Caller does not hold mutex_.
+  void off_disk(std::uintptr_t address, std::size_t bytes);
   /// Makes `stream` wait for the chunk's arriving bytes, timing the wait on the device.
   /// False when the chunk is not arriving. Caller does not hold mutex_.
   bool wait_for_arrival(std::uintptr_t address, stream_handle stream, int uses = 1);

@@ -10,9 +10,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "core/units.hpp"
@@ -187,6 +189,187 @@ TEST_F(OffloadEngineTest, AFullHostTierFailsTheAllocationWithAMessageNamingItsLi
   for (void* state : states) allocator_->deallocate(state);
 }
 
+// Note [Chunks on disk] in migrator.hpp: with the host tier full, host-resident states go to
+// the disk tier (swap files under a temporary directory here), the farthest next use first,
+// and each comes back, through the host, for its next hinted use, with every byte intact.
+class OffloadEngineDiskTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ZA_OPEN_TEST_DEVICE_OR_SKIP(device_, 0, 1 * GiB);
+    char pattern[] = "/tmp/offload_disk_test-XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    directory_ = pattern;
+  }
+  void TearDown() override {
+    if (allocator_ && engine_) {
+      allocator_->empty_cache();
+      allocator_->paging().detach();
+    }
+    engine_.reset();
+    allocator_.reset();
+    pool_.reset();
+    disk_.reset();
+    std::filesystem::remove_all(directory_);
+  }
+  /// A device limit of `limit`, a host tier of `host`, a disk tier of `disk_bytes`; false
+  /// (the test skips) where the kernel refuses io_uring.
+  bool start(std::uint64_t limit, std::uint64_t host, std::uint64_t disk_bytes) {
+    disk_store_options options;
+    options.directories = {directory_.string()};
+    options.capacity_bytes = disk_bytes;
+    try {
+      disk_.emplace(options);
+    } catch (const io_uring_unavailable& unavailable) {
+      skipped_ = unavailable.what();
+      return false;
+    }
+    allocator_settings settings;
+    settings.chunk_bytes = kChunkBytes;
+    settings.host_tier_bytes = 1 * GiB;  // the classes' address regions hold the disk's too
+    allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+    allocator_->set_limit(limit, "ZEROALLOC_MEMORY_LIMIT (test)");
+    pool_ = std::make_unique<host_pool>(*device_, host, "ZEROALLOC_HOST_LIMIT (test)");
+    offload_settings engine_settings;
+    engine_settings.prefetch_bytes = 0;
+    engine_settings.anticipate_state_chunks = false;
+    engine_ =
+        std::make_unique<offload_engine>(*allocator_, *pool_, false, engine_settings, &*disk_);
+    allocator_->paging().attach(*engine_);
+    return true;
+  }
+  residency where(void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return engine_->mover().where(chunks.at(0).address);
+  }
+
+  std::unique_ptr<device> device_;
+  std::filesystem::path directory_;
+  std::optional<disk_store> disk_;
+  std::unique_ptr<caching_allocator> allocator_;
+  std::unique_ptr<host_pool> pool_;
+  std::unique_ptr<offload_engine> engine_;
+  std::string skipped_;
+};
+
+TEST_F(OffloadEngineDiskTest, StatesBeyondTheHostTierGoToDiskAndComeBackIntactForTheirUse) {
+  if (!start(32 * MiB, 32 * MiB, 256 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  std::vector<void*> states;
+  for (int i = 0; i < 10; ++i) {  // 80 MiB of states: 32 on the device, 32 on the host
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(0x40 + i), kChunkBytes, nullptr);
+    engine.use_begins(states.back(), nullptr);  // each written under a hint, as a step does
+    engine.use_ends(states.back(), nullptr);
+  }
+  engine.step_boundary();  // the order is learned: the next uses fetch and evict along it
+  const migration_figures spilled = engine.mover().figures();
+  EXPECT_GE(spilled.chunks_to_disk, 2u);
+  EXPECT_GE(spilled.disk_resident_bytes, 16 * MiB);
+  EXPECT_LE(allocator_->held_bytes(), 32 * MiB) << "the device limit was broken";
+  EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+  const auto on_disk = std::count_if(states.begin(), states.end(),
+                                     [&](void* state) { return where(state) == residency::disk; });
+  EXPECT_GE(on_disk, 2);
+  for (int round = 0; round < 2; ++round) {  // each used in turn, as the next steps do
+    for (int i = 0; i < 10; ++i) {
+      engine.use_begins(states[i], nullptr);
+      const residency now = where(states[i]);  // arriving in the stream's order, or there
+      EXPECT_TRUE(now == residency::device || now == residency::moving_to_device) << i;
+      EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes) ==
+                  std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x40 + i)))
+          << "state " << i << ", round " << round;
+      engine.use_ends(states[i], nullptr);
+    }
+    engine.step_boundary();
+  }
+  const migration_figures back = engine.mover().figures();
+  EXPECT_GE(back.chunks_from_disk, 2u);
+  EXPECT_EQ(back.bytes_from_disk % kChunkBytes, 0u);
+  for (void* state : states) allocator_->deallocate(state);
+  allocator_->empty_cache();  // the segments go, and with them their disk slots
+  EXPECT_EQ(engine.mover().figures().disk_resident_bytes, 0u)
+      << "released segments still hold disk slots";
+  EXPECT_EQ(disk_->figures().used_bytes, 0u);
+}
+
+// A full disk tier is the host tier's message, as without one, and nothing is lost: the
+// states on disk come back intact once the others are freed.
+TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
+  if (!start(48 * MiB, 32 * MiB, 32 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  constexpr std::size_t kStateBytes = 2 * kChunkBytes;  // a segment of its own each
+  std::vector<void*> states;
+  bool refused = false;
+  for (int i = 0; i < 12 && !refused; ++i) {  // 48 + 32 + 32 MiB hold 7 of them
+    try {
+      states.push_back(
+          allocator_->allocate(kStateBytes, nullptr, allocation_class::optimizer_state));
+    } catch (const out_of_memory& failure) {
+      refused = true;
+      EXPECT_NE(std::string(failure.what()).find("ZEROALLOC_HOST_LIMIT"), std::string::npos)
+          << failure.what();
+      break;
+    }
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(0x60 + i), kStateBytes, nullptr);
+    engine.use_begins(states.back(), nullptr);
+    engine.use_ends(states.back(), nullptr);
+  }
+  EXPECT_TRUE(refused) << "12 states of 16 MiB fit in 48 + 32 + 32 MiB";
+  EXPECT_EQ(engine.mover().figures().disk_resident_bytes, 32 * MiB);
+  EXPECT_EQ(disk_->figures().used_bytes, 32 * MiB);
+  // The states with a chunk on disk stay; the rest go, and their memory with them.
+  auto on_disk = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return std::any_of(chunks.begin(), chunks.end(), [&](const chunk_info& chunk) {
+      return engine.mover().where(chunk.address) == residency::disk;
+    });
+  };
+  std::vector<std::pair<void*, std::uint8_t>> kept;
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    if (on_disk(states[i])) {
+      kept.emplace_back(states[i], static_cast<std::uint8_t>(0x60 + i));
+    } else {
+      allocator_->deallocate(states[i]);
+    }
+  }
+  ASSERT_FALSE(kept.empty());
+  allocator_->empty_cache();
+  for (const auto& [state, value] : kept) {
+    engine.use_begins(state, nullptr);
+    EXPECT_TRUE(read_back(*device_, state, kStateBytes) ==
+                std::vector<std::uint8_t>(kStateBytes, value))
+        << "the state filled with " << int{value};
+    engine.use_ends(state, nullptr);
+  }
+  for (const auto& [state, value] : kept) allocator_->deallocate(state);
+}
+
+// A chunk whose bytes are on disk maps a placeholder that no access may touch: a copy that
+// reads it faults instead of reading wrong bytes (the simulated device: the process dies).
+TEST_F(OffloadEngineDiskTest, AReadOfAChunkOnDiskFaultsInsteadOfReadingWrongBytes) {
+  if (!device_->is_simulated()) GTEST_SKIP() << "skipped: a fault would end the CUDA context";
+  if (!start(32 * MiB, 16 * MiB, 64 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  std::vector<void*> states;
+  for (int i = 0; i < 8; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    engine_->use_begins(states.back(), nullptr);
+    engine_->use_ends(states.back(), nullptr);
+  }
+  void* on_disk = nullptr;
+  for (void* state : states) {
+    if (where(state) == residency::disk) on_disk = state;
+  }
+  ASSERT_NE(on_disk, nullptr);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH((void)read_back(*device_, on_disk, kChunkBytes), "");
+  engine_->use_begins(on_disk, nullptr);  // brought back, it reads again
+  EXPECT_EQ(read_back(*device_, on_disk, 4096).size(), 4096u);
+  engine_->use_ends(on_disk, nullptr);
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // Note [Nothing movable]: when nothing on the device may move (every chunk has a use open),
 // the error says so; once the use ends, even memory of class other moves (Note [Idle memory
 // of any class]) and the allocation succeeds, with the moved bytes intact.
@@ -210,7 +393,8 @@ TEST_F(OffloadEngineTest, WithEveryChunkInUseTheMessageSaysSoAndAnEndedUseLetsIt
   EXPECT_NE(message.find("nothing it may move is left on the device"), std::string::npos)
       << message;
   // 32 MiB in use and a 16 MiB segment for the request.
-  EXPECT_NE(message.find("needs at least 48.00 MiB of device memory"), std::string::npos) << message;
+  EXPECT_NE(message.find("needs at least 48.00 MiB of device memory"), std::string::npos)
+      << message;
   EXPECT_EQ(engine.mover().figures().bytes_to_host, 0u);
   engine.use_ends(activations, nullptr);
   EXPECT_EQ(failure_of(), "no failure");
