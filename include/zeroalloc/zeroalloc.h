@@ -281,8 +281,9 @@ int zeroalloc_forget_stream(zeroalloc_stream_t stream);
 typedef enum zeroalloc_residency_kind {
   ZEROALLOC_ON_DEVICE = 0, /**< every chunk in device memory */
   ZEROALLOC_ON_HOST = 1,   /**< every chunk in pinned host memory (kernels still reach it) */
-  ZEROALLOC_SPLIT = 2,     /**< some chunks on each */
-  ZEROALLOC_MOVING = 3     /**< a chunk is moving */
+  ZEROALLOC_SPLIT = 2,     /**< some chunks in one tier, some in another */
+  ZEROALLOC_MOVING = 3,    /**< a chunk is moving */
+  ZEROALLOC_ON_DISK = 4    /**< every chunk in the NVMe tier (no kernel may touch it: hint it first) */
 } zeroalloc_residency_kind;
 
 /**

@@ -596,8 +596,9 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
     ZA_REQUIRE(owner != nullptr && owner->chunks_of_allocation(pointer, chunks), "pointer ",
                pointer, " is not the start of a live allocation");
     zeroalloc::offload_engine* engine = started.engine_of(pointer);
-    int device_chunks = 0;
-    int host_chunks = 0;
+    std::size_t device_chunks = 0;
+    std::size_t host_chunks = 0;
+    std::size_t disk_chunks = 0;
     for (const zeroalloc::chunk_info& chunk : chunks) {
       const zeroalloc::residency where =
           engine != nullptr ? engine->mover().where(chunk.address) : zeroalloc::residency::device;
@@ -605,11 +606,15 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
         ++device_chunks;
       } else if (where == zeroalloc::residency::host) {
         ++host_chunks;
+      } else if (where == zeroalloc::residency::disk) {
+        ++disk_chunks;
       } else {
         return static_cast<int>(ZEROALLOC_MOVING);
       }
     }
-    if (host_chunks == 0) return static_cast<int>(ZEROALLOC_ON_DEVICE);
-    return static_cast<int>(device_chunks == 0 ? ZEROALLOC_ON_HOST : ZEROALLOC_SPLIT);
+    if (device_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_DEVICE);
+    if (host_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_HOST);
+    if (disk_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_DISK);
+    return static_cast<int>(ZEROALLOC_SPLIT);
   });
 }

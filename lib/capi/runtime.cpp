@@ -72,6 +72,12 @@ class reporting_listener final : public paging_listener {
 }  // namespace
 
 runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
+  if (!parsed.nvme_path.empty() && parsed.nvme_bytes == 0 && parsed.offload == "host") {
+    ZA_THROW(config_error, "ZEROALLOC_NVME_PATH=", parsed.nvme_path,
+             " is set but ZEROALLOC_NVME_SIZE is not: set the bytes of swap space the NVMe "
+             "tier may take per GPU (for example ZEROALLOC_NVME_SIZE=200GiB), or unset "
+             "ZEROALLOC_NVME_PATH");
+  }
   if (!parsed.report_prefix.empty()) {
     reporter::settings_list shown;
     for (const option_spec& spec : option_table()) {
@@ -168,8 +174,10 @@ caching_allocator& runtime::allocator(int ordinal) {
   settings.chunk_bytes = options_.chunk_bytes;
   // Note [Address regions]: the paged classes' chunks stay mapped in their segments on the
   // host too, so their regions hold the host tier besides the device.
-  if (offload_enabled())
+  if (offload_enabled()) {
     settings.host_tier_bytes = std::min(host_tier_limit(), host_memory_bytes());
+    if (disk_tier_enabled()) settings.host_tier_bytes += options_.nvme_bytes;  // and the disk's
+  }
   if (options_.limit.is_set()) {
     settings.limit_bytes = options_.limit.resolve(opened.query_memory().total_bytes);
     settings.limit_source = "ZEROALLOC_MEMORY_LIMIT=" + options_.limit.text;
@@ -265,8 +273,19 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   pool->start_prefill(allocator.paging().arena().chunk_bytes(), limit);
   offload_settings settings;
   settings.prefetch_bytes = options_.prefetch_bytes;
+  disk_store* disk = nullptr;
+  if (disk_tier_enabled()) {  // Note [Chunks on disk] in tier/migrator.hpp
+    disk_store_options disk_options;
+    disk_options.directories = split_directories(options_.nvme_path);
+    disk_options.capacity_bytes = options_.nvme_bytes;
+    disk_options.verify = options_.verify;
+    owned_disk_stores_.push_back(std::make_unique<disk_store>(disk_options));
+    disk = owned_disk_stores_.back().get();
+    log().info("device {}: NVMe tier on, {} in {}", ordinal, format_bytes(options_.nvme_bytes),
+               options_.nvme_path);
+  }
   owned_engines_.push_back(
-      std::make_unique<offload_engine>(allocator, *pool, options_.verify, settings));
+      std::make_unique<offload_engine>(allocator, *pool, options_.verify, settings, disk));
   offload_engine* engine = owned_engines_.back().get();
   host_pools_[ordinal].store(pool, std::memory_order_release);
   engines_[ordinal].store(engine, std::memory_order_release);
@@ -304,6 +323,13 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
           {"chunks_to_host", moved.chunks_to_host},
           {"chunks_to_device", moved.chunks_to_device},
           {"verified_chunks", moved.verified_chunks},
+          {"disk_capacity_bytes", disk_tier_enabled() ? options_.nvme_bytes : 0},
+          {"disk_resident_bytes", moved.disk_resident_bytes},
+          {"bytes_to_disk", moved.bytes_to_disk},
+          {"bytes_from_disk", moved.bytes_from_disk},
+          {"chunks_to_disk", moved.chunks_to_disk},
+          {"chunks_from_disk", moved.chunks_from_disk},
+          {"disk_ns", moved.disk_ns},
           {"uses", uses.uses},
           {"prefetch_hits", uses.hits},
           {"prefetch_hit_rate", hit_rate},

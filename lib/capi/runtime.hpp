@@ -52,6 +52,10 @@ class runtime {
   void stop_background_work();
   /// True when ZEROALLOC_OFFLOAD asks for a host tier.
   [[nodiscard]] bool offload_enabled() const { return options_.offload == "host"; }
+  /// The NVMe tier behind the host tier (ZEROALLOC_NVME_PATH and ZEROALLOC_NVME_SIZE).
+  [[nodiscard]] bool disk_tier_enabled() const {
+    return offload_enabled() && !options_.nvme_path.empty() && options_.nvme_bytes != 0;
+  }
 
   /// pthread_atfork handlers (Note [Fork] in alloc/caching_allocator.cpp).
   void prepare_fork();
@@ -82,6 +86,7 @@ class runtime {
   std::array<std::atomic<offload_engine*>, kMaxDevices> engines_{};
   std::array<std::atomic<host_pool*>, kMaxDevices> host_pools_{};
   std::vector<std::unique_ptr<host_pool>> owned_host_pools_;
+  std::vector<std::unique_ptr<disk_store>> owned_disk_stores_;  // destroyed after the engines
   std::vector<std::unique_ptr<offload_engine>> owned_engines_;
   std::vector<std::unique_ptr<paging_listener>> owned_listeners_;
   std::unique_ptr<reporter> reporter_;

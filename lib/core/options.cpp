@@ -216,10 +216,17 @@ const std::vector<option_spec>& table() {
        "torch is imported, as zeroalloc.torch.install() does.",
        check<read_choice>},
       {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
-       "Directories for the NVMe tier, separated by ':' (one per drive). Read by "
-       "`python -m zeroalloc doctor`, which checks that each accepts O_DIRECT; the NVMe tier "
-       "itself is not part of this release.",
-       check<read_text>},
+       "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "
+       "a swap file in each, striped, with no name on disk). With ZEROALLOC_OFFLOAD=host and "
+       "ZEROALLOC_NVME_SIZE, optimizer states the host tier cannot hold go there and come back "
+       "through it before they are used. `python -m zeroalloc doctor` checks that each "
+       "accepts O_DIRECT.",
+       store<&options::nvme_path, read_text>},
+      {"ZEROALLOC_NVME_SIZE", option_kind::byte_size, "", "",
+       "Bytes of swap space the NVMe tier takes over the directories of ZEROALLOC_NVME_PATH, "
+       "per GPU, preallocated when the GPU is first used (a drive without room is an error "
+       "then, naming it and the bytes needed). Needed with ZEROALLOC_NVME_PATH.",
+       store<&options::nvme_bytes, read_byte_size>},
       {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
        "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
        "in the build tree.",

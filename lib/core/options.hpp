@@ -78,6 +78,8 @@ struct options {
   memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
   bool verify = false;                 ///< ZEROALLOC_VERIFY
   std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES
+  std::string nvme_path;               ///< ZEROALLOC_NVME_PATH
+  std::uint64_t nvme_bytes = 0;        ///< ZEROALLOC_NVME_SIZE (0: unset)
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

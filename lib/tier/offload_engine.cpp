@@ -102,13 +102,20 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
       try {
         migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences,
                                          each.fence_streams);
-      } catch (const host_memory_exhausted&) {
+      } catch (const host_memory_exhausted& exhausted) {
         // Note [Chunks on disk] in migrator.hpp: with the host tier full, what it holds that
         // is used farthest ahead goes to the disk, and the eviction tries again. The failed
         // start gave its claim up: claimed again under the lock a use takes, unless a use
         // began on it meanwhile, and fenced behind its streams too (its segment may have
         // changed since the plan).
-        if (make_host_room(each.chunk.handle.bytes, address) == 0) throw;
+        if (!migrator_.has_disk()) throw;
+        if (make_host_room(each.chunk.handle.bytes, address) == 0 &&
+            (migrator_.drain(), make_host_room(each.chunk.handle.bytes, address) == 0)) {
+          ZA_THROW(host_memory_exhausted, exhausted.what(),
+                   " The NVMe tier took none of what the host holds: it is full "
+                   "(ZEROALLOC_NVME_SIZE), or no idle optimizer state is left on the host "
+                   "(only those go to disk).");
+        }
         chunk_info again;
         {
           std::lock_guard lock(mutex_);
@@ -725,7 +732,12 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
     try {
       if (migrator_.restore(address)) return;
     } catch (const host_memory_exhausted&) {
-      if (make_host_room(bytes, address) == 0) throw;
+      // Host chunks being fetched (the prefetcher's) are neither spillable nor free until
+      // their fetch lands: let the moves in flight land before giving up.
+      if (make_host_room(bytes, address) == 0) {
+        if (attempt == 3) throw;
+        migrator_.drain();
+      }
     }
   }
 }

@@ -32,19 +32,17 @@
 // fetches. Without hints the engine still works, from the pressure path alone.
 //
 // Note [Tiers that come next]: the engine decides where each chunk lives and the migrator
-// moves a chunk between device and pinned host memory at a fixed address. The next two
-// sources of bytes plug in beside those moves, which stay as they are:
-//   - NVMe, behind the host tier: its chunks cannot be mapped, so a chunk reaches it only
-//     from a host chunk (io_uring writes from the host chunk's staging address) and comes
-//     back into one before a fetch. Where an eviction now fails with the host tier full
-//     (host_memory_exhausted, caught in launch_evictions), the engine spills
-//     the host-resident chunk used farthest ahead to NVMe first; bring_back reads an
-//     NVMe-resident chunk into a host chunk, then fetches it as today.
+// moves a chunk between device and pinned host memory at a fixed address. Other sources of
+// bytes plug in beside those moves, which stay as they are:
+//   - NVMe, behind the host tier (Note [Chunks on disk] in migrator.cpp): a chunk reaches it
+//     only from the host, when an eviction finds the host tier full (make_host_room spills
+//     the idle host-resident optimizer states used farthest ahead), and comes back to the
+//     host before any use or fetch (off_disk), then to the device as any host chunk.
 //   - ZeRO partitions: a parameter chunk that another rank owns is resident remotely; its
 //     fetch is an all-gather into a device chunk instead of a copy from a host chunk, and the
 //     learned order schedules gathers as it schedules fetches (bring_back and the
 //     prefetcher's wishes). Evicting it frees the device chunk with no copy out.
-// Residency (migrator::where) gains a kind for each; the hints and the policy stay.
+// Residency (migrator::where) has a kind for each; the hints and the policy stay.
 #pragma once
 
 #include <condition_variable>

@@ -3,7 +3,13 @@
 // at the same address, the statistics say where the bytes went, hints are accepted, and bad
 // calls fail with a message.
 #include <gtest/gtest.h>
+#include <linux/io_uring.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -129,6 +135,79 @@ TEST(OffloadCapi, BadCallsFailWithAMessage) {
             std::string::npos)
       << zeroalloc_last_error();
   zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
+}
+
+// Whether this kernel lets the process use io_uring (the NVMe tier needs it).
+bool io_uring_usable() {
+  io_uring_params params{};
+  const long ring = syscall(__NR_io_uring_setup, 1, &params);
+  if (ring < 0) return false;
+  close(static_cast<int>(ring));
+  return true;
+}
+
+// The NVMe tier with no code change: ZEROALLOC_NVME_PATH and ZEROALLOC_NVME_SIZE beside
+// ZEROALLOC_OFFLOAD=host. States beyond the device's and the host tier's limits go to the
+// swap file and come back for their hinted uses; the statistics say so. In a fresh process
+// (the library reads its variables once).
+TEST(OffloadCapi, StatesBeyondTheHostLimitGoToTheNvmeTierAndComeBackForTheirUses) {
+  if (!io_uring_usable()) GTEST_SKIP() << "skipped: io_uring is not available here";
+  char directory[] = "/tmp/offload_capi_nvme-XXXXXX";
+  ASSERT_NE(mkdtemp(directory), nullptr);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_MEMORY_LIMIT", "32MiB", 1);
+        setenv("ZEROALLOC_HOST_LIMIT", "16MiB", 1);
+        setenv("ZEROALLOC_NVME_PATH", directory, 1);
+        setenv("ZEROALLOC_NVME_SIZE", "64MiB", 1);
+        std::vector<void*> states;
+        for (int i = 0; i < 8; ++i) {  // 64 MiB: 32 on the device, 16 on the host, 16 on disk
+          void* state =
+              zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+          if (state == nullptr) {
+            std::fprintf(stderr, "allocation %d failed: %s\n", i, zeroalloc_last_error());
+            std::exit(1);
+          }
+          zeroalloc_use_begins(state, nullptr);
+          zeroalloc_use_ends(state, nullptr);
+          states.push_back(state);
+        }
+        zeroalloc_step_boundary();
+        const long long to_disk = offload_figure("chunks_to_disk");
+        int on_disk = 0;
+        for (void* state : states) on_disk += zeroalloc_residency(state) == ZEROALLOC_ON_DISK;
+        bool all_back = true;
+        for (void* state : states) {
+          zeroalloc_use_begins(state, nullptr);
+          const int where = zeroalloc_residency(state);
+          all_back = all_back && where != ZEROALLOC_ON_DISK && where >= 0;
+          zeroalloc_use_ends(state, nullptr);
+        }
+        std::fprintf(stderr, "to disk %lld, on disk %d, from disk %lld, capacity %lld, back %d\n",
+                     to_disk, on_disk, offload_figure("chunks_from_disk"),
+                     offload_figure("disk_capacity_bytes"), all_back ? 1 : 0);
+        for (void* state : states) zeroalloc_free(state, 8 * kMiB, 0, nullptr);
+        std::exit(to_disk >= 2 && on_disk >= 2 && all_back ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "capacity 67108864, back 1");
+  std::filesystem::remove_all(directory);
+}
+
+// ZEROALLOC_NVME_PATH alone cannot size the swap files: the library does not start, and
+// says which variable is missing.
+TEST(OffloadCapi, AnNvmePathWithoutASizeStopsTheLibraryNamingBoth) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_NVME_PATH", "/tmp", 1);
+        unsetenv("ZEROALLOC_NVME_SIZE");
+        void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        std::fprintf(stderr, "last error: %s\n", zeroalloc_last_error());
+        std::exit(pointer == nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "ZEROALLOC_NVME_PATH=/tmp is set but ZEROALLOC_NVME_SIZE is not");
 }
 
 }  // namespace

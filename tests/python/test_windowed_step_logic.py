@@ -636,3 +636,21 @@ def test_with_step_marks_each_iteration_marks_one_boundary_windowed_or_not(engin
         _step_marks.stop_marking()
     plain_optimizer.step()
     assert engine.boundaries == 6  # removed
+
+
+def test_state_dict_brings_states_on_disk_back_before_handing_them_out(engine, monkeypatch):
+    # States in the NVMe tier sit behind addresses no copy may touch: state_dict() fetches
+    # them first (zeroalloc/torch/_state_dict.py), and leaves the others where they are.
+    model, optimizer = managed(overlap_bytes=0)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    states = [value for per in optimizer.state.values() for value in per.values()
+              if torch.is_tensor(value) and value.numel() > 1]
+    on_disk = {states[0].untyped_storage().data_ptr(), states[3].untyped_storage().data_ptr()}
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: "disk" if pointer in on_disk else "host")
+    fetched = []
+    monkeypatch.setattr(zt._offload, "fetch_pointer",
+                        lambda pointer, wait=True: fetched.append((pointer, wait)))
+    optimizer.state_dict()
+    assert sorted(fetched) == sorted((pointer, True) for pointer in on_disk)

@@ -9,7 +9,7 @@ import ctypes
 from zeroalloc._library import ZeroallocError, last_error, library
 
 #: zeroalloc_residency's answers.
-RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving"}
+RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving", 4: "disk"}
 
 
 def offload_pointer(pointer: int, wait: bool = True) -> None:
@@ -26,7 +26,7 @@ def fetch_pointer(pointer: int, wait: bool = True) -> None:
 
 
 def residency_of(pointer: int) -> str:
-    """"device", "host", "split" or "moving"."""
+    """"device", "host", "disk", "split" or "moving"."""
     answer = library().zeroalloc_residency(pointer)
     if answer < 0:
         raise ZeroallocError(last_error())

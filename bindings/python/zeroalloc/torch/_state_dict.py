@@ -3,7 +3,11 @@ step kept in scratch go home first, and loaded states move into their class."""
 
 from __future__ import annotations
 
+import torch
+
+from zeroalloc import _offload
 from zeroalloc.torch import _adoption
+from zeroalloc.torch._step_records import residency_or_foreign
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
 
@@ -36,7 +40,21 @@ def readopt_after_load(optimizer) -> None:
         stepper = getattr(self, "_zeroalloc_stepper", None)
         if stepper is not None:  # kept states: their own tensors, not views of a slot
             stepper.write_back_kept(wait=True)
+        bring_back_from_disk(self)
         return save(self)
 
     state_dict._zeroalloc_original = original_of(optimizer, "state_dict")
     optimizer.state_dict = BoundWeakly(state_dict, optimizer)
+
+
+def bring_back_from_disk(optimizer) -> None:
+    """States in the NVMe tier sit behind addresses no kernel or copy may touch (Note
+    [Chunks on disk] in lib/tier/migrator.hpp): a state_dict that hands them out, for
+    torch.save to read, brings them back first (to the device, or to the host where the
+    device has no room; both are readable). They stay until pressure moves them again, so
+    save the dict before allocating much more."""
+    for per_parameter in optimizer.state.values():
+        for value in per_parameter.values():
+            if (torch.is_tensor(value) and value.numel() > 0 and
+                    residency_or_foreign(value) in ("disk", "split", "moving")):
+                _offload.fetch_pointer(value.untyped_storage().data_ptr(), wait=True)
