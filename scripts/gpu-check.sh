@@ -12,7 +12,7 @@
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: alloc_bench hint migration remap torch_empty
 # preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
-# 140 s) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS, _WARMUP, _STEPS, _ARGS)
+# 140 s) disk (about 30 s) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS, _WARMUP, _STEPS, _ARGS)
 # baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
@@ -157,6 +157,14 @@ step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloa
 skipped llama || python3 bench/python/offload_llama_bench.py \
   --library build/libzeroalloc.so --warmup 8 --steps 8 --overlap-bytes 0,2147483648 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
+step "the NVMe tier's disk store against plain O_DIRECT I/O on this machine's disk"
+if [[ -z $(skipped disk) ]]; then
+  mkdir -p /tmp/zeroalloc-disk
+  build/bench/disk_store_bench --path /tmp/zeroalloc-disk --chunks ${GPU_CHECK_DISK_CHUNKS:-32} --rounds 2 \
+    2>&1 | tee "$out/disk.txt" | tail -8
+  rm -rf /tmp/zeroalloc-disk
+else skipped disk; fi
+
 # Needs DeepSpeed's sdist and wheels in .whl/ds/ (README, "Benchmarks"): without them the
 # sweep runs zeroalloc's rows alone.
 step "budget sweep: Llama 1.3B under memory limits, beside DeepSpeed ZeRO-Offload, one run"
@@ -222,6 +230,9 @@ for line in (out / "optimizer_step.txt").read_text().splitlines() if (out / "opt
 for line in (out / "llama.txt").read_text().splitlines() if (out / "llama.txt").exists() else []:
     if re.match(r"^(native|zeroalloc|offload\S*|fsdp2) ", line):
         rows.append(("Llama 1.3B step s, tokens/s, vs native, vs fsdp2", line.strip()[:90]))
+for line in (out / "disk.txt").read_text().splitlines() if (out / "disk.txt").exists() else []:
+    if re.match(r"^\| [0-9]+ \|", line):
+        rows.append(("disk GB/s: write store/plain/ratio, read store/plain/ratio", line.strip()))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
 rows.append(("ctest -L gpu", m.group(1) if m else "missing"))
