@@ -63,6 +63,9 @@ void caching_allocator::bring_back_from_host(void* pointer, stream_handle stream
   if (listener == nullptr) return;
   try {
     listener->allocated_on_host(pointer, stream);
+  } catch (const out_of_memory&) {  // it cannot be reached where it lies: it fails
+    deallocate(pointer);
+    throw;
   } catch (const std::exception& failure) {  // the allocation stands, on the host
     log().warn("bringing a new allocation back from host memory failed: {}", failure.what());
   }

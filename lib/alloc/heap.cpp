@@ -357,13 +357,18 @@ block* heap::replace_free_segment(block* whole, std::size_t rounded_bytes, strea
   // the segment is idle, the cache hit stands. Without it, the program is at the limit with
   // nothing else to free, and waits as a release of the cache would.
   const bool may_wait = listener_.load(std::memory_order_acquire) == nullptr;
-  for (stream_handle used : streams_of(*owner)) {
-    bool idle = false;
-    fenced(used, [&](event_handle fence) {
-      if (may_wait) device_.synchronize_event(fence);
-      idle = may_wait || device_.event_completed(fence);
-    });
-    if (!idle) return whole;
+  try {
+    for (stream_handle used : streams_of(*owner)) {
+      bool idle = false;
+      fenced(used, [&](event_handle fence) {
+        if (may_wait) device_.synchronize_event(fence);
+        idle = may_wait || device_.event_completed(fence);
+      });
+      if (!idle) return whole;
+    }
+  } catch (...) {
+    insert_free(whole);  // a failed fence: it stays cached, free, as it was
+    throw;
   }
   insert_free(whole);  // as release_segment expects
   auto owned = std::find_if(segments_.begin(), segments_.end(),

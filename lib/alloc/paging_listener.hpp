@@ -40,7 +40,8 @@ class paging_listener {
   /// A new allocation at `pointer`, for `stream`, lies in memory moved to the host or being
   /// moved (Note [Landing in a moving chunk] in heap.cpp): bring it back, ordered before the
   /// stream's next work, or leave it there. No lock held; an exception is logged and the
-  /// allocation stands where it is.
+  /// allocation stands where it is, except out_of_memory (it lies where no kernel may reach
+  /// it: a chunk on disk that could not come back), which frees it and fails the allocation.
   virtual void allocated_on_host(const void* /*pointer*/, stream_handle /*stream*/) {}
   /// A segment of `cls` gained a physical chunk of `chunk_bytes` (mapped), or lost one
   /// (unmapped, or given to another class). Called with the heap's lock held: brief, never

@@ -44,26 +44,35 @@ std::vector<sim_group::posted> sim_group::arrive(int rank, std::uint64_t sequenc
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   // The previous collective must be over on every rank before this one's buffers are posted.
   if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || sequence_ == sequence; })) {
-    ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
-             " of the group) waited ", timeout_.count(),
-             " ms for the previous collective to end on every rank");
+    const std::string why =
+        detail::concat("the ", what, " (collective ", sequence + 1, " of the group) waited ",
+                       timeout_.count(), " ms for the previous collective to end on every rank");
+    aborted_.emplace(rank, why);  // nobody waits on this group any more
+    changed_.notify_all();
+    ZA_THROW(collective_error, "rank ", rank, ": ", why);
   }
   if (aborted_) throw_aborted(rank, what);
   posted_[static_cast<std::size_t>(rank)] = mine;
   arrived_[static_cast<std::size_t>(rank)] = true;
   ++arrivals_;
   changed_.notify_all();
+  // Every rank arrived: each reads the others' buffers and departs, whatever happens to
+  // the group meanwhile. Otherwise nobody reads: a rank that gives up marks the group
+  // aborted first, so that one arriving late throws instead of reading buffers already gone.
   if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || arrivals_ == world_size_; })) {
     std::ostringstream missing;
     for (int each = 0; each < world_size_; ++each) {
       if (!arrived_[static_cast<std::size_t>(each)])
         missing << (missing.tellp() > 0 ? ", " : "") << each;
     }
-    ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
-             " of the group) waited ", timeout_.count(), " ms for rank(s) ", missing.str(),
-             ", which never arrived");
+    const std::string why = detail::concat(
+        "the ", what, " (collective ", sequence + 1, " of the group) waited ", timeout_.count(),
+        " ms for rank(s) ", missing.str(), ", which never arrived");
+    aborted_.emplace(rank, why);
+    changed_.notify_all();
+    ZA_THROW(collective_error, "rank ", rank, ": ", why);
   }
-  if (aborted_) throw_aborted(rank, what);
+  if (arrivals_ != world_size_) throw_aborted(rank, what);
   return posted_;
 }
 
@@ -79,12 +88,13 @@ void sim_group::depart(int rank, std::uint64_t sequence, const char* what) {
     return;
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  if (!changed_.wait_until(lock, deadline, [&] { return aborted_ || sequence_ != sequence; })) {
+  // The others are reading this rank's buffers (they never block while reading): wait for
+  // them, aborted or not, so that the caller may reuse its buffers on return.
+  if (!changed_.wait_until(lock, deadline, [&] { return sequence_ != sequence; })) {
     ZA_THROW(collective_error, "rank ", rank, ": the ", what, " (collective ", sequence + 1,
              " of the group) waited ", timeout_.count(),
              " ms for the other ranks to finish reading its buffers");
   }
-  if (aborted_ && sequence_ == sequence) throw_aborted(rank, what);
 }
 
 void sim_group::abort(int rank, const std::string& why) {

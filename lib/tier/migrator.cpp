@@ -49,7 +49,6 @@ migrator::~migrator() {
   // may not.
   try {
     drain();
-    restore_all();
     std::vector<std::uintptr_t> away;
     {
       std::lock_guard lock(mutex_);
@@ -66,6 +65,7 @@ migrator::~migrator() {
       }
     }
     drain();
+    restore_all();  // then the disk's, through the host memory those left, one at a time
     if (stranded != 0) {
       log().warn("offload: {} chunks stay in host memory: no device memory to bring them back",
                  stranded);
@@ -164,7 +164,9 @@ bool migrator::claim_eviction(std::uintptr_t address, chunk_info& claimed) {
   // once, and its writes could land in the device chunk being left.
   {
     std::lock_guard lock(mutex_);
-    if (moving_.contains(address) || on_host_.contains(address)) return false;
+    if (moving_.contains(address) || on_host_.contains(address) || on_disk_.contains(address)) {
+      return false;
+    }
     moving_[address] = residency::moving_to_host;
   }
   bool pinned = false;
@@ -670,7 +672,7 @@ bool migrator::claim_spill(std::uintptr_t address) {
   return true;
 }
 
-void migrator::start_claimed_spill(std::uintptr_t address) {
+void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after) {
   const auto started = std::chrono::steady_clock::now();
   host_chunk host;
   int cls = 0;
@@ -697,17 +699,32 @@ void migrator::start_claimed_spill(std::uintptr_t address) {
     slot = disk_->allocate(bytes);
     {
       std::lock_guard io(disk_mutex_);
-      if (bounce_bytes_ < bytes) {
-        bounce_.reset(
-            static_cast<std::byte*>(std::aligned_alloc(4 * KiB, round_up(bytes, 4 * KiB))));
-        bounce_bytes_ = bounce_ ? bytes : 0;
-        if (!bounce_) throw std::bad_alloc();
+      if (bounce_bytes_ < bytes) {  // the new buffer first: a failure keeps the old one
+        std::unique_ptr<std::byte, void (*)(void*)> larger(
+            static_cast<std::byte*>(std::aligned_alloc(4 * KiB, round_up(bytes, 4 * KiB))),
+            std::free);
+        if (!larger) throw std::bad_alloc();
+        bounce_ = std::move(larger);
+        bounce_bytes_ = bytes;
       }
-      device_.copy_async(bounce_.get(), reinterpret_cast<const void*>(host.staging_address), bytes,
-                         disk_stream_);
-      device_.synchronize_stream(disk_stream_);
+      // As an eviction's copy: after the ends of its hinted uses and everything queued on
+      // its streams (the host runs ahead of the device: a use that ended in host time may
+      // still be running, an in-place step writing the chunk among them).
+      if (after != nullptr) {
+        for (event_handle fence : *after) device_.stream_wait_event(disk_stream_, fence);
+      }
+      fence_behind_chunk_streams(chunk, disk_stream_);
       try {
-        disk_->wait(disk_->write(slot, bounce_.get(), bytes));
+        device_.copy_async(bounce_.get(), reinterpret_cast<const void*>(host.staging_address),
+                           bytes, disk_stream_);
+        device_.synchronize_stream(disk_stream_);
+      } catch (...) {
+        settle(disk_stream_);
+        throw;
+      }
+      const disk_store::ticket written = disk_->write(slot, bounce_.get(), bytes);
+      try {
+        disk_->wait(written);
       } catch (...) {
         slot = 0;  // a failed write released it (Note [A failed write loses nothing])
         throw;
@@ -763,9 +780,14 @@ bool migrator::restore(std::uintptr_t address) {
     {
       std::lock_guard io(disk_mutex_);
       disk_->wait(disk_->read(away.slot, bounce_.get(), away.bytes));
-      device_.copy_async(reinterpret_cast<void*>(host.staging_address), bounce_.get(), away.bytes,
-                         disk_stream_);
-      device_.synchronize_stream(disk_stream_);
+      try {
+        device_.copy_async(reinterpret_cast<void*>(host.staging_address), bounce_.get(), away.bytes,
+                           disk_stream_);
+        device_.synchronize_stream(disk_stream_);
+      } catch (...) {
+        settle(disk_stream_);  // the copy may still write the host chunk given back below
+        throw;
+      }
     }
     paging_.remap_pinned_chunk(address, host.handle);
   } catch (...) {
@@ -806,7 +828,7 @@ void migrator::restore_all() {
   for (std::uintptr_t address : on_disk) {
     try {
       wait_until_settled(address);
-      restore(address);
+      if (restore(address) && fetch_async(address)) drain();  // its host chunk free again
     } catch (const std::exception& failure) {
       ++stranded;
       log().error("offload: bringing the chunk at {:#x} back from the disk failed: {}", address,

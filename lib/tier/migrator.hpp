@@ -158,7 +158,10 @@ class migrator : public paging_listener {
   /// Writes the claimed chunk's bytes to the disk, maps its addresses to a placeholder no
   /// kernel may touch and gives its host chunk back to the pool. Throws disk_io_error or
   /// disk_space_exhausted with the chunk still wholly on the host (the claim given up).
-  void start_claimed_spill(std::uintptr_t address);
+  /// Its copy waits for `after` (the ends of the chunk's hinted uses) when given, and for
+  /// everything queued on the chunk's streams.
+  void start_claimed_spill(std::uintptr_t address,
+                           const std::vector<event_handle>* after = nullptr);
   /// Gives up a claim_spill that will not start.
   void cancel_spill(std::uintptr_t address) { release_claim(address); }
   /// Reads the disk-resident chunk at `address` into a host chunk and maps its addresses

@@ -186,7 +186,8 @@ std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
 // only the allocation-failure path, which must succeed, takes the others too.
 std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t bytes,
                                                                    std::uint64_t sooner_than,
-                                                                   bool only_released) {
+                                                                   bool only_released,
+                                                                   bool last_resort) {
   std::vector<chunk_info> all;
   paging_.list_chunks(all);
   struct candidate {
@@ -207,6 +208,7 @@ std::vector<offload_engine::victim> offload_engine::choose_victims(std::size_t b
     const bool other = chunk.allocation_class == static_cast<int>(allocation_class::other);
     const bool gradient = chunk.allocation_class == static_cast<int>(allocation_class::gradient);
     if ((gradient || other) && only_released) continue;
+    if (other && !last_resort) continue;  // Note [Idle memory of any class]
     if (chunk.handle.location != memory_location::device) continue;
     // Free space gains little on the host, and whatever is allocated there next comes back
     // (allocated_on_host). But a device held full by the free tails of segments whose
@@ -676,6 +678,7 @@ void offload_engine::prefetch_worker() {
 std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep) {
   if (!migrator_.has_disk()) return 0;
   std::vector<std::uintptr_t> claimed;
+  std::vector<std::vector<event_handle>> fences;  // each claimed chunk's use-ends
   std::uint64_t claimed_bytes = 0;
   {
     // Note [Chunks on disk]: only optimizer states go (every use of theirs is hinted, so
@@ -692,8 +695,11 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
           each.allocation_class != static_cast<int>(allocation_class::optimizer_state)) {
         continue;
       }
+      // Hinted, so that every use of it comes back through a hint first; no use open.
       auto state = chunks_.find(each.address);
-      if (state != chunks_.end() && state->second.open_uses > 0) continue;
+      if (state == chunks_.end() || !state->second.hinted || state->second.open_uses > 0) {
+        continue;
+      }
       candidates.push_back({each.address, each.bytes, next_use_distance(each.address)});
     }
     std::sort(candidates.begin(), candidates.end(),
@@ -702,13 +708,14 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
       if (claimed_bytes >= bytes) break;
       if (!migrator_.claim_spill(each.address)) continue;  // claimed under the lock a use takes
       claimed.push_back(each.address);
+      fences.push_back(use_end_fences(each.address));
       claimed_bytes += each.bytes;
     }
   }
   std::uint64_t spilled = 0;
   for (std::size_t i = 0; i < claimed.size(); ++i) {
     try {
-      migrator_.start_claimed_spill(claimed[i]);
+      migrator_.start_claimed_spill(claimed[i], fences[i].empty() ? nullptr : &fences[i]);
       if (migrator_.where(claimed[i]) == residency::disk) ++spilled;
     } catch (const std::exception& failure) {
       // The chunk stays on the host; so do the rest, their claims given up.
@@ -722,7 +729,7 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
 }
 
 void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
-  for (int attempt = 0; attempt < 4; ++attempt) {
+  for (int attempt = 0;; ++attempt) {
     const residency where = migrator_.where(address);
     if (where == residency::moving_to_disk || where == residency::moving_from_disk) {
       migrator_.wait_until_settled(address);
@@ -734,10 +741,15 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
     } catch (const host_memory_exhausted&) {
       // Host chunks being fetched (the prefetcher's) are neither spillable nor free until
       // their fetch lands: let the moves in flight land before giving up.
-      if (make_host_room(bytes, address) == 0) {
-        if (attempt == 3) throw;
-        migrator_.drain();
-      }
+      if (attempt >= 3) throw;
+      if (make_host_room(bytes, address) == 0) migrator_.drain();
+    }
+    // A chunk left on disk sits behind addresses no kernel may touch: never return so.
+    if (attempt >= 3) {
+      ZA_THROW(host_memory_exhausted, "the chunk at ", address, " (", format_bytes(bytes),
+               ") could not come back from the NVMe tier: the host tier had no room for it "
+               "after ",
+               attempt + 1, " tries (ZEROALLOC_HOST_LIMIT)");
     }
   }
 }
@@ -746,7 +758,8 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   std::vector<planned_eviction> planned;
   {
     std::lock_guard lock(mutex_);
-    for (const victim& chosen : choose_victims(bytes_needed, 0, /*only_released=*/false)) {
+    for (const victim& chosen :
+         choose_victims(bytes_needed, 0, /*only_released=*/false, /*last_resort=*/true)) {
       plan_eviction(chosen, planned);
     }
     if (planned.empty()) {
@@ -757,7 +770,11 @@ std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {
   std::string full;
   const std::vector<std::uintptr_t> evicted = launch_evictions(planned, false, &full);
   std::uint64_t bytes = 0;
-  for (std::size_t i = 0; i < evicted.size(); ++i) bytes += planned[i].chunk.handle.bytes;
+  for (const planned_eviction& each : planned) {  // launch_evictions may skip some
+    if (std::find(evicted.begin(), evicted.end(), each.chunk.address) != evicted.end()) {
+      bytes += each.chunk.handle.bytes;
+    }
+  }
   {
     std::lock_guard lock(mutex_);
     figures_.pressure_evictions += evicted.size();
@@ -823,7 +840,15 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
   for (const chunk_info& chunk : chunks_of(pointer)) {
     // Note [Landing in a moving chunk] in alloc/heap.cpp: the move ends first.
     migrator_.wait_until_settled(chunk.address);
-    off_disk(chunk.address, chunk.handle.bytes);
+    try {
+      off_disk(chunk.address, chunk.handle.bytes);
+    } catch (const std::exception& failure) {
+      // The new allocation would lie behind addresses no kernel may touch: it fails.
+      ZA_THROW(::zeroalloc::out_of_memory,
+               "a new allocation landed in free space of a chunk in the NVMe "
+               "tier, which could not come back: ",
+               failure.what());
+    }
     if (migrator_.where(chunk.address) != residency::host) continue;
     // Another block of the chunk may be in use (a hint open on it): it stays for now.
     if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,

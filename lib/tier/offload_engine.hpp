@@ -203,8 +203,10 @@ class offload_engine : public paging_listener {
     std::uintptr_t address;
     std::uint64_t generation;
   };
+  /// `last_resort` (the allocation-failure path): memory of class other may go too, last
+  /// (Note [Idle memory of any class]).
   std::vector<victim> choose_victims(std::size_t bytes, std::uint64_t sooner_than,
-                                     bool only_released);
+                                     bool only_released, bool last_resort = false);
   /// An eviction claimed under mutex_, to start outside it (Note [Evictions outside the
   /// engine's lock]), behind `fences` (the chunk's last use-ends events) when there are any.
   struct planned_eviction {
