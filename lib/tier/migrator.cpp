@@ -639,7 +639,9 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
 // through the device (its staging address): the bytes pass through one bounce buffer, by a
 // copy on the device's own stream, then one request to the store for the whole chunk. A
 // write that fails leaves the chunk on the host, untouched (Note [A failed write loses
-// nothing] in disk_store.hpp); a read that fails leaves it on disk.
+// nothing] in disk_store.hpp); a read that fails leaves it on disk. The placeholders are
+// host memory outside ZEROALLOC_HOST_LIMIT: one per size of chunk on disk (most chunks are
+// ZEROALLOC_CHUNK_SIZE; a segment's last one may be smaller), until the migrator goes.
 
 physical_handle migrator::placeholder_for(std::size_t bytes) {
   {

@@ -638,9 +638,11 @@ def test_with_step_marks_each_iteration_marks_one_boundary_windowed_or_not(engin
     assert engine.boundaries == 6  # removed
 
 
-def test_state_dict_brings_states_on_disk_back_before_handing_them_out(engine, monkeypatch):
-    # States in the NVMe tier sit behind addresses no copy may touch: state_dict() fetches
-    # them first (zeroalloc/torch/_state_dict.py), and leaves the others where they are.
+def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monkeypatch):
+    # States in the NVMe tier sit behind addresses no copy may touch, and may go back there
+    # after state_dict() returns: the dict holds CPU copies of them, each made under a use
+    # in place (which brings it back and pins it), ended at once; the others are the
+    # optimizer's own tensors (zeroalloc/torch/_state_dict.py).
     model, optimizer = managed(overlap_bytes=0)
     inputs, labels = data(1)[0]
     train(model, optimizer, inputs, labels)
@@ -649,8 +651,16 @@ def test_state_dict_brings_states_on_disk_back_before_handing_them_out(engine, m
     on_disk = {states[0].untyped_storage().data_ptr(), states[3].untyped_storage().data_ptr()}
     monkeypatch.setattr(zt._offload, "residency_of",
                         lambda pointer: "disk" if pointer in on_disk else "host")
-    fetched = []
-    monkeypatch.setattr(zt._offload, "fetch_pointer",
-                        lambda pointer, wait=True: fetched.append((pointer, wait)))
-    optimizer.state_dict()
-    assert sorted(fetched) == sorted((pointer, True) for pointer in on_disk)
+    pinned = []
+    monkeypatch.setattr(zt._offload, "use_in_place_many",
+                        lambda pointers, stream=0: pinned.extend(pointers))
+    ended = []
+    monkeypatch.setattr(zt._offload, "use_ends_many",
+                        lambda pointers, stream=0: ended.extend(pointers))
+    saved = optimizer.state_dict()
+    assert sorted(pinned) == sorted(on_disk) and sorted(ended) == sorted(on_disk)
+    values = [value for per in saved["state"].values() for value in per.values()
+              if torch.is_tensor(value) and value.numel() > 1]
+    assert len(values) == len(states)
+    for value, state in zip(values, states):
+        assert torch.equal(value, state) and value.device.type == "cpu"

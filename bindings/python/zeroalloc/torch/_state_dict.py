@@ -40,21 +40,31 @@ def readopt_after_load(optimizer) -> None:
         stepper = getattr(self, "_zeroalloc_stepper", None)
         if stepper is not None:  # kept states: their own tensors, not views of a slot
             stepper.write_back_kept(wait=True)
-        bring_back_from_disk(self)
-        return save(self)
+        return copied_off_disk(self, save(self))
 
     state_dict._zeroalloc_original = original_of(optimizer, "state_dict")
     optimizer.state_dict = BoundWeakly(state_dict, optimizer)
 
 
-def bring_back_from_disk(optimizer) -> None:
+def copied_off_disk(optimizer, saved: dict) -> dict:
     """States in the NVMe tier sit behind addresses no kernel or copy may touch (Note
-    [Chunks on disk] in lib/tier/migrator.hpp): a state_dict that hands them out, for
-    torch.save to read, brings them back first (to the device, or to the host where the
-    device has no room; both are readable). They stay until pressure moves them again, so
-    save the dict before allocating much more."""
+    [Chunks on disk] in lib/tier/migrator.cpp), and pressure may send a state there again
+    at any time after state_dict returns: in the dict it returns (for torch.save), each
+    such state is a copy in CPU memory, made while a use pins it where it came back to.
+    The optimizer's own states stay where they are."""
+    on_disk = {}
     for per_parameter in optimizer.state.values():
         for value in per_parameter.values():
             if (torch.is_tensor(value) and value.numel() > 0 and
                     residency_or_foreign(value) in ("disk", "split", "moving")):
-                _offload.fetch_pointer(value.untyped_storage().data_ptr(), wait=True)
+                pointer = value.untyped_storage().data_ptr()
+                _offload.use_in_place_many([pointer])  # back from the disk, pinned
+                try:
+                    on_disk[id(value)] = value.to("cpu")
+                finally:
+                    _offload.use_ends_many([pointer])
+    if not on_disk:
+        return saved
+    state = {index: {key: on_disk.get(id(value), value) for key, value in per.items()}
+             for index, per in saved["state"].items()}
+    return {**saved, "state": state}
