@@ -5,6 +5,7 @@ environment: pytest runs other files' subprocesses from the same process."""
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -202,17 +203,36 @@ def test_doctor_checks_o_direct_on_each_nvme_path(tmp_path):
         directories.append(tmpfs)
     result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
                             env={**os.environ, "PYTHONPATH": str(PACKAGE),
-                                 "ZEROALLOC_NVME_PATH": ":".join(directories)},
+                                 "ZEROALLOC_NVME_PATH": ":".join(directories),
+                                 "ZEROALLOC_NVME_SIZE": "1MiB"},
                             capture_output=True, text=True)
     lines = result.stdout.splitlines()
     row = next(line for line in lines if line.startswith(f"NVMe path {tmp_path}"))
     assert "O_DIRECT works" in row, result.stdout  # ext4 here; tmpfs since Linux 6.6 too
+    assert re.search(r"write [0-9.]+ GB/s, read [0-9.]+ GB/s", row), row  # measured
+    assert "PASS" in row or "WARN" in row, row
     assert any("/nonexistent/nvme0 does not exist" in line for line in lines), result.stdout
     if tmpfs is not None:  # memory, not a drive: accepted with a warning, or refused
         tmpfs_row = next(line for line in lines if line.startswith(f"NVMe path {tmpfs} "))
         assert ("WARN" in tmpfs_row and "on tmpfs" in tmpfs_row) or "FAIL" in tmpfs_row
     assert result.returncode == 1  # a configured path that cannot serve the tier fails
     assert not list(tmp_path.iterdir()), "the probe file was left behind"
+
+
+def test_doctor_fails_an_nvme_size_the_drives_cannot_hold_or_a_missing_one(tmp_path):
+    def doctor(**environment):
+        result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                                env={**os.environ, "PYTHONPATH": str(PACKAGE), **environment},
+                                capture_output=True, text=True)
+        return result.returncode, result.stdout
+    code, out = doctor(ZEROALLOC_NVME_PATH=str(tmp_path), ZEROALLOC_NVME_SIZE="1000000TiB")
+    row = next(line for line in out.splitlines() if line.startswith(f"NVMe path {tmp_path}"))
+    assert "FAIL" in row and "its share of ZEROALLOC_NVME_SIZE" in row, out
+    assert code == 1
+    code, out = doctor(ZEROALLOC_NVME_PATH=str(tmp_path))
+    row = next(line for line in out.splitlines() if line.startswith("NVMe size"))
+    assert "FAIL" in row and "ZEROALLOC_NVME_SIZE is not" in row, out
+    assert code == 1
 
 
 def test_every_c_abi_function_is_declared_for_ctypes():

@@ -242,6 +242,54 @@ def _direct_io_problem(directory: str) -> str | None:
     return None
 
 
+def _byte_size(text: str) -> int:
+    """A byte size as the library reads one ("200GiB", "80GB", "2m", "1048576"): binary
+    units (KiB..TiB and the bare letters) are powers of 1024, KB..TB powers of 1000; 0 when
+    empty or not such a size (the library then says what is wrong)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if match is None:
+        return 0
+    number, unit, suffix = match.groups()
+    power = "kmgt".find(unit) + 1 if unit else 0
+    base = 1000 if suffix == "b" and unit else 1024
+    return int(number) * base ** power
+
+
+def _direct_io_speed(directory: str, total: int = 256 << 20,
+                     block: int = 4 << 20) -> tuple[float, float]:
+    """Sequential O_DIRECT write (then fsync) and read of `total` bytes in `block`-sized
+    requests in a scratch file of `directory`, removed after: GB/s (1e9 bytes/s) each way,
+    what one request at a time gets (the tier keeps many in flight: a floor)."""
+    import mmap
+    import tempfile
+    import time
+
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buffer.write(os.urandom(block))
+    descriptor, path = tempfile.mkstemp(prefix=".zeroalloc-doctor-speed-", dir=directory)
+    os.close(descriptor)
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_DIRECT)
+        try:
+            started = time.perf_counter()
+            for _ in range(total // block):
+                os.write(descriptor, buffer)
+            os.fsync(descriptor)
+            written = time.perf_counter() - started
+            os.lseek(descriptor, 0, os.SEEK_SET)
+            started = time.perf_counter()
+            for _ in range(total // block):
+                os.readv(descriptor, [buffer])
+            read = time.perf_counter() - started
+        finally:
+            os.close(descriptor)
+    finally:
+        os.unlink(path)
+    return total / written / 1e9, total / read / 1e9
+
+
 def _file_system_type(directory: str) -> str:
     """The type of the file system `directory` is on, from /proc/mounts (longest match)."""
     path = os.path.realpath(directory)
@@ -266,14 +314,32 @@ def _nvme_checks(checks: list[Check]) -> None:
         checks.append(Check("NVMe paths", PASS, "ZEROALLOC_NVME_PATH not set: no NVMe tier "
                             "configured"))
         return
+    if not os.environ.get("ZEROALLOC_NVME_SIZE"):
+        checks.append(Check("NVMe size", FAIL, "ZEROALLOC_NVME_PATH is set but "
+                            "ZEROALLOC_NVME_SIZE is not: the library will not start",
+                            "set the swap space the tier may take per GPU, e.g. "
+                            "ZEROALLOC_NVME_SIZE=200GiB"))
+    size = _byte_size(os.environ.get("ZEROALLOC_NVME_SIZE", ""))
+    share = size // len(directories) if size else 0  # the tier stripes over every directory
     for directory in directories:
         problem = _direct_io_problem(directory)
         if problem is None:
             stats = os.statvfs(directory)
-            free_gib = stats.f_bavail * stats.f_frsize / 2**30
+            free = stats.f_bavail * stats.f_frsize
             kind = _file_system_type(directory)
-            finding = f"O_DIRECT works on {kind}; {free_gib:.1f} GiB free"
-            if kind in ("tmpfs", "ramfs"):
+            finding = f"O_DIRECT works on {kind}; {free / 2**30:.1f} GiB free"
+            try:
+                write_gbps, read_gbps = _direct_io_speed(directory)
+                finding += f"; write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s"
+            except OSError as error:
+                finding += f"; speed not measured ({error.strerror})"
+            if share > free:
+                checks.append(Check(f"NVMe path {directory}", FAIL, finding +
+                                    f"; its share of ZEROALLOC_NVME_SIZE is "
+                                    f"{share / 2**30:.1f} GiB",
+                                    "free space there, lower ZEROALLOC_NVME_SIZE, or add "
+                                    "directories on other drives"))
+            elif kind in ("tmpfs", "ramfs"):
                 checks.append(Check(f"NVMe path {directory}", WARN, finding,
                                     "this directory is in host memory, not on a drive: "
                                     "offloading there spends RAM the host tier could use"))
