@@ -220,7 +220,7 @@ const std::vector<option_spec>& table() {
        "a swap file in each, striped, with no name on disk). With ZEROALLOC_OFFLOAD=host and "
        "ZEROALLOC_NVME_SIZE, optimizer states the host tier cannot hold go there and come back "
        "through it before they are used. `python -m zeroalloc doctor` checks that each "
-       "accepts O_DIRECT.",
+       "accepts O_DIRECT and measures its speed.",
        store<&options::nvme_path, read_text>},
       {"ZEROALLOC_NVME_SIZE", option_kind::byte_size, "", "",
        "Bytes of swap space the NVMe tier takes over the directories of ZEROALLOC_NVME_PATH, "
