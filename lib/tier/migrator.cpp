@@ -12,7 +12,13 @@ namespace {
 // A chunk_info's class (an int) as an index of the figures by class.
 std::size_t class_slot(int cls) { return class_index(static_cast<allocation_class>(cls)); }
 
-constexpr std::size_t kStagingSlots = 8;  // fetches whose copies may be in flight at once
+constexpr std::size_t kStagingSlots = 8;
+
+std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point started) {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::steady_clock::now() - started)
+                                        .count());
+}  // fetches whose copies may be in flight at once
 
 std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
   std::uint64_t hash = 0xcbf29ce484222325ull;
@@ -749,10 +755,7 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
     figures_.disk_resident_bytes += bytes;
     figures_.bytes_to_disk += bytes;
     ++figures_.chunks_to_disk;
-    figures_.disk_ns +=
-        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                       std::chrono::steady_clock::now() - started)
-                                       .count());
+    figures_.disk_ns += nanoseconds_since(started);
     moving_.erase(address);
   }
   changed_.notify_all();
@@ -808,10 +811,7 @@ bool migrator::restore(std::uintptr_t address) {
     figures_.host_resident_class_bytes[class_slot(away.allocation_class)] += away.bytes;
     figures_.bytes_from_disk += away.bytes;
     ++figures_.chunks_from_disk;
-    figures_.disk_ns +=
-        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                       std::chrono::steady_clock::now() - started)
-                                       .count());
+    figures_.disk_ns += nanoseconds_since(started);
     moving_.erase(address);
   }
   changed_.notify_all();
