@@ -420,4 +420,9 @@ void cuda_device::host_function_async(std::function<void()> function, stream_han
   owned.release();  // run_host_function owns it now
 }
 
+void cuda_device::run_current(const std::function<void()>& work) {
+  const auto scope = enter_context();
+  work();
+}
+
 }  // namespace zeroalloc

@@ -94,6 +94,7 @@ class cuda_device final : public device {
   /// Runs on a driver thread. An exception escaping `function` terminates the process, as
   /// it does on the simulated device's stream thread.
   void host_function_async(std::function<void()> function, stream_handle stream) override;
+  void run_current(const std::function<void()>& work) override;
 
  private:
   class context_scope;

@@ -113,6 +113,9 @@ class device {
   /// Runs `function` on a host thread once the stream reaches this point; the stream waits
   /// for it to return. It must not call back into the device.
   virtual void host_function_async(std::function<void()> function, stream_handle stream) = 0;
+  /// Runs `work` on this thread with the device current, for libraries that take it from
+  /// the thread (NCCL, the CUDA runtime); the simulated device just runs it.
+  virtual void run_current(const std::function<void()>& work) { work(); }
 };
 
 /// The result code that device_error carries when memory ran out (CUDA_ERROR_OUT_OF_MEMORY;
