@@ -52,6 +52,18 @@ std::vector<sim_group::posted> sim_group::arrive(int rank, std::uint64_t sequenc
     ZA_THROW(collective_error, "rank ", rank, ": ", why);
   }
   if (aborted_) throw_aborted(rank, what);
+  if (arrivals_ + 1 == world_size_) {  // the last to arrive: do the calls agree?
+    for (int each = 0; each < world_size_; ++each) {
+      const posted& other = posted_[static_cast<std::size_t>(each)];
+      if (each == rank || other.call == mine.call) continue;
+      const std::string why = detail::concat(
+          "ranks called different collectives (collective ", sequence + 1, " of the group): rank ",
+          each, " called ", other.call, ", rank ", rank, " ", mine.call);
+      aborted_.emplace(rank, why);  // nobody reads: the group has not completed
+      changed_.notify_all();
+      ZA_THROW(collective_error, "rank ", rank, ": ", why);
+    }
+  }
   posted_[static_cast<std::size_t>(rank)] = mine;
   arrived_[static_cast<std::size_t>(rank)] = true;
   ++arrivals_;
@@ -112,7 +124,9 @@ sim_transport::sim_transport(sim_group& group, int rank) : group_(group), rank_(
 void sim_transport::all_gather(const void* send, void* receive, std::size_t bytes,
                                stream_handle stream) {
   group_.device_.synchronize_stream(stream);  // the bytes to send are written
-  const auto all = group_.arrive(rank_, sequence_, "all_gather", {send, receive});
+  const auto all =
+      group_.arrive(rank_, sequence_, "all_gather",
+                    {send, receive, detail::concat("all_gather of ", bytes, " bytes")});
   auto* into = static_cast<std::byte*>(receive);
   for (std::size_t each = 0; each < all.size(); ++each) {
     std::byte* part = into + each * bytes;
@@ -124,7 +138,11 @@ void sim_transport::all_gather(const void* send, void* receive, std::size_t byte
 void sim_transport::reduce_scatter(const void* send, void* receive, std::size_t count,
                                    element_type type, stream_handle stream) {
   group_.device_.synchronize_stream(stream);
-  const auto all = group_.arrive(rank_, sequence_, "reduce_scatter", {send, receive});
+  const auto all = group_.arrive(
+      rank_, sequence_, "reduce_scatter",
+      {send, receive,
+       detail::concat("reduce_scatter of ", count,
+                      type == element_type::float32 ? " float32" : " bfloat16", " per rank")});
   const std::size_t first = static_cast<std::size_t>(rank_) * count;
   for (std::size_t i = 0; i < count; ++i) {
     const auto value = [&](const sim_group::posted& each) {
@@ -148,7 +166,9 @@ void sim_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_
     ZA_THROW(invalid_argument, "broadcast from rank ", root, " in a group of ", world_size());
   }
   group_.device_.synchronize_stream(stream);
-  const auto all = group_.arrive(rank_, sequence_, "broadcast", {buffer, buffer});
+  const auto all = group_.arrive(
+      rank_, sequence_, "broadcast",
+      {buffer, buffer, detail::concat("broadcast of ", bytes, " bytes from rank ", root)});
   if (rank_ != root) std::memmove(buffer, all[static_cast<std::size_t>(root)].send, bytes);
   group_.depart(rank_, sequence_++, "broadcast");
 }

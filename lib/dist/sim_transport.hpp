@@ -32,10 +32,12 @@ class sim_group {
   struct posted {
     const void* send = nullptr;
     void* receive = nullptr;
+    std::string call;  // the collective and its arguments, as ranks must agree on them
   };
   /// Posts this rank's buffers for collective number `sequence`, named `what`, and waits
   /// until every rank has posted; returns what each posted. Throws collective_error when a
-  /// rank aborted, or not every rank arrived within the timeout.
+  /// rank aborted, not every rank arrived within the timeout, or the ranks called different
+  /// collectives (another kind, size, type or root: the last to arrive compares them).
   std::vector<posted> arrive(int rank, std::uint64_t sequence, const char* what, posted mine);
   /// Waits until every rank is done reading the others' buffers of `sequence`, so that no
   /// rank reuses its buffers while another still reads them.

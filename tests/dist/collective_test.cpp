@@ -301,6 +301,29 @@ TEST_P(CollectiveTest, ARankThatNeverArrivesEndsTheOthersAtTheTimeoutNamed) {
   }
 }
 
+// Mixed settings across ranks (another size, kind, type or root) end every rank's
+// collective with a message naming both calls, instead of reading past a buffer.
+TEST_P(CollectiveTest, RanksThatCallDifferentCollectivesAllFailNamingBothCalls) {
+  const int world = GetParam();
+  sim_group group(*device_, world);
+  std::vector<std::string> messages(static_cast<std::size_t>(world));
+  on_every_rank(group, [&](transport& own) {
+    const std::size_t bytes = own.rank() == 0 ? 4096 : 8192;
+    void* buffer = device_buffer(world * 8192);
+    try {
+      own.all_gather(buffer, buffer, bytes, nullptr);
+      messages[static_cast<std::size_t>(own.rank())] = "no failure";
+    } catch (const collective_error& failure) {
+      messages[static_cast<std::size_t>(own.rank())] = failure.what();
+    }
+  });
+  for (const std::string& message : messages) {
+    EXPECT_NE(message.find("ranks called different collectives"), std::string::npos) << message;
+    EXPECT_NE(message.find("all_gather of 4096 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find("all_gather of 8192 bytes"), std::string::npos) << message;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, CollectiveTest, ::testing::Values(2, 4),
                          [](const auto& info) { return std::to_string(info.param) + "_ranks"; });
 
