@@ -283,7 +283,7 @@ typedef enum zeroalloc_residency_kind {
   ZEROALLOC_ON_HOST = 1,   /**< every chunk in pinned host memory (kernels still reach it) */
   ZEROALLOC_SPLIT = 2,     /**< some chunks in one tier, some in another */
   ZEROALLOC_MOVING = 3,    /**< a chunk is moving */
-  ZEROALLOC_ON_DISK = 4    /**< every chunk in the NVMe tier (no kernel may touch it: hint it first) */
+  ZEROALLOC_ON_DISK = 4    /**< every chunk in the NVMe tier (hint a use first) */
 } zeroalloc_residency_kind;
 
 /**
