@@ -162,6 +162,18 @@ if [[ -z $(skipped disk) ]]; then
   mkdir -p /tmp/zeroalloc-disk
   build/bench/disk_store_bench --path /tmp/zeroalloc-disk --chunks ${GPU_CHECK_DISK_CHUNKS:-32} --rounds 2 \
     2>&1 | tee "$out/disk.txt" | tail -8
+  # dd itself, O_DIRECT, 16 MiB blocks, as many bytes as the bench moved per round.
+  blocks=$(( ${GPU_CHECK_DISK_CHUNKS:-32} * 4 ))
+  dd if=/dev/zero of=/tmp/zeroalloc-disk/dd bs=16M count=$blocks oflag=direct 2>&1 | tail -1 | sed 's/^/dd write: /' | tee -a "$out/disk.txt"
+  dd if=/tmp/zeroalloc-disk/dd of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | sed 's/^/dd read:  /' | tee -a "$out/disk.txt"
+  rm -f /tmp/zeroalloc-disk/dd
+  # The same while PCIe copies run both ways (the migration bench in the background).
+  build/bench/migration_bench --gib 4 --rounds 200 >/dev/null 2>&1 & copies=$!
+  sleep 2
+  echo "-- while PCIe copies run" | tee -a "$out/disk.txt"
+  build/bench/disk_store_bench --path /tmp/zeroalloc-disk --chunks ${GPU_CHECK_DISK_CHUNKS:-32} --rounds 2 \
+    2>&1 | tee -a "$out/disk.txt" | tail -3
+  kill $copies 2>/dev/null; wait $copies 2>/dev/null
   rm -rf /tmp/zeroalloc-disk
 else skipped disk; fi
 

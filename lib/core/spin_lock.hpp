@@ -2,6 +2,10 @@
 // take it, a plain release store to give it back (std::mutex pays a second atomic
 // read-modify-write on unlock). Waiters spin briefly, then yield the processor, so a
 // holder that was descheduled does not burn the other cores.
+//
+// A lock sits alone on its cache lines (two of them: adjacent-line prefetch pairs lines on
+// x86): the data it guards or its neighbours' counters, written by the holder, must not
+// share the line that the waiters spin on.
 #pragma once
 
 #include <atomic>
@@ -9,7 +13,7 @@
 
 namespace zeroalloc {
 
-class spin_lock {
+class alignas(128) spin_lock {
  public:
   void lock() noexcept {
     for (;;) {
@@ -40,5 +44,8 @@ class spin_lock {
 
   std::atomic<bool> locked_{false};
 };
+
+static_assert(alignof(spin_lock) == 128 && sizeof(spin_lock) == 128,
+              "a spin lock has its cache lines to itself");
 
 }  // namespace zeroalloc

@@ -126,14 +126,8 @@ nccl_transport::~nccl_transport() {
       if (!failed_) device_.synchronize_event(each.done);
       device_.destroy_event(each.done);
     }
-    device_.run_current([&] {
-      const nccl_api& api = nccl();
-      if (failed_) {
-        api.comm_abort(comm_);
-      } else {
-        api.comm_destroy(comm_);
-      }
-    });
+    // A failed communicator was aborted, which frees it, when it failed.
+    if (comm_ != nullptr) device_.run_current([&] { nccl().comm_destroy(comm_); });
   } catch (const std::exception& failure) {
     log().error("rank {}: destroying the NCCL communicator failed: {}", rank_, failure.what());
   }
@@ -144,6 +138,7 @@ void nccl_transport::fail(const std::string& why) {
   failed_ = why;
   log().error("rank {}: aborting the NCCL communicator: {}", rank_, why);
   device_.run_current([&] { nccl().comm_abort(comm_); });
+  comm_ = nullptr;  // ncclCommAbort freed it: nothing may use or free it again
 }
 
 void nccl_transport::abort(const std::string& why) {
