@@ -316,8 +316,14 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
     std::lock_guard lock(mutex_);
     ++tick_;
     for (const chunk_info& chunk : chunks) {
+      // Note [Every use in the order]: a use that opens on a chunk with none open is a
+      // position of the order, not only the chunk's first use of the step.
+      auto known = chunks_.find(chunk.address);
+      const bool reopened = known == chunks_.end() || known->second.open_uses == 0;
       open_use(chunk);
-      if (recorded_.insert(chunk.address).second) recording_.push_back(chunk.address);
+      if (recorded_.insert(chunk.address).second || reopened) {
+        recording_.push_back(chunk.address);
+      }
       if (auto found = positions_.find(chunk.address); found != positions_.end()) {
         for (std::size_t position : found->second) {
           if (position >= cursor_) {
@@ -334,6 +340,14 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
     for (std::size_t position = cursor_ + 1;
          position < learned_order_.size() && ahead < settings_.prefetch_bytes; ++position) {
       const std::uintptr_t next = learned_order_[position];
+      window_positions_ = position - cursor_;
+      // A chunk used twice in the window (a layer's forward and backward in a short model)
+      // counts once.
+      if (std::find(learned_order_.begin() + static_cast<std::ptrdiff_t>(cursor_) + 1,
+                    learned_order_.begin() + static_cast<std::ptrdiff_t>(position),
+                    next) != learned_order_.begin() + static_cast<std::ptrdiff_t>(position)) {
+        continue;
+      }
       auto state = chunks_.find(next);
       ahead += state != chunks_.end() ? state->second.bytes : 0;
       const residency where = migrator_.where(next);
@@ -341,7 +355,6 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
           where == residency::disk || where == residency::moving_to_disk) {
         wishes_.push_back(next);
       }
-      window_positions_ = position - cursor_;
     }
     wished = !wishes_.empty();
   }

@@ -24,6 +24,16 @@
 // learned order, so the prefetcher never brings them back; pressure moves them to the host,
 // where they stay. bench/python/optimizer_step_bench.py measures the choice (RESULTS.md).
 //
+// Note [Every use in the order]: the learned order holds every use of a chunk in the step,
+// not only its first: a layer's parameters are used in the forward and again in the
+// backward, and with their first use alone the cursor stopped at the forward's last layer,
+// so nothing was fetched ahead for the backward (every parameter evicted during the
+// forward came back as a miss: a prefetch hit rate of 0.2-0.3 at 13.3 GiB on the 1.3B
+// bench). A use-begins hint adds a position for each chunk on which no use is open (a
+// chunk that two allocations of one hint share counts once); the cursor moves to the
+// chunk's first position at or after it, so the order is walked forward even when a chunk
+// appears in it several times.
+//
 // Note [Prefetch]: each use-begins hint moves the cursor along the learned order; the
 // engine then asks its prefetch thread to bring back the host-resident chunks of the next
 // ZEROALLOC_PREFETCH_BYTES of that order, evicting farther chunks to make room. The hinting
@@ -91,7 +101,7 @@ struct offload_figures {
   std::uint64_t pressure_evictions = 0;    ///< ... on the allocation-failure path
   std::uint64_t waited_ns = 0;             ///< time use-begins hints (the host) waited for room
   std::uint64_t steps = 0;                 ///< step boundaries seen
-  std::uint64_t learned_order_chunks = 0;  ///< length of the order in use
+  std::uint64_t learned_order_chunks = 0;  ///< positions (uses) in the order in use
   std::uint64_t in_place_uses = 0;         ///< use-in-place hints (per chunk)
   std::uint64_t headroom_searches = 0;     ///< searches for chunks to evict ahead of need
   std::uint64_t headroom_search_ns = 0;    ///< host time those searches took
@@ -272,7 +282,7 @@ class offload_engine : public paging_listener {
   mutable std::mutex mutex_;
   std::condition_variable wishes_changed_;
   std::unordered_map<std::uintptr_t, chunk_state> chunks_;
-  std::vector<std::uintptr_t> recording_;  // first use of each chunk, this step
+  std::vector<std::uintptr_t> recording_;  // this step's uses (Note [Every use in the order])
   std::unordered_set<std::uintptr_t> recorded_;
   std::vector<std::uintptr_t> learned_order_;
   std::unordered_map<std::uintptr_t, std::vector<std::size_t>> positions_;  // in learned_order_

@@ -1245,5 +1245,81 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   device_->destroy_stream(compute);
 }
 
+// A forward and a backward: twenty layers used in order, then in reverse, 1.7 times what
+// the device may hold. The parameters the forward evicted are used again in the backward:
+// the order has both uses of each layer, so the backward's layers are fetched ahead too,
+// not only found missing when their use begins (Note [Every use in the order]).
+TEST_F(OffloadEngineTest, TheBackwardsUsesAreInTheOrderAndItsLayersAreFetchedAhead) {
+  constexpr std::size_t kLayerBytes = 2 * MiB;
+  allocator_settings settings;
+  settings.chunk_bytes = kLayerBytes;
+  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  start(24 * MiB, 3 * kLayerBytes);
+  offload_engine& engine = *engine_;
+  stream_handle compute = device_->create_stream();
+  constexpr int kLayers = 20;
+  constexpr int kSteps = 5;
+  std::vector<void*> layers;
+  for (int i = 0; i < kLayers; ++i) {
+    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
+    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
+  }
+  // The host runs ahead of the device by two layers at most, as a training loop's launch
+  // queue and allocations keep it.
+  std::vector<event_handle> done = {device_->create_event(), device_->create_event()};
+  int uses = 0;
+  auto use = [&](int layer, std::uint8_t value) {
+    if (uses >= 2) device_->synchronize_event(done[uses % 2]);
+    engine.use_begins(layers[layer], compute);
+    device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(3)); },
+                                 compute);
+    device_->fill_async(layers[layer], value, kLayerBytes, compute);
+    engine.use_ends(layers[layer], compute);
+    device_->record_event(done[uses++ % 2], compute);
+  };
+  std::uint64_t backward_prefetches = 0;
+  std::uint64_t backward_uses_on_host = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int i = 0; i < kLayers; ++i) use(i, static_cast<std::uint8_t>(step * 2 * kLayers + i + 1));
+    const offload_figures before_backward = engine.figures(/*wait_for_device=*/true);
+    for (int i = kLayers - 1; i >= 0; --i) {
+      use(i, static_cast<std::uint8_t>(step * 2 * kLayers + kLayers + i + 1));
+    }
+    const offload_figures after_backward = engine.figures(/*wait_for_device=*/true);
+    engine.step_boundary();
+    if (step >= 2) {  // the order is known
+      backward_prefetches += after_backward.prefetches - before_backward.prefetches;
+      backward_uses_on_host += after_backward.used_on_host - before_backward.used_on_host;
+      std::printf(
+          "step %d, backward: %llu prefetches; %llu of %llu uses found their chunk "
+          "on the device, %llu arriving\n",
+          step,
+          static_cast<unsigned long long>(after_backward.prefetches - before_backward.prefetches),
+          static_cast<unsigned long long>(after_backward.resident - before_backward.resident),
+          static_cast<unsigned long long>(after_backward.uses - before_backward.uses),
+          static_cast<unsigned long long>(after_backward.arriving - before_backward.arriving));
+    }
+  }
+  device_->synchronize_stream(compute);
+  engine.mover().drain();
+  for (int i = 0; i < kLayers; ++i) {
+    EXPECT_TRUE(holds(layers[i],
+                      static_cast<std::uint8_t>((kSteps - 1) * 2 * kLayers + kLayers + i + 1),
+                      kLayerBytes))
+        << "layer " << i;
+  }
+  EXPECT_EQ(engine.figures().learned_order_chunks, static_cast<std::uint64_t>(2 * kLayers))
+      << "each layer's forward and backward use";
+  // The first layers left the device during the forward: the backward brings them back
+  // ahead of their use, every step.
+  EXPECT_GE(backward_prefetches, static_cast<std::uint64_t>(kSteps - 2) * 4);
+  EXPECT_EQ(backward_uses_on_host, 0u);
+  EXPECT_LE(allocator_->held_bytes(), 24 * MiB);
+  for (void* layer : layers) allocator_->deallocate(layer);
+  for (event_handle event : done) device_->destroy_event(event);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
 }  // namespace
 }  // namespace zeroalloc
