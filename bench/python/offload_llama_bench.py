@@ -109,6 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Its PCIe-bound column needs the native mode in --modes")
     parser.add_argument("--host-limit", default="32GiB",
                         help="offload mode: ZEROALLOC_HOST_LIMIT")
+    parser.add_argument("--nvme-path", default="",
+                        help="offload mode: ZEROALLOC_NVME_PATH, the disk tier's directories "
+                        "(needs --nvme-size)")
+    parser.add_argument("--nvme-size", default="",
+                        help="offload mode: ZEROALLOC_NVME_SIZE, the disk tier's size")
     parser.add_argument("--profile-dir", default="",
                         help="after the timed steps, profile one more step of the native and "
                         "offload modes (torch.profiler) into DIR/MODE.trace.json.gz")
@@ -386,6 +391,11 @@ def format_main_table(results: dict) -> str:
                      f"{figures['bytes_to_device'] / GIB:.1f} GiB in; hit rate "
                      f"{figures['prefetch_hit_rate']:.3f}; device waited "
                      f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
+            if figures.get("disk_capacity_bytes"):
+                steps = max(1, figures["steps"])
+                notes += (f"; disk holds {figures['disk_resident_bytes'] / GIB:.1f} GiB, wrote "
+                          f"{figures['bytes_to_disk'] / steps / GIB:.1f} and read "
+                          f"{figures['bytes_from_disk'] / steps / GIB:.1f} GiB/step")
             overlap = result.get("overlap") or {}
             if overlap.get("steps"):
                 notes += (f"; staged {overlap['staged_bytes'] / overlap['steps'] / GIB:.2f}, "
@@ -818,6 +828,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env["ZEROALLOC_OFFLOAD"] = "host"
         env["ZEROALLOC_HOST_LIMIT"] = args.host_limit
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
+        if args.nvme_path:
+            env["ZEROALLOC_NVME_PATH"] = args.nvme_path
+            env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
     if mode in MASTER_PORTS:  # one rank of a process group, without a launcher
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": MASTER_PORTS[mode]})
     if mode in DEEPSPEED_MODES:
@@ -859,6 +872,10 @@ def main() -> int:
         return worker(args)
     if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
         print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
+        return 2
+    if bool(args.nvme_path) != bool(args.nvme_size):
+        print("--nvme-path and --nvme-size go together (the disk tier's directories and its "
+              "size, e.g. --nvme-path /mnt/nvme --nvme-size 40GiB)", file=sys.stderr)
         return 2
     try:
         runs = plan_runs(args)
