@@ -312,41 +312,49 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
   const host_pool_figures host = pool->figures();
   const double hit_rate =
       uses.uses == 0 ? 1.0 : static_cast<double>(uses.hits) / static_cast<double>(uses.uses);
-  return {{"host_limit_bytes", host.limit_bytes},
-          {"host_created_bytes", host.created_bytes},
-          {"host_in_use_bytes", host.in_use_bytes},
-          {"host_peak_in_use_bytes", host.peak_in_use_bytes},
-          {"host_chunks_created_on_demand", host.created_on_demand},
-          {"host_resident_bytes", moved.host_resident_bytes},
-          {"bytes_to_host", moved.bytes_to_host},
-          {"bytes_to_device", moved.bytes_to_device},
-          {"chunks_to_host", moved.chunks_to_host},
-          {"chunks_to_device", moved.chunks_to_device},
-          {"verified_chunks", moved.verified_chunks},
-          {"remap_ns", moved.remap_ns},
-          {"settle_waits", moved.waits},
-          {"settle_waited_ns", moved.waited_ns},
-          {"disk_capacity_bytes", disk_tier_enabled() ? options_.nvme_bytes : 0},
-          {"disk_resident_bytes", moved.disk_resident_bytes},
-          {"bytes_to_disk", moved.bytes_to_disk},
-          {"bytes_from_disk", moved.bytes_from_disk},
-          {"chunks_to_disk", moved.chunks_to_disk},
-          {"chunks_from_disk", moved.chunks_from_disk},
-          {"disk_ns", moved.disk_ns},
-          {"uses", uses.uses},
-          {"prefetch_hits", uses.hits},
-          {"prefetch_hit_rate", hit_rate},
-          {"prefetches", uses.prefetches},
-          {"evictions", uses.evictions},
-          {"pressure_evictions", uses.pressure_evictions},
-          {"device_waited_ns", uses.device_waited_ns},
-          {"host_waited_ns", uses.waited_ns},
-          {"steps", uses.steps},
-          {"learned_order_chunks", uses.learned_order_chunks},
-          {"in_place_uses", uses.in_place_uses},
-          {"headroom_searches", uses.headroom_searches},
-          {"headroom_search_ns", uses.headroom_search_ns},
-          {"chunks_in_use", uses.chunks_in_use}};
+  nlohmann::ordered_json figures = {
+      {"host_limit_bytes", host.limit_bytes},
+      {"host_created_bytes", host.created_bytes},
+      {"host_in_use_bytes", host.in_use_bytes},
+      {"host_peak_in_use_bytes", host.peak_in_use_bytes},
+      {"host_chunks_created_on_demand", host.created_on_demand},
+      {"host_resident_bytes", moved.host_resident_bytes},
+      {"bytes_to_host", moved.bytes_to_host},
+      {"bytes_to_device", moved.bytes_to_device},
+      {"chunks_to_host", moved.chunks_to_host},
+      {"chunks_to_device", moved.chunks_to_device},
+      {"verified_chunks", moved.verified_chunks},
+      {"remap_ns", moved.remap_ns},
+      {"settle_waits", moved.waits},
+      {"settle_waited_ns", moved.waited_ns},
+      {"disk_capacity_bytes", disk_tier_enabled() ? options_.nvme_bytes : 0},
+      {"disk_resident_bytes", moved.disk_resident_bytes},
+      {"bytes_to_disk", moved.bytes_to_disk},
+      {"bytes_from_disk", moved.bytes_from_disk},
+      {"chunks_to_disk", moved.chunks_to_disk},
+      {"chunks_from_disk", moved.chunks_from_disk},
+      {"disk_ns", moved.disk_ns},
+      {"uses", uses.uses},
+      {"prefetch_hits", uses.hits},
+      {"prefetch_hit_rate", hit_rate},
+      {"prefetches", uses.prefetches},
+      {"evictions", uses.evictions},
+      {"pressure_evictions", uses.pressure_evictions},
+      {"device_waited_ns", uses.device_waited_ns},
+      {"host_waited_ns", uses.waited_ns},
+      {"steps", uses.steps},
+      {"learned_order_chunks", uses.learned_order_chunks},
+      {"in_place_uses", uses.in_place_uses},
+      {"headroom_searches", uses.headroom_searches},
+      {"headroom_search_ns", uses.headroom_search_ns},
+      {"chunks_in_use", uses.chunks_in_use}};
+  // What moved, by class (flat keys: a step's change reads as any other counter's).
+  for (allocation_class cls : kAllocationClasses) {
+    const std::string name(class_name(cls));
+    figures["bytes_to_host_" + name] = moved.to_host_class_bytes[class_index(cls)];
+    figures["bytes_to_device_" + name] = moved.to_device_class_bytes[class_index(cls)];
+  }
+  return figures;
 }
 
 offload_engine* runtime::engine_of(const void* pointer) {

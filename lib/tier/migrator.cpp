@@ -459,6 +459,7 @@ void migrator::finish(transfer& done) {
     figures_.bytes_to_host += bytes;
     figures_.host_resident_bytes += bytes;
     figures_.host_resident_class_bytes[class_slot(done.chunk.allocation_class)] += bytes;
+    figures_.to_host_class_bytes[class_slot(done.chunk.allocation_class)] += bytes;
   }
   if (verify_) ++figures_.verified_chunks;
   spare_events_.push_back(std::exchange(done.copied, nullptr));
@@ -610,6 +611,8 @@ void migrator::forget_host_copy(transfer& fetched) {
   figures_.bytes_to_device += fetched.chunk.handle.bytes;
   figures_.host_resident_bytes -= fetched.chunk.handle.bytes;
   figures_.host_resident_class_bytes[class_slot(fetched.chunk.allocation_class)] -=
+      fetched.chunk.handle.bytes;
+  figures_.to_device_class_bytes[class_slot(fetched.chunk.allocation_class)] +=
       fetched.chunk.handle.bytes;
 }
 

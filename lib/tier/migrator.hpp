@@ -79,6 +79,9 @@ struct migration_figures {
   std::uint64_t host_resident_bytes = 0;  ///< bytes of live chunks on the host now
   /// ... by allocation class (class_index), for reports
   std::array<std::uint64_t, kAllocationClassCount> host_resident_class_bytes{};
+  /// bytes_to_host and bytes_to_device by allocation class (class_index)
+  std::array<std::uint64_t, kAllocationClassCount> to_host_class_bytes{};
+  std::array<std::uint64_t, kAllocationClassCount> to_device_class_bytes{};
   std::uint64_t waits = 0;            ///< wait_until_settled calls that had to wait
   std::uint64_t waited_ns = 0;        ///< time they waited
   std::uint64_t verified_chunks = 0;  ///< ZEROALLOC_VERIFY checks passed

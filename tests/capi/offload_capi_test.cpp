@@ -34,10 +34,17 @@ long long offload_figure(const std::string& key) {
 }
 
 TEST(OffloadCapi, AnAllocationMovesToTheHostAndBackAtTheSameAddress) {
+  const long long states_out = offload_figure("bytes_to_host_optimizer_state");
+  const long long states_in = offload_figure("bytes_to_device_optimizer_state");
+  const long long parameters_out = offload_figure("bytes_to_host_parameter");
   void* pointer = zeroalloc_malloc_class(24 * kMiB, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
   ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
   EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_DEVICE);
   ASSERT_EQ(zeroalloc_offload(pointer, /*wait=*/1), 0) << zeroalloc_last_error();
+  EXPECT_EQ(offload_figure("bytes_to_host_optimizer_state") - states_out,
+            static_cast<long long>(24 * kMiB))
+      << "what moved, by class";
+  EXPECT_EQ(offload_figure("bytes_to_host_parameter"), parameters_out);
   EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_HOST);
   EXPECT_EQ(offload_figure("host_resident_bytes"), static_cast<long long>(24 * kMiB));
   EXPECT_EQ(offload_figure("bytes_to_host"), static_cast<long long>(24 * kMiB));
@@ -45,6 +52,8 @@ TEST(OffloadCapi, AnAllocationMovesToTheHostAndBackAtTheSameAddress) {
   ASSERT_EQ(zeroalloc_fetch(pointer, 1), 0) << zeroalloc_last_error();
   EXPECT_EQ(zeroalloc_residency(pointer), ZEROALLOC_ON_DEVICE);
   EXPECT_EQ(offload_figure("host_resident_bytes"), 0);
+  EXPECT_EQ(offload_figure("bytes_to_device_optimizer_state") - states_in,
+            static_cast<long long>(24 * kMiB));
   zeroalloc_free(pointer, 24 * kMiB, 0, nullptr);
 }
 
