@@ -119,7 +119,7 @@ void disk_store::open_files() {
                "' (", describe_errno(errno),
                "); the directory must be writable by this process, or name another one");
     }
-    int descriptor = open_nameless(private_directory, O_RDWR | O_DIRECT);
+    int descriptor = open_nameless(private_directory, O_RDWR | O_DIRECT | O_CLOEXEC);
     const int open_error = errno;
     bool refuses_direct = false;
     if (descriptor < 0 && open_error == EINVAL) {

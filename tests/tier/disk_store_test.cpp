@@ -4,6 +4,7 @@
 // chunks.
 #include "tier/disk_store.hpp"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
@@ -291,6 +292,11 @@ TEST_F(DiskStoreTest, SwapFilesLeaveNoNameBehind) {
       EXPECT_TRUE(fs::is_empty(directory)) << directory << " holds a name while the store runs";
     }
     EXPECT_EQ(descriptors_under(root_).size(), 2u);
+    // A program that runs another (a data loader's worker, a shell) does not hand it the
+    // swap files: each is closed on exec.
+    for (const int descriptor : descriptors_under(root_)) {
+      EXPECT_TRUE(::fcntl(descriptor, F_GETFD) & FD_CLOEXEC) << "descriptor " << descriptor;
+    }
   }
   for (const std::string& directory : options.directories) EXPECT_TRUE(fs::is_empty(directory));
   EXPECT_TRUE(descriptors_under(root_).empty());
