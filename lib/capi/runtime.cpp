@@ -110,6 +110,10 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
         counters.bytes_to_host = moved.bytes_to_host;
         counters.bytes_to_device = moved.bytes_to_device;
         counters.device_waited_ns = engine->figures().device_waited_ns;
+        counters.disk_resident_bytes = moved.disk_resident_bytes;
+        counters.bytes_to_disk = moved.bytes_to_disk;
+        counters.bytes_from_disk = moved.bytes_from_disk;
+        counters.disk_ns = moved.disk_ns;
         return counters;
       };
     }

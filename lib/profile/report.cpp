@@ -225,6 +225,10 @@ reporter::step_record reporter::step_since_boundary(const std::vector<device_rea
     did.bytes_to_host = since(reading.tier.bytes_to_host, before.bytes_to_host);
     did.bytes_to_device = since(reading.tier.bytes_to_device, before.bytes_to_device);
     did.device_waited_ns = since(reading.tier.device_waited_ns, before.device_waited_ns);
+    did.disk_resident_bytes = reading.tier.disk_resident_bytes;
+    did.bytes_to_disk = since(reading.tier.bytes_to_disk, before.bytes_to_disk);
+    did.bytes_from_disk = since(reading.tier.bytes_from_disk, before.bytes_from_disk);
+    did.disk_ns = since(reading.tier.disk_ns, before.disk_ns);
     step.devices.push_back(did);
   }
   return step;
@@ -253,6 +257,10 @@ void reporter::step_ended() noexcept {
         found->bytes_to_host += did.bytes_to_host;
         found->bytes_to_device += did.bytes_to_device;
         found->device_waited_ns += did.device_waited_ns;
+        found->disk_resident_bytes = did.disk_resident_bytes;
+        found->bytes_to_disk += did.bytes_to_disk;
+        found->bytes_from_disk += did.bytes_from_disk;
+        found->disk_ns += did.disk_ns;
       }
     };
     if (!steps_.empty() &&
@@ -352,7 +360,11 @@ std::string reporter::build_json(const std::string& reason) const {
       of_devices[std::to_string(did.ordinal)] = {{"device_class_bytes", std::move(resident)},
                                                  {"bytes_to_host", did.bytes_to_host},
                                                  {"bytes_to_device", did.bytes_to_device},
-                                                 {"device_waited_ns", did.device_waited_ns}};
+                                                 {"device_waited_ns", did.device_waited_ns},
+                                                 {"disk_resident_bytes", did.disk_resident_bytes},
+                                                 {"bytes_to_disk", did.bytes_to_disk},
+                                                 {"bytes_from_disk", did.bytes_from_disk},
+                                                 {"disk_ns", did.disk_ns}};
     }
     return json{{"first_step", step.first_step},
                 {"last_step", step.last_step},

@@ -49,6 +49,11 @@ class reporter {
     std::uint64_t bytes_to_host = 0;
     std::uint64_t bytes_to_device = 0;
     std::uint64_t device_waited_ns = 0;  ///< streams waiting for fetched bytes
+    // The disk tier (zero without one).
+    std::uint64_t disk_resident_bytes = 0;  ///< bytes of chunks on disk now
+    std::uint64_t bytes_to_disk = 0;
+    std::uint64_t bytes_from_disk = 0;
+    std::uint64_t disk_ns = 0;  ///< time moving chunks to and from the disk
   };
   /// The offload tiers of a device, when there are any (Note [Host budget]).
   struct tier_probe {
@@ -111,6 +116,10 @@ class reporter {
     std::uint64_t bytes_to_host = 0;
     std::uint64_t bytes_to_device = 0;
     std::uint64_t device_waited_ns = 0;
+    std::uint64_t disk_resident_bytes = 0;  // at the step's end
+    std::uint64_t bytes_to_disk = 0;
+    std::uint64_t bytes_from_disk = 0;
+    std::uint64_t disk_ns = 0;
   };
   struct step_record {
     std::uint64_t first_step = 0;  // counted from 1

@@ -303,6 +303,48 @@ def test_reports_show_per_step_what_was_resident_what_moved_and_the_limit(tmp_pa
     assert "steps: 3 ended, the last at" in summary.stdout, summary.stdout + summary.stderr
 
 
+def test_the_disk_tier_shows_in_the_report_and_its_steps(tmp_path):
+    """With ZEROALLOC_NVME_PATH, optimizer states beyond the host limit go to disk: the
+    report says how much is there, and each step what was written and read."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    result = run_program("""
+        import ctypes
+        MiB = 1 << 20
+        states = []
+        for i in range(8):  # 64 MiB: 32 on the device, 16 on the host, 16 on disk
+            state = lib.zeroalloc_malloc_class(8 * MiB, 0, None, 3)
+            assert state, zeroalloc._library.last_error()
+            lib.zeroalloc_use_begins(ctypes.c_void_p(state), None)
+            lib.zeroalloc_use_ends(ctypes.c_void_p(state), None)
+            states.append(state)
+        lib.zeroalloc_step_boundary()                               # step 1: some to disk
+        for state in states:                                        # step 2: all used again
+            lib.zeroalloc_use_begins(ctypes.c_void_p(state), None)
+            lib.zeroalloc_use_ends(ctypes.c_void_p(state), None)
+        lib.zeroalloc_step_boundary()
+    """, ZEROALLOC_REPORT=str(tmp_path / "disk"), ZEROALLOC_MEMORY_LIMIT="32MiB",
+        ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="16MiB", ZEROALLOC_CHUNK_SIZE="8MiB",
+        ZEROALLOC_NVME_PATH=str(swap), ZEROALLOC_NVME_SIZE="64MiB")
+    if "O_DIRECT" in result.stderr or "io_uring" in result.stderr:
+        pytest.skip(f"skipped: the disk tier cannot run here: {result.stderr[-300:]}")
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "disk.json").read_text())
+    offload = report["devices"][0]["offload"]
+    assert offload["disk_capacity_bytes"] == 64 << 20
+    assert offload["bytes_to_disk"] >= 16 << 20 and offload["bytes_from_disk"] >= 16 << 20
+    steps = [s["devices"]["0"] for s in report["steps"] if s["ended"]]
+    assert steps[0]["bytes_to_disk"] >= 16 << 20, steps
+    assert steps[0]["disk_resident_bytes"] >= 16 << 20, steps
+    assert steps[1]["bytes_from_disk"] >= 16 << 20, steps  # brought back for their uses
+    assert sum(s["disk_ns"] for s in steps) > 0
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                              str(tmp_path / "disk.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True, timeout=60)
+    assert "disk tier: " in summary.stdout and "of 64.00 MiB" in summary.stdout, summary.stdout
+
+
 def test_steps_are_recorded_without_offload_and_stay_bounded_over_a_long_run(tmp_path):
     result = run_program("""
         kept = lib.zeroalloc_malloc_class(32 << 20, 0, None, 2)  # gradients

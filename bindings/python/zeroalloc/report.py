@@ -49,6 +49,12 @@ def summary(report: dict) -> str:
                          f"(host limit {_format_bytes(offload['host_limit_bytes'])}); prefetch "
                          f"hit rate {offload['prefetch_hit_rate']:.1%}; device waited "
                          f"{offload['device_waited_ns'] / 1e6:.1f} ms for fetches")
+            if offload.get("disk_capacity_bytes"):
+                lines.append(f"  disk tier: {_format_bytes(offload['disk_resident_bytes'])} on "
+                             f"disk now of {_format_bytes(offload['disk_capacity_bytes'])}; "
+                             f"{_format_bytes(offload['bytes_to_disk'])} written, "
+                             f"{_format_bytes(offload['bytes_from_disk'])} read, in "
+                             f"{offload['disk_ns'] / 1e6:.1f} ms of transfers")
         for allocation in device["largest_allocations"][:5]:
             lines.append(f"  live: {_format_bytes(allocation['size'])} ({allocation['class']}) "
                          f"at {allocation['address']:#x}")
