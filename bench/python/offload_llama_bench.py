@@ -11,6 +11,8 @@ Each configuration runs in its own process (the allocator swap is one per proces
   fsdp2    torch.distributed.fsdp.fully_shard with CPUOffloadPolicy (one rank)
   ds2      DeepSpeed ZeRO-2, optimizer states on the host, CPU Adam (one rank, bf16)
   ds3      DeepSpeed ZeRO-3, optimizer states and parameters on the host (one rank, bf16)
+  ds3nvme  DeepSpeed ZeRO-Infinity: ZeRO-3 with optimizer states and parameters on NVMe
+           under --nvme-path (libaio; its packages in .deps/ where the system lacks them)
 The model is a transformers LlamaForCausalLM with random weights (1.3B parameters by
 default), batch 4 x 1024 tokens, bf16 autocast, AdamW. Prints a table, then one JSON line.
 
@@ -61,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--library", default=str(ROOT / "build" / "libzeroalloc.so"))
     parser.add_argument("--modes", default="native,zeroalloc,offload,fsdp2",
                         help="comma-separated, run in this order whatever the order given: "
-                        "native, zeroalloc, ds2, ds3, offload, fsdp2 (ds2 and ds3 need "
+                        "native, zeroalloc, ds2, ds3, ds3nvme, offload, fsdp2 (the ds modes need "
                         "DeepSpeed: scripts/install-deepspeed.sh)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
@@ -123,11 +125,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 GIB = 2**30
-DEEPSPEED_MODES = ("ds2", "ds3")
+DEEPSPEED_MODES = ("ds2", "ds3", "ds3nvme")
 KNOWN_MODES = ("native", "zeroalloc", *DEEPSPEED_MODES, "offload", "fsdp2")
 # The one-rank process groups' ports, one per mode: a mode never waits for the port of the
 # mode before it to be let go.
-MASTER_PORTS = {"fsdp2": "29517", "ds2": "29518", "ds3": "29519"}
+MASTER_PORTS = {"fsdp2": "29517", "ds2": "29518", "ds3": "29519", "ds3nvme": "29520"}
 BANDWIDTH_COPY_BYTES = 256 * 2**20
 BANDWIDTH_REPETITIONS = 10
 
@@ -628,17 +630,26 @@ def worker(args) -> int:
     return 0
 
 
-def deepspeed_config(args, stage: int) -> dict:
+def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
     """ZeRO-Offload as DeepSpeed documents it for one GPU: optimizer states (and at stage 3
     the parameters) in pinned host memory, DeepSpeed's CPU Adam ("AdamW" with an offloaded
     optimizer becomes DeepSpeedCPUAdam with adamw_mode), bf16 weights; the AdamW of the
     other modes (lr 1e-4, weight decay 0.01), no gradient clipping (DeepSpeed's default
-    clips at 1.0)."""
+    clips at 1.0). With `nvme_path` (ds3nvme), ZeRO-Infinity: optimizer states and
+    parameters in files under that directory, through DeepSpeed's libaio swapper with its
+    documented settings (1 MiB blocks, queue depth 8, overlapped events)."""
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "overlap_comm": True, "contiguous_gradients": True}
     if stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": args.batch,
+    if nvme_path:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
+                                     "pin_memory": True, "buffer_count": 4}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
+                                 "buffer_count": 5, "buffer_size": 100_000_000}
+    extra = {"aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+                     "single_submit": False, "overlap_events": True}} if nvme_path else {}
+    return {**extra,"train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": args.accumulate,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -703,14 +714,18 @@ def deepspeed_worker(args) -> int:
     launcher). DeepSpeed's bf16 mode trains bf16 weights with fp32 master weights on the
     host, where the other modes autocast over fp32 weights."""
     mode = args.worker
-    stage = int(mode[len("ds"):])
+    stage = int(mode[len("ds")])
+    nvme_path = ""
+    if mode.endswith("nvme"):
+        nvme_path = str(Path(args.nvme_path.split(":")[0]) / "deepspeed")
+        Path(nvme_path).mkdir(parents=True, exist_ok=True)
     import torch
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     prepare_cpu_adam_build(torch)
     import deepspeed
     deepspeed.init_distributed()
-    config = deepspeed_config(args, stage)
+    config = deepspeed_config(args, stage, nvme_path)
     # ZeRO-3 partitions a model built on the host while it initialises (the engine casts it
     # to bf16, moves it and converts its parameters), so the full fp32 model never has to fit
     # on the device; ZeRO-2 keeps the bf16 weights on the device anyway.
@@ -765,6 +780,7 @@ def deepspeed_worker(args) -> int:
     result["deepspeed"] = {
         "version": deepspeed.__version__, "stage": stage,
         "offloaded": ["optimizer states"] + (["parameters"] if stage == 3 else []),
+        "nvme_path": nvme_path,
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "checkpointing": bool(args.checkpointing), "config": config}
     print("result " + json.dumps(result), flush=True)
@@ -818,6 +834,34 @@ def bandwidth_worker() -> int:
     return 0
 
 
+LIBAIO_PREFIX = Path("/tmp/zeroalloc-libaio")
+
+
+def libaio_environment(env: dict) -> dict:
+    """DeepSpeed's NVMe swapper (its async_io op, compiled at first use) needs libaio's
+    headers and library. Where the system lacks them, Debian's packages carried in .deps/
+    (`apt-get download libaio1 libaio-dev`) are unpacked into a prefix of their own, which
+    the compiler (CPATH, LIBRARY_PATH) and the loader (LD_LIBRARY_PATH) then search."""
+    if Path("/usr/include/libaio.h").is_file():
+        return {}
+    packages = sorted((ROOT / ".deps").glob("libaio*.deb"))
+    if not packages:
+        print("libaio.h is missing and .deps/ holds no libaio package: DeepSpeed's NVMe "
+              "offload will not build (apt-get download libaio1 libaio-dev into .deps/)",
+              file=sys.stderr)
+        return {}
+    for package in packages:
+        subprocess.run(["dpkg", "-x", str(package), str(LIBAIO_PREFIX)], check=True)
+    library = LIBAIO_PREFIX / "usr" / "lib" / "x86_64-linux-gnu"
+
+    def first(name: str, value: str) -> str:
+        return os.pathsep.join(filter(None, [value, env.get(name)]))
+
+    return {"CPATH": first("CPATH", str(LIBAIO_PREFIX / "usr" / "include")),
+            "LIBRARY_PATH": first("LIBRARY_PATH", str(library)),
+            "LD_LIBRARY_PATH": first("LD_LIBRARY_PATH", str(library))}
+
+
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
@@ -837,12 +881,15 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cuda"})
         if "CUDA_HOME" not in env and Path("/usr/local/cuda").is_dir():
             env["CUDA_HOME"] = "/usr/local/cuda"
+        if mode.endswith("nvme"):
+            env.update(libaio_environment(env))
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class]
+    command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
                 for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
@@ -872,6 +919,10 @@ def main() -> int:
         return worker(args)
     if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
         print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
+        return 2
+    if "ds3nvme" in args.modes.split(",") and not args.nvme_path:
+        print("--modes ds3nvme (DeepSpeed ZeRO-Infinity) needs --nvme-path: the directory "
+              "for its swap files", file=sys.stderr)
         return 2
     if bool(args.nvme_path) != bool(args.nvme_size):
         print("--nvme-path and --nvme-size go together (the disk tier's directories and its "

@@ -191,3 +191,45 @@ def test_a_sweep_limit_whose_deepspeed_run_failed_is_skipped_and_said_so(monkeyp
     assert "vs ds2" not in sweep_lines[0]
     assert sweep_lines[1].split() == ["offload_ds2", "failed:", "no", "ds2", "figure"]
     assert sweep_lines[2].startswith("offload_24GiB")
+
+
+def test_zero_infinity_puts_states_and_parameters_in_files_under_the_path():
+    args = bench.parse_args(["--modes", "ds3nvme", "--nvme-path", "/mnt/a:/mnt/b",
+                             "--nvme-size", "40GiB"])
+    config = bench.deepspeed_config(args, 3, "/mnt/a/deepspeed")
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "nvme"
+    assert zero["offload_optimizer"]["nvme_path"] == zero["offload_param"]["nvme_path"] == \
+        "/mnt/a/deepspeed"
+    assert config["aio"]["block_size"] == 1 << 20
+    # Without a path: ZeRO-Offload to host memory, as before, and no aio section.
+    plain = bench.deepspeed_config(args, 3)
+    assert plain["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "aio" not in plain
+
+
+def test_zero_infinity_without_a_path_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "ds3nvme"])
+    assert bench.main() == 2
+    assert "--nvme-path" in capsys.readouterr().err
+
+
+def test_nvme_path_and_size_go_together(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--nvme-path", "/x"])
+    assert bench.main() == 2
+    assert "--nvme-size" in capsys.readouterr().err
+
+
+def test_without_libaio_or_its_packages_deepspeeds_nvme_mode_says_what_to_carry(
+        monkeypatch, tmp_path, capsys):
+    if Path("/usr/include/libaio.h").is_file():
+        pytest.skip("skipped: this system has libaio's headers, so nothing is unpacked")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)  # no .deps/ there
+    assert bench.libaio_environment({}) == {}
+    assert "apt-get download libaio1 libaio-dev" in capsys.readouterr().err
+
+
+def test_the_zero_infinity_mode_runs_before_the_sweep_like_the_other_deepspeed_modes():
+    assert names(["--modes", "ds3nvme,offload", "--limits-gib", "ds2", "--nvme-path", "/x",
+                  "--nvme-size", "1GiB"]) == ["ds2", "ds3nvme", "bandwidth", "offload_ds2"]
