@@ -51,10 +51,14 @@ int zeroalloc_abi_version(void);
  * (and one lifetime) can later be paged without touching another.
  */
 typedef enum zeroalloc_class {
-  ZEROALLOC_CLASS_OTHER = 0,           /**< activations, workspaces: the default */
-  ZEROALLOC_CLASS_PARAMETER = 1,       /**< model parameters */
-  ZEROALLOC_CLASS_GRADIENT = 2,        /**< gradients */
-  ZEROALLOC_CLASS_OPTIMIZER_STATE = 3, /**< optimizer states (Adam moments, ...) */
+  ZEROALLOC_CLASS_OTHER = 0,     /**< activations, workspaces: the default */
+  ZEROALLOC_CLASS_PARAMETER = 1, /**< model parameters */
+  ZEROALLOC_CLASS_GRADIENT = 2,  /**< gradients */
+  /** optimizer states (Adam moments, ...). With the NVMe tier (ZEROALLOC_NVME_PATH), an
+   *  idle one may go to disk, where its addresses fault: use them only inside a use hint
+   *  (zeroalloc_use_begins / zeroalloc_use_in_place ... zeroalloc_use_ends), which brings
+   *  it back first, from its first use after it is allocated on. */
+  ZEROALLOC_CLASS_OPTIMIZER_STATE = 3,
   ZEROALLOC_CLASS_COUNT = 4
 } zeroalloc_class;
 

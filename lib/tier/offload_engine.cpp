@@ -688,6 +688,15 @@ void offload_engine::prefetch_worker() {
   }
 }
 
+// Note [States never used yet]: an optimizer creates its states in its first step, one
+// window after another, and the windowed step moves each into the optimizer-state class
+// (a copy of the fresh zeros, then nothing until the next step's hinted use). With the
+// host tier full, the states made early in that step must go to disk for the later ones
+// to fit; waiting for a hint first would fail the first step of every model that needs
+// the disk tier (a 16B model on one H200 did: out of memory with 96 GiB on the host and
+// nothing on disk). So an optimizer-state chunk that no hint has reached yet may go to
+// disk too: the class's contract (include/zeroalloc/zeroalloc.h) is that every use of it is hinted,
+// so its next use brings it back first.
 std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep) {
   if (!migrator_.has_disk()) return 0;
   std::vector<std::uintptr_t> claimed;
@@ -708,9 +717,10 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
           each.allocation_class != static_cast<int>(allocation_class::optimizer_state)) {
         continue;
       }
-      // Hinted, so that every use of it comes back through a hint first; no use open.
+      // Every use of it so far hinted, or none yet (Note [States never used yet]); no use
+      // open.
       auto state = chunks_.find(each.address);
-      if (state == chunks_.end() || !state->second.hinted || state->second.open_uses > 0) {
+      if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
         continue;
       }
       candidates.push_back({each.address, each.bytes, next_use_distance(each.address)});

@@ -293,6 +293,33 @@ TEST_F(OffloadEngineDiskTest, StatesBeyondTheHostTierGoToDiskAndComeBackIntactFo
   EXPECT_EQ(disk_->figures().used_bytes, 0u);
 }
 
+// An optimizer's first step makes its states one window after another, each written once
+// (the copy into the optimizer-state class) with no hint: beyond the device and the host
+// tier, those made first go to disk for the later ones to fit, and come back intact for
+// the next step's hinted uses (Note [States never used yet]).
+TEST_F(OffloadEngineDiskTest, StatesNoHintHasReachedYetGoToDiskWhenTheHostTierIsFull) {
+  if (!start(32 * MiB, 32 * MiB, 256 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  std::vector<void*> states;
+  for (int i = 0; i < 10; ++i) {  // 80 MiB of states: 32 on the device, 32 on the host
+    void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    ASSERT_NE(state, nullptr) << "state " << i << " found no room";
+    device_->fill_async(state, static_cast<std::uint8_t>(0x60 + i), kChunkBytes, nullptr);
+    states.push_back(state);
+  }
+  EXPECT_GE(engine.mover().figures().chunks_to_disk, 2u);
+  EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+  for (int i = 0; i < 10; ++i) {  // the next step: each used in place, under its hint
+    engine.use_in_place(states[i], nullptr);
+    EXPECT_NE(where(states[i]), residency::disk) << i;
+    EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes) ==
+                std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x60 + i)))
+        << "state " << i;
+    engine.use_ends(states[i], nullptr);
+  }
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // A full disk tier is the host tier's message, as without one, and nothing is lost: the
 // states on disk come back intact once the others are freed.
 TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
