@@ -423,14 +423,16 @@ def format_main_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def build(args, torch, device):
+def build(args, torch, device, context=None):
+    """The bench's Llama, its weights made on `device`, or inside `context` when given (a
+    context that places them itself, as DeepSpeed's zero.Init does)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, vocab_size=args.vocab,
                          max_position_embeddings=args.seq)
     torch.manual_seed(0)
-    with torch.device(device):
+    with context if context is not None else torch.device(device):
         model = LlamaForCausalLM(config)
     return model
 
@@ -729,11 +731,20 @@ def deepspeed_worker(args) -> int:
     # ZeRO-3 partitions a model built on the host while it initialises (the engine casts it
     # to bf16, moves it and converts its parameters), so the full fp32 model never has to fit
     # on the device; ZeRO-2 keeps the bf16 weights on the device anyway.
-    model = build(args, torch, "cpu" if stage == 3 else device)
+    if nvme_path:
+        # ZeRO-Infinity's way for models larger than host memory: each layer's weights are
+        # partitioned to NVMe as it is made (zero.Init), so the whole model never exists
+        # in fp32 anywhere.
+        placed = deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme",
+                                     pin_memory=True)
+        model = build(args, torch, device, context=placed)
+    else:
+        model = build(args, torch, "cpu" if stage == 3 else device)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    parameters = sum(p.numel() for p in model.parameters())
+    # Partitioned by zero.Init, a parameter holds no elements here: ds_numel is its size.
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine, optimizer, _, _ = deepspeed.initialize(model=model,
                                                    model_parameters=model.parameters(),
                                                    config=config)
