@@ -311,6 +311,11 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
         if steps else nan,
         "host_gib": (result.get("offload") or {}).get("host_resident_bytes", nan) / GIB,
         "device_wait_s_per_step": timed["device_waited_ns"] / 1e9 / steps if steps else nan,
+        # Of what moved, the parameters (both ways), and the migrator's remapping time.
+        "parameter_gib_per_step": (timed.get("bytes_to_host_parameter", nan) +
+                                   timed.get("bytes_to_device_parameter", nan)) / steps / GIB
+        if steps else nan,
+        "remap_s_per_step": timed.get("remap_ns", nan) / 1e9 / steps if steps else nan,
         "pcie_bound_s": nan,
         "step_over_bound": nan,
     }
@@ -332,8 +337,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     native = results.get("native", {})
     width = max([len(run.name) for run in sweep] + [len(mode) for mode in deepspeed] + [14])
     header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
-              f"{'GiB/step':>8} {'host GiB':>8} {'wait s/step':>11} {'PCIe bound s':>12} "
-              f"{'step/bound':>10}")
+              f"{'GiB/step':>8} {'params':>6} {'remap s':>7} {'host GiB':>8} {'wait s/step':>11} "
+              f"{'PCIe bound s':>12} {'step/bound':>10}")
     header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
     lines = [header]
     for run in sweep:
@@ -347,7 +352,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
         if run.limit.footprint_of:
             limit += f" ({run.limit.label})"
         line = (f"{run.name:{width}} {limit:>10} {f['tokens_per_s']:8.0f} {f['step_s']:7.3f} "
-                f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} {f['host_gib']:8.2f} "
+                f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} "
+                f"{f['parameter_gib_per_step']:6.2f} {f['remap_s_per_step']:7.3f} {f['host_gib']:8.2f} "
                 f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
                 f"{f['step_over_bound']:10.2f}")
         line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
@@ -360,7 +366,9 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                      "timed steps as the limit")
     lines.append("GiB/step: what the engine migrated (bytes to host + to device over the timed "
                  "steps, per step); the windowed step's copies of host-resident states through "
-                 "device scratch are not in it: they are about host GiB each way a step")
+                 "device scratch are not in it: they are about host GiB each way a step; params: "
+                 "the parameters' share of it; remap s: the migrator's time remapping chunks, "
+                 "per step")
     lines.append(PCIE_BOUND_FORMULA)
     if bandwidth is None:
         lines.append("pinned bandwidth: not measured (the bandwidth run failed)")
@@ -440,7 +448,8 @@ def build(args, torch, device, context=None):
 
 # The offload engine's counters whose change over the timed steps the offload worker reports
 # (raw_stats' `offload` at the end counts the warmup steps too).
-TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits")
+TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits",
+                  "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns")
 
 
 def offload_counters(zeroalloc) -> dict:

@@ -114,7 +114,10 @@ def made_up_result(mode, limit_bytes=0):
                         "device_waited_ns": 10**9, "steps": 16},
             "overlap": {}, "timed": {"steps": 8, "bytes_to_host": 40 * GIB,
                                      "bytes_to_device": 40 * GIB, "device_waited_ns": 8 * 10**8,
-                                     "uses": 1000, "prefetch_hits": 970}}
+                                     "uses": 1000, "prefetch_hits": 970,
+                                     "bytes_to_host_parameter": 24 * GIB,
+                                     "bytes_to_device_parameter": 24 * GIB,
+                                     "remap_ns": 4 * 10**9}}
 
 
 def test_a_sweep_row_counts_the_timed_steps_alone():
@@ -126,6 +129,8 @@ def test_a_sweep_row_counts_the_timed_steps_alone():
     assert figures["moved_gib_per_step"] == pytest.approx(10.0)  # 80 GiB over 8 steps
     assert figures["host_gib"] == 8  # what the windowed step bounces each way
     assert figures["device_wait_s_per_step"] == pytest.approx(0.1)
+    assert figures["parameter_gib_per_step"] == pytest.approx(6.0)  # 48 of the 80 GiB
+    assert figures["remap_s_per_step"] == pytest.approx(0.5)
     bound = 7 * GIB / 50e9  # 31 GiB reserved natively, 24 GiB allowed
     assert figures["pcie_bound_s"] == pytest.approx(bound)
     assert figures["step_over_bound"] == pytest.approx(0.25 / bound)
