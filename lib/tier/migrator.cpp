@@ -463,12 +463,13 @@ void migrator::finish(transfer& done) {
   }
   if (verify_) ++figures_.verified_chunks;
   spare_events_.push_back(std::exchange(done.copied, nullptr));
-  moving_.erase(address);
-  arriving_.erase(address);
-  if (done.to_host) {
+  if (done.to_host) {  // Note [Unpinned before settled]
     lock.unlock();
     paging_.unpin_chunk(address);
+    lock.lock();
   }
+  moving_.erase(address);
+  arriving_.erase(address);
 }
 
 void migrator::worker() {
@@ -676,6 +677,13 @@ std::vector<migrator::host_resident_chunk> migrator::host_resident_chunks() cons
   return chunks;
 }
 
+// Note [Unpinned before settled]: a move pins its chunk in the heap (pin_chunk) for its whole
+// course, and the next move of the chunk pins it again, which fails while the first still
+// holds it. So a move gives its pin back before it stops counting as moving (moving_), after
+// its bookkeeping: a thread that sees the chunk settled can always pin it, and a segment
+// released in between finds the chunk where the bookkeeping says it is. The other order
+// failed a restore from disk that began between the two (found by
+// OffloadEngineDiskTest.RandomMovesBetweenTheThreeTiersRacingWithKernelsKeepEveryByte).
 bool migrator::claim_spill(std::uintptr_t address) {
   std::lock_guard lock(mutex_);
   if (disk_ == nullptr || !on_host_.contains(address) || moving_.contains(address)) return false;
@@ -759,10 +767,13 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
     figures_.bytes_to_disk += bytes;
     ++figures_.chunks_to_disk;
     figures_.disk_ns += nanoseconds_since(started);
+  }
+  paging_.unpin_chunk(address);  // Note [Unpinned before settled]
+  {
+    std::lock_guard lock(mutex_);
     moving_.erase(address);
   }
   changed_.notify_all();
-  paging_.unpin_chunk(address);
   pool_.release(host);
 }
 
@@ -782,7 +793,8 @@ bool migrator::restore(std::uintptr_t address) {
   try {
     host = pool_.acquire(away.bytes);  // host_memory_exhausted: the caller makes room
     pinned = paging_.pin_chunk(address, chunk);
-    if (!pinned || !chunk.handle.inaccessible) {
+    if (!pinned) ZA_THROW(error, "the chunk at ", address, " is pinned by another move");
+    if (!chunk.handle.inaccessible) {
       ZA_THROW(error, "the chunk at ", address, " is not mapped to its placeholder");
     }
     {
@@ -815,10 +827,13 @@ bool migrator::restore(std::uintptr_t address) {
     figures_.bytes_from_disk += away.bytes;
     ++figures_.chunks_from_disk;
     figures_.disk_ns += nanoseconds_since(started);
+  }
+  paging_.unpin_chunk(address);  // Note [Unpinned before settled]
+  {
+    std::lock_guard lock(mutex_);
     moving_.erase(address);
   }
   changed_.notify_all();
-  paging_.unpin_chunk(address);
   disk_->release(away.slot);
   return true;
 }

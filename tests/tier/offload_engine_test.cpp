@@ -15,6 +15,7 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "core/units.hpp"
@@ -318,6 +319,82 @@ TEST_F(OffloadEngineDiskTest, StatesNoHintHasReachedYetGoToDiskWhenTheHostTierIs
     engine.use_ends(states[i], nullptr);
   }
   for (void* state : states) allocator_->deallocate(state);
+}
+
+// Random moves between the three tiers (explicit evictions and fetches from another
+// thread, spills to disk when the host tier is full, restores for uses) race with
+// "kernels" that read and rewrite the states under their hints: every byte survives, and
+// every read sees the last value written.
+TEST_F(OffloadEngineDiskTest, RandomMovesBetweenTheThreeTiersRacingWithKernelsKeepEveryByte) {
+  if (!start(32 * MiB, 32 * MiB, 256 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  stream_handle compute = device_->create_stream();
+  constexpr int kStates = 12;  // 96 MiB: 32 on the device, 32 on the host, the rest on disk
+  std::vector<void*> states;
+  std::vector<std::uint8_t> expected(kStates);
+  for (int i = 0; i < kStates; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, compute, allocation_class::optimizer_state));
+    ASSERT_NE(states.back(), nullptr);
+    engine.use_begins(states.back(), compute);
+    expected[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i + 1);
+    device_->fill_async(states.back(), expected[static_cast<std::size_t>(i)], kChunkBytes, compute);
+    engine.use_ends(states.back(), compute);
+  }
+  std::atomic<bool> done{false};
+  std::string mover_failure;
+  std::thread mover([&] {
+    std::mt19937 random(11);
+    try {
+      while (!done.load()) {
+        void* state = states[random() % kStates];
+        if (random() % 2 == 0) {
+          engine.evict(state, /*wait=*/random() % 4 == 0);
+        } else {
+          engine.fetch(state, /*wait=*/random() % 4 == 0);
+        }
+      }
+    } catch (const std::exception& failure) {
+      mover_failure = failure.what();
+    }
+  });
+  std::mt19937 random(5);
+  int wrong = 0;
+  for (int round = 0; round < 240; ++round) {
+    const auto i = static_cast<std::size_t>(random() % kStates);
+    if (random() % 2 == 0) {
+      engine.use_in_place(states[i], compute);
+    } else {
+      engine.use_begins(states[i], compute);
+    }
+    const std::vector<std::uint8_t> seen = read_back(*device_, states[i], kChunkBytes, compute);
+    if (seen != std::vector<std::uint8_t>(kChunkBytes, expected[i])) {
+      ADD_FAILURE() << "state " << i << " in round " << round << " does not hold "
+                    << int(expected[i]);
+      if (++wrong > 3) break;
+    }
+    expected[i] = static_cast<std::uint8_t>(expected[i] % 250 + 1);
+    device_->fill_async(states[i], expected[i], kChunkBytes, compute);
+    engine.use_ends(states[i], compute);
+    if (round % 40 == 39) engine.step_boundary();
+  }
+  done = true;
+  mover.join();
+  EXPECT_EQ(mover_failure, "") << "an eviction or fetch failed";
+  device_->synchronize_stream(compute);
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    engine.use_in_place(states[i], compute);
+    EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes, compute) ==
+                std::vector<std::uint8_t>(kChunkBytes, expected[i]))
+        << "state " << i << " at the end";
+    engine.use_ends(states[i], compute);
+  }
+  const migration_figures moved = engine.mover().figures();
+  EXPECT_GT(moved.chunks_to_disk, 0u) << "the disk tier was never used";
+  EXPECT_GT(moved.chunks_from_disk, 0u);
+  EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+  for (void* state : states) allocator_->deallocate(state);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
 }
 
 // A full disk tier is the host tier's message, as without one, and nothing is lost: the
