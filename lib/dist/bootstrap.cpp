@@ -1,13 +1,5 @@
 #include "dist/bootstrap.hpp"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
@@ -19,102 +11,15 @@
 #include <vector>
 
 #include "core/errors.hpp"
+#include "dist/sockets.hpp"
 #include "dist/transport.hpp"
 
 namespace zeroalloc {
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using namespace sockets;
 constexpr char kMagic[4] = {'Z', 'A', 'B', '1'};
-constexpr std::uint32_t kLongestString = 1u << 20;  // an agreement or an id, far above either
-
-class socket_fd {
- public:
-  explicit socket_fd(int fd = -1) : fd_(fd) {}
-  ~socket_fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  socket_fd(socket_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  socket_fd& operator=(socket_fd&& other) noexcept {
-    if (this != &other) {
-      if (fd_ >= 0) ::close(fd_);
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  [[nodiscard]] int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-int remaining_ms(clock_type::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
-  return static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 1 << 30));
-}
-
-/// Waits until `fd` is ready for `events`; false at the deadline.
-bool wait_ready(int fd, short events, clock_type::time_point deadline) {
-  for (;;) {
-    pollfd waited{fd, events, 0};
-    const int ready = ::poll(&waited, 1, remaining_ms(deadline));
-    if (ready > 0) return true;
-    if (ready == 0) return false;
-    if (errno != EINTR) return false;
-  }
-}
-
-bool send_all(int fd, const void* data, std::size_t bytes, clock_type::time_point deadline) {
-  const char* at = static_cast<const char*>(data);
-  while (bytes > 0) {
-    if (!wait_ready(fd, POLLOUT, deadline)) return false;
-    const ssize_t sent = ::send(fd, at, bytes, MSG_NOSIGNAL);
-    if (sent < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (sent <= 0) return false;
-    at += sent;
-    bytes -= static_cast<std::size_t>(sent);
-  }
-  return true;
-}
-
-bool receive_all(int fd, void* data, std::size_t bytes, clock_type::time_point deadline) {
-  char* at = static_cast<char*>(data);
-  while (bytes > 0) {
-    if (!wait_ready(fd, POLLIN, deadline)) return false;
-    const ssize_t got = ::recv(fd, at, bytes, 0);
-    if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (got <= 0) return false;  // closed, or failed
-    at += got;
-    bytes -= static_cast<std::size_t>(got);
-  }
-  return true;
-}
-
-bool send_u32(int fd, std::uint32_t value, clock_type::time_point deadline) {
-  const std::uint32_t wire = htonl(value);
-  return send_all(fd, &wire, sizeof wire, deadline);
-}
-
-std::optional<std::uint32_t> receive_u32(int fd, clock_type::time_point deadline) {
-  std::uint32_t wire = 0;
-  if (!receive_all(fd, &wire, sizeof wire, deadline)) return std::nullopt;
-  return ntohl(wire);
-}
-
-bool send_string(int fd, const std::string& text, clock_type::time_point deadline) {
-  return send_u32(fd, static_cast<std::uint32_t>(text.size()), deadline) &&
-         send_all(fd, text.data(), text.size(), deadline);
-}
-
-std::optional<std::string> receive_string(int fd, clock_type::time_point deadline) {
-  const std::optional<std::uint32_t> size = receive_u32(fd, deadline);
-  if (!size || *size > kLongestString) return std::nullopt;
-  std::string text(*size, '\0');
-  if (!receive_all(fd, text.data(), text.size(), deadline)) return std::nullopt;
-  return text;
-}
 
 std::string endpoint(const bootstrap_settings& settings) {
   return settings.address + ":" + std::to_string(settings.port);
@@ -125,38 +30,12 @@ std::string prefix(const bootstrap_settings& settings) {
          ": ";
 }
 
-socket_fd listen_on(const bootstrap_settings& settings) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const std::string port = std::to_string(settings.port);
-  if (const int failed = ::getaddrinfo(nullptr, port.c_str(), &hints, &found); failed != 0) {
-    ZA_THROW(collective_error, prefix(settings), "rank 0 cannot listen: ", ::gai_strerror(failed));
-  }
-  int last_error = 0;
-  socket_fd listening;
-  for (addrinfo* each = found; each != nullptr; each = each->ai_next) {
-    socket_fd candidate(::socket(each->ai_family, each->ai_socktype | SOCK_CLOEXEC, 0));
-    if (candidate.get() < 0) {
-      last_error = errno;
-      continue;
-    }
-    const int yes = 1;
-    ::setsockopt(candidate.get(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-    if (::bind(candidate.get(), each->ai_addr, each->ai_addrlen) == 0 &&
-        ::listen(candidate.get(), settings.world_size) == 0) {
-      listening = std::move(candidate);
-      break;
-    }
-    last_error = errno;
-  }
-  ::freeaddrinfo(found);
-  if (listening.get() < 0) {
+socket_fd listen_for_ranks(const bootstrap_settings& settings) {
+  std::string error;
+  socket_fd listening = listen_on(settings.port, settings.world_size, error);
+  if (!listening.valid()) {
     ZA_THROW(collective_error, prefix(settings), "rank 0 cannot listen on port ", settings.port,
-             ": ", std::strerror(last_error),
-             "; another program holds it, or the last job has not let it go");
+             ": ", error, "; another program holds it, or the last job has not let it go");
   }
   return listening;
 }
@@ -171,7 +50,7 @@ std::string serve(const bootstrap_settings& settings, const std::function<std::s
   } catch (const std::exception& error) {
     failure = std::string("rank 0 could not make the group's id: ") + error.what();
   }
-  const socket_fd listening = listen_on(settings);
+  const socket_fd listening = listen_for_ranks(settings);
   std::vector<socket_fd> peers;
   std::vector<bool> came(static_cast<std::size_t>(settings.world_size), false);
   came[0] = true;
@@ -182,11 +61,8 @@ std::string serve(const bootstrap_settings& settings, const std::function<std::s
     send_string(peer.get(), failure.empty() ? id : failure, reply_by);
   };
   while (joined < settings.world_size) {
-    if (!wait_ready(listening.get(), POLLIN, deadline)) break;
-    socket_fd peer(::accept4(listening.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (peer.get() < 0) continue;
-    const int yes = 1;
-    ::setsockopt(peer.get(), IPPROTO_TCP, TCP_NODELAY, &yes, sizeof yes);
+    socket_fd peer = accept_until(listening.get(), deadline);
+    if (!peer.valid()) break;
     char magic[sizeof kMagic] = {};
     const bool greeted = receive_all(peer.get(), magic, sizeof magic, deadline) &&
                          std::memcmp(magic, kMagic, sizeof kMagic) == 0;
@@ -245,36 +121,14 @@ std::string serve(const bootstrap_settings& settings, const std::function<std::s
 }
 
 socket_fd connect_to_rank0(const bootstrap_settings& settings, clock_type::time_point deadline) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  const std::string port = std::to_string(settings.port);
-  std::string last = "no answer";
-  for (;;) {
-    addrinfo* found = nullptr;
-    if (const int failed = ::getaddrinfo(settings.address.c_str(), port.c_str(), &hints, &found);
-        failed != 0) {
-      last = std::string("MASTER_ADDR does not resolve: ") + ::gai_strerror(failed);
-    } else {
-      for (addrinfo* each = found; each != nullptr; each = each->ai_next) {
-        socket_fd candidate(::socket(each->ai_family, each->ai_socktype | SOCK_CLOEXEC, 0));
-        if (candidate.get() >= 0 &&
-            ::connect(candidate.get(), each->ai_addr, each->ai_addrlen) == 0) {
-          ::freeaddrinfo(found);
-          const int yes = 1;
-          ::setsockopt(candidate.get(), IPPROTO_TCP, TCP_NODELAY, &yes, sizeof yes);
-          return candidate;
-        }
-        last = std::strerror(errno);
-      }
-      ::freeaddrinfo(found);
-    }
-    if (clock_type::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 may start later
+  std::string last;
+  socket_fd peer = connect_until(settings.address, settings.port, deadline, last);
+  if (!peer.valid()) {
+    ZA_THROW(collective_error, prefix(settings), "rank ", settings.rank,
+             " could not reach rank 0 within ", settings.timeout.count(), " ms (", last,
+             "): is rank 0 running, and is MASTER_ADDR its host?");
   }
-  ZA_THROW(collective_error, prefix(settings), "rank ", settings.rank,
-           " could not reach rank 0 within ", settings.timeout.count(), " ms (", last,
-           "): is rank 0 running, and is MASTER_ADDR its host?");
+  return peer;
 }
 
 std::string join(const bootstrap_settings& settings) {

@@ -4,21 +4,9 @@
 #include <cstring>
 #include <sstream>
 
+#include "dist/reduction.hpp"
+
 namespace zeroalloc {
-
-namespace {
-
-float bf16_to_float(std::uint16_t value) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(value) << 16);
-}
-
-std::uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
-  const auto bits = std::bit_cast<std::uint32_t>(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40);
-  return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-}  // namespace
 
 sim_group::sim_group(device& backing, int world_size, std::chrono::milliseconds timeout)
     : device_(backing),
@@ -143,21 +131,10 @@ void sim_transport::reduce_scatter(const void* send, void* receive, std::size_t 
       {send, receive,
        detail::concat("reduce_scatter of ", count,
                       type == element_type::float32 ? " float32" : " bfloat16", " per rank")});
-  const std::size_t first = static_cast<std::size_t>(rank_) * count;
-  for (std::size_t i = 0; i < count; ++i) {
-    const auto value = [&](const sim_group::posted& each) {
-      return type == element_type::float32
-                 ? static_cast<const float*>(each.send)[first + i]
-                 : bf16_to_float(static_cast<const std::uint16_t*>(each.send)[first + i]);
-    };
-    float sum = value(all[0]);  // then the other ranks in rank order: the same sum every run
-    for (std::size_t each = 1; each < all.size(); ++each) sum += value(all[each]);
-    if (type == element_type::float32) {
-      static_cast<float*>(receive)[i] = sum;
-    } else {
-      static_cast<std::uint16_t*>(receive)[i] = float_to_bf16(sum);
-    }
-  }
+  std::vector<const void*> inputs;
+  for (const sim_group::posted& each : all) inputs.push_back(each.send);
+  // Then the other ranks in rank order: the same sum every run.
+  sum_in_rank_order(inputs, static_cast<std::size_t>(rank_) * count, count, type, receive);
   group_.depart(rank_, sequence_++, "reduce_scatter");
 }
 
