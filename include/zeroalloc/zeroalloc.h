@@ -349,6 +349,34 @@ int zeroalloc_fetch(const void* pointer, int wait);
 /** A zeroalloc_residency_kind, or -1 with zeroalloc_last_error() set. */
 int zeroalloc_residency(const void* pointer);
 
+/**
+ * Groups of ranks (ZeRO across GPUs). Joins this process to the group of the job it runs in,
+ * from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0
+ * hands the others the group's id over TCP at MASTER_PORT + 1, and every rank checks that all
+ * share `agreement` (the settings that must match, say "ZEROALLOC_ZERO_STAGE=2"). On GPUs
+ * the collectives run over NCCL on LOCAL_RANK's device; on the simulated device over TCP at
+ * MASTER_PORT + 2, through rank 0. A collective or join that a rank cannot complete
+ * (mixed settings, a rank that died or stopped calling) fails on every rank within
+ * `timeout_ms` (0: five minutes) with one message naming the rank and the cause. 0 on
+ * success; -1 with zeroalloc_last_error() set.
+ */
+int zeroalloc_group_join(const char* agreement, int timeout_ms);
+/** This process's rank in its group and the group's size; -1 before zeroalloc_group_join. */
+int zeroalloc_group_rank(void);
+int zeroalloc_group_size(void);
+/** Every rank's `bytes` at `send` into every rank's `receive` (size x `bytes`, in rank
+ *  order), in `stream`'s order. 0 or -1. */
+int zeroalloc_group_all_gather(const void* send, void* receive, size_t bytes,
+                               zeroalloc_stream_t stream);
+/** The sum over ranks of `send` (size x `count` elements, float32, or bfloat16 when
+ *  `bfloat16` is not 0), cut by rank: this rank's `count` elements land in `receive`. */
+int zeroalloc_group_reduce_scatter(const void* send, void* receive, size_t count, int bfloat16,
+                                   zeroalloc_stream_t stream);
+/** `root`'s `bytes` at `buffer` into every rank's `buffer`. 0 or -1. */
+int zeroalloc_group_broadcast(void* buffer, size_t bytes, int root, zeroalloc_stream_t stream);
+/** This rank failed for `why`: every rank's collectives from now on fail naming it. */
+void zeroalloc_group_abort(const char* why);
+
 #ifdef __cplusplus
 }
 #endif

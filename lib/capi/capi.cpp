@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <stdexcept>
@@ -23,6 +25,9 @@
 #include "core/log.hpp"
 #include "core/options.hpp"
 #include "core/passthrough.hpp"
+#include "dist/bootstrap.hpp"
+#include "dist/nccl_transport.hpp"
+#include "dist/tcp_transport.hpp"
 #include "profile/report.hpp"
 #include "zeroalloc/zeroalloc.h"
 
@@ -617,4 +622,105 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
     if (disk_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_DISK);
     return static_cast<int>(ZEROALLOC_SPLIT);
   });
+}
+
+// Groups of ranks: one per process, never destroyed (a collective may still be in flight
+// when the program ends).
+namespace {
+
+struct process_group {
+  std::mutex mutex;
+  std::unique_ptr<zeroalloc::transport> transport;
+};
+
+process_group& group() {
+  static auto* made = new process_group;
+  return *made;
+}
+
+zeroalloc::transport& joined_group() {
+  process_group& joined = group();
+  std::lock_guard lock(joined.mutex);
+  ZA_REQUIRE(joined.transport != nullptr,
+             "this process is in no group: call zeroalloc_group_join first");
+  return *joined.transport;
+}
+
+}  // namespace
+
+ZA_EXPORT int zeroalloc_group_join(const char* agreement, int timeout_ms) {
+  return guarded("zeroalloc_group_join", -1, [&] {
+    process_group& joined = group();
+    std::lock_guard lock(joined.mutex);
+    ZA_REQUIRE(joined.transport == nullptr, "this process joined its group already");
+    zeroalloc::bootstrap_settings settings =
+        zeroalloc::bootstrap_settings::from_environment(agreement != nullptr ? agreement : "");
+    if (timeout_ms > 0) settings.timeout = std::chrono::milliseconds(timeout_ms);
+    runtime& started = runtime::get();
+    // One GPU per rank, LOCAL_RANK's; a simulated device is each process's own.
+    const int ordinal =
+        started.simulated() || started.device_count() == 1 ? 0 : settings.local_rank;
+    zeroalloc::device& backing = started.allocator(ordinal).backing();
+    if (backing.is_simulated()) {
+      zeroalloc::bootstrap_exchange(settings, [] { return std::string(); });  // the agreement
+      zeroalloc::bootstrap_settings transport_settings = settings;
+      transport_settings.port = settings.port + 1;  // not the bootstrap's, closing meanwhile
+      joined.transport = std::make_unique<zeroalloc::tcp_transport>(backing, transport_settings);
+      return 0;
+    }
+    const std::string made = zeroalloc::bootstrap_exchange(settings, [] {
+      const zeroalloc::nccl_transport::unique_id id = zeroalloc::nccl_transport::new_id();
+      return std::string(id.begin(), id.end());
+    });
+    zeroalloc::nccl_transport::unique_id id{};
+    ZA_REQUIRE(made.size() == id.size(), "rank 0 sent a group id of ", made.size(), " bytes");
+    std::copy(made.begin(), made.end(), id.begin());
+    joined.transport = std::make_unique<zeroalloc::nccl_transport>(
+        backing, settings.rank, settings.world_size, id, settings.timeout);
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_group_rank(void) {
+  process_group& joined = group();
+  std::lock_guard lock(joined.mutex);
+  return joined.transport != nullptr ? joined.transport->rank() : -1;
+}
+
+ZA_EXPORT int zeroalloc_group_size(void) {
+  process_group& joined = group();
+  std::lock_guard lock(joined.mutex);
+  return joined.transport != nullptr ? joined.transport->world_size() : -1;
+}
+
+ZA_EXPORT int zeroalloc_group_all_gather(const void* send, void* receive, size_t bytes,
+                                         zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_group_all_gather", -1, [&] {
+    joined_group().all_gather(send, receive, bytes, device_stream(stream));
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_group_reduce_scatter(const void* send, void* receive, size_t count,
+                                             int bfloat16, zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_group_reduce_scatter", -1, [&] {
+    joined_group().reduce_scatter(
+        send, receive, count,
+        bfloat16 != 0 ? zeroalloc::element_type::bfloat16 : zeroalloc::element_type::float32,
+        device_stream(stream));
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_group_broadcast(void* buffer, size_t bytes, int root,
+                                        zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_group_broadcast", -1, [&] {
+    joined_group().broadcast(buffer, bytes, root, device_stream(stream));
+    return 0;
+  });
+}
+
+ZA_EXPORT void zeroalloc_group_abort(const char* why) {
+  guarded_void("zeroalloc_group_abort",
+               [&] { joined_group().abort(why != nullptr ? why : "(no reason given)"); });
 }

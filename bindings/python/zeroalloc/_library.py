@@ -136,6 +136,17 @@ def library() -> ctypes.CDLL:
             "zeroalloc_offload": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_fetch": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_residency": ([ctypes.c_void_p], ctypes.c_int),
+            "zeroalloc_group_join": ([ctypes.c_char_p, ctypes.c_int], ctypes.c_int),
+            "zeroalloc_group_rank": ([], ctypes.c_int),
+            "zeroalloc_group_size": ([], ctypes.c_int),
+            "zeroalloc_group_all_gather": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                            c_stream], ctypes.c_int),
+            "zeroalloc_group_reduce_scatter": ([ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_size_t, ctypes.c_int, c_stream],
+                                               ctypes.c_int),
+            "zeroalloc_group_broadcast": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           c_stream], ctypes.c_int),
+            "zeroalloc_group_abort": ([ctypes.c_char_p], None),
         }
         missing = [name for name in signatures if not hasattr(handle, name)]
         if missing:  # another library, or a zeroalloc older than this package

@@ -1,0 +1,97 @@
+"""Groups of ranks under torchrun on the simulated device (zeroalloc_group_join and the
+collectives of the C API): the start-up path a ZeRO job takes, with each rank its own
+process, as torchrun starts them; a job whose ranks disagree, or whose rank dies, ends on
+every rank with a message naming it."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
+if not LIBRARY.exists():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
+
+PROGRAM = """
+import ctypes, os, struct, sys
+import zeroalloc
+lib = zeroalloc.library()
+rank = int(os.environ["RANK"])
+agreement = {agreement}
+if {dies_after_join} and rank == 1:
+    lib.zeroalloc_group_join(agreement.encode(), 3000)
+    os._exit(0)  # gone after joining: the others' next collective says so
+if lib.zeroalloc_group_join(agreement.encode(), 3000) != 0:
+    print(f"rank {{rank}} join failed: {{zeroalloc._library.last_error()}}", flush=True)
+    sys.exit(3)
+size = lib.zeroalloc_group_size()
+assert lib.zeroalloc_group_rank() == rank
+n = 4096
+send, receive = lib.zeroalloc_malloc(n, 0, None), lib.zeroalloc_malloc(n * size, 0, None)
+ctypes.memset(send, rank + 1, n)
+if lib.zeroalloc_group_all_gather(send, receive, n, None) != 0:
+    print(f"rank {{rank}} all_gather failed: {{zeroalloc._library.last_error()}}", flush=True)
+    sys.exit(4)
+assert ctypes.string_at(receive, n * size) == b"".join(bytes([r + 1]) * n for r in range(size))
+count = 256  # reduce_scatter: element i of rank r's input is r + i
+values = struct.pack(f"{{count * size}}f", *[float(rank + i) for i in range(count * size)])
+big, part = lib.zeroalloc_malloc(len(values), 0, None), lib.zeroalloc_malloc(count * 4, 0, None)
+ctypes.memmove(big, values, len(values))
+assert lib.zeroalloc_group_reduce_scatter(big, part, count, 0, None) == 0
+got = struct.unpack(f"{{count}}f", ctypes.string_at(part, count * 4))
+assert list(got) == [float(sum(r + rank * count + i for r in range(size))) for i in range(count)]
+print(f"rank {{rank}} of {{size}}: collectives right", flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(tmp_path, ranks: int, agreement: str = '"ZEROALLOC_ZERO_STAGE=2"',
+             dies_after_join: bool = False) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(PROGRAM.format(agreement=agreement,
+                                                     dies_after_join=dies_after_join)))
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+           "ZEROALLOC_LIBRARY": str(LIBRARY)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(ranks), "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(script)],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_under_torchrun_join_one_group_and_their_collectives_are_right(tmp_path, ranks):
+    result = torchrun(tmp_path, ranks)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(ranks):
+        assert f"rank {rank} of {ranks}: collectives right" in result.stdout, result.stdout
+
+
+def test_a_rank_with_other_settings_ends_every_rank_naming_it(tmp_path):
+    result = torchrun(tmp_path, 3, agreement='"ZEROALLOC_ZERO_STAGE=3" if rank == 2 '
+                                             'else "ZEROALLOC_ZERO_STAGE=2"')
+    assert result.returncode != 0
+    for rank in range(3):
+        assert (f"rank {rank} join failed: " in result.stdout and
+                "rank 2 has settings 'ZEROALLOC_ZERO_STAGE=3' where rank 0 has "
+                "'ZEROALLOC_ZERO_STAGE=2'" in result.stdout), result.stdout + result.stderr
+
+
+def test_a_rank_gone_after_joining_ends_the_others_collectives_naming_it(tmp_path):
+    result = torchrun(tmp_path, 3, dies_after_join=True)
+    assert result.returncode != 0
+    for rank in (0, 2):
+        assert f"rank {rank} all_gather failed: " in result.stdout, result.stdout + result.stderr
+    assert "rank 1's connection closed during the all_gather of 4096 bytes" in result.stdout, \
+        result.stdout
