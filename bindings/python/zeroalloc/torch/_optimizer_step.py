@@ -90,9 +90,11 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     also across the step boundary.
     Note [Keeping under pressure]: no window is kept when the engine evicted anything
     between the last step's end and this step (the forward and backward were short of
-    device memory): the kept scratch would hold memory the next forward needs, and make it
-    evict parameters that then come back (bench/RESULTS.md: at 18 GiB on the 1.3B bench,
-    every weight left and came back about twice a step).
+    device memory): the kept scratch would hold memory the next forward needs, and can make
+    it evict parameters that then come back (at 18 GiB on the 1.3B bench every weight left
+    and came back about twice a step, bench/RESULTS.md). What this saves has not been
+    measured yet: offload_llama_bench.py's --keep-under-pressure keeps the windows as
+    before, for the comparison.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
