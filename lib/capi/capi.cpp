@@ -661,7 +661,13 @@ ZA_EXPORT int zeroalloc_group_join(const char* agreement, int timeout_ms) {
     const int ordinal =
         started.simulated() || started.device_count() == 1 ? 0 : settings.local_rank;
     zeroalloc::device& backing = started.allocator(ordinal).backing();
+    // Ranks on GPUs and ranks on the simulated device cannot form one group: it is part of
+    // what they must agree on.
+    settings.agreement += std::string(settings.agreement.empty() ? "" : ";") +
+                          "device=" + (backing.is_simulated() ? "sim" : "cuda");
     if (backing.is_simulated()) {
+      ZA_REQUIRE(settings.port + 1 <= 65535, "MASTER_PORT=", settings.port - 1,
+                 ": the simulated device's collectives use MASTER_PORT + 2, not a TCP port");
       zeroalloc::bootstrap_exchange(settings, [] { return std::string(); });  // the agreement
       zeroalloc::bootstrap_settings transport_settings = settings;
       transport_settings.port = settings.port + 1;  // not the bootstrap's, closing meanwhile

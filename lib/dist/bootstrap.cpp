@@ -63,15 +63,17 @@ std::string serve(const bootstrap_settings& settings, const std::function<std::s
   while (joined < settings.world_size) {
     socket_fd peer = accept_until(listening.get(), deadline);
     if (!peer.valid()) break;
+    // A connection that says nothing (not one of ours) must not hold up the ranks behind it.
+    const auto hello_by = std::min(deadline, clock_type::now() + std::chrono::seconds(5));
     char magic[sizeof kMagic] = {};
-    const bool greeted = receive_all(peer.get(), magic, sizeof magic, deadline) &&
+    const bool greeted = receive_all(peer.get(), magic, sizeof magic, hello_by) &&
                          std::memcmp(magic, kMagic, sizeof kMagic) == 0;
     const std::optional<std::uint32_t> rank =
-        greeted ? receive_u32(peer.get(), deadline) : std::nullopt;
+        greeted ? receive_u32(peer.get(), hello_by) : std::nullopt;
     const std::optional<std::uint32_t> world =
-        rank ? receive_u32(peer.get(), deadline) : std::nullopt;
+        rank ? receive_u32(peer.get(), hello_by) : std::nullopt;
     const std::optional<std::string> agreement =
-        world ? receive_string(peer.get(), deadline) : std::nullopt;
+        world ? receive_string(peer.get(), hello_by) : std::nullopt;
     if (!agreement) continue;  // not one of ours, or gone: it does not count
     const int who = static_cast<int>(*rank);
     if (failure.empty()) {
@@ -139,8 +141,9 @@ std::string join(const bootstrap_settings& settings) {
       send_u32(peer.get(), static_cast<std::uint32_t>(settings.rank), deadline) &&
       send_u32(peer.get(), static_cast<std::uint32_t>(settings.world_size), deadline) &&
       send_string(peer.get(), settings.agreement, deadline);
-  // Rank 0 answers once every rank came: up to its own timeout, started no later than ours.
-  const auto answer_by = deadline + std::chrono::seconds(10);
+  // Rank 0 answers once every rank came, up to its own timeout, which starts when it
+  // arrives: later than ours, when it came last.
+  const auto answer_by = deadline + settings.timeout + std::chrono::seconds(10);
   const std::optional<std::uint32_t> status =
       said ? receive_u32(peer.get(), answer_by) : std::nullopt;
   const std::optional<std::string> payload =

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <utility>
 
 #include "core/log.hpp"
 
@@ -137,8 +138,8 @@ void nccl_transport::fail(const std::string& why) {
   if (failed_) return;
   failed_ = why;
   log().error("rank {}: aborting the NCCL communicator: {}", rank_, why);
-  device_.run_current([&] { nccl().comm_abort(comm_); });
-  comm_ = nullptr;  // ncclCommAbort freed it: nothing may use or free it again
+  ncclComm* aborted = std::exchange(comm_, nullptr);         // nothing may use or free it again
+  device_.run_current([&] { nccl().comm_abort(aborted); });  // which frees it
 }
 
 void nccl_transport::abort(const std::string& why) {

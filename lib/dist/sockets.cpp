@@ -1,6 +1,7 @@
 #include "dist/sockets.hpp"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -35,9 +36,34 @@ int remaining_ms(clock_type::time_point deadline) {
   return static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 1 << 30));
 }
 
-void no_delay(int fd) {
+// Connected sockets never block: every wait is a poll with the caller's deadline (a send
+// that blocked in the kernel would outlive any timeout once the peer stops reading).
+void no_delay_no_block(int fd) {
   const int yes = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &yes, sizeof yes);
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+/// connect() bounded by the deadline (a host that drops SYNs would take minutes).
+bool connect_by(int fd, const sockaddr* address, socklen_t length, clock_type::time_point deadline,
+                std::string& error) {
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  if (::connect(fd, address, length) == 0) return true;
+  if (errno != EINPROGRESS) {
+    error = std::strerror(errno);
+    return false;
+  }
+  if (!wait_ready(fd, POLLOUT, deadline)) {
+    error = "timed out";
+    return false;
+  }
+  int failure = 0;
+  socklen_t size = sizeof failure;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &failure, &size) != 0 || failure != 0) {
+    error = std::strerror(failure != 0 ? failure : errno);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -160,12 +186,15 @@ socket_fd connect_until(const std::string& address, int port, clock_type::time_p
     } else {
       for (addrinfo* each = found; each != nullptr; each = each->ai_next) {
         socket_fd candidate(::socket(each->ai_family, each->ai_socktype | SOCK_CLOEXEC, 0));
-        if (candidate.valid() && ::connect(candidate.get(), each->ai_addr, each->ai_addrlen) == 0) {
+        if (!candidate.valid()) {
+          error = std::strerror(errno);
+          continue;
+        }
+        if (connect_by(candidate.get(), each->ai_addr, each->ai_addrlen, deadline, error)) {
           ::freeaddrinfo(found);
-          no_delay(candidate.get());
+          no_delay_no_block(candidate.get());
           return candidate;
         }
-        error = std::strerror(errno);
       }
       ::freeaddrinfo(found);
     }
@@ -174,11 +203,15 @@ socket_fd connect_until(const std::string& address, int port, clock_type::time_p
   }
 }
 
+void hang_up(int fd) {
+  if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+}
+
 socket_fd accept_until(int listening, clock_type::time_point deadline) {
   while (wait_ready(listening, POLLIN, deadline)) {
     socket_fd peer(::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC));
     if (peer.valid()) {
-      no_delay(peer.get());
+      no_delay_no_block(peer.get());
       return peer;
     }
   }

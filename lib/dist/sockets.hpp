@@ -50,6 +50,8 @@ socket_fd listen_on(int port, int backlog, std::string& error);
 /// later); on failure, an invalid socket and the last reason in `error`.
 socket_fd connect_until(const std::string& address, int port, clock_type::time_point deadline,
                         std::string& error);
+/// Ends the connection both ways: the peer's next read or write fails at once.
+void hang_up(int fd);
 /// The next connection to `listening` before the deadline, or an invalid socket.
 socket_fd accept_until(int listening, clock_type::time_point deadline);
 

@@ -1,5 +1,6 @@
 #include "dist/tcp_transport.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/errors.hpp"
@@ -84,13 +85,15 @@ tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings
   while (joined < settings.world_size) {
     socket_fd peer = accept_until(listening.get(), deadline);
     if (!peer.valid()) break;
+    // A connection that says nothing (not one of ours) must not hold up the ranks behind it.
+    const auto hello_by = std::min(deadline, clock_type::now() + std::chrono::seconds(5));
     char magic[sizeof kMagic] = {};
-    const bool greeted = receive_all(peer.get(), magic, sizeof magic, deadline) &&
+    const bool greeted = receive_all(peer.get(), magic, sizeof magic, hello_by) &&
                          std::memcmp(magic, kMagic, sizeof kMagic) == 0;
     const std::optional<std::uint32_t> rank =
-        greeted ? receive_u32(peer.get(), deadline) : std::nullopt;
+        greeted ? receive_u32(peer.get(), hello_by) : std::nullopt;
     const std::optional<std::uint32_t> world =
-        rank ? receive_u32(peer.get(), deadline) : std::nullopt;
+        rank ? receive_u32(peer.get(), hello_by) : std::nullopt;
     if (!world) continue;
     const auto who = static_cast<std::size_t>(*rank);
     if (static_cast<int>(*world) != settings.world_size || who == 0 || who >= to_rank_.size() ||
@@ -143,15 +146,22 @@ std::string tcp_transport::round(const call& mine, std::string input) {
                     send_u32(fd, static_cast<std::uint32_t>(mine.type), deadline) &&
                     send_u32(fd, static_cast<std::uint32_t>(mine.root), deadline) &&
                     send_string(fd, input, deadline);
-  // Rank 0 answers once every rank came: up to its own timeout, started no later than ours.
-  const auto answer_by = deadline + std::chrono::seconds(10);
+  // Rank 0 answers once every rank came, up to its own timeout, which starts when it
+  // arrives: later than ours, when it came last. So the wait here is longer, and a rank that
+  // still gives up tells rank 0 and hangs up, so that rank 0 names it instead of waiting.
+  const auto answer_by = deadline + settings_.timeout + std::chrono::seconds(10);
   const std::optional<std::uint32_t> status = sent ? receive_u32(fd, answer_by) : std::nullopt;
   std::optional<std::string> payload =
       status ? receive_string(fd, answer_by, kLongestInput) : std::nullopt;
   if (!payload) {
-    fail_with("the " + mine.describe() + " (collective " + std::to_string(number) +
-              " of the group) had no answer from rank 0 within " +
-              std::to_string(settings_.timeout.count()) + " ms: rank 0 failed or stopped");
+    const std::string why = "the " + mine.describe() + " (collective " + std::to_string(number) +
+                            " of the group) had no answer from rank 0 within " +
+                            std::to_string(2 * settings_.timeout.count()) +
+                            " ms: rank 0 failed or stopped";
+    const auto by = clock_type::now() + std::chrono::seconds(2);
+    if (send_u32(fd, kAbort, by)) send_string(fd, why, by);
+    hang_up(fd);
+    fail_with(why);
   }
   if (*status != 0) fail_with(*payload);
   return std::move(*payload);
@@ -225,14 +235,21 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
     }
     fail_with(failure);
   }
+  if (mine.what != kind::reduce_scatter) {  // one output for every rank, sent as it is
+    std::string same;
+    if (mine.what == kind::all_gather) {
+      for (const std::string& each : inputs) same += each;
+    } else {
+      same = std::move(inputs[static_cast<std::size_t>(mine.root)]);
+    }
+    for (std::size_t each = 1; each < ranks; ++each) {
+      send_u32(to_rank_[each].get(), 0, reply_by);
+      send_string(to_rank_[each].get(), same, reply_by);
+    }
+    return same;
+  }
   std::vector<std::string> outputs(ranks);
-  if (mine.what == kind::all_gather) {
-    std::string all;
-    for (const std::string& each : inputs) all += each;
-    std::fill(outputs.begin(), outputs.end(), all);
-  } else if (mine.what == kind::broadcast) {
-    std::fill(outputs.begin(), outputs.end(), inputs[static_cast<std::size_t>(mine.root)]);
-  } else {
+  {
     std::vector<const void*> sources;
     for (const std::string& each : inputs) sources.push_back(each.data());
     const std::size_t element = element_bytes(mine.type);

@@ -11,6 +11,11 @@
 #include "core/units.hpp"
 
 namespace zeroalloc {
+
+// Note [Every use in the order]: a program that hints without step boundaries (inference
+// under hints) would grow the recording without end; past this many uses it stops
+// recording until the next boundary.
+constexpr std::size_t kMostRecordedUses = std::size_t(1) << 20;
 namespace {
 
 constexpr std::uint64_t kNeverUsed = std::numeric_limits<std::uint64_t>::max();
@@ -321,10 +326,13 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
       auto known = chunks_.find(chunk.address);
       const bool reopened = known == chunks_.end() || known->second.open_uses == 0;
       open_use(chunk);
-      if (recorded_.insert(chunk.address).second || reopened) {
+      if ((recorded_.insert(chunk.address).second || reopened) &&
+          recording_.size() < kMostRecordedUses) {
         recording_.push_back(chunk.address);
       }
-      if (auto found = positions_.find(chunk.address); found != positions_.end()) {
+      // A use nested in an open one recorded no position, so it moves no cursor either: it
+      // would jump to the chunk's next recorded use (its backward, say) and stay there.
+      if (auto found = positions_.find(chunk.address); reopened && found != positions_.end()) {
         for (std::size_t position : found->second) {
           if (position >= cursor_) {
             cursor_ = position;

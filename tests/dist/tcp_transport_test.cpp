@@ -193,6 +193,29 @@ TEST_P(TcpTransportTest, ARankThatNeverCallsIsNamedWithinTheTimeout) {
   }
 }
 
+// Rank 0 gives up on a late rank while another is still sending it a large input: the
+// sender's send must not block past its own timeout (the sockets never block; every wait is
+// bounded), so every rank ends, none hangs.
+TEST_P(TcpTransportTest, ASenderThatRankZeroStoppedReadingEndsWithinItsTimeout) {
+  const int world = GetParam() + 1;  // 3 or 5: rank 1 late, the last rank sending 64 MiB
+  const auto started = std::chrono::steady_clock::now();
+  const std::vector<std::string> errors = run(world, 1000ms, [&](tcp_transport& transport) {
+    if (transport.rank() == 1) {
+      std::this_thread::sleep_for(1500ms);
+      return;
+    }
+    const std::size_t bytes = transport.rank() == world - 1 ? 64 * MiB : 4096;
+    auto* send = allocate(bytes);
+    auto* receive = allocate(bytes * world);
+    transport.all_gather(send, receive, bytes, nullptr);
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 20s) << "a rank hung";
+  for (int rank = 0; rank < world; ++rank) {
+    if (rank == 1) continue;
+    EXPECT_NE(errors[static_cast<std::size_t>(rank)], "") << "rank " << rank << " went on";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, TcpTransportTest, ::testing::Values(2, 4),
                          [](const auto& info) { return std::to_string(info.param) + "Ranks"; });
 
