@@ -40,8 +40,11 @@ std::string tcp_transport::call::describe() const {
   return text;
 }
 
-tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings)
-    : device_(backing), settings_(settings) {
+tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings,
+                             std::optional<std::chrono::milliseconds> collective_timeout)
+    : device_(backing),
+      settings_(settings),
+      collective_timeout_(collective_timeout.value_or(settings.timeout)) {
   if (!backing.is_simulated()) {
     ZA_THROW(invalid_argument, "the TCP transport serves the simulated device, not ",
              backing.name(), " (GPUs use NCCL)");
@@ -138,7 +141,7 @@ std::string tcp_transport::round(const call& mine, std::string input) {
   const std::uint64_t number = ++sequence_;
   if (settings_.world_size == 1) return serve(mine, std::move(input));
   if (settings_.rank == 0) return serve(mine, std::move(input));
-  const auto deadline = clock_type::now() + settings_.timeout;
+  const auto deadline = clock_type::now() + collective_timeout_;
   const int fd = to_rank0_.get();
   const bool sent = send_u32(fd, kCollective, deadline) &&
                     send_u32(fd, static_cast<std::uint32_t>(mine.what), deadline) &&
@@ -149,14 +152,14 @@ std::string tcp_transport::round(const call& mine, std::string input) {
   // Rank 0 answers once every rank came, up to its own timeout, which starts when it
   // arrives: later than ours, when it came last. So the wait here is longer, and a rank that
   // still gives up tells rank 0 and hangs up, so that rank 0 names it instead of waiting.
-  const auto answer_by = deadline + settings_.timeout + std::chrono::seconds(10);
+  const auto answer_by = deadline + collective_timeout_ + std::chrono::seconds(10);
   const std::optional<std::uint32_t> status = sent ? receive_u32(fd, answer_by) : std::nullopt;
   std::optional<std::string> payload =
       status ? receive_string(fd, answer_by, kLongestInput) : std::nullopt;
   if (!payload) {
     const std::string why = "the " + mine.describe() + " (collective " + std::to_string(number) +
                             " of the group) had no answer from rank 0 within " +
-                            std::to_string(2 * settings_.timeout.count()) +
+                            std::to_string(2 * collective_timeout_.count()) +
                             " ms: rank 0 failed or stopped";
     const auto by = clock_type::now() + std::chrono::seconds(2);
     if (send_u32(fd, kAbort, by)) send_string(fd, why, by);
@@ -171,7 +174,7 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
   const std::size_t ranks = static_cast<std::size_t>(settings_.world_size);
   std::vector<std::string> inputs(ranks);
   inputs[0] = std::move(input);
-  const auto deadline = clock_type::now() + settings_.timeout;
+  const auto deadline = clock_type::now() + collective_timeout_;
   std::string failure;
   std::string missing;
   for (std::size_t each = 1; each < ranks; ++each) {
@@ -223,10 +226,10 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
   }
   if (failure.empty() && !missing.empty()) {
     failure = "the " + mine.describe() + " (collective " + std::to_string(sequence_) +
-              " of the group) waited " + std::to_string(settings_.timeout.count()) +
+              " of the group) waited " + std::to_string(collective_timeout_.count()) +
               " ms for rank(s) " + missing + ", which never arrived";
   }
-  const auto reply_by = clock_type::now() + settings_.timeout;
+  const auto reply_by = clock_type::now() + collective_timeout_;
   if (!failure.empty()) {
     failed_ = failure;
     for (std::size_t each = 1; each < ranks; ++each) {  // now, or as the answer to their next

@@ -28,9 +28,11 @@ namespace zeroalloc {
 class tcp_transport : public transport {
  public:
   /// Joins the group of `settings` (rank 0 listens at settings.port, the others connect) on
-  /// `backing`, a simulated device. Blocks until every rank joined; throws collective_error
-  /// naming the cause otherwise (as bootstrap_exchange does).
-  tcp_transport(device& backing, const bootstrap_settings& settings);
+  /// `backing`, a simulated device. Blocks until every rank joined, within settings.timeout;
+  /// throws collective_error naming the cause otherwise (as bootstrap_exchange does). Each
+  /// collective waits `collective_timeout` (default: settings.timeout) for the others.
+  tcp_transport(device& backing, const bootstrap_settings& settings,
+                std::optional<std::chrono::milliseconds> collective_timeout = std::nullopt);
   ~tcp_transport() override = default;
 
   [[nodiscard]] int rank() const override { return settings_.rank; }
@@ -61,6 +63,7 @@ class tcp_transport : public transport {
 
   device& device_;
   const bootstrap_settings settings_;
+  const std::chrono::milliseconds collective_timeout_;
   std::mutex mutex_;  // one collective at a time, in order
   std::uint64_t sequence_ = 0;
   std::optional<std::string> failed_;

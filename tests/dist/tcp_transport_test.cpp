@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -28,16 +29,22 @@ namespace {
 
 using namespace std::chrono_literals;
 
+/// A port nothing listens on now, below the kernel's range for outgoing connections
+/// (32768 and up), so that no test's client takes it before rank 0 listens there.
 int free_port() {
-  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  const bool bound = ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-                     ::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  ::close(probe);
-  return bound ? ntohs(address.sin_port) : 0;
+  static std::atomic<unsigned> seed{static_cast<unsigned>(::getpid()) * 7919u};
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = 20000 + static_cast<int>((seed += 2654435761u) % 12000u);
+    const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_ANY);
+    address.sin_port = htons(static_cast<std::uint16_t>(port));
+    const bool free = ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+    ::close(probe);
+    if (free) return port;
+  }
+  return 0;
 }
 
 class TcpTransportTest : public ::testing::TestWithParam<int> {
@@ -68,9 +75,9 @@ class TcpTransportTest : public ::testing::TestWithParam<int> {
         settings.rank = rank;
         settings.world_size = world_size;
         settings.port = port;
-        settings.timeout = timeout;
+        settings.timeout = 60s;  // joining: whatever the machine's load
         try {
-          tcp_transport transport(*device_, settings);
+          tcp_transport transport(*device_, settings, timeout);
           body(transport);
         } catch (const collective_error& failure) {
           errors[static_cast<std::size_t>(rank)] = failure.what();
@@ -175,13 +182,22 @@ TEST_P(TcpTransportTest, AnAbortEndsTheOtherRanksCollectivesWithItsCause) {
 TEST_P(TcpTransportTest, ARankThatNeverCallsIsNamedWithinTheTimeout) {
   const int world = GetParam();
   const auto started = std::chrono::steady_clock::now();
+  std::atomic<int> finished{0};
   const std::vector<std::string> errors = run(world, 1500ms, [&](tcp_transport& transport) {
-    if (transport.rank() == world - 1) {
-      std::this_thread::sleep_for(4s);  // joined, then stopped calling collectives
+    if (transport.rank() == world - 1) {  // joined, then stopped calling collectives
+      for (int waited = 0; waited < 600 && finished.load() < world - 1; ++waited) {
+        std::this_thread::sleep_for(50ms);
+      }
       return;
     }
     auto* buffer = allocate(4096);
-    transport.broadcast(buffer, 4096, 0, nullptr);
+    try {
+      transport.broadcast(buffer, 4096, 0, nullptr);
+    } catch (...) {
+      ++finished;
+      throw;
+    }
+    ++finished;
   });
   EXPECT_LT(std::chrono::steady_clock::now() - started, 30s);
   for (int rank = 0; rank + 1 < world; ++rank) {

@@ -4,6 +4,7 @@ process, as torchrun starts them; a job whose ranks disagree, or whose rank dies
 every rank with a message naming it."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -26,9 +27,9 @@ lib = zeroalloc.library()
 rank = int(os.environ["RANK"])
 agreement = {agreement}
 if {dies_after_join} and rank == 1:
-    lib.zeroalloc_group_join(agreement.encode(), 3000)
+    lib.zeroalloc_group_join(agreement.encode(), 30000)
     os._exit(0)  # gone after joining: the others' next collective says so
-if lib.zeroalloc_group_join(agreement.encode(), 3000) != 0:
+if lib.zeroalloc_group_join(agreement.encode(), 30000) != 0:
     print(f"rank {{rank}} join failed: {{zeroalloc._library.last_error()}}", flush=True)
     sys.exit(3)
 size = lib.zeroalloc_group_size()
@@ -52,9 +53,19 @@ print(f"rank {{rank}} of {{size}}: collectives right", flush=True)
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port below the kernel's range for outgoing connections (32768 and up), with the two
+    above it free too (the group's bootstrap and, on the simulated device, its collectives)."""
+    chooser = random.Random()
+    for _ in range(1000):
+        port = chooser.randrange(20000, 32000)
+        try:
+            for each in (port, port + 1, port + 2):
+                with socket.socket() as probe:
+                    probe.bind(("", each))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port between 20000 and 32000")
 
 
 def torchrun(tmp_path, ranks: int, agreement: str = '"ZEROALLOC_ZERO_STAGE=2"',
