@@ -7,7 +7,8 @@ import weakref
 
 import torch
 
-from zeroalloc import _stats
+from zeroalloc import _offload, _stats
+from zeroalloc.torch import _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
 
 #: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
@@ -18,7 +19,17 @@ adoptions = [0]
 def move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
     with _stats.allocation_class(name):
         moved = torch.empty_like(tensor)
-    moved.copy_(tensor)
+    if name != "optimizer_state" or not moved.is_cuda:
+        moved.copy_(tensor)
+        return moved
+    # An optimizer state may go to disk before any hint reached it (Note [States never used
+    # yet] in lib/tier/offload_engine.cpp): its first touch, this copy, is hinted too, so
+    # that it comes back first if it went in between.
+    _use_hints.hint(_offload.use_in_place_many, [moved], 0)
+    try:
+        moved.copy_(tensor)
+    finally:
+        _use_hints.hint(_offload.use_ends_many, [moved], 0)
     return moved
 
 
