@@ -347,10 +347,15 @@ TEST_F(OffloadEngineDiskTest, RandomMovesBetweenTheThreeTiersRacingWithKernelsKe
     try {
       while (!done.load()) {
         void* state = states[random() % kStates];
-        if (random() % 2 == 0) {
-          engine.evict(state, /*wait=*/random() % 4 == 0);
-        } else {
-          engine.fetch(state, /*wait=*/random() % 4 == 0);
+        try {
+          if (random() % 2 == 0) {
+            engine.evict(state, /*wait=*/random() % 4 == 0);
+          } else {
+            engine.fetch(state, /*wait=*/random() % 4 == 0);
+          }
+        } catch (const host_memory_exhausted&) {
+          // An explicit eviction may be refused while every host chunk is busy (moving, or
+          // in use): the caller is told, and nothing moves. Only the bytes matter here.
         }
       }
     } catch (const std::exception& failure) {
