@@ -63,22 +63,15 @@ std::string serve(const bootstrap_settings& settings, const std::function<std::s
   while (joined < settings.world_size) {
     socket_fd peer = accept_until(listening.get(), deadline);
     if (!peer.valid()) break;
-    // A connection that says nothing (not one of ours) must not hold up the ranks behind it.
-    const auto hello_by = std::min(deadline, clock_type::now() + std::chrono::seconds(5));
-    char magic[sizeof kMagic] = {};
-    const bool greeted = receive_all(peer.get(), magic, sizeof magic, hello_by) &&
-                         std::memcmp(magic, kMagic, sizeof kMagic) == 0;
-    const std::optional<std::uint32_t> rank =
-        greeted ? receive_u32(peer.get(), hello_by) : std::nullopt;
-    const std::optional<std::uint32_t> world =
-        rank ? receive_u32(peer.get(), hello_by) : std::nullopt;
+    const std::optional<hello> greeting = receive_hello(peer.get(), kMagic, deadline);
     const std::optional<std::string> agreement =
-        world ? receive_string(peer.get(), hello_by) : std::nullopt;
+        greeting ? receive_string(peer.get(), greeting->by) : std::nullopt;
     if (!agreement) continue;  // not one of ours, or gone: it does not count
-    const int who = static_cast<int>(*rank);
+    const std::uint32_t world = greeting->world_size;
+    const int who = static_cast<int>(greeting->rank);
     if (failure.empty()) {
-      if (static_cast<int>(*world) != settings.world_size) {
-        failure = "rank " + std::to_string(who) + " says the world has " + std::to_string(*world) +
+      if (static_cast<int>(world) != settings.world_size) {
+        failure = "rank " + std::to_string(who) + " says the world has " + std::to_string(world) +
                   " ranks, rank 0 says " + std::to_string(settings.world_size) +
                   " (WORLD_SIZE differs between ranks)";
       } else if (who <= 0 || who >= settings.world_size) {
@@ -136,11 +129,8 @@ socket_fd connect_to_rank0(const bootstrap_settings& settings, clock_type::time_
 std::string join(const bootstrap_settings& settings) {
   const auto deadline = clock_type::now() + settings.timeout;
   const socket_fd peer = connect_to_rank0(settings, deadline);
-  const bool said =
-      send_all(peer.get(), kMagic, sizeof kMagic, deadline) &&
-      send_u32(peer.get(), static_cast<std::uint32_t>(settings.rank), deadline) &&
-      send_u32(peer.get(), static_cast<std::uint32_t>(settings.world_size), deadline) &&
-      send_string(peer.get(), settings.agreement, deadline);
+  const bool said = send_hello(peer.get(), kMagic, settings.rank, settings.world_size, deadline) &&
+                    send_string(peer.get(), settings.agreement, deadline);
   // Rank 0 answers once every rank came, up to its own timeout, which starts when it
   // arrives: later than ours, when it came last.
   const auto answer_by = deadline + settings.timeout + std::chrono::seconds(10);

@@ -140,6 +140,28 @@ std::optional<std::string> receive_string(int fd, clock_type::time_point deadlin
   return text;
 }
 
+bool send_hello(int fd, const char* magic, int rank, int world_size,
+                clock_type::time_point deadline) {
+  return send_all(fd, magic, 4, deadline) &&
+         send_u32(fd, static_cast<std::uint32_t>(rank), deadline) &&
+         send_u32(fd, static_cast<std::uint32_t>(world_size), deadline);
+}
+
+std::optional<hello> receive_hello(int fd, const char* magic, clock_type::time_point deadline) {
+  hello said;
+  said.by = std::min(deadline, clock_type::now() + std::chrono::seconds(5));
+  char got[4] = {};
+  if (!receive_all(fd, got, sizeof got, said.by) || std::memcmp(got, magic, sizeof got) != 0) {
+    return std::nullopt;
+  }
+  const std::optional<std::uint32_t> rank = receive_u32(fd, said.by);
+  const std::optional<std::uint32_t> world = rank ? receive_u32(fd, said.by) : std::nullopt;
+  if (!world) return std::nullopt;
+  said.rank = *rank;
+  said.world_size = *world;
+  return said;
+}
+
 socket_fd listen_on(int port, int backlog, std::string& error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

@@ -43,6 +43,19 @@ bool send_string(int fd, const std::string& text, clock_type::time_point deadlin
 std::optional<std::string> receive_string(int fd, clock_type::time_point deadline,
                                           std::uint64_t longest = 1u << 20);
 
+/// A rank's greeting: `magic` (4 bytes, one per protocol), its rank and the world size.
+bool send_hello(int fd, const char* magic, int rank, int world_size,
+                clock_type::time_point deadline);
+struct hello {
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 0;
+  clock_type::time_point by;  ///< the greeting's deadline: what follows it is read by then
+};
+/// A greeting with `magic`, read within 5 s and the deadline: a connection that says
+/// nothing (not one of ours) must not hold up the ranks behind it. Nothing when it is not
+/// one, or came too late.
+std::optional<hello> receive_hello(int fd, const char* magic, clock_type::time_point deadline);
+
 /// A socket listening on `port` of every interface; on failure, an invalid one and the
 /// reason in `error`.
 socket_fd listen_on(int port, int backlog, std::string& error);

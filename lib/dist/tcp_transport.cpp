@@ -63,9 +63,7 @@ tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings
                " within ", settings.timeout.count(), " ms (", error, ")");
     }
     const int fd = to_rank0_.get();
-    const bool said = send_all(fd, kMagic, sizeof kMagic, deadline) &&
-                      send_u32(fd, static_cast<std::uint32_t>(settings.rank), deadline) &&
-                      send_u32(fd, static_cast<std::uint32_t>(settings.world_size), deadline);
+    const bool said = send_hello(fd, kMagic, settings.rank, settings.world_size, deadline);
     const auto answer_by = deadline + std::chrono::seconds(10);
     const std::optional<std::uint32_t> status = said ? receive_u32(fd, answer_by) : std::nullopt;
     const std::optional<std::string> message =
@@ -88,21 +86,15 @@ tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings
   while (joined < settings.world_size) {
     socket_fd peer = accept_until(listening.get(), deadline);
     if (!peer.valid()) break;
-    // A connection that says nothing (not one of ours) must not hold up the ranks behind it.
-    const auto hello_by = std::min(deadline, clock_type::now() + std::chrono::seconds(5));
-    char magic[sizeof kMagic] = {};
-    const bool greeted = receive_all(peer.get(), magic, sizeof magic, hello_by) &&
-                         std::memcmp(magic, kMagic, sizeof kMagic) == 0;
-    const std::optional<std::uint32_t> rank =
-        greeted ? receive_u32(peer.get(), hello_by) : std::nullopt;
-    const std::optional<std::uint32_t> world =
-        rank ? receive_u32(peer.get(), hello_by) : std::nullopt;
-    if (!world) continue;
-    const auto who = static_cast<std::size_t>(*rank);
-    if (static_cast<int>(*world) != settings.world_size || who == 0 || who >= to_rank_.size() ||
+    const std::optional<hello> greeting = receive_hello(peer.get(), kMagic, deadline);
+    if (!greeting) continue;
+    const std::uint32_t rank = greeting->rank;
+    const std::uint32_t world = greeting->world_size;
+    const auto who = static_cast<std::size_t>(rank);
+    if (static_cast<int>(world) != settings.world_size || who == 0 || who >= to_rank_.size() ||
         to_rank_[who].valid()) {
       if (failure.empty()) {
-        failure = "rank " + std::to_string(*rank) + " of " + std::to_string(*world) +
+        failure = "rank " + std::to_string(rank) + " of " + std::to_string(world) +
                   " cannot join a group of " + std::to_string(settings.world_size) +
                   " (a rank out of range, twice, or another WORLD_SIZE)";
       }

@@ -23,29 +23,14 @@
 #include "core/units.hpp"
 #include "device/sim_device.hpp"
 #include "dist/reduction.hpp"
+#include "support/ports.hpp"
 
 namespace zeroalloc {
 namespace {
 
 using namespace std::chrono_literals;
 
-/// A port nothing listens on now, below the kernel's range for outgoing connections
-/// (32768 and up), so that no test's client takes it before rank 0 listens there.
-int free_port() {
-  static std::atomic<unsigned> seed{static_cast<unsigned>(::getpid()) * 7919u};
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    const int port = 20000 + static_cast<int>((seed += 2654435761u) % 12000u);
-    const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_ANY);
-    address.sin_port = htons(static_cast<std::uint16_t>(port));
-    const bool free = ::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
-    ::close(probe);
-    if (free) return port;
-  }
-  return 0;
-}
+using testing::free_port;
 
 class TcpTransportTest : public ::testing::TestWithParam<int> {
  protected:
