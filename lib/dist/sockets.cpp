@@ -30,9 +30,10 @@ socket_fd& socket_fd::operator=(socket_fd&& other) noexcept {
 
 namespace {
 
+// Rounded up: poll() must not return before the deadline (a wait cut short by the rounding
+// would read as a closed connection to callers that compare the time with the deadline).
 int remaining_ms(clock_type::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock_type::now());
   return static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 1 << 30));
 }
 
@@ -73,8 +74,8 @@ bool wait_ready(int fd, short events, clock_type::time_point deadline) {
     pollfd waited{fd, events, 0};
     const int ready = ::poll(&waited, 1, remaining_ms(deadline));
     if (ready > 0) return true;
-    if (ready == 0) return false;
-    if (errno != EINTR) return false;
+    if (ready == 0 && clock_type::now() >= deadline) return false;
+    if (ready < 0 && errno != EINTR) return false;
   }
 }
 
