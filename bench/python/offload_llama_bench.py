@@ -87,7 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
-    parser.add_argument("--keep-under-pressure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
                         "copied into their own allocation class once a step); 0,1 runs the "
@@ -513,8 +512,6 @@ def worker(args) -> int:
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
-        if args.keep_under_pressure:  # Note [Keeping under pressure], for comparison
-            optimizer._zeroalloc_stepper.keep_under_pressure = True
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -914,8 +911,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command += ["--gradient-class", gradient_class]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
-                for flag in ("checkpointing", "no_autocast_cache", "keep_under_pressure")
-                if getattr(args, flag)]
+                for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)

@@ -666,37 +666,6 @@ def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monk
         assert torch.equal(value, state) and value.device.type == "cpu"
 
 
-def test_no_window_is_kept_after_a_step_whose_forward_and_backward_had_to_evict(
-        engine, monkeypatch):
-    """Note [Keeping under pressure]: the engine's evictions between two steps (the forward
-    and backward were short of device memory) stop the next step from keeping windows in
-    scratch; steps with none between them keep, as before, and numbers stay plain
-    training's."""
-    evictions = [0]
-    monkeypatch.setattr(_stats, "raw_stats", lambda device=0: {
-        "limit_bytes": 1 << 40, "offload": {"evictions": evictions[0]}})
-    plain, plain_optimizer = build()
-    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
-    stepper = optimizer._zeroalloc_stepper
-    kept_after = []
-    for number, (inputs, labels) in enumerate(data(8)):
-        if number in (4, 5):
-            evictions[0] += 3  # evicted during this step's forward and backward
-        train(plain, plain_optimizer, inputs, labels)
-        train(model, optimizer, inputs, labels)
-        kept_after.append(len(stepper.kept))
-        same(plain, plain_optimizer, model, optimizer)
-    assert all(kept_after[n] > 0 for n in (2, 3, 6, 7)), kept_after
-    assert kept_after[4] == kept_after[5] == 0, kept_after
-    assert zt.step_figures(optimizer)["not_kept_under_pressure"] == 2
-    # The comparison's switch keeps them whatever happened.
-    stepper.keep_under_pressure = True
-    evictions[0] += 3
-    inputs, labels = data(1)[0]
-    train(model, optimizer, inputs, labels)
-    assert stepper.kept
-
-
 def test_a_new_optimizer_state_is_written_into_its_class_under_a_hint(monkeypatch):
     """Note [States never used yet]: a state may go to disk before any hint reached it, so
     even its first write (the copy into the optimizer-state class) is hinted, in place, and

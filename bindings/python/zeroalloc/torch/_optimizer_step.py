@@ -88,13 +88,6 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     step, load_state_dict and OffloadHandle.remove() write them
     back first. Staged and kept states stay pinned (use_in_place) until their copies end,
     also across the step boundary.
-    Note [Keeping under pressure]: no window is kept when the engine evicted anything
-    between the last step's end and this step (the forward and backward were short of
-    device memory): the kept scratch would hold memory the next forward needs, and can make
-    it evict parameters that then come back (at 18 GiB on the 1.3B bench every weight left
-    and came back about twice a step, bench/RESULTS.md). What this saves has not been
-    measured yet: offload_llama_bench.py's --keep-under-pressure keeps the windows as
-    before, for the comparison.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
@@ -200,15 +193,9 @@ class WindowedStep:
         self.next_window = None  # WindowPlaces of the next window to stage
         self.kept: list = []  # entries whose states stay in scratch after the step
         self.written = None  # event: the kept states' write-back is done
-        # Note [Keeping under pressure]: the engine's evictions when the last step ended
-        # (None: not known), and whether windows stay in scratch even when the forward and
-        # backward since had to evict (benchmarks compare both).
-        self.evictions_at_step_end = None
-        self.keep_under_pressure = False
         self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
                         "kept_bytes": 0, "written_back_during_forward": 0,
-                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0,
-                        "not_kept_under_pressure": 0}
+                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
         if overlap_bytes > 0:
             listeners.overlapping.add(self)
 
@@ -576,18 +563,8 @@ class WindowedStep:
         first, total = len(found), 0
         if self.overlap_bytes <= 0:
             return first
-        stats = _stats.raw_stats(found[0][0].device.index)
-        self.limit_bytes = stats["limit_bytes"]
+        self.limit_bytes = _stats.raw_stats(found[0][0].device.index)["limit_bytes"]
         if not self.hinted:
-            return first
-        # Note [Keeping under pressure]: windows kept in scratch hold device memory into the
-        # next forward; where the forward and backward since the last step had to evict
-        # (parameters, mostly), that memory cost more moves than keeping saves (one copy of
-        # the kept states each way).
-        evictions = (stats.get("offload") or {}).get("evictions", 0)
-        if (not self.keep_under_pressure and self.evictions_at_step_end is not None
-                and evictions > self.evictions_at_step_end):
-            self.figures["not_kept_under_pressure"] += 1
             return first
         budget = self.budget()
         while first > 0 and len(found) - first < max(3, len(staged) + 2):
@@ -822,9 +799,6 @@ class WindowedStep:
         """What the next step and the staging before it learn from this step (Note
         [Overlapping the step])."""
         self.figures["steps"] += 1
-        if run.windows and self.overlap_bytes > 0:  # Note [Keeping under pressure]
-            offload = _stats.raw_stats(run.windows[0][0].device.index).get("offload") or {}
-            self.evictions_at_step_end = offload.get("evictions")
         self.members = {id(p) for params in run.saved for p in params}
         self.plan = run.windows
         self.plan_bytes = self.slot_bytes
