@@ -342,6 +342,7 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
       {"prefetch_hits", uses.hits},
       {"prefetch_hit_rate", hit_rate},
       {"prefetches", uses.prefetches},
+      {"disk_prefetches", uses.disk_prefetches},
       {"evictions", uses.evictions},
       {"pressure_evictions", uses.pressure_evictions},
       {"device_waited_ns", uses.device_waited_ns},

@@ -298,6 +298,74 @@ void offload_engine::open_use(const chunk_info& chunk) {
   state.hinted = true;
 }
 
+bool offload_engine::open_and_record(const std::vector<chunk_info>& chunks, bool in_place) {
+  ++tick_;
+  for (const chunk_info& chunk : chunks) {
+    // Note [Every use in the order]: a use that opens on a chunk with none open is a
+    // position of the order, not only the chunk's first use of the step.
+    auto known = chunks_.find(chunk.address);
+    const bool reopened = known == chunks_.end() || known->second.open_uses == 0;
+    open_use(chunk);
+    if ((recorded_.insert(chunk.address).second || reopened) &&
+        recording_.size() < kMostRecordedUses) {
+      recording_.push_back(chunk.address);
+      recording_in_place_.push_back(in_place);
+    }
+    // A use nested in an open one recorded no position, so it moves no cursor either: it
+    // would jump to the chunk's next recorded use (its backward, say) and stay there.
+    if (auto found = positions_.find(chunk.address); reopened && found != positions_.end()) {
+      for (std::size_t position : found->second) {
+        if (position >= cursor_) {
+          cursor_ = position;
+          break;
+        }
+      }
+    }
+  }
+  list_wishes();
+  return !wishes_.empty();
+}
+
+void offload_engine::list_wishes() {
+  // What the learned order says comes next, nearest first: device fetches up to the
+  // prefetch distance, and (Note [In-place uses in the order]) reads from disk up to as
+  // many bytes again, which take host memory, not device memory. The reads are looked for
+  // only while something is on disk.
+  wishes_.clear();
+  const bool reads = migrator_.has_disk() && migrator_.figures().disk_resident_bytes > 0;
+  std::uint64_t ahead = 0;
+  std::uint64_t read_ahead = 0;
+  std::vector<std::uintptr_t> seen;  // a chunk used twice in the window counts once
+  for (std::size_t position = cursor_ + 1; position < learned_order_.size(); ++position) {
+    const bool fetching = ahead < settings_.prefetch_bytes;
+    if (!fetching && !(reads && read_ahead < settings_.prefetch_bytes)) break;
+    if (!fetching) {  // only reads are left to list: on to the next in-place position
+      position = next_in_place_[position];
+      if (position >= learned_order_.size()) break;
+    }
+    const std::uintptr_t next = learned_order_[position];
+    const bool in_place = learned_in_place_[position];
+    if (fetching && !in_place) window_positions_ = position - cursor_;
+    if (std::find(seen.begin(), seen.end(), next) != seen.end()) continue;
+    seen.push_back(next);
+    auto state = chunks_.find(next);
+    const std::uint64_t bytes = state != chunks_.end() ? state->second.bytes : 0;
+    const residency where = migrator_.where(next);
+    const bool on_disk = where == residency::disk || where == residency::moving_to_disk;
+    if (in_place) {
+      if (!reads) continue;
+      read_ahead += bytes;
+      if (on_disk) wishes_.push_back({next, /*in_place=*/true});
+      continue;
+    }
+    if (!fetching) continue;
+    ahead += bytes;
+    if (where == residency::host || where == residency::moving_to_host || on_disk) {
+      wishes_.push_back({next, /*in_place=*/false});
+    }
+  }
+}
+
 void offload_engine::use_begins(std::span<const void* const> pointers, stream_handle stream) {
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
@@ -319,52 +387,8 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   bool wished = false;
   {
     std::lock_guard lock(mutex_);
-    ++tick_;
-    for (const chunk_info& chunk : chunks) {
-      // Note [Every use in the order]: a use that opens on a chunk with none open is a
-      // position of the order, not only the chunk's first use of the step.
-      auto known = chunks_.find(chunk.address);
-      const bool reopened = known == chunks_.end() || known->second.open_uses == 0;
-      open_use(chunk);
-      if ((recorded_.insert(chunk.address).second || reopened) &&
-          recording_.size() < kMostRecordedUses) {
-        recording_.push_back(chunk.address);
-      }
-      // A use nested in an open one recorded no position, so it moves no cursor either: it
-      // would jump to the chunk's next recorded use (its backward, say) and stay there.
-      if (auto found = positions_.find(chunk.address); reopened && found != positions_.end()) {
-        for (std::size_t position : found->second) {
-          if (position >= cursor_) {
-            cursor_ = position;
-            break;
-          }
-        }
-      }
-    }
+    wished = open_and_record(chunks, /*in_place=*/false);
     figures_.uses += chunks.size();
-    // What the learned order says comes next, nearest first, up to the prefetch distance.
-    wishes_.clear();
-    std::uint64_t ahead = 0;
-    for (std::size_t position = cursor_ + 1;
-         position < learned_order_.size() && ahead < settings_.prefetch_bytes; ++position) {
-      const std::uintptr_t next = learned_order_[position];
-      window_positions_ = position - cursor_;
-      // A chunk used twice in the window (a layer's forward and backward in a short model)
-      // counts once.
-      if (std::find(learned_order_.begin() + static_cast<std::ptrdiff_t>(cursor_) + 1,
-                    learned_order_.begin() + static_cast<std::ptrdiff_t>(position),
-                    next) != learned_order_.begin() + static_cast<std::ptrdiff_t>(position)) {
-        continue;
-      }
-      auto state = chunks_.find(next);
-      ahead += state != chunks_.end() ? state->second.bytes : 0;
-      const residency where = migrator_.where(next);
-      if (where == residency::host || where == residency::moving_to_host ||
-          where == residency::disk || where == residency::moving_to_disk) {
-        wishes_.push_back(next);
-      }
-    }
-    wished = !wishes_.empty();
   }
   // Woken only with work: a wake per hint (hundreds a step) costs the hinting thread a
   // context switch and the engine lock's contention, with every chunk already resident.
@@ -424,12 +448,14 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
   static_cast<void>(stream);  // the use's end (use_ends) carries the fence
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
+  bool wished = false;
   {
     std::lock_guard lock(mutex_);
-    ++tick_;
-    for (const chunk_info& chunk : chunks) open_use(chunk);  // no eviction or prefetch picks it
+    // Open: no eviction or prefetch picks them (Note [In-place uses in the order]).
+    wished = open_and_record(chunks, /*in_place=*/true);
     figures_.in_place_uses += chunks.size();
   }
+  if (wished) wishes_changed_.notify_all();
   // A move started before the hint must land before the caller queues work on the chunk;
   // one failing does not leave the others unsettled (the first failure is reported after).
   std::exception_ptr first_failure;
@@ -577,7 +603,13 @@ std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
 void offload_engine::step_boundary() {
   std::lock_guard lock(mutex_);
   learned_order_ = std::move(recording_);
+  learned_in_place_ = std::move(recording_in_place_);
   recording_.clear();
+  recording_in_place_.clear();
+  next_in_place_.assign(learned_order_.size() + 1, learned_order_.size());
+  for (std::size_t i = learned_order_.size(); i-- > 0;) {
+    next_in_place_[i] = learned_in_place_[i] ? i : next_in_place_[i + 1];
+  }
   recorded_.clear();
   positions_.clear();
   for (std::size_t i = 0; i < learned_order_.size(); ++i) {
@@ -677,22 +709,25 @@ void offload_engine::prefetch_worker() {
   while (true) {
     wishes_changed_.wait(lock, [&] { return stopping_ || !wishes_.empty(); });
     if (stopping_) return;
-    const std::uintptr_t next = wishes_.front();
+    const wish next = wishes_.front();
     wishes_.pop_front();
-    auto state = chunks_.find(next);
+    auto state = chunks_.find(next.address);
     const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
     lock.unlock();
     bool started = false;
     try {
-      if (bytes != 0) {
-        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+      if (bytes != 0 && next.in_place) {
+        started = off_disk_ahead(next.address, bytes);
+      } else if (bytes != 0) {
+        bring_back(next.address, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
                    /*callers_uses=*/0, &started);
       }
     } catch (const std::exception& failure) {
-      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
+      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next.address,
+                 failure.what());
     }
     lock.lock();
-    if (started) ++figures_.prefetches;
+    if (started) ++(next.in_place ? figures_.disk_prefetches : figures_.prefetches);
   }
 }
 
@@ -705,7 +740,8 @@ void offload_engine::prefetch_worker() {
 // nothing on disk). So an optimizer-state chunk that no hint has reached yet may go to
 // disk too: the class's contract (include/zeroalloc/zeroalloc.h) is that every use of it is hinted,
 // so its next use brings it back first.
-std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep) {
+std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep,
+                                             std::uint64_t farther_than) {
   if (!migrator_.has_disk()) return 0;
   std::vector<std::uintptr_t> claimed;
   std::vector<std::vector<event_handle>> fences;  // each claimed chunk's use-ends
@@ -731,7 +767,9 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
       if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
         continue;
       }
-      candidates.push_back({each.address, each.bytes, next_use_distance(each.address)});
+      const std::uint64_t distance = next_use_distance(each.address);
+      if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
+      candidates.push_back({each.address, each.bytes, distance});
     }
     std::sort(candidates.begin(), candidates.end(),
               [](const candidate& a, const candidate& b) { return a.distance > b.distance; });
@@ -783,6 +821,25 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
                attempt + 1, " tries (ZEROALLOC_HOST_LIMIT)");
     }
   }
+}
+
+bool offload_engine::off_disk_ahead(std::uintptr_t address, std::size_t bytes) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (migrator_.where(address) != residency::disk) return false;  // moving, or not there
+    try {
+      return migrator_.restore(address);
+    } catch (const host_memory_exhausted&) {
+      std::uint64_t distance = 0;
+      {
+        std::lock_guard lock(mutex_);
+        distance = next_use_distance(address);
+      }
+      // Room only from chunks needed later (Note [In-place uses in the order]); none: the
+      // use reads it when it comes.
+      if (distance == 0 || make_host_room(bytes, address, distance) == 0) return false;
+    }
+  }
+  return false;
 }
 
 std::uint64_t offload_engine::relieve_pressure(std::size_t bytes_needed) {

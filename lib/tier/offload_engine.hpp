@@ -20,9 +20,21 @@
 // (optimizer states), is cheapest where it already is: a host-resident chunk is reached over
 // PCIe, or copied to device scratch and back by the caller, with no remap (a 64 MiB
 // host-located map costs about 0.5 ms, 15 times a device one). Such uses are hinted with
-// use_in_place: they pin the chunks where they are for the use, and are kept out of the
-// learned order, so the prefetcher never brings them back; pressure moves them to the host,
-// where they stay. bench/python/optimizer_step_bench.py measures the choice (RESULTS.md).
+// use_in_place: they pin the chunks where they are for the use, and the prefetcher never
+// brings them back to the device; pressure moves them to the host, where they stay.
+// bench/python/optimizer_step_bench.py measures the choice (RESULTS.md). They are positions
+// of the learned order all the same (Note [In-place uses in the order]).
+//
+// Note [In-place uses in the order]: the windowed step's uses of host-resident states are
+// positions of the learned order, marked in place. Two things need them there. Which host
+// chunk goes to disk for room (farthest next use first) means nothing without them: every
+// state's next use read "never", the chunk sent to disk was an arbitrary one, often one the
+// same step needed next, and a 16B model read 3.5 times its disk-resident bytes a step
+// (bench/RESULTS.md). And the prefetcher reads from disk the states the next windows use
+// while the present one is stepped, making host room from chunks needed later than they
+// are (never sooner: a read ahead that evicts a nearer chunk only moves the wait). An
+// in-place position is never fetched to the device and never counts against the prefetch
+// distance, which is device memory.
 //
 // Note [Every use in the order]: the learned order holds every use of a chunk in the step,
 // not only its first: a layer's parameters are used in the forward and again in the
@@ -97,6 +109,7 @@ struct offload_figures {
                                        ///<     another use open on it)
   std::uint64_t device_waited_ns = 0;  ///< time streams waited for fetched bytes
   std::uint64_t prefetches = 0;        ///< fetches started ahead of need
+  std::uint64_t disk_prefetches = 0;   ///< chunks read from disk ahead of their in-place use
   std::uint64_t evictions = 0;         ///< evictions the policy chose
   std::uint64_t pressure_evictions = 0;    ///< ... on the allocation-failure path
   std::uint64_t waited_ns = 0;             ///< time use-begins hints (the host) waited for room
@@ -130,7 +143,8 @@ class offload_engine : public paging_listener {
   void use_begins(const void* pointer, stream_handle stream) { use_begins({&pointer, 1}, stream); }
   /// The allocation at `pointer` is about to be used on `stream` where it is, on the device
   /// or on the host (Note [Used in place]): on return none of its chunks is moving, and none
-  /// moves until use_ends. Not fetched, not part of the learned order.
+  /// moves until use_ends. Never fetched to the device; a chunk on disk comes to the host
+  /// (Note [In-place uses in the order]).
   void use_in_place(std::span<const void* const> pointers, stream_handle stream);
   void use_in_place(const void* pointer, stream_handle stream) {
     use_in_place({&pointer, 1}, stream);
@@ -203,6 +217,13 @@ class offload_engine : public paging_listener {
   std::vector<chunk_info> chunks_of(std::span<const void* const> pointers) const;
   /// Opens a use of the chunk at the current tick. Caller holds mutex_.
   void open_use(const chunk_info& chunk);
+  /// Opens a use of each chunk, records the positions of the order (Note [Every use in the
+  /// order]) and moves the cursor; then lists what the prefetcher should bring next. True
+  /// when it listed something. Caller holds mutex_.
+  bool open_and_record(const std::vector<chunk_info>& chunks, bool in_place);
+  /// The wishes from the cursor on (Note [Prefetch], Note [In-place uses in the order]).
+  /// Caller holds mutex_.
+  void list_wishes();
   /// Steps from the cursor to the chunk's next use in the learned order (larger: later);
   /// chunks not in the order come last. Caller holds mutex_.
   std::uint64_t next_use_distance(std::uintptr_t address) const;
@@ -261,7 +282,14 @@ class offload_engine : public paging_listener {
   /// farthest next use first (never `keep`), to the disk until `bytes` of host memory are
   /// free; returns how many chunks went (0: none could, or there is no disk tier). Caller
   /// does not hold mutex_.
-  std::uint64_t make_host_room(std::size_t bytes, std::uintptr_t keep);
+  /// `farther_than`: only chunks whose next use is farther than that many positions (a
+  /// read ahead of need); 0: any.
+  std::uint64_t make_host_room(std::size_t bytes, std::uintptr_t keep,
+                               std::uint64_t farther_than = 0);
+  /// The prefetcher's read of an in-place chunk from disk ahead of its use, making host
+  /// room only from chunks needed later than it is. True when it came to the host. Caller
+  /// does not hold mutex_.
+  bool off_disk_ahead(std::uintptr_t address, std::size_t bytes);
   /// Brings the chunk at `address` back from the disk to the host, making room there when
   /// needed; does nothing for a chunk that is not on the disk. Caller does not hold mutex_.
   void off_disk(std::uintptr_t address, std::size_t bytes);
@@ -283,13 +311,20 @@ class offload_engine : public paging_listener {
   std::condition_variable wishes_changed_;
   std::unordered_map<std::uintptr_t, chunk_state> chunks_;
   std::vector<std::uintptr_t> recording_;  // this step's uses (Note [Every use in the order])
+  std::vector<bool> recording_in_place_;   // per use: in place (Note [In-place uses in the order])
   std::unordered_set<std::uintptr_t> recorded_;
   std::vector<std::uintptr_t> learned_order_;
+  std::vector<bool> learned_in_place_;      // per position of learned_order_
+  std::vector<std::size_t> next_in_place_;  // per position: the first in-place one from it on
   std::unordered_map<std::uintptr_t, std::vector<std::size_t>> positions_;  // in learned_order_
   std::size_t cursor_ = 0;
   std::size_t window_positions_ = 0;  // how many positions past the cursor the window spans
   std::uint64_t tick_ = 0;
-  std::deque<std::uintptr_t> wishes_;  // chunks to prefetch, nearest first
+  struct wish {
+    std::uintptr_t address;
+    bool in_place;  // only off the disk, to the host (Note [In-place uses in the order])
+  };
+  std::deque<wish> wishes_;  // chunks to prefetch, nearest first
   offload_figures figures_;
   // Per thread (each allocation's failure is its own): set by relieve_pressure when the
   // host tier was full, cleared when it moved something.
