@@ -159,17 +159,23 @@ std::vector<chunk_info> offload_engine::chunks_of(std::span<const void* const> p
   return chunks;
 }
 
-std::uint64_t offload_engine::next_use_distance(std::uintptr_t address) const {
+std::uint64_t offload_engine::next_use_distance(std::uintptr_t address, bool on_device) const {
   auto found = positions_.find(address);
   if (found == positions_.end() || found->second.empty()) return kNeverUsed;
   auto state = chunks_.find(address);
   const bool in_use = state != chunks_.end() && state->second.open_uses > 0;
+  // A use in place needs the chunk off the disk, not on the device (Note [In-place uses
+  // in the order]).
+  auto counts = [&](std::size_t position) { return !on_device || !learned_in_place_[position]; };
   for (std::size_t position : found->second) {
-    if (position > cursor_ || (position == cursor_ && in_use)) {
+    if ((position > cursor_ || (position == cursor_ && in_use)) && counts(position)) {
       return position - cursor_;  // 0: the use in progress
     }
   }
-  return found->second.front() + learned_order_.size() - cursor_;  // in the next step
+  for (std::size_t position : found->second) {
+    if (counts(position)) return position + learned_order_.size() - cursor_;  // next step
+  }
+  return kNeverUsed;
 }
 
 // Note [Idle memory of any class]: memory of class other (activations, and whatever a
@@ -767,7 +773,7 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
       if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
         continue;
       }
-      const std::uint64_t distance = next_use_distance(each.address);
+      const std::uint64_t distance = next_use_distance(each.address, /*on_device=*/false);
       if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
       candidates.push_back({each.address, each.bytes, distance});
     }
@@ -832,7 +838,7 @@ bool offload_engine::off_disk_ahead(std::uintptr_t address, std::size_t bytes) {
       std::uint64_t distance = 0;
       {
         std::lock_guard lock(mutex_);
-        distance = next_use_distance(address);
+        distance = next_use_distance(address, /*on_device=*/false);
       }
       // Room only from chunks needed later (Note [In-place uses in the order]); none: the
       // use reads it when it comes.

@@ -34,7 +34,9 @@
 // while the present one is stepped, making host room from chunks needed later than they
 // are (never sooner: a read ahead that evicts a nearer chunk only moves the wait). An
 // in-place position is never fetched to the device and never counts against the prefetch
-// distance, which is device memory.
+// distance, which is device memory; and for the device's evictions and fetches a chunk's
+// next use is its next use that needs it on the device, in-place ones left out (as before
+// they were in the order).
 //
 // Note [Every use in the order]: the learned order holds every use of a chunk in the step,
 // not only its first: a layer's parameters are used in the forward and again in the
@@ -225,8 +227,10 @@ class offload_engine : public paging_listener {
   /// Caller holds mutex_.
   void list_wishes();
   /// Steps from the cursor to the chunk's next use in the learned order (larger: later);
-  /// chunks not in the order come last. Caller holds mutex_.
-  std::uint64_t next_use_distance(std::uintptr_t address) const;
+  /// chunks not in the order come last. `on_device`: the next use that needs the chunk on
+  /// the device, uses in place left out (device evictions and fetches); else any use (what
+  /// goes to disk). Caller holds mutex_.
+  std::uint64_t next_use_distance(std::uintptr_t address, bool on_device = true) const;
   /// Picks idle device-resident chunks to evict, farthest next use first, until `bytes`;
   /// never one whose next use comes sooner than `sooner_than`. With `only_released`, only
   /// chunks whose last use has already run on the device (Note [Two timelines]).
