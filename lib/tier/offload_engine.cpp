@@ -12,13 +12,9 @@
 
 namespace zeroalloc {
 
-// Note [Every use in the order]: a program that hints without step boundaries (inference
-// under hints) would grow the recording without end; past this many uses it stops
-// recording until the next boundary.
-constexpr std::size_t kMostRecordedUses = std::size_t(1) << 20;
 namespace {
 
-constexpr std::uint64_t kNeverUsed = std::numeric_limits<std::uint64_t>::max();
+constexpr std::uint64_t kNeverUsed = use_order::kNever;
 
 std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
   return static_cast<std::uint64_t>(
@@ -160,22 +156,9 @@ std::vector<chunk_info> offload_engine::chunks_of(std::span<const void* const> p
 }
 
 std::uint64_t offload_engine::next_use_distance(std::uintptr_t address, bool on_device) const {
-  auto found = positions_.find(address);
-  if (found == positions_.end() || found->second.empty()) return kNeverUsed;
   auto state = chunks_.find(address);
   const bool in_use = state != chunks_.end() && state->second.open_uses > 0;
-  // A use in place needs the chunk off the disk, not on the device (Note [In-place uses
-  // in the order]).
-  auto counts = [&](std::size_t position) { return !on_device || !learned_in_place_[position]; };
-  for (std::size_t position : found->second) {
-    if ((position > cursor_ || (position == cursor_ && in_use)) && counts(position)) {
-      return position - cursor_;  // 0: the use in progress
-    }
-  }
-  for (std::size_t position : found->second) {
-    if (counts(position)) return position + learned_order_.size() - cursor_;  // next step
-  }
-  return kNeverUsed;
+  return (on_device ? device_order_ : every_use_).distance(address, in_use);
 }
 
 // Note [Idle memory of any class]: memory of class other (activations, and whatever a
@@ -312,62 +295,50 @@ bool offload_engine::open_and_record(const std::vector<chunk_info>& chunks, bool
     auto known = chunks_.find(chunk.address);
     const bool reopened = known == chunks_.end() || known->second.open_uses == 0;
     open_use(chunk);
-    if ((recorded_.insert(chunk.address).second || reopened) &&
-        recording_.size() < kMostRecordedUses) {
-      recording_.push_back(chunk.address);
-      recording_in_place_.push_back(in_place);
-    }
-    // A use nested in an open one recorded no position, so it moves no cursor either: it
-    // would jump to the chunk's next recorded use (its backward, say) and stay there.
-    if (auto found = positions_.find(chunk.address); reopened && found != positions_.end()) {
-      for (std::size_t position : found->second) {
-        if (position >= cursor_) {
-          cursor_ = position;
-          break;
-        }
-      }
-    }
+    if (!in_place) device_order_.record(chunk.address, reopened);
+    every_use_.record(chunk.address, reopened, /*marked=*/in_place);
   }
-  list_wishes();
+  list_wishes(/*device=*/!in_place);
   return !wishes_.empty();
 }
 
-void offload_engine::list_wishes() {
-  // What the learned order says comes next, nearest first: device fetches up to the
-  // prefetch distance, and (Note [In-place uses in the order]) reads from disk up to as
-  // many bytes again, which take host memory, not device memory. The reads are looked for
-  // only while something is on disk.
-  wishes_.clear();
-  const bool reads = migrator_.has_disk() && migrator_.figures().disk_resident_bytes > 0;
-  std::uint64_t ahead = 0;
-  std::uint64_t read_ahead = 0;
+void offload_engine::list_wishes(bool device) {
   std::vector<std::uintptr_t> seen;  // a chunk used twice in the window counts once
-  for (std::size_t position = cursor_ + 1; position < learned_order_.size(); ++position) {
-    const bool fetching = ahead < settings_.prefetch_bytes;
-    if (!fetching && !(reads && read_ahead < settings_.prefetch_bytes)) break;
-    if (!fetching) {  // only reads are left to list: on to the next in-place position
-      position = next_in_place_[position];
-      if (position >= learned_order_.size()) break;
-    }
-    const std::uintptr_t next = learned_order_[position];
-    const bool in_place = learned_in_place_[position];
-    if (fetching && !in_place) window_positions_ = position - cursor_;
+  // A use in place moves only the order of every use: the device's wishes stay.
+  std::erase_if(wishes_, [&](const wish& each) { return device || each.in_place; });
+  // Note [Prefetch]: what the device's order says comes next, nearest first, up to the
+  // prefetch distance.
+  std::uint64_t ahead = 0;
+  for (std::size_t position = device_order_.cursor() + 1;
+       device && position < device_order_.size() && ahead < settings_.prefetch_bytes; ++position) {
+    const std::uintptr_t next = device_order_.at(position);
+    window_positions_ = position - device_order_.cursor();
     if (std::find(seen.begin(), seen.end(), next) != seen.end()) continue;
     seen.push_back(next);
     auto state = chunks_.find(next);
-    const std::uint64_t bytes = state != chunks_.end() ? state->second.bytes : 0;
+    ahead += state != chunks_.end() ? state->second.bytes : 0;
     const residency where = migrator_.where(next);
-    const bool on_disk = where == residency::disk || where == residency::moving_to_disk;
-    if (in_place) {
-      if (!reads) continue;
-      read_ahead += bytes;
-      if (on_disk) wishes_.push_back({next, /*in_place=*/true});
-      continue;
-    }
-    if (!fetching) continue;
-    ahead += bytes;
-    if (where == residency::host || where == residency::moving_to_host || on_disk) {
+    if (where == residency::host || where == residency::moving_to_host ||
+        where == residency::disk || where == residency::moving_to_disk) {
       wishes_.push_back({next, /*in_place=*/false});
+    }
+  }
+  // Note [In-place uses in the order]: the chunks the next uses in place find on disk, up
+  // to as many bytes again (host memory, not device memory), while anything is on disk.
+  if (!migrator_.has_disk() || migrator_.figures().disk_resident_bytes == 0) return;
+  std::uint64_t read_ahead = 0;
+  seen.clear();
+  for (std::size_t position = every_use_.next_marked(every_use_.cursor() + 1);
+       position < every_use_.size() && read_ahead < settings_.prefetch_bytes;
+       position = every_use_.next_marked(position + 1)) {
+    const std::uintptr_t next = every_use_.at(position);
+    if (std::find(seen.begin(), seen.end(), next) != seen.end()) continue;
+    seen.push_back(next);
+    auto state = chunks_.find(next);
+    read_ahead += state != chunks_.end() ? state->second.bytes : 0;
+    const residency where = migrator_.where(next);
+    if (where == residency::disk || where == residency::moving_to_disk) {
+      wishes_.push_back({next, /*in_place=*/true});
     }
   }
 }
@@ -548,7 +519,7 @@ void offload_engine::use_ends(std::span<const void* const> pointers, stream_hand
   {
     std::lock_guard lock(mutex_);
     end_uses(chunks, stream);
-    if (!learned_order_.empty()) planned = plan_headroom();
+    if (!device_order_.empty()) planned = plan_headroom();
   }
   if (planned.empty()) return;
   const std::size_t started = launch_evictions(planned).size();
@@ -608,20 +579,8 @@ std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
 
 void offload_engine::step_boundary() {
   std::lock_guard lock(mutex_);
-  learned_order_ = std::move(recording_);
-  learned_in_place_ = std::move(recording_in_place_);
-  recording_.clear();
-  recording_in_place_.clear();
-  next_in_place_.assign(learned_order_.size() + 1, learned_order_.size());
-  for (std::size_t i = learned_order_.size(); i-- > 0;) {
-    next_in_place_[i] = learned_in_place_[i] ? i : next_in_place_[i + 1];
-  }
-  recorded_.clear();
-  positions_.clear();
-  for (std::size_t i = 0; i < learned_order_.size(); ++i) {
-    positions_[learned_order_[i]].push_back(i);
-  }
-  cursor_ = 0;
+  device_order_.boundary();
+  every_use_.boundary();
   // A step ends with nothing in use: hints that never closed (a caller that ends no
   // backward use) must not pin their chunks on the device for good. But no use-ends fence
   // covers the work such a use queued: until a use of the chunk ends again, its moves wait
@@ -631,7 +590,7 @@ void offload_engine::step_boundary() {
     state.open_uses = 0;
   }
   ++figures_.steps;
-  figures_.learned_order_chunks = learned_order_.size();
+  figures_.learned_order_chunks = device_order_.size();
 }
 
 // Note [Moving a chunk in use]: a use that is open has work coming on the chunk's present
@@ -664,7 +623,7 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
         return false;  // Note [Moving a chunk in use]
       }
       idle = ordered_use && state != chunks_.end() && state->second.hinted &&
-             !state->second.used_on_host && !learned_order_.empty();
+             !state->second.used_on_host && !device_order_.empty();
       if (idle) idle_generation = state->second.released_generation;
       use_ends = use_end_fences(address);
       claimed = migrator_.claim_fetch(address);
