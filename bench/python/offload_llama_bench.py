@@ -116,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(needs --nvme-size)")
     parser.add_argument("--nvme-size", default="",
                         help="offload mode: ZEROALLOC_NVME_SIZE, the disk tier's size")
+    parser.add_argument("--nvme-parameters", action="store_true",
+                        help="offload mode: ZEROALLOC_NVME_PARAMETERS=1, parameters may go to "
+                        "disk too, after the optimizer states")
     parser.add_argument("--profile-dir", default="",
                         help="after the timed steps, profile one more step of the native and "
                         "offload modes (torch.profiler) into DIR/MODE.trace.json.gz")
@@ -895,6 +898,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
+            if args.nvme_parameters:
+                env["ZEROALLOC_NVME_PARAMETERS"] = "1"
     if mode in MASTER_PORTS:  # one rank of a process group, without a launcher
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": MASTER_PORTS[mode]})
     if mode in DEEPSPEED_MODES:

@@ -277,6 +277,7 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   pool->start_prefill(allocator.paging().arena().chunk_bytes(), limit);
   offload_settings settings;
   settings.prefetch_bytes = options_.prefetch_bytes;
+  settings.parameters_to_disk = options_.nvme_parameters;
   disk_store* disk = nullptr;
   if (disk_tier_enabled()) {  // Note [Chunks on disk] in tier/migrator.hpp
     disk_store_options disk_options;

@@ -80,6 +80,7 @@ struct options {
   std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES
   std::string nvme_path;               ///< ZEROALLOC_NVME_PATH
   std::uint64_t nvme_bytes = 0;        ///< ZEROALLOC_NVME_SIZE (0: unset)
+  bool nvme_parameters = false;        ///< ZEROALLOC_NVME_PARAMETERS
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

@@ -712,32 +712,39 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
   std::vector<std::vector<event_handle>> fences;  // each claimed chunk's use-ends
   std::uint64_t claimed_bytes = 0;
   {
-    // Note [Chunks on disk]: only optimizer states go (every use of theirs is hinted, so
-    // the engine brings them back first), with no use open, the farthest next use first.
+    // Note [Chunks on disk]: optimizer states go (every use of theirs is hinted, so the
+    // engine brings them back first), and with ZEROALLOC_NVME_PARAMETERS hinted parameters
+    // after them; none with a use open; in each, the farthest next use first.
     std::lock_guard lock(mutex_);
     struct candidate {
       std::uintptr_t address;
       std::size_t bytes;
+      bool parameter;  // after every state (ZEROALLOC_NVME_PARAMETERS)
       std::uint64_t distance;
     };
     std::vector<candidate> candidates;
     for (const auto& each : migrator_.host_resident_chunks()) {
-      if (each.address == keep ||
-          each.allocation_class != static_cast<int>(allocation_class::optimizer_state)) {
-        continue;
-      }
-      // Every use of it so far hinted, or none yet (Note [States never used yet]); no use
-      // open.
+      const bool state_class =
+          each.allocation_class == static_cast<int>(allocation_class::optimizer_state);
+      const bool parameter = settings_.parameters_to_disk &&
+                             each.allocation_class == static_cast<int>(allocation_class::parameter);
+      if (each.address == keep || !(state_class || parameter)) continue;
+      // Every use of it so far hinted, or none yet for a state (Note [States never used
+      // yet]); no use open. A parameter must have been hinted: its first use may be a
+      // module's, before any optimizer.
       auto state = chunks_.find(each.address);
       if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
         continue;
       }
+      if (parameter && state == chunks_.end()) continue;
       const std::uint64_t distance = next_use_distance(each.address, /*on_device=*/false);
       if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
-      candidates.push_back({each.address, each.bytes, distance});
+      candidates.push_back({each.address, each.bytes, parameter, distance});
     }
-    std::sort(candidates.begin(), candidates.end(),
-              [](const candidate& a, const candidate& b) { return a.distance > b.distance; });
+    std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
+      if (a.parameter != b.parameter) return b.parameter;  // the states first
+      return a.distance > b.distance;
+    });
     for (const candidate& each : candidates) {
       if (claimed_bytes >= bytes) break;
       if (!migrator_.claim_spill(each.address)) continue;  // claimed under the lock a use takes

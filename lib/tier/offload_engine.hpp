@@ -95,6 +95,9 @@ struct offload_settings {
   /// (Note [Anticipated sizes] in host_pool.hpp). Off in tests that set the pool's ready
   /// chunks themselves.
   bool anticipate_state_chunks = true;
+  /// ZEROALLOC_NVME_PARAMETERS: parameters whose every use was hinted may go to disk too,
+  /// after the optimizer states (Note [Chunks on disk] in migrator.hpp).
+  bool parameters_to_disk = false;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
   /// test can put another thread's use exactly there. Empty in the library.

@@ -215,7 +215,7 @@ class OffloadEngineDiskTest : public ::testing::Test {
   /// A device limit of `limit`, a host tier of `host`, a disk tier of `disk_bytes`; false
   /// (the test skips) where the kernel refuses io_uring.
   bool start(std::uint64_t limit, std::uint64_t host, std::uint64_t disk_bytes,
-             std::uint64_t prefetch_bytes = 0) {
+             std::uint64_t prefetch_bytes = 0, bool parameters_to_disk = false) {
     disk_store_options options;
     options.directories = {directory_.string()};
     options.capacity_bytes = disk_bytes;
@@ -233,6 +233,7 @@ class OffloadEngineDiskTest : public ::testing::Test {
     pool_ = std::make_unique<host_pool>(*device_, host, "ZEROALLOC_HOST_LIMIT (test)");
     offload_settings engine_settings;
     engine_settings.prefetch_bytes = prefetch_bytes;
+    engine_settings.parameters_to_disk = parameters_to_disk;
     engine_settings.anticipate_state_chunks = false;
     engine_ =
         std::make_unique<offload_engine>(*allocator_, *pool_, false, engine_settings, &*disk_);
@@ -320,6 +321,100 @@ TEST_F(OffloadEngineDiskTest, StatesNoHintHasReachedYetGoToDiskWhenTheHostTierIs
     engine.use_ends(states[i], nullptr);
   }
   for (void* state : states) allocator_->deallocate(state);
+}
+
+// ZEROALLOC_NVME_PARAMETERS: parameters that do not fit the device and the host go to disk
+// when asked, and come back intact for each hinted use; without it the same model does not
+// fit, and the allocation fails.
+TEST_F(OffloadEngineDiskTest, HintedParametersGoToDiskOnlyWhenAskedAndComeBackIntact) {
+  for (const bool asked : {false, true}) {
+    SCOPED_TRACE(asked ? "parameters to disk" : "parameters never to disk");
+    TearDown();
+    SetUp();
+    if (!start(16 * MiB, 32 * MiB, 256 * MiB, 0, /*parameters_to_disk=*/asked)) {
+      GTEST_SKIP() << "skipped: " << skipped_;
+    }
+    offload_engine& engine = *engine_;
+    std::vector<void*> layers;
+    bool fitted = true;
+    for (int i = 0; i < 8; ++i) {  // 64 MiB of parameters: 16 on the device, 32 on the host
+      void* layer = nullptr;
+      try {
+        layer = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+      } catch (const std::exception&) {
+      }
+      if (layer == nullptr) {
+        fitted = false;
+        break;
+      }
+      device_->fill_async(layer, static_cast<std::uint8_t>(0x20 + i), kChunkBytes, nullptr);
+      engine.use_begins(layer, nullptr);  // the forward's hooks hint each layer
+      engine.use_ends(layer, nullptr);
+      layers.push_back(layer);
+    }
+    EXPECT_EQ(fitted, asked) << "the parameters fitted " << (fitted ? "" : "not ") << "with "
+                             << layers.size() << " of 8 allocated";
+    EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+    if (!asked) {
+      EXPECT_EQ(engine.mover().figures().chunks_to_disk, 0u) << "a parameter went to disk";
+    } else {
+      EXPECT_GE(engine.mover().figures().chunks_to_disk, 2u);
+      engine.step_boundary();
+      for (int round = 0; round < 2; ++round) {  // forward: each layer under its hint
+        for (std::size_t i = 0; i < layers.size(); ++i) {
+          engine.use_begins(layers[i], nullptr);
+          EXPECT_NE(where(layers[i]), residency::disk) << i;
+          EXPECT_TRUE(read_back(*device_, layers[i], kChunkBytes) ==
+                      std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x20 + i)))
+              << "layer " << i << ", round " << round;
+          engine.use_ends(layers[i], nullptr);
+        }
+        engine.step_boundary();
+      }
+      EXPECT_GE(engine.mover().figures().chunks_from_disk, 2u);
+    }
+    for (void* layer : layers) allocator_->deallocate(layer);
+  }
+}
+
+// With parameters allowed on disk, the optimizer states go first: the step alone touches
+// them, where a parameter on disk delays the forward.
+TEST_F(OffloadEngineDiskTest, OptimizerStatesGoToDiskBeforeParameters) {
+  if (!start(16 * MiB, 32 * MiB, 256 * MiB, 0, /*parameters_to_disk=*/true)) {
+    GTEST_SKIP() << "skipped: " << skipped_;
+  }
+  offload_engine& engine = *engine_;
+  // 64 MiB: 16 on the device, 32 on the host, 16 for the disk. The states, made first, go
+  // to the host first (nothing uses them yet); then the parameters fill it, and the last two
+  // need two chunks of the host's to go to disk: the states, not the parameters beside them.
+  std::vector<void*> states;
+  for (int i = 0; i < 2; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(0x50 + i), kChunkBytes, nullptr);
+  }
+  std::vector<void*> layers;
+  for (int i = 0; i < 6; ++i) {
+    layers.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter));
+    device_->fill_async(layers.back(), static_cast<std::uint8_t>(0x20 + i), kChunkBytes, nullptr);
+    engine.use_begins(layers.back(), nullptr);  // hinted: each may go to disk
+    engine.use_ends(layers.back(), nullptr);
+  }
+  engine.mover().drain();
+  EXPECT_EQ(engine.mover().figures().chunks_to_disk, 2u);
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    EXPECT_EQ(where(states[i]), residency::disk) << "state " << i;
+  }
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    EXPECT_NE(where(layers[i]), residency::disk) << "layer " << i << " went before the states";
+  }
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    engine.use_in_place(states[i], nullptr);
+    EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes) ==
+                std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x50 + i)));
+    engine.use_ends(states[i], nullptr);
+  }
+  for (void* pointer : states) allocator_->deallocate(pointer);
+  for (void* pointer : layers) allocator_->deallocate(pointer);
 }
 
 // Note [In-place uses in the order]: the windowed step uses each state in place, one after
