@@ -17,12 +17,15 @@ One concept per module:
   ``_optimizer_step`` (the optimizer's step in windows, over ``_step_records``) and
   ``_state_dict`` (its state_dict and load_state_dict), wrapped without a cycle by
   ``_weak_methods``;
-- ``_settings``: the library's settings these read.
+- ``_settings``: the library's settings these read;
+- ``_zero``: partition(), ZeRO stage 1 across a torchrun job's ranks, over the library's
+  group (``zeroalloc._group``).
 
 Design notes: Notes [Stepping states where they are], [Windows and buffers], [Overlapping
 the step] and [Steps that follow param_groups] (_optimizer_step.py), Note [Hint groups]
 (_module_hints.py), Note [Backward uses] (_backward_uses.py), Note [Gradients' class]
-(_adoption.py), Note [No cycles through the optimizer] (_weak_methods.py).
+(_adoption.py), Note [No cycles through the optimizer] (_weak_methods.py), Note [Stage 1
+by whole parameters] (_zero.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from zeroalloc.torch._optimizer_step import step_figures
 from zeroalloc.torch._settings import gradient_class_default
 from zeroalloc.torch._swap import install, installed, mem_pool
 from zeroalloc.torch._tensors import fetch_tensor, offload_tensor, residency
+from zeroalloc.torch._zero import Partition, partition
 
 # The pieces under the names tests and benchmarks use to put them together by hand.
 from zeroalloc import _offload
@@ -59,6 +63,7 @@ _end_backward = _backward_uses.end
 
 __all__ = [
     "OffloadHandle",
+    "Partition",
     "ZeroallocError",
     "allocation_class",
     "enable_automatic_offload",
@@ -71,6 +76,7 @@ __all__ = [
     "mem_pool",
     "offload",
     "offload_tensor",
+    "partition",
     "raw_stats",
     "residency",
     "room",

@@ -1,0 +1,124 @@
+"""ZeRO stage 1 across the ranks of a torchrun job: each rank steps only the parameters it
+owns, so it holds optimizer states for 1/N of the model, and then every parameter is
+broadcast from its owner (the library's group: NCCL on GPUs, TCP on the simulated device).
+
+Note [Stage 1 by whole parameters]: a rank owns whole parameters, a contiguous run of the
+optimizer's parameters (in param_groups order) holding about 1/N of their bytes, the split
+the same on every rank because it is computed from the same list. DeepSpeed cuts a flat
+buffer at exact element boundaries instead; by whole parameters the ranks' shares differ by
+at most one parameter's size, and the step is the optimizer's own, unchanged, over the
+parameters it owns (the others' gradients are hidden from it for the step, so it neither
+updates them nor creates their states). The gradients must already be the same on every
+rank when the step runs (DistributedDataParallel's all-reduce makes them so): stage 1
+partitions the step, not the gradients' reduction (stage 2). Each parameter is one
+broadcast: a model of many small parameters pays one collective each. The joined group's
+agreement carries the stage and the parameters' count and bytes, so ranks whose models or
+settings differ end at the join, every rank with both settings named, instead of
+exchanging mismatched bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from zeroalloc import _group
+from zeroalloc._library import ZeroallocError
+from zeroalloc.torch._use_hints import current_stream
+
+
+def owners_by_bytes(sizes: list, ranks: int) -> list:
+    """The owning rank of each of `sizes` (bytes, in order): contiguous runs of about equal
+    bytes, a parameter going to the rank its middle byte falls in."""
+    total = sum(sizes)
+    owners, before = [], 0
+    for size in sizes:
+        middle = before + size / 2
+        owners.append(min(ranks - 1, int(middle * ranks // total)) if total else 0)
+        before += size
+    return owners
+
+
+def _nbytes(parameter: torch.Tensor) -> int:
+    return parameter.numel() * parameter.element_size()
+
+
+class Partition:
+    """What partition() returns: the ownership and the figures (``figures``: the parameters
+    and bytes this rank owns, the bytes broadcast and the time it took); remove() gives the
+    optimizer back its own step."""
+
+    def __init__(self, optimizer, parameters: list, owners: list, rank: int, ranks: int):
+        self.optimizer = optimizer
+        self.parameters = parameters
+        self.owners = owners
+        self.rank = rank
+        self.ranks = ranks
+        self.inner = optimizer.step
+        owned = [p for p, owner in zip(parameters, owners) if owner == rank]
+        self.figures = {"stage": 1, "rank": rank, "ranks": ranks,
+                        "owned_parameters": len(owned),
+                        "owned_bytes": sum(_nbytes(p) for p in owned),
+                        "parameter_bytes": sum(_nbytes(p) for p in parameters),
+                        "steps": 0, "broadcast_bytes": 0, "broadcast_s": 0.0}
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("a ZeRO stage 1 step takes no closure: the closure's backward "
+                             "would give the step every parameter's gradient again")
+        hidden = []
+        for parameter, owner in zip(self.parameters, self.owners):
+            if owner != self.rank and parameter.grad is not None:
+                hidden.append((parameter, parameter.grad))
+                parameter.grad = None
+        try:
+            loss = self.inner()
+        finally:
+            for parameter, gradient in hidden:
+                parameter.grad = gradient
+        self.share()
+        self.figures["steps"] += 1
+        return loss
+
+    def share(self) -> None:
+        """Every parameter from its owner."""
+        started = time.perf_counter()
+        for parameter, owner in zip(self.parameters, self.owners):
+            data = parameter.detach()
+            if not data.is_contiguous():
+                raise ZeroallocError("ZeRO stage 1 broadcasts parameters in place: a "
+                                     "parameter is not contiguous")
+            stream = current_stream(data.device.index) if data.is_cuda else None
+            _group.broadcast(data.data_ptr(), _nbytes(data), owner, stream)
+            self.figures["broadcast_bytes"] += _nbytes(data)
+        self.figures["broadcast_s"] += time.perf_counter() - started
+
+    def remove(self) -> None:
+        if self.optimizer.__dict__.get("step") == self.step:
+            del self.optimizer.step
+
+
+def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
+    """Partitions `optimizer`'s step across the ranks of the torchrun job (Note [Stage 1 by
+    whole parameters]): from now on each rank steps the parameters it owns and broadcasts
+    them to the others. Call it on every rank, after the model is wrapped in
+    DistributedDataParallel (whose all-reduce gives every rank the same gradients) and after
+    zt.offload(), if used. Joins the library's group the first time (torchrun's variables;
+    the library's bootstrap at MASTER_PORT+1)."""
+    if stage != 1:
+        raise ValueError(f"ZeRO stage {stage} is not available yet: only stage 1 (partitioned "
+                         "optimizer step) is")
+    parameters, seen = [], set()
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                parameters.append(parameter)
+    sizes = [_nbytes(p) for p in parameters]
+    _group.join(f"ZEROALLOC_ZERO_STAGE=1;parameters={len(parameters)};bytes={sum(sizes)}",
+                timeout_s)
+    rank, ranks = _group.rank(), _group.size()
+    handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks)
+    optimizer.step = handle.step
+    return handle

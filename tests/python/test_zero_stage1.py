@@ -1,0 +1,109 @@
+"""ZeRO stage 1 (zt.partition) under torchrun on the simulated device: each rank steps only
+the parameters it owns and holds only their optimizer states, and after every step the
+model is bit for bit the one an unpartitioned optimizer makes from the same gradients
+(DistributedDataParallel's, over gloo); ranks whose optimizers differ end at the join, each
+naming both settings."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
+if not LIBRARY.exists():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
+
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from test_group import free_port  # noqa: E402
+
+PROGRAM = """
+import sys
+import torch
+import torch.distributed as dist
+import zeroalloc.torch as zt
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 8))
+
+
+plain = torch.nn.parallel.DistributedDataParallel(build())
+parted = torch.nn.parallel.DistributedDataParallel(build())
+plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+stepped = list(parted.parameters())
+if {leave_one_out} and rank == 1:  # this rank's optimizer leaves the last bias to the script
+    stepped = stepped[:-1]
+parted_optimizer = torch.optim.AdamW(stepped, lr=1e-2)
+try:
+    handle = zt.partition(parted_optimizer, stage=1, timeout_s=30)
+except zt.ZeroallocError as failure:
+    print(f"rank {{rank}} partition failed: {{failure}}", flush=True)
+    sys.exit(3)
+inputs = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+for step in range(4):
+    x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
+    for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
+    print(f"rank {{rank}} step {{step}} same {{same}}", flush=True)
+total = len(list(parted.parameters()))
+print(f"rank {{rank}} states {{len(parted_optimizer.state)}} of {{total}} "
+      f"owned {{handle.figures['owned_parameters']}} bytes {{handle.figures['owned_bytes']}} "
+      f"of {{handle.figures['parameter_bytes']}}", flush=True)
+"""
+
+
+def torchrun(tmp_path, leave_one_out: bool = False) -> subprocess.CompletedProcess:
+    script = tmp_path / "stage1.py"
+    script.write_text(textwrap.dedent(PROGRAM.format(leave_one_out=leave_one_out)))
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+           "ZEROALLOC_LIBRARY": str(LIBRARY)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script)],
+                          env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(tmp_path):
+    run = torchrun(tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        for step in range(4):
+            assert f"rank {rank} step {step} same True" in output, output[-3000:]
+    states, owned_bytes = {}, {}
+    for line in run.stdout.splitlines():
+        if " states " in line:
+            words = line.split()
+            rank = int(words[1])
+            states[rank], total = int(words[3]), int(words[5])
+            owned_bytes[rank], parameter_bytes = int(words[9]), int(words[11])
+            assert states[rank] == int(words[7]), line  # states only for what it owns
+    assert sorted(states) == [0, 1], run.stdout
+    assert states[0] + states[1] == total and 0 < states[0] < total, run.stdout
+    assert owned_bytes[0] + owned_bytes[1] == parameter_bytes
+    # Whole parameters: each rank's share within the largest parameter of half the bytes.
+    assert abs(owned_bytes[0] - owned_bytes[1]) <= 64 * 48 * 4, run.stdout
+
+
+def test_ranks_whose_optimizers_differ_end_at_the_join_naming_both(tmp_path):
+    run = torchrun(tmp_path, leave_one_out=True)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-3000:]
+    assert "rank 0 partition failed" in output and "rank 1 partition failed" in output, \
+        output[-3000:]
+    assert "parameters=6" in output and "parameters=5" in output, output[-3000:]
