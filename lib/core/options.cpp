@@ -215,6 +215,13 @@ const std::vector<option_spec>& table() {
        "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
        "torch is imported, as zeroalloc.torch.install() does.",
        check<read_choice>},
+      {"ZEROALLOC_ZERO_STAGE", option_kind::choice, "0", "0|1",
+       "With the Python package's start-up hook under torchrun: 1 partitions every optimizer's "
+       "step across the ranks (ZeRO stage 1: each rank steps its share of the parameters, "
+       "holds only their optimizer states and broadcasts them to the others; the gradients "
+       "must be reduced already, as DistributedDataParallel does). Every rank must set the "
+       "same value.",
+       check<read_choice>},
       {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
        "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "
        "a swap file in each, striped, with no name on disk). With ZEROALLOC_OFFLOAD=host and "

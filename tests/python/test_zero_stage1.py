@@ -5,6 +5,7 @@ model is bit for bit the one an unpartitioned optimizer makes from the same grad
 naming both settings."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,3 +108,66 @@ def test_ranks_whose_optimizers_differ_end_at_the_join_naming_both(tmp_path):
     assert "rank 0 partition failed" in output and "rank 1 partition failed" in output, \
         output[-3000:]
     assert "parameters=6" in output and "parameters=5" in output, output[-3000:]
+
+
+UNMODIFIED = """
+import hashlib
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+inputs = torch.Generator().manual_seed(100 + rank)
+for step in range(3):
+    x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+print(f"rank {rank} states {len(optimizer.state)} digest {digest.hexdigest()}", flush=True)
+"""
+
+LAUNCHER = """
+import runpy, site, sys
+site.addsitedir(sys.argv[1])  # the package's start-up hook, as when it is installed
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
+    """ZEROALLOC_ZERO_STAGE=1 with the package installed: a script that never imports
+    zeroalloc holds 1/N of its optimizer states per rank and ends with the same model, bit
+    for bit, as without the variable."""
+    import shutil
+    site = tmp_path / "site"
+    site.mkdir()
+    shutil.copy(PACKAGE / "zeroalloc-startup.pth", site)
+    shutil.copytree(PACKAGE / "zeroalloc", site / "zeroalloc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "train.py").write_text(textwrap.dedent(UNMODIFIED))
+    (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
+    results = {}
+    for stage in ("0", "1"):
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith("ZEROALLOC_") and key != "PYTHONPATH"}
+        env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_LIBRARY": str(LIBRARY),
+                    "ZEROALLOC_ZERO_STAGE": stage})
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                              "2", "--master-addr", "127.0.0.1", "--master-port",
+                              str(free_port()), str(tmp_path / "launch.py"), str(site),
+                              str(tmp_path / "train.py")],
+                             env=env, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        # (rank, states, digest); the ranks' lines can run together in the one pipe
+        results[stage] = sorted(re.findall(r"rank (\d) states (\d+) digest ([0-9a-f]{64})",
+                                           run.stdout))
+        assert len(results[stage]) == 2, run.stdout
+    assert [int(states) for _, states, _ in results["0"]] == [4, 4], results
+    assert sorted(int(states) for _, states, _ in results["1"]) == [1, 3], results
+    digests = {digest for _, _, digest in results["0"] + results["1"]}
+    assert len(digests) == 1, f"the models differ: {results}"

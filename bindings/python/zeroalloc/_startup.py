@@ -4,6 +4,7 @@ or sets ZEROALLOC_TORCH, so that environment variables alone switch an unmodifie
 
     ZEROALLOC_TORCH=zeroalloc python train.py
     ZEROALLOC_OFFLOAD=host python train.py
+    ZEROALLOC_ZERO_STAGE=1 torchrun --nproc-per-node 2 train.py
     LD_PRELOAD=libzeroalloc.so ZEROALLOC_REPORT=/tmp/run python train.py
 
 Nothing happens until ``torch`` is imported; then what the environment asks for is done
@@ -35,6 +36,22 @@ def torch_allocator_choice() -> str:
     return value
 
 
+#: Values of ZEROALLOC_ZERO_STAGE the package acts on (0: none).
+ZERO_STAGES = ("0", "1")
+
+
+def zero_stage() -> int:
+    """ZEROALLOC_ZERO_STAGE, checked: 0 (the default, no partitioning) or 1."""
+    value = os.environ.get("ZEROALLOC_ZERO_STAGE", "0").strip()
+    if value not in ZERO_STAGES:
+        from zeroalloc._library import ZeroallocError
+        raise ZeroallocError(
+            f"ZEROALLOC_ZERO_STAGE={os.environ['ZEROALLOC_ZERO_STAGE']!r} is not valid: use "
+            "1 (each rank steps its share of the parameters and holds only their optimizer "
+            "states) or 0 (none); stages 2 and 3 are not available yet")
+    return int(value)
+
+
 def offload_requested() -> bool:
     return os.environ.get("ZEROALLOC_OFFLOAD", "none").strip().lower() == "host"
 
@@ -52,6 +69,9 @@ def on_torch_imported(torch_module) -> None:
         zt.install()
         if offload_requested():
             zt.enable_automatic_offload()
+    if zero_stage():  # after offload: a partitioned step wraps the windowed one
+        from zeroalloc.torch._zero import enable_automatic_partition
+        enable_automatic_partition(zero_stage())
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
@@ -100,6 +120,7 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
 
 try:
     torch_allocator_choice()  # a bad value is said at start-up, not deep inside torch
+    zero_stage()
     sys.meta_path.insert(0, _TorchImportWatcher())
 except Exception as error:  # the start-up hook must never keep Python from starting
     print(f"zeroalloc: the start-up hook did nothing: {error} "

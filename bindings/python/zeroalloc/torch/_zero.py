@@ -122,3 +122,25 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
     handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks)
     optimizer.step = handle.step
     return handle
+
+
+def enable_automatic_partition(stage: int = 1, timeout_s: float = 300.0) -> None:
+    """ZeRO with no line changed in the script (ZEROALLOC_ZERO_STAGE=1 under torchrun, with
+    the package's start-up hook): every optimizer created from now on is partitioned as
+    partition() does, at the end of its construction (every rank builds its optimizers in
+    the same order, so their joins and steps meet). Raises at once outside torchrun."""
+    import os
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise ZeroallocError(f"ZEROALLOC_ZERO_STAGE={stage} needs torchrun's RANK and "
+                             "WORLD_SIZE: start the script with torchrun (nothing is "
+                             "partitioned)")
+    if stage != 1:
+        raise ValueError(f"ZeRO stage {stage} is not available yet: only stage 1 is")
+    original_init = torch.optim.Optimizer.__init__
+
+    def init(self, params, defaults, *args, **kwargs):
+        original_init(self, params, defaults, *args, **kwargs)
+        if getattr(self, "_zeroalloc_partition", None) is None:
+            self._zeroalloc_partition = partition(self, stage, timeout_s)
+
+    torch.optim.Optimizer.__init__ = init
