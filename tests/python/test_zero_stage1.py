@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests" / "python"))
 from test_group import free_port  # noqa: E402
 
 PROGRAM = """
+import copy
 import sys
 import torch
 import torch.distributed as dist
@@ -61,6 +62,26 @@ for step in range(4):
         optimizer.step()
     same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
     print(f"rank {{rank}} step {{step}} same {{same}}", flush=True)
+# Note [Checkpoints of a partition]: the gathered state is the unpartitioned optimizer's.
+gathered, whole = parted_optimizer.state_dict(), plain_optimizer.state_dict()
+same_state = (gathered["param_groups"] == whole["param_groups"]
+              and sorted(gathered["state"]) == sorted(whole["state"])
+              and all(torch.equal(torch.as_tensor(gathered["state"][i][name]).cpu(),
+                                  torch.as_tensor(whole["state"][i][name]).cpu())
+                      for i in whole["state"] for name in whole["state"][i]))
+print(f"rank {{rank}} gathered state same {{same_state}}", flush=True)
+owned_before = len(parted_optimizer.state)
+# What a restart from the checkpoint does (a copy: the plain optimizer's state_dict holds
+# its own tensors, which the loaded optimizer would then share).
+parted_optimizer.load_state_dict(copy.deepcopy(whole))
+print(f"rank {{rank}} loaded keeps {{len(parted_optimizer.state) == owned_before}}", flush=True)
+x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
+for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
+print(f"rank {{rank}} after loading same {{same}}", flush=True)
 total = len(list(parted.parameters()))
 print(f"rank {{rank}} states {{len(parted_optimizer.state)}} of {{total}} "
       f"owned {{handle.figures['owned_parameters']}} bytes {{handle.figures['owned_bytes']}} "
@@ -86,14 +107,15 @@ def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(t
     for rank in (0, 1):
         for step in range(4):
             assert f"rank {rank} step {step} same True" in output, output[-3000:]
+        for what in ("gathered state same True", "loaded keeps True", "after loading same True"):
+            assert f"rank {rank} {what}" in output, output[-3000:]
     states, owned_bytes = {}, {}
-    for line in run.stdout.splitlines():
-        if " states " in line:
-            words = line.split()
-            rank = int(words[1])
-            states[rank], total = int(words[3]), int(words[5])
-            owned_bytes[rank], parameter_bytes = int(words[9]), int(words[11])
-            assert states[rank] == int(words[7]), line  # states only for what it owns
+    # The ranks' lines can run together in the one pipe: found by pattern, not by line.
+    for found in re.finditer(r"rank (\d) states (\d+) of (\d+) owned (\d+) bytes (\d+) "
+                             r"of (\d+)", run.stdout):
+        rank, held, total, owned, mine, parameter_bytes = map(int, found.groups())
+        states[rank], owned_bytes[rank] = held, mine
+        assert held == owned, found.group(0)  # states only for what it owns
     assert sorted(states) == [0, 1], run.stdout
     assert states[0] + states[1] == total and 0 < states[0] < total, run.stdout
     assert owned_bytes[0] + owned_bytes[1] == parameter_bytes

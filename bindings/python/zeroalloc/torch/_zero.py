@@ -15,6 +15,14 @@ broadcast: a model of many small parameters pays one collective each. The joined
 agreement carries the stage and the parameters' count and bytes, so ranks whose models or
 settings differ end at the join, every rank with both settings named, instead of
 exchanging mismatched bytes.
+
+Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
+unpartitioned one would: every rank's own states gathered (torch.distributed's
+all_gather_object, which DistributedDataParallel's process group provides), on the CPU, so
+a checkpoint saved from any rank loads into a run with any number of ranks, or none.
+load_state_dict() takes such a state and keeps only the states of the parameters the rank
+owns. Gathering holds every state on every rank for the moment: a model whose states fit
+the ranks' host memory only when partitioned cannot be saved this way yet.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ class Partition:
         self.rank = rank
         self.ranks = ranks
         self.inner = optimizer.step
+        self.inner_state_dict = optimizer.state_dict
+        self.inner_load_state_dict = optimizer.load_state_dict
         owned = [p for p, owner in zip(parameters, owners) if owner == rank]
         self.figures = {"stage": 1, "rank": rank, "ranks": ranks,
                         "owned_parameters": len(owned),
@@ -94,9 +104,37 @@ class Partition:
             self.figures["broadcast_bytes"] += _nbytes(data)
         self.figures["broadcast_s"] += time.perf_counter() - started
 
+    def state_dict(self) -> dict:
+        """What the unpartitioned optimizer's state_dict() holds (Note [Checkpoints of a
+        partition]): every rank's own states, gathered, on the CPU."""
+        import torch.distributed as distributed
+        if not (distributed.is_available() and distributed.is_initialized()):
+            raise ZeroallocError("the state of a ZeRO-partitioned optimizer is gathered through "
+                                 "torch.distributed, which is not initialized (as "
+                                 "DistributedDataParallel needs it to be)")
+        own = self.inner_state_dict()
+        mine = {index: {name: value.detach().cpu() if torch.is_tensor(value) else value
+                        for name, value in state.items()}
+                for index, state in own["state"].items()}
+        everyone = [None] * distributed.get_world_size()
+        distributed.all_gather_object(everyone, mine)
+        gathered = {}
+        for states in everyone:
+            gathered.update(states)
+        return {"state": dict(sorted(gathered.items())), "param_groups": own["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads an unpartitioned optimizer's state (or a gathered one), keeping only the
+        states of the parameters this rank owns."""
+        self.inner_load_state_dict(state_dict)
+        for parameter, owner in zip(self.parameters, self.owners):
+            if owner != self.rank:
+                self.optimizer.state.pop(parameter, None)
+
     def remove(self) -> None:
-        if self.optimizer.__dict__.get("step") == self.step:
-            del self.optimizer.step
+        for name in ("step", "state_dict", "load_state_dict"):
+            if self.optimizer.__dict__.get(name) == getattr(self, name):
+                del self.optimizer.__dict__[name]
 
 
 def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
@@ -121,6 +159,8 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
     rank, ranks = _group.rank(), _group.size()
     handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks)
     optimizer.step = handle.step
+    optimizer.state_dict = handle.state_dict
+    optimizer.load_state_dict = handle.load_state_dict
     return handle
 
 
