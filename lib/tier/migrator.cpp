@@ -39,7 +39,10 @@ migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify, d
       disk_(disk) {
   out_stream_ = device_.create_stream();
   in_stream_ = device_.create_stream();
-  if (disk_ != nullptr) disk_stream_ = device_.create_stream();
+  if (disk_ != nullptr) {
+    write_lane_.stream = device_.create_stream();
+    read_lane_.stream = device_.create_stream();
+  }
   staging_slot_bytes_ = paging_.arena().chunk_bytes();
   staging_region_ =
       device_.reserve_addresses(staging_slot_bytes_ * kStagingSlots, paging_.arena().granularity());
@@ -96,7 +99,9 @@ migrator::~migrator() {
     }
     device_.destroy_stream(out_stream_);
     device_.destroy_stream(in_stream_);
-    if (disk_stream_ != nullptr) device_.destroy_stream(disk_stream_);
+    for (disk_lane* lane : {&write_lane_, &read_lane_}) {
+      if (lane->stream != nullptr) device_.destroy_stream(lane->stream);
+    }
     // A placeholder still mapped behind a chunk that could not come back stays.
     if (on_disk_.empty()) {
       for (const auto& [bytes, placeholder] : placeholders_) device_.release_physical(placeholder);
@@ -717,31 +722,25 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
     const physical_handle placeholder = placeholder_for(bytes);
     slot = disk_->allocate(bytes);
     {
-      std::lock_guard io(disk_mutex_);
-      if (bounce_bytes_ < bytes) {  // the new buffer first: a failure keeps the old one
-        std::unique_ptr<std::byte, void (*)(void*)> larger(
-            static_cast<std::byte*>(std::aligned_alloc(4 * KiB, round_up(bytes, 4 * KiB))),
-            std::free);
-        if (!larger) throw std::bad_alloc();
-        bounce_ = std::move(larger);
-        bounce_bytes_ = bytes;
-      }
+      std::lock_guard io(write_lane_.mutex);  // Note [Two disk lanes]
+      std::byte* const bounce = write_lane_.buffer(bytes);
+      const stream_handle disk_stream = write_lane_.stream;
       // As an eviction's copy: after the ends of its hinted uses and everything queued on
       // its streams (the host runs ahead of the device: a use that ended in host time may
       // still be running, an in-place step writing the chunk among them).
       if (after != nullptr) {
-        for (event_handle fence : *after) device_.stream_wait_event(disk_stream_, fence);
+        for (event_handle fence : *after) device_.stream_wait_event(disk_stream, fence);
       }
-      fence_behind_chunk_streams(chunk, disk_stream_);
+      fence_behind_chunk_streams(chunk, disk_stream);
       try {
-        device_.copy_async(bounce_.get(), reinterpret_cast<const void*>(host.staging_address),
-                           bytes, disk_stream_);
-        device_.synchronize_stream(disk_stream_);
+        device_.copy_async(bounce, reinterpret_cast<const void*>(host.staging_address), bytes,
+                           disk_stream);
+        device_.synchronize_stream(disk_stream);
       } catch (...) {
-        settle(disk_stream_);
+        settle(disk_stream);
         throw;
       }
-      const disk_store::ticket written = disk_->write(slot, bounce_.get(), bytes);
+      const disk_store::ticket written = disk_->write(slot, bounce, bytes);
       try {
         disk_->wait(written);
       } catch (...) {
@@ -777,6 +776,17 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
   pool_.release(host);
 }
 
+std::byte* migrator::disk_lane::buffer(std::size_t bytes) {
+  if (bounce_bytes < bytes) {  // the new buffer first: a failure keeps the old one
+    std::unique_ptr<std::byte, void (*)(void*)> larger(
+        static_cast<std::byte*>(std::aligned_alloc(4 * KiB, round_up(bytes, 4 * KiB))), std::free);
+    if (!larger) throw std::bad_alloc();
+    bounce = std::move(larger);
+    bounce_bytes = bytes;
+  }
+  return bounce.get();
+}
+
 bool migrator::restore(std::uintptr_t address) {
   const auto started = std::chrono::steady_clock::now();
   chunk_on_disk away;
@@ -798,14 +808,15 @@ bool migrator::restore(std::uintptr_t address) {
       ZA_THROW(error, "the chunk at ", address, " is not mapped to its placeholder");
     }
     {
-      std::lock_guard io(disk_mutex_);
-      disk_->wait(disk_->read(away.slot, bounce_.get(), away.bytes));
+      std::lock_guard io(read_lane_.mutex);  // Note [Two disk lanes]
+      std::byte* const bounce = read_lane_.buffer(away.bytes);
+      disk_->wait(disk_->read(away.slot, bounce, away.bytes));
       try {
-        device_.copy_async(reinterpret_cast<void*>(host.staging_address), bounce_.get(), away.bytes,
-                           disk_stream_);
-        device_.synchronize_stream(disk_stream_);
+        device_.copy_async(reinterpret_cast<void*>(host.staging_address), bounce, away.bytes,
+                           read_lane_.stream);
+        device_.synchronize_stream(read_lane_.stream);
       } catch (...) {
-        settle(disk_stream_);  // the copy may still write the host chunk given back below
+        settle(read_lane_.stream);  // the copy may still write the host chunk given back below
         throw;
       }
     }

@@ -246,12 +246,24 @@ class migrator : public paging_listener {
   host_pool& pool_;
   const bool verify_;
   disk_store* const disk_;
-  stream_handle disk_stream_ = nullptr;  // host chunk <-> bounce buffer copies
-  // One bounce buffer (the disk store reads and writes CPU-addressable memory; a host chunk
-  // is reached through the device), under disk_mutex_: one disk move at a time.
-  std::mutex disk_mutex_;
-  std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, std::free};
-  std::size_t bounce_bytes_ = 0;
+  // Note [Two disk lanes]: the disk store reads and writes CPU-addressable memory, and a
+  // host chunk is reached through the device, so the bytes pass through a bounce buffer.
+  // Writes (spills) and reads (restores) each have a lane of their own: a buffer, a stream
+  // for the copies between it and the host chunk, and a lock that lets one move at a time
+  // through the lane. So the step's read of the next window's states runs while the chunk
+  // spilled for its room is written; with one lane (one move at a time), a 16B model's
+  // step waited for its reads and writes in turn (bench/RESULTS.md).
+  struct disk_lane {
+    std::mutex mutex;
+    stream_handle stream = nullptr;
+    std::unique_ptr<std::byte, void (*)(void*)> bounce{nullptr, std::free};
+    std::size_t bounce_bytes = 0;
+    /// The bounce buffer, at least `bytes` long (a failure keeps the old one). Caller
+    /// holds mutex.
+    std::byte* buffer(std::size_t bytes);
+  };
+  disk_lane write_lane_;
+  disk_lane read_lane_;
   struct chunk_on_disk {
     std::uint64_t slot = 0;  // disk_slot
     std::size_t bytes = 0;
