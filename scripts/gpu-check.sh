@@ -12,7 +12,11 @@
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: alloc_bench hint migration remap torch_empty
 # preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
-# 140 s) disk (about 30 s) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS, _WARMUP, _STEPS, _ARGS)
+# 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
+# GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS,
+# _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
+# --nvme-path, --nvme-size, --host-limit and a model, DeepSpeed ZeRO-Infinity beside the
+# NVMe tier)
 # baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
@@ -176,6 +180,23 @@ if [[ -z $(skipped disk) ]]; then
   kill $copies 2>/dev/null; wait $copies 2>/dev/null
   rm -rf /tmp/zeroalloc-disk
 else skipped disk; fi
+
+# The largest model: a 16.2B Llama (fp32 weights, AdamW) across device (130 GiB), host
+# (96 GiB) and disk (40 GiB); one timed step after one warm-up, about 4 minutes.
+step "the NVMe tier: a 16B model across device, host and disk"
+if [[ -z $(skipped big) ]]; then
+  mkdir -p /tmp/zeroalloc-nvme
+  env ZEROALLOC_LIBRARY=$root/build/libzeroalloc.so ZEROALLOC_DEVICE=cuda ZEROALLOC_LOG_LEVEL=warn \
+    ZEROALLOC_OFFLOAD=host ZEROALLOC_HOST_LIMIT=96GiB ZEROALLOC_MEMORY_LIMIT=$((130 << 30)) \
+    ZEROALLOC_NVME_PATH=/tmp/zeroalloc-nvme ZEROALLOC_NVME_SIZE=40GiB PYTHONUNBUFFERED=1 \
+    timeout ${GPU_CHECK_BIG_TIMEOUT:-330} python3 bench/python/offload_llama_bench.py --worker offload \
+    --warmup 1 --steps 1 --hidden 5120 --intermediate 13824 --layers ${GPU_CHECK_BIG_LAYERS:-50} \
+    --heads 40 --accumulate 4 --checkpointing --no-autocast-cache >"$out/big.out" 2>"$out/big.err"
+  echo "exit $?"
+  grep -o '^step [0-9]*: [0-9.]* s (fwd/bwd/step [0-9./]*' "$out/big.err"
+  grep -o '"parameters": [0-9]*\|"step_s": [0-9.]*\|"model_tflops": [0-9.]*\|"disk_resident_bytes": [0-9]*\|"bytes_from_disk": [0-9]*\|"bytes_to_disk": [0-9]*\|"disk_prefetches": [0-9]*' "$out/big.out"
+  rm -rf /tmp/zeroalloc-nvme
+else skipped big; fi
 
 # Needs DeepSpeed's sdist and wheels in .whl/ds/ (README, "Benchmarks"): without them the
 # sweep runs zeroalloc's rows alone.
