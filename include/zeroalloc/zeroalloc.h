@@ -196,6 +196,15 @@ int zeroalloc_options_json(char* buffer, size_t length);
 int zeroalloc_report_write(const char* reason);
 
 /**
+ * Sets the section `name` of the memory report (its JSON's "sections", and a table of the
+ * page) to `json_object`, a JSON object's text, replacing the section's last value: what
+ * the layers above know (the Python package's ZeRO partition puts its stage and bytes per
+ * rank there). Returns 0; 1 when no report was asked for (ZEROALLOC_REPORT unset: nothing
+ * kept); -1 with zeroalloc_last_error() set when the text is not a JSON object.
+ */
+int zeroalloc_report_section(const char* name, const char* json_object);
+
+/**
  * Renders the page of a report: reads the JSON at `json_path` (a prefix.json) and writes
  * the self-contained HTML page to `html_path`. Returns 0, or -1 with zeroalloc_last_error().
  */

@@ -385,6 +385,16 @@ ZA_EXPORT int zeroalloc_report_write(const char* reason) {
   });
 }
 
+ZA_EXPORT int zeroalloc_report_section(const char* name, const char* json_object) {
+  return guarded("zeroalloc_report_section", -1, [&] {
+    ZA_REQUIRE(name != nullptr && json_object != nullptr, "a name and a JSON object are needed");
+    zeroalloc::reporter* active = runtime::get().memory_reporter();
+    if (active == nullptr) return 1;  // no report asked for: nothing to keep it in
+    active->set_section(name, json_object);
+    return 0;
+  });
+}
+
 ZA_EXPORT int zeroalloc_report_render(const char* json_path, const char* html_path) {
   return guarded("zeroalloc_report_render", -1, [&] {
     ZA_REQUIRE(json_path != nullptr && html_path != nullptr, "both paths are needed");

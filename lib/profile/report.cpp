@@ -286,6 +286,23 @@ void reporter::step_ended() noexcept {
   }
 }
 
+void reporter::set_section(const std::string& name, const std::string& json_text) {
+  ZA_REQUIRE(!name.empty(), "a report section needs a name");
+  json parsed = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (!parsed.is_object()) {
+    ZA_THROW(invalid_argument, "report section '", name,
+             "': not a JSON object: ", json_text.substr(0, 80));
+  }
+  std::lock_guard lock(mutex_);
+  for (auto& [existing, value] : sections_) {
+    if (existing == name) {
+      value = std::move(parsed);
+      return;
+    }
+  }
+  sections_.emplace_back(name, std::move(parsed));
+}
+
 std::string reporter::build_json(const std::string& reason) const {
   json report;
   report["version"] = ZEROALLOC_VERSION;
@@ -379,6 +396,9 @@ std::string reporter::build_json(const std::string& reason) const {
     steps.push_back(step_json(step_since_boundary(readings, now_ms() - started_ms_), false));
   }
   report["steps"] = std::move(steps);
+  json sections = json::object();
+  for (const auto& [name, value] : sections_) sections[name] = value;
+  report["sections"] = std::move(sections);
   // Strings the library did not make (settings, device names) may hold bytes that are not
   // UTF-8: replaced, not an exception that would lose the report.
   return report.dump(-1, ' ', false, json::error_handler_t::replace);

@@ -88,6 +88,12 @@ class reporter {
   /// prefix.oom.html (at most one pair per 10 s), and later reports carry the message.
   void out_of_memory(const std::string& message);
 
+  /// Sets the report's section `name` (under "sections") to the JSON object `json_text`,
+  /// replacing what it held: what a layer above the library knows (the Python package's
+  /// ZeRO partition, say). Throws invalid_argument naming the problem when `json_text` is
+  /// not a JSON object.
+  void set_section(const std::string& name, const std::string& json_text);
+
   /// The report as JSON.
   [[nodiscard]] std::string build_json(const std::string& reason) const;
   /// The page for a report's JSON: the embedded template with the JSON inlined.
@@ -155,6 +161,7 @@ class reporter {
   std::vector<std::pair<int, std::vector<sample>>> samples_;
   const tier_probe tiers_;
   std::vector<step_record> steps_;
+  std::vector<std::pair<std::string, nlohmann::ordered_json>> sections_;  // set_section
   std::uint64_t steps_per_record_ = 1;
   std::uint64_t steps_ended_ = 0;
   std::vector<device_reading> at_last_boundary_;  // at the start when no step has ended

@@ -126,6 +126,30 @@ def test_each_rank_writes_its_own_report(tmp_path):
     assert json.loads((tmp_path / "run.rank1.json").read_text())["reason"] == "exit"
 
 
+def test_a_section_set_by_the_layers_above_is_in_the_report_and_its_summary(tmp_path):
+    """zeroalloc_report_section: the last value of each section is kept, in the JSON and in
+    `python -m zeroalloc report`'s summary; text that is not a JSON object is refused with
+    a message, and without ZEROALLOC_REPORT the call keeps nothing and says so (1)."""
+    result = run_program("""
+        first = lib.zeroalloc_report_section(b"zero", b'{"stage": 1, "owned_bytes": 1024}')
+        again = lib.zeroalloc_report_section(b"zero", b'{"stage": 1, "owned_bytes": 2048}')
+        bad = lib.zeroalloc_report_section(b"zero", b'[1, 2]')
+        print("statuses", first, again, bad, zeroalloc._library.last_error())
+    """, ZEROALLOC_REPORT=str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr
+    assert "statuses 0 0 -1" in result.stdout and "not a JSON object" in result.stdout
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["sections"] == {"zero": {"stage": 1, "owned_bytes": 2048}}
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report", str(tmp_path / "s.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True)
+    assert "zero: stage 1, owned_bytes 2.00 KiB" in summary.stdout, summary.stdout
+    unreported = run_program("""
+        print("status", lib.zeroalloc_report_section(b"zero", b'{"stage": 1}'))
+    """)
+    assert "status 1" in unreported.stdout, unreported.stderr
+
+
 def test_unwritable_report_path_warns_and_the_program_goes_on():
     result = run_program("""
         pointer = lib.zeroalloc_malloc(1 << 20, 0, None)
@@ -201,6 +225,7 @@ def test_page_draws_its_plot_in_headless_chromium(tmp_path):
         state = lib.zeroalloc_malloc_class(16 << 20, 0, None, 3)   # an optimizer state
         lib.zeroalloc_offload.argtypes = (ctypes.c_void_p, ctypes.c_int)
         lib.zeroalloc_offload(state, 1)
+        lib.zeroalloc_report_section(b"zero", b'{"stage": 1, "owned_bytes": 3145728}')
         time.sleep(0.5)
     """, ZEROALLOC_REPORT=str(tmp_path / "page"), **OFFLOAD)
     result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
@@ -212,6 +237,7 @@ def test_page_draws_its_plot_in_headless_chromium(tmp_path):
     assert '<polyline' in result.stdout and 'data-series="reserved"' in result.stdout
     assert 'data-series="host"' in result.stdout  # the host tier, drawn
     assert "offload to host memory: 16.00 MiB moved out" in result.stdout
+    assert 'data-sections="1"' in result.stdout and "3.00 MiB" in result.stdout  # the section
 
 
 def test_reports_show_the_bytes_offloaded_to_host_memory(tmp_path):

@@ -4,6 +4,7 @@ model is bit for bit the one an unpartitioned optimizer makes from the same grad
 (DistributedDataParallel's, over gloo); ranks whose optimizers differ end at the join, each
 naming both settings."""
 
+import json
 import os
 import re
 import subprocess
@@ -93,7 +94,7 @@ def torchrun(tmp_path, leave_one_out: bool = False) -> subprocess.CompletedProce
     script = tmp_path / "stage1.py"
     script.write_text(textwrap.dedent(PROGRAM.format(leave_one_out=leave_one_out)))
     env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
-           "ZEROALLOC_LIBRARY": str(LIBRARY)}
+           "ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_REPORT": str(tmp_path / "run")}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                            str(script)],
@@ -119,6 +120,11 @@ def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(t
     assert sorted(states) == [0, 1], run.stdout
     assert states[0] + states[1] == total and 0 < states[0] < total, run.stdout
     assert owned_bytes[0] + owned_bytes[1] == parameter_bytes
+    for rank in (0, 1):  # each rank's report says what it owned and sent
+        zero = json.loads((tmp_path / f"run.rank{rank}.json").read_text())["sections"]["zero"]
+        assert zero["stage"] == 1 and zero["rank"] == rank and zero["steps"] == 5, zero
+        assert zero["owned_bytes"] == owned_bytes[rank], zero
+        assert zero["broadcast_bytes"] == 5 * parameter_bytes, zero
     # Whole parameters: each rank's share within the largest parameter of half the bytes.
     assert abs(owned_bytes[0] - owned_bytes[1]) <= 64 * 48 * 4, run.stdout
 

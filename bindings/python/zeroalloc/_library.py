@@ -113,6 +113,7 @@ def library() -> ctypes.CDLL:
                                         ctypes.c_int),
             "zeroalloc_device_count": ([], ctypes.c_int),
             "zeroalloc_report_write": ([ctypes.c_char_p], ctypes.c_int),
+            "zeroalloc_report_section": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
             "zeroalloc_report_render": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
             "zeroalloc_build_info": ([], ctypes.c_char_p),
             "zeroalloc_options_json": ([ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),

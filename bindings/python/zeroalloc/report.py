@@ -58,6 +58,10 @@ def summary(report: dict) -> str:
         for allocation in device["largest_allocations"][:5]:
             lines.append(f"  live: {_format_bytes(allocation['size'])} ({allocation['class']}) "
                          f"at {allocation['address']:#x}")
+    for name, fields in report.get("sections", {}).items():  # zeroalloc_report_section
+        shown = ", ".join(f"{key} {_format_bytes(value) if key.endswith('bytes') else value}"
+                          for key, value in fields.items())
+        lines.append(f"{name}: {shown}")
     samples = len(report["timeline"]["t_ms"])
     lines.append(f"timeline: {samples} samples")
     ended = [step for step in report.get("steps", []) if step["ended"]]  # none in older reports

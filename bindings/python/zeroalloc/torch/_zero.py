@@ -27,12 +27,13 @@ the ranks' host memory only when partitioned cannot be saved this way yet.
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
 from zeroalloc import _group
-from zeroalloc._library import ZeroallocError
+from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc.torch._use_hints import current_stream
 
 
@@ -89,7 +90,15 @@ class Partition:
                 parameter.grad = gradient
         self.share()
         self.figures["steps"] += 1
+        self.report()
         return loss
+
+    def report(self) -> None:
+        """The figures into the memory report's "zero" section (each rank writes its own
+        report under torchrun), when one was asked for (ZEROALLOC_REPORT)."""
+        status = library().zeroalloc_report_section(b"zero", json.dumps(self.figures).encode())
+        if status < 0:
+            raise ZeroallocError(f"the report's zero section: {last_error()}")
 
     def share(self) -> None:
         """Every parameter from its owner."""
@@ -158,6 +167,7 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
                 timeout_s)
     rank, ranks = _group.rank(), _group.size()
     handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks)
+    handle.report()
     optimizer.step = handle.step
     optimizer.state_dict = handle.state_dict
     optimizer.load_state_dict = handle.load_state_dict
