@@ -235,10 +235,12 @@ const std::vector<option_spec>& table() {
        "then, naming it and the bytes needed). Needed with ZEROALLOC_NVME_PATH.",
        store<&options::nvme_bytes, read_byte_size>},
       {"ZEROALLOC_NVME_PARAMETERS", option_kind::boolean, "0", "",
-       "1 lets parameters go to the NVMe tier too, after the optimizer states, when the host "
-       "tier is full: only parameters every use of which so far came with hints (zt.offload, "
-       "or the no-code-change mode's hooks), since a kernel that reads a parameter on disk "
-       "without one fails with CUDA's illegal-address error rather than read wrong bytes.",
+       "1 lets parameters go to the NVMe tier too when the host tier is full, the chunk "
+       "needed farthest ahead first: only chunks every use of which came with hints "
+       "(zt.offload, or the no-code-change mode's hooks) and untouched by any allocation "
+       "since. A parameter on disk must not be read without a hint: model.state_dict() or "
+       "torch.save then fail with CUDA's illegal-address error (fetch first: "
+       "zt.fetch_tensor), rather than read wrong bytes.",
        store<&options::nvme_parameters, read_boolean>},
       {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
        "Path of libzeroalloc.so for the Python package, when it is not next to the package or "

@@ -564,6 +564,11 @@ std::uint64_t migrator::bytes_leaving_device() const {
   return bytes_leaving_device_;
 }
 
+std::uint64_t migrator::disk_resident_bytes() const {
+  std::lock_guard lock(mutex_);
+  return figures_.disk_resident_bytes;
+}
+
 migration_figures migrator::figures() const {
   std::lock_guard lock(mutex_);
   return figures_;
@@ -651,8 +656,9 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
 // and a kernel or copy that touches the chunk faults instead of reading wrong bytes. The
 // engine brings a chunk back before every hinted use; only hinted classes go to disk.
 // The disk store reads and writes CPU-addressable memory, and a host chunk is reached
-// through the device (its staging address): the bytes pass through one bounce buffer, by a
-// copy on the device's own stream, then one request to the store for the whole chunk. A
+// through the device (its staging address): the bytes pass through a bounce buffer (one
+// for writes, one for reads: Note [Two disk lanes]), by a copy on the lane's own stream,
+// then one request to the store for the whole chunk. A
 // write that fails leaves the chunk on the host, untouched (Note [A failed write loses
 // nothing] in disk_store.hpp); a read that fails leaves it on disk. The placeholders are
 // host memory outside ZEROALLOC_HOST_LIMIT: one per size of chunk on disk (most chunks are

@@ -195,6 +195,8 @@ class migrator : public paging_listener {
   /// Bytes of evictions in flight: device memory about to be freed.
   [[nodiscard]] std::uint64_t bytes_leaving_device() const;
   [[nodiscard]] migration_figures figures() const;
+  /// Bytes of live chunks on disk now (figures().disk_resident_bytes, without the copy).
+  [[nodiscard]] std::uint64_t disk_resident_bytes() const;
 
  private:
   struct transfer {

@@ -33,6 +33,7 @@ offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bo
       migrator_(allocator, pool, verify, disk),
       settings_(settings) {
   prefetcher_ = std::thread([this] { prefetch_worker(); });
+  reader_ = std::thread([this] { read_ahead_worker(); });
 }
 
 offload_engine::~offload_engine() {
@@ -42,7 +43,9 @@ offload_engine::~offload_engine() {
     stopping_ = true;
   }
   wishes_changed_.notify_all();
+  reads_changed_.notify_all();
   prefetcher_.join();
+  reader_.join();
   migrator_.drain();  // no copy may still wait on the events below
   try {
     collect_waits(/*all=*/true);
@@ -299,15 +302,15 @@ bool offload_engine::open_and_record(const std::vector<chunk_info>& chunks, bool
     every_use_.record(chunk.address, reopened, /*marked=*/in_place);
   }
   list_wishes(/*device=*/!in_place);
-  return !wishes_.empty();
+  return !wishes_.empty() || !reads_.empty();
 }
 
 void offload_engine::list_wishes(bool device) {
   std::vector<std::uintptr_t> seen;  // a chunk used twice in the window counts once
-  // A use in place moves only the order of every use: the device's wishes stay.
-  std::erase_if(wishes_, [&](const wish& each) { return device || each.in_place; });
   // Note [Prefetch]: what the device's order says comes next, nearest first, up to the
-  // prefetch distance.
+  // prefetch distance. A use in place moves only the order of every use: the device's
+  // wishes stay.
+  if (device) wishes_.clear();
   std::uint64_t ahead = 0;
   for (std::size_t position = device_order_.cursor() + 1;
        device && position < device_order_.size() && ahead < settings_.prefetch_bytes; ++position) {
@@ -320,26 +323,36 @@ void offload_engine::list_wishes(bool device) {
     const residency where = migrator_.where(next);
     if (where == residency::host || where == residency::moving_to_host ||
         where == residency::disk || where == residency::moving_to_disk) {
-      wishes_.push_back({next, /*in_place=*/false});
+      wishes_.push_back(next);
     }
   }
   // Note [In-place uses in the order]: the chunks the next uses in place find on disk, up
-  // to as many bytes again (host memory, not device memory), while anything is on disk.
-  if (!migrator_.has_disk() || migrator_.figures().disk_resident_bytes == 0) return;
+  // to as many bytes again (host memory, not device memory), while anything is on disk;
+  // past the order's end, the next step's first ones.
+  reads_.clear();
+  const std::size_t size = every_use_.size();
+  if (!migrator_.has_disk() || every_use_.next_marked(0) >= size ||
+      migrator_.disk_resident_bytes() == 0) {
+    return;
+  }
   std::uint64_t read_ahead = 0;
   seen.clear();
+  bool wrapped = false;  // past the end: the next step's uses, up to the cursor
   for (std::size_t position = every_use_.next_marked(every_use_.cursor() + 1);
-       position < every_use_.size() && read_ahead < settings_.prefetch_bytes;
-       position = every_use_.next_marked(position + 1)) {
+       read_ahead < settings_.prefetch_bytes; position = every_use_.next_marked(position + 1)) {
+    if (position >= size) {
+      if (wrapped) break;
+      wrapped = true;
+      position = every_use_.next_marked(0);
+    }
+    if (position >= size || (wrapped && position > every_use_.cursor())) break;
     const std::uintptr_t next = every_use_.at(position);
     if (std::find(seen.begin(), seen.end(), next) != seen.end()) continue;
     seen.push_back(next);
     auto state = chunks_.find(next);
     read_ahead += state != chunks_.end() ? state->second.bytes : 0;
     const residency where = migrator_.where(next);
-    if (where == residency::disk || where == residency::moving_to_disk) {
-      wishes_.push_back({next, /*in_place=*/true});
-    }
+    if (where == residency::disk || where == residency::moving_to_disk) reads_.push_back(next);
   }
 }
 
@@ -369,7 +382,10 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   }
   // Woken only with work: a wake per hint (hundreds a step) costs the hinting thread a
   // context switch and the engine lock's contention, with every chunk already resident.
-  if (wished) wishes_changed_.notify_all();
+  if (wished) {
+    wishes_changed_.notify_all();
+    reads_changed_.notify_all();
+  }
 
   std::uint64_t resident = 0;
   // Every chunk gets its ordering even when one fails (a device error from a move): the
@@ -432,7 +448,10 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
     wished = open_and_record(chunks, /*in_place=*/true);
     figures_.in_place_uses += chunks.size();
   }
-  if (wished) wishes_changed_.notify_all();
+  if (wished) {
+    wishes_changed_.notify_all();
+    reads_changed_.notify_all();
+  }
   // A move started before the hint must land before the caller queues work on the chunk;
   // one failing does not leave the others unsettled (the first failure is reported after).
   std::exception_ptr first_failure;
@@ -674,25 +693,46 @@ void offload_engine::prefetch_worker() {
   while (true) {
     wishes_changed_.wait(lock, [&] { return stopping_ || !wishes_.empty(); });
     if (stopping_) return;
-    const wish next = wishes_.front();
+    const std::uintptr_t next = wishes_.front();
     wishes_.pop_front();
-    auto state = chunks_.find(next.address);
+    auto state = chunks_.find(next);
     const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
     lock.unlock();
     bool started = false;
     try {
-      if (bytes != 0 && next.in_place) {
-        started = off_disk_ahead(next.address, bytes);
-      } else if (bytes != 0) {
-        bring_back(next.address, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+      if (bytes != 0) {
+        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
                    /*callers_uses=*/0, &started);
       }
     } catch (const std::exception& failure) {
-      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next.address,
+      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
+    }
+    lock.lock();
+    if (started) ++figures_.prefetches;
+  }
+}
+
+// Note [In-place uses in the order]: reads from disk take a thread of their own, so that a
+// read (and the writes that make host room for it) never holds up a fetch to the device.
+void offload_engine::read_ahead_worker() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    reads_changed_.wait(lock, [&] { return stopping_ || !reads_.empty(); });
+    if (stopping_) return;
+    const std::uintptr_t next = reads_.front();
+    reads_.pop_front();
+    auto state = chunks_.find(next);
+    const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
+    lock.unlock();
+    bool started = false;
+    try {
+      if (bytes != 0) started = off_disk_ahead(next, bytes);
+    } catch (const std::exception& failure) {
+      log().warn("offload: reading the chunk at {:#x} from disk ahead failed: {}", next,
                  failure.what());
     }
     lock.lock();
-    if (started) ++(next.in_place ? figures_.disk_prefetches : figures_.prefetches);
+    if (started) ++figures_.disk_prefetches;
   }
 }
 
@@ -713,15 +753,29 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
   std::uint64_t claimed_bytes = 0;
   {
     // Note [Chunks on disk]: optimizer states go (every use of theirs is hinted, so the
-    // engine brings them back first), and with ZEROALLOC_NVME_PARAMETERS hinted parameters
-    // after them; none with a use open; in each, the farthest next use first.
+    // engine brings them back first), and with ZEROALLOC_NVME_PARAMETERS parameters whose
+    // uses are hinted; none with a use open; the farthest next use first (a state before a
+    // parameter when they tie).
     std::lock_guard lock(mutex_);
     struct candidate {
       std::uintptr_t address;
       std::size_t bytes;
-      bool parameter;  // after every state (ZEROALLOC_NVME_PARAMETERS)
+      bool parameter;
       std::uint64_t distance;
     };
+    // A parameter's chunk goes only while its segment has seen no allocation or free since
+    // its last hinted use ended (its generation then), so the hints still describe what it
+    // holds (its next hinted use brings it back, learned order or not).
+    std::unordered_map<std::uintptr_t, std::uint64_t> generations;
+    if (settings_.parameters_to_disk) {
+      std::vector<chunk_info> all;
+      paging_.list_chunks(all);
+      for (const chunk_info& chunk : all) {
+        if (chunk.allocation_class == static_cast<int>(allocation_class::parameter)) {
+          generations[chunk.address] = chunk.generation;
+        }
+      }
+    }
     std::vector<candidate> candidates;
     for (const auto& each : migrator_.host_resident_chunks()) {
       const bool state_class =
@@ -730,20 +784,25 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
                              each.allocation_class == static_cast<int>(allocation_class::parameter);
       if (each.address == keep || !(state_class || parameter)) continue;
       // Every use of it so far hinted, or none yet for a state (Note [States never used
-      // yet]); no use open. A parameter must have been hinted: its first use may be a
-      // module's, before any optimizer.
+      // yet]); no use open.
       auto state = chunks_.find(each.address);
       if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
         continue;
       }
-      if (parameter && state == chunks_.end()) continue;
       const std::uint64_t distance = next_use_distance(each.address, /*on_device=*/false);
+      if (parameter) {
+        auto generation = generations.find(each.address);
+        if (state == chunks_.end() || generation == generations.end() ||
+            state->second.released_generation != generation->second) {
+          continue;
+        }
+      }
       if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
       candidates.push_back({each.address, each.bytes, parameter, distance});
     }
     std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
-      if (a.parameter != b.parameter) return b.parameter;  // the states first
-      return a.distance > b.distance;
+      if (a.distance != b.distance) return a.distance > b.distance;
+      return !a.parameter && b.parameter;
     });
     for (const candidate& each : candidates) {
       if (claimed_bytes >= bytes) break;

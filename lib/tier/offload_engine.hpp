@@ -95,8 +95,8 @@ struct offload_settings {
   /// (Note [Anticipated sizes] in host_pool.hpp). Off in tests that set the pool's ready
   /// chunks themselves.
   bool anticipate_state_chunks = true;
-  /// ZEROALLOC_NVME_PARAMETERS: parameters whose every use was hinted may go to disk too,
-  /// after the optimizer states (Note [Chunks on disk] in migrator.hpp).
+  /// ZEROALLOC_NVME_PARAMETERS: parameters whose every use was hinted, untouched by any
+  /// allocation since, may go to disk too (Note [Chunks on disk] in migrator.hpp).
   bool parameters_to_disk = false;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
@@ -288,6 +288,7 @@ class offload_engine : public paging_listener {
   bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
                   bool ordered_use, int callers_uses = 0, bool* fetched = nullptr);
   void prefetch_worker();
+  void read_ahead_worker();
   /// Note [Chunks on disk] in migrator.hpp: moves idle host-resident optimizer states, the
   /// farthest next use first (never `keep`), to the disk until `bytes` of host memory are
   /// free; returns how many chunks went (0: none could, or there is no disk tier). Caller
@@ -326,11 +327,10 @@ class offload_engine : public paging_listener {
   use_order every_use_;
   std::size_t window_positions_ = 0;  // how many positions past the cursor the window spans
   std::uint64_t tick_ = 0;
-  struct wish {
-    std::uintptr_t address;
-    bool in_place;  // only off the disk, to the host (Note [In-place uses in the order])
-  };
-  std::deque<wish> wishes_;  // chunks to prefetch, nearest first
+  std::deque<std::uintptr_t> wishes_;  // chunks to fetch to the device, nearest first
+  // chunks to read from disk to the host, nearest first (Note [In-place uses in the order])
+  std::deque<std::uintptr_t> reads_;
+  std::condition_variable reads_changed_;
   offload_figures figures_;
   // Per thread (each allocation's failure is its own): set by relieve_pressure when the
   // host tier was full, cleared when it moved something.
@@ -344,6 +344,7 @@ class offload_engine : public paging_listener {
   std::vector<event_handle> spare_timing_events_;
   bool stopping_ = false;
   std::thread prefetcher_;
+  std::thread reader_;  // read_ahead_worker
 };
 
 }  // namespace zeroalloc

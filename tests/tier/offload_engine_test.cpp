@@ -377,8 +377,9 @@ TEST_F(OffloadEngineDiskTest, HintedParametersGoToDiskOnlyWhenAskedAndComeBackIn
   }
 }
 
-// With parameters allowed on disk, the optimizer states go first: the step alone touches
-// them, where a parameter on disk delays the forward.
+// With parameters allowed on disk, what goes first is what is needed farthest ahead: here
+// the optimizer states, which no use has reached yet, before the parameters, which the
+// forward uses again.
 TEST_F(OffloadEngineDiskTest, OptimizerStatesGoToDiskBeforeParameters) {
   if (!start(16 * MiB, 32 * MiB, 256 * MiB, 0, /*parameters_to_disk=*/true)) {
     GTEST_SKIP() << "skipped: " << skipped_;
