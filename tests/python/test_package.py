@@ -245,6 +245,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                      and name not in {"zeroalloc_abi_version", "zeroalloc_device_count",
                                       "zeroalloc_stats_json", "zeroalloc_snapshot_json",
                                       "zeroalloc_report_write", "zeroalloc_report_render",
+                                      "zeroalloc_report_section",
                                       "zeroalloc_options_json", "zeroalloc_set_thread_class",
                                       "zeroalloc_offload", "zeroalloc_fetch",
                                       "zeroalloc_residency", "zeroalloc_room",
