@@ -125,6 +125,7 @@ def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(t
         assert zero["stage"] == 1 and zero["rank"] == rank and zero["steps"] == 5, zero
         assert zero["owned_bytes"] == owned_bytes[rank], zero
         assert zero["broadcast_bytes"] == 5 * parameter_bytes, zero
+        assert zero["broadcasts"] == 5 * 2, zero  # one bucket per owner a step, not 6
     # Whole parameters: each rank's share within the largest parameter of half the bytes.
     assert abs(owned_bytes[0] - owned_bytes[1]) <= 64 * 48 * 4, run.stdout
 

@@ -10,8 +10,10 @@ at most one parameter's size, and the step is the optimizer's own, unchanged, ov
 parameters it owns (the others' gradients are hidden from it for the step, so it neither
 updates them nor creates their states). The gradients must already be the same on every
 rank when the step runs (DistributedDataParallel's all-reduce makes them so): stage 1
-partitions the step, not the gradients' reduction (stage 2). Each parameter is one
-broadcast: a model of many small parameters pays one collective each. The joined group's
+partitions the step, not the gradients' reduction (stage 2). The owner's parameters go in
+broadcasts of up to 64 MiB (a bucket packed into one buffer, unpacked by the others; a
+larger parameter alone, in place), so a model of many small parameters pays a few
+collectives a step, not one each. The joined group's
 agreement carries the stage and the parameters' count and bytes, so ranks whose models or
 settings differ end at the join, every rank with both settings named, instead of
 exchanging mismatched bytes.
@@ -53,6 +55,29 @@ def _nbytes(parameter: torch.Tensor) -> int:
     return parameter.numel() * parameter.element_size()
 
 
+#: The most bytes of parameters one broadcast carries (a larger parameter goes alone).
+BUCKET_BYTES = 64 << 20
+
+
+def buckets(parameters: list, owners: list) -> list:
+    """(owner, parameters) per broadcast: runs of one owner's parameters on one device, up
+    to BUCKET_BYTES each. Raises for a parameter that is not contiguous (the bytes are
+    broadcast where they are)."""
+    found = []
+    for parameter, owner in zip(parameters, owners):
+        if not parameter.is_contiguous():
+            raise ZeroallocError("ZeRO stage 1 broadcasts parameters in place: a parameter of "
+                                 f"shape {tuple(parameter.shape)} is not contiguous")
+        if found:
+            last_owner, members = found[-1]
+            if (last_owner == owner and members[0].device == parameter.device
+                    and sum(_nbytes(p) for p in members) + _nbytes(parameter) <= BUCKET_BYTES):
+                members.append(parameter)
+                continue
+        found.append((owner, [parameter]))
+    return found
+
+
 class Partition:
     """What partition() returns: the ownership and the figures (``figures``: the parameters
     and bytes this rank owns, the bytes broadcast and the time it took); remove() gives the
@@ -67,12 +92,14 @@ class Partition:
         self.inner = optimizer.step
         self.inner_state_dict = optimizer.state_dict
         self.inner_load_state_dict = optimizer.load_state_dict
+        self.buckets = buckets(parameters, owners)
         owned = [p for p, owner in zip(parameters, owners) if owner == rank]
         self.figures = {"stage": 1, "rank": rank, "ranks": ranks,
                         "owned_parameters": len(owned),
                         "owned_bytes": sum(_nbytes(p) for p in owned),
                         "parameter_bytes": sum(_nbytes(p) for p in parameters),
-                        "steps": 0, "broadcast_bytes": 0, "broadcast_s": 0.0}
+                        "steps": 0, "broadcasts": 0, "broadcast_bytes": 0,
+                        "broadcast_s": 0.0}
 
     def step(self, closure=None):
         if closure is not None:
@@ -101,16 +128,28 @@ class Partition:
             raise ZeroallocError(f"the report's zero section: {last_error()}")
 
     def share(self) -> None:
-        """Every parameter from its owner."""
+        """Every parameter from its owner, a bucket per broadcast (Note [Stage 1 by whole
+        parameters])."""
         started = time.perf_counter()
-        for parameter, owner in zip(self.parameters, self.owners):
-            data = parameter.detach()
-            if not data.is_contiguous():
-                raise ZeroallocError("ZeRO stage 1 broadcasts parameters in place: a "
-                                     "parameter is not contiguous")
-            stream = current_stream(data.device.index) if data.is_cuda else None
-            _group.broadcast(data.data_ptr(), _nbytes(data), owner, stream)
-            self.figures["broadcast_bytes"] += _nbytes(data)
+        for owner, members in self.buckets:
+            device = members[0].device
+            stream = current_stream(device.index) if device.type == "cuda" else None
+            views = [p.detach().reshape(-1).view(torch.uint8) for p in members]
+            if len(views) == 1:  # one parameter: in place, no copies
+                _group.broadcast(views[0].data_ptr(), views[0].numel(), owner, stream)
+            else:
+                flat = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8,
+                                   device=device)
+                if owner == self.rank:
+                    torch.cat(views, out=flat)
+                _group.broadcast(flat.data_ptr(), flat.numel(), owner, stream)
+                if owner != self.rank:
+                    offset = 0
+                    for view in views:
+                        view.copy_(flat[offset:offset + view.numel()])
+                        offset += view.numel()
+            self.figures["broadcast_bytes"] += sum(v.numel() for v in views)
+            self.figures["broadcasts"] += 1
         self.figures["broadcast_s"] += time.perf_counter() - started
 
     def state_dict(self) -> dict:
