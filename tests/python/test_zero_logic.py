@@ -1,0 +1,39 @@
+"""ZeRO stage 1's ownership and buckets (zeroalloc/torch/_zero.py), without ranks: who owns
+which parameter, and which parameters one broadcast carries."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+
+from zeroalloc._library import ZeroallocError  # noqa: E402
+from zeroalloc.torch import _zero  # noqa: E402
+
+
+def test_owners_are_contiguous_runs_of_about_equal_bytes():
+    sizes = [100] * 10
+    assert _zero.owners_by_bytes(sizes, 2) == [0] * 5 + [1] * 5
+    assert _zero.owners_by_bytes(sizes, 4) == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    # A parameter goes to the rank its middle byte falls in; every rank is in range.
+    owners = _zero.owners_by_bytes([1, 1000, 1], 3)
+    assert owners == sorted(owners) and all(0 <= o < 3 for o in owners)
+    assert _zero.owners_by_bytes([8], 4) == [2]  # one parameter: the middle byte's rank
+    assert _zero.owners_by_bytes([0, 0], 2) == [0, 0]  # nothing to split
+
+
+def test_a_bucket_holds_one_owners_run_up_to_the_size_and_a_large_parameter_alone():
+    small = [torch.zeros(1024) for _ in range(4)]  # 4 KiB each
+    large = torch.zeros((_zero.BUCKET_BYTES // 4) + 1)  # just over a bucket
+    parameters = small[:2] + [large] + small[2:]
+    found = _zero.buckets(parameters, [0, 0, 0, 1, 1])
+    assert [(owner, [id(p) for p in members]) for owner, members in found] == [
+        (0, [id(small[0]), id(small[1])]), (0, [id(large)]), (1, [id(small[2]), id(small[3])])]
+
+
+def test_a_parameter_that_is_not_contiguous_is_refused_with_its_shape():
+    strided = torch.zeros(4, 6).t()
+    with pytest.raises(ZeroallocError, match=r"shape \(6, 4\) is not contiguous"):
+        _zero.buckets([strided], [0])
