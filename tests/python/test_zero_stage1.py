@@ -156,7 +156,8 @@ for step in range(3):
     optimizer.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.uint8)
+digest = hashlib.sha256(bytes(flat.tolist()))  # (no NumPy needed)
 print(f"rank {rank} states {len(optimizer.state)} digest {digest.hexdigest()}", flush=True)
 """
 

@@ -19,8 +19,8 @@ settings differ end at the join, every rank with both settings named, instead of
 exchanging mismatched bytes.
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
-unpartitioned one would: every rank's own states gathered (torch.distributed's
-all_gather_object, which DistributedDataParallel's process group provides), on the CPU, so
+unpartitioned one would: every rank's own states gathered (pickled, through the default
+process group, which DistributedDataParallel needs anyway), on the CPU, so
 a checkpoint saved from any rank loads into a run with any number of ranks, or none.
 load_state_dict() takes such a state and keeps only the states of the parameters the rank
 owns. Gathering holds every state on every rank for the moment: a model whose states fit
@@ -29,7 +29,9 @@ the ranks' host memory only when partitioned cannot be saved this way yet.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import pickle
 import time
 
 import torch
@@ -53,6 +55,30 @@ def owners_by_bytes(sizes: list, ranks: int) -> list:
 
 def _nbytes(parameter: torch.Tensor) -> int:
     return parameter.numel() * parameter.element_size()
+
+
+def _gather_objects(distributed, value) -> list:
+    """Every rank's `value` (picklable), in rank order, through the default process group:
+    all_gather_object without its NumPy (which PyTorch needs there and may lack)."""
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if distributed.get_backend() == "nccl" else torch.device("cpu"))
+    ranks = distributed.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(ranks)]
+    distributed.all_gather(sizes, size)
+    lengths = [int(each.item()) for each in sizes]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    everyone = [torch.empty_like(mine) for _ in range(ranks)]
+    distributed.all_gather(everyone, mine)
+    found = []
+    for each, length in zip(everyone, lengths):
+        host = each[:length].cpu().contiguous()
+        found.append(pickle.loads(ctypes.string_at(host.data_ptr(), length)))
+    return found
 
 
 #: The most bytes of parameters one broadcast carries (a larger parameter goes alone).
@@ -164,8 +190,7 @@ class Partition:
         mine = {index: {name: value.detach().cpu() if torch.is_tensor(value) else value
                         for name, value in state.items()}
                 for index, state in own["state"].items()}
-        everyone = [None] * distributed.get_world_size()
-        distributed.all_gather_object(everyone, mine)
+        everyone = _gather_objects(distributed, mine)
         gathered = {}
         for states in everyone:
             gathered.update(states)
