@@ -688,52 +688,46 @@ bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool 
   return started;
 }
 
-void offload_engine::prefetch_worker() {
+void offload_engine::work_through(std::deque<std::uintptr_t>& queue,
+                                  std::condition_variable& changed,
+                                  std::uint64_t offload_figures::*started_count, const char* what,
+                                  const std::function<bool(std::uintptr_t, std::size_t)>& act) {
   std::unique_lock lock(mutex_);
   while (true) {
-    wishes_changed_.wait(lock, [&] { return stopping_ || !wishes_.empty(); });
+    changed.wait(lock, [&] { return stopping_ || !queue.empty(); });
     if (stopping_) return;
-    const std::uintptr_t next = wishes_.front();
-    wishes_.pop_front();
+    const std::uintptr_t next = queue.front();
+    queue.pop_front();
     auto state = chunks_.find(next);
     const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
     lock.unlock();
     bool started = false;
     try {
-      if (bytes != 0) {
-        bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
-                   /*callers_uses=*/0, &started);
-      }
+      if (bytes != 0) started = act(next, bytes);
     } catch (const std::exception& failure) {
-      log().warn("offload: prefetching the chunk at {:#x} failed: {}", next, failure.what());
+      log().warn("offload: {} the chunk at {:#x} failed: {}", what, next, failure.what());
     }
     lock.lock();
-    if (started) ++figures_.prefetches;
+    if (started) ++(figures_.*started_count);
   }
+}
+
+void offload_engine::prefetch_worker() {
+  work_through(wishes_, wishes_changed_, &offload_figures::prefetches, "prefetching",
+               [this](std::uintptr_t next, std::size_t bytes) {
+                 bool started = false;
+                 bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+                            /*callers_uses=*/0, &started);
+                 return started;
+               });
 }
 
 // Note [In-place uses in the order]: reads from disk take a thread of their own, so that a
 // read (and the writes that make host room for it) never holds up a fetch to the device.
 void offload_engine::read_ahead_worker() {
-  std::unique_lock lock(mutex_);
-  while (true) {
-    reads_changed_.wait(lock, [&] { return stopping_ || !reads_.empty(); });
-    if (stopping_) return;
-    const std::uintptr_t next = reads_.front();
-    reads_.pop_front();
-    auto state = chunks_.find(next);
-    const std::size_t bytes = state != chunks_.end() ? state->second.bytes : 0;
-    lock.unlock();
-    bool started = false;
-    try {
-      if (bytes != 0) started = off_disk_ahead(next, bytes);
-    } catch (const std::exception& failure) {
-      log().warn("offload: reading the chunk at {:#x} from disk ahead failed: {}", next,
-                 failure.what());
-    }
-    lock.lock();
-    if (started) ++figures_.disk_prefetches;
-  }
+  work_through(
+      reads_, reads_changed_, &offload_figures::disk_prefetches, "reading from disk ahead",
+      [this](std::uintptr_t next, std::size_t bytes) { return off_disk_ahead(next, bytes); });
 }
 
 // Note [States never used yet]: an optimizer creates its states in its first step, one

@@ -287,6 +287,12 @@ class offload_engine : public paging_listener {
   /// (one in place, or one on another thread) may still queue work on its present backing.
   bool bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
                   bool ordered_use, int callers_uses = 0, bool* fetched = nullptr);
+  /// A worker's loop: takes the chunks `queue` lists, nearest first, and runs `act` on
+  /// each (outside mutex_), counting those it started in `started_count`, until the engine
+  /// stops. A failure is logged with `what`, and the next chunk taken.
+  void work_through(std::deque<std::uintptr_t>& queue, std::condition_variable& changed,
+                    std::uint64_t offload_figures::*started_count, const char* what,
+                    const std::function<bool(std::uintptr_t, std::size_t)>& act);
   void prefetch_worker();
   void read_ahead_worker();
   /// Note [Chunks on disk] in migrator.hpp: moves idle host-resident optimizer states, the

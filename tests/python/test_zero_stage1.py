@@ -55,14 +55,19 @@ except zt.ZeroallocError as failure:
     print(f"rank {{rank}} partition failed: {{failure}}", flush=True)
     sys.exit(3)
 inputs = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-for step in range(4):
+
+
+def step_both() -> bool:  # one step of both on one batch: are they the same after it?
     x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
     for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
-    print(f"rank {{rank}} step {{step}} same {{same}}", flush=True)
+    return all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
+
+
+for step in range(4):
+    print(f"rank {{rank}} step {{step}} same {{step_both()}}", flush=True)
 # Note [Checkpoints of a partition]: the gathered state is the unpartitioned optimizer's.
 gathered, whole = parted_optimizer.state_dict(), plain_optimizer.state_dict()
 same_state = (gathered["param_groups"] == whole["param_groups"]
@@ -76,13 +81,7 @@ owned_before = len(parted_optimizer.state)
 # its own tensors, which the loaded optimizer would then share).
 parted_optimizer.load_state_dict(copy.deepcopy(whole))
 print(f"rank {{rank}} loaded keeps {{len(parted_optimizer.state) == owned_before}}", flush=True)
-x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
-for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
-same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
-print(f"rank {{rank}} after loading same {{same}}", flush=True)
+print(f"rank {{rank}} after loading same {{step_both()}}", flush=True)
 total = len(list(parted.parameters()))
 print(f"rank {{rank}} states {{len(parted_optimizer.state)}} of {{total}} "
       f"owned {{handle.figures['owned_parameters']}} bytes {{handle.figures['owned_bytes']}} "
