@@ -45,6 +45,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -701,7 +702,12 @@ def prepare_cpu_adam_build(torch) -> None:
     if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda").is_dir():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
     major, minor = torch.cuda.get_device_capability()
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    # DeepSpeed 0.19.8 reads each entry of the list as numbers (with "+PTX" at most): an
+    # architecture-specific entry such as "9.0a", which some images set, stops its JIT build
+    # with "invalid literal for int()". Such a list is replaced by the device's own.
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+    if not arch_list or any(not re.fullmatch(r"\d+\.\d+(\+PTX)?", arch) for arch in arch_list):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
     # torch.utils.cpp_extension includes this directory; a Python without its development
     # files (python3.12-dev on Ubuntu) fails the build with "Python.h: No such file".
     # Headers of the same minor version carried beside DeepSpeed's files
