@@ -197,7 +197,18 @@ if [[ -z $(skipped big) ]]; then
     --heads 40 --accumulate 4 --checkpointing --no-autocast-cache >"$out/big.out" 2>"$out/big.err"
   echo "exit $?"
   grep -o '^step [0-9]*: [0-9.]* s (fwd/bwd/step [0-9./]*' "$out/big.err"
-  grep -o '"parameters": [0-9]*\|"step_s": [0-9.]*\|"model_tflops": [0-9.]*\|"disk_resident_bytes": [0-9]*\|"bytes_from_disk": [0-9]*\|"bytes_to_disk": [0-9]*\|"disk_prefetches": [0-9]*' "$out/big.out"
+  python3 - "$out/big.out" <<'PY'
+import json, sys
+text = open(sys.argv[1]).read()
+result = json.loads(text[text.index("{"):]) if "{" in text else {}
+timed, offload = result.get("timed") or {}, result.get("offload") or {}
+steps = max(1, timed.get("steps", 1))
+print(f'parameters {result.get("parameters", 0) / 1e9:.2f}B; step {result.get("step_s", 0):.1f} s; '
+      f'{result.get("model_tflops", 0):.1f} model TFLOPS; on disk {offload.get("disk_resident_bytes", 0) / 2**30:.1f} GiB; '
+      f'per timed step: read {timed.get("bytes_from_disk", 0) / steps / 1e9:.1f} GB, '
+      f'wrote {timed.get("bytes_to_disk", 0) / steps / 1e9:.1f} GB, disk time {timed.get("disk_ns", 0) / steps / 1e9:.1f} s, '
+      f'{timed.get("disk_prefetches", 0) // steps} chunks read ahead')
+PY
   rm -rf /tmp/zeroalloc-nvme
 else skipped big; fi
 

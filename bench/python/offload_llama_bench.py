@@ -452,7 +452,8 @@ def build(args, torch, device, context=None):
 # The offload engine's counters whose change over the timed steps the offload worker reports
 # (raw_stats' `offload` at the end counts the warmup steps too).
 TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits",
-                  "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns")
+                  "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns",
+                  "bytes_to_disk", "bytes_from_disk", "disk_ns", "disk_prefetches")
 
 
 def offload_counters(zeroalloc) -> dict:
