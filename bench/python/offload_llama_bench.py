@@ -653,7 +653,10 @@ def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
     other modes (lr 1e-4, weight decay 0.01), no gradient clipping (DeepSpeed's default
     clips at 1.0). With `nvme_path` (ds3nvme), ZeRO-Infinity: optimizer states and
     parameters in files under that directory, through DeepSpeed's libaio swapper with its
-    documented settings (1 MiB blocks, queue depth 8, overlapped events)."""
+    documented settings (1 MiB blocks, queue depth 8, overlapped events). Its parameter
+    swapper needs a pinned buffer for each parameter live at once: the default 5 stops a
+    Llama layer (9 parameters) with "Not enough buffers 0 for swapping 1", so 24 (two
+    layers and some; 4.8 GB pinned at 1e8 bf16 elements each)."""
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "overlap_comm": True, "contiguous_gradients": True}
     if stage == 3:
@@ -662,7 +665,7 @@ def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
                                      "pin_memory": True, "buffer_count": 4}
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
-                                 "buffer_count": 5, "buffer_size": 100_000_000}
+                                 "buffer_count": 24, "buffer_size": 100_000_000}
     extra = {"aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
                      "single_submit": False, "overlap_events": True}} if nvme_path else {}
     return {**extra,"train_micro_batch_size_per_gpu": args.batch,
@@ -927,6 +930,9 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if mode.endswith("nvme"):
+        # DeepSpeed leaves its swap files behind; the next mode needs the disk they fill.
+        shutil.rmtree(Path(args.nvme_path.split(":")[0]) / "deepspeed", ignore_errors=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
     others = [line for line in result.stdout.splitlines() if not line.startswith("result ")]
     if args.log_dir:
