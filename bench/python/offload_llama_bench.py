@@ -13,6 +13,7 @@ Each configuration runs in its own process (the allocator swap is one per proces
   ds3      DeepSpeed ZeRO-3, optimizer states and parameters on the host (one rank, bf16)
   ds3nvme  DeepSpeed ZeRO-Infinity: ZeRO-3 with optimizer states and parameters on NVMe
            under --nvme-path (libaio; its packages in .deps/ where the system lacks them)
+  ds3nvmeopt  ZeRO-Infinity with the optimizer states alone on NVMe, parameters on the host
 The model is a transformers LlamaForCausalLM with random weights (1.3B parameters by
 default), batch 4 x 1024 tokens, bf16 autocast, AdamW. Prints a table, then one JSON line.
 
@@ -64,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--library", default=str(ROOT / "build" / "libzeroalloc.so"))
     parser.add_argument("--modes", default="native,zeroalloc,offload,fsdp2",
                         help="comma-separated, run in this order whatever the order given: "
-                        "native, zeroalloc, ds2, ds3, ds3nvme, offload, fsdp2 (the ds modes need "
+                        "native, zeroalloc, ds2, ds3, ds3nvme, ds3nvmeopt, offload, fsdp2 (the ds modes need "
                         "DeepSpeed: scripts/install-deepspeed.sh)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
@@ -129,11 +130,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 GIB = 2**30
-DEEPSPEED_MODES = ("ds2", "ds3", "ds3nvme")
+DEEPSPEED_MODES = ("ds2", "ds3", "ds3nvme", "ds3nvmeopt")
 KNOWN_MODES = ("native", "zeroalloc", *DEEPSPEED_MODES, "offload", "fsdp2")
 # The one-rank process groups' ports, one per mode: a mode never waits for the port of the
 # mode before it to be let go.
-MASTER_PORTS = {"fsdp2": "29517", "ds2": "29518", "ds3": "29519", "ds3nvme": "29520"}
+MASTER_PORTS = {"fsdp2": "29517", "ds2": "29518", "ds3": "29519", "ds3nvme": "29520",
+                "ds3nvmeopt": "29521"}
 BANDWIDTH_COPY_BYTES = 256 * 2**20
 BANDWIDTH_REPETITIONS = 10
 
@@ -646,7 +648,8 @@ def worker(args) -> int:
     return 0
 
 
-def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
+def deepspeed_config(args, stage: int, nvme_path: str = "",
+                     parameters_on_nvme: bool = True) -> dict:
     """ZeRO-Offload as DeepSpeed documents it for one GPU: optimizer states (and at stage 3
     the parameters) in pinned host memory, DeepSpeed's CPU Adam ("AdamW" with an offloaded
     optimizer becomes DeepSpeedCPUAdam with adamw_mode), bf16 weights; the AdamW of the
@@ -656,7 +659,11 @@ def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
     documented settings (1 MiB blocks, queue depth 8, overlapped events). Its parameter
     swapper needs a pinned buffer for each parameter live at once: the default 5 stops a
     Llama layer (9 parameters) with "Not enough buffers 0 for swapping 1", so 24 (two
-    layers and some; 4.8 GB pinned at 1e8 bf16 elements each)."""
+    layers and some; 4.8 GB pinned at 1e8 bf16 elements each), and no parameter is kept
+    for a reuse ahead (`stage3_max_reuse_distance` 0: with checkpointing each layer's
+    parameters are used again in the recompute, and the default 1e9 elements kept every
+    one live until the buffers ran out). With `parameters_on_nvme` false (ds3nvmeopt) the
+    parameters stay in pinned host memory and only the optimizer states go to NVMe."""
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "overlap_comm": True, "contiguous_gradients": True}
     if stage == 3:
@@ -664,8 +671,13 @@ def deepspeed_config(args, stage: int, nvme_path: str = "") -> dict:
     if nvme_path:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
                                      "pin_memory": True, "buffer_count": 4}
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
-                                 "buffer_count": 24, "buffer_size": 100_000_000}
+        if parameters_on_nvme:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path,
+                                     "pin_memory": True, "buffer_count": 24,
+                                     "buffer_size": 100_000_000}
+            zero["stage3_max_reuse_distance"] = 0
+            zero["stage3_max_live_parameters"] = 100_000_000
+            zero["stage3_prefetch_bucket_size"] = 50_000_000
     extra = {"aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
                      "single_submit": False, "overlap_events": True}} if nvme_path else {}
     return {**extra,"train_micro_batch_size_per_gpu": args.batch,
@@ -740,7 +752,7 @@ def deepspeed_worker(args) -> int:
     mode = args.worker
     stage = int(mode[len("ds")])
     nvme_path = ""
-    if mode.endswith("nvme"):
+    if "nvme" in mode:
         nvme_path = str(Path(args.nvme_path.split(":")[0]) / "deepspeed")
         Path(nvme_path).mkdir(parents=True, exist_ok=True)
     import torch
@@ -749,7 +761,7 @@ def deepspeed_worker(args) -> int:
     prepare_cpu_adam_build(torch)
     import deepspeed
     deepspeed.init_distributed()
-    config = deepspeed_config(args, stage, nvme_path)
+    config = deepspeed_config(args, stage, nvme_path, parameters_on_nvme=mode == "ds3nvme")
     # ZeRO-3 partitions a model built on the host while it initialises (the engine casts it
     # to bf16, moves it and converts its parameters), so the full fp32 model never has to fit
     # on the device; ZeRO-2 keeps the bf16 weights on the device anyway.
@@ -757,7 +769,8 @@ def deepspeed_worker(args) -> int:
         # ZeRO-Infinity's way for models larger than host memory: each layer's weights are
         # partitioned to NVMe as it is made (zero.Init), so the whole model never exists
         # in fp32 anywhere.
-        placed = deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme",
+        placed = deepspeed.zero.Init(config_dict_or_path=config,
+                                     remote_device="nvme" if mode == "ds3nvme" else "cpu",
                                      pin_memory=True)
         model = build(args, torch, device, context=placed)
     else:
@@ -916,7 +929,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cuda"})
         if "CUDA_HOME" not in env and Path("/usr/local/cuda").is_dir():
             env["CUDA_HOME"] = "/usr/local/cuda"
-        if mode.endswith("nvme"):
+        if "nvme" in mode:
             env.update(libaio_environment(env))
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
@@ -930,7 +943,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-    if mode.endswith("nvme"):
+    if "nvme" in mode:
         # DeepSpeed leaves its swap files behind; the next mode needs the disk they fill.
         shutil.rmtree(Path(args.nvme_path.split(":")[0]) / "deepspeed", ignore_errors=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("result ")]
@@ -958,8 +971,8 @@ def main() -> int:
     if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
         print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
         return 2
-    if "ds3nvme" in args.modes.split(",") and not args.nvme_path:
-        print("--modes ds3nvme (DeepSpeed ZeRO-Infinity) needs --nvme-path: the directory "
+    if {"ds3nvme", "ds3nvmeopt"} & set(args.modes.split(",")) and not args.nvme_path:
+        print("--modes ds3nvme and ds3nvmeopt (DeepSpeed ZeRO-Infinity) need --nvme-path: the directory "
               "for its swap files", file=sys.stderr)
         return 2
     if bool(args.nvme_path) != bool(args.nvme_size):

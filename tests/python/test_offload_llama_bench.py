@@ -208,14 +208,24 @@ def test_zero_infinity_puts_states_and_parameters_in_files_under_the_path():
     assert zero["offload_optimizer"]["nvme_path"] == zero["offload_param"]["nvme_path"] == \
         "/mnt/a/deepspeed"
     assert config["aio"]["block_size"] == 1 << 20
+    # A parameter used again within the reuse distance stays in its swap buffer: with the
+    # default distance, checkpointing's recompute kept every one until none was left.
+    assert zero["stage3_max_reuse_distance"] == 0
+    assert zero["offload_param"]["buffer_count"] * zero["offload_param"]["buffer_size"] >= \
+        zero["stage3_max_live_parameters"]
+    # The states alone on NVMe: the parameters stay in pinned host memory.
+    states_only = bench.deepspeed_config(args, 3, "/mnt/a/deepspeed", parameters_on_nvme=False)
+    assert states_only["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert states_only["zero_optimization"]["offload_param"]["device"] == "cpu"
     # Without a path: ZeRO-Offload to host memory, as before, and no aio section.
     plain = bench.deepspeed_config(args, 3)
     assert plain["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "aio" not in plain
 
 
-def test_zero_infinity_without_a_path_is_refused(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "ds3nvme"])
+@pytest.mark.parametrize("mode", ["ds3nvme", "ds3nvmeopt"])
+def test_zero_infinity_without_a_path_is_refused(monkeypatch, capsys, mode):
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", mode])
     assert bench.main() == 2
     assert "--nvme-path" in capsys.readouterr().err
 
