@@ -238,10 +238,19 @@ int disk_store::fixed_buffer_index(const char* host, std::size_t bytes) const {
   return -1;
 }
 
-disk_slot disk_store::allocate(std::size_t bytes) {
+disk_slot disk_store::allocate(std::size_t bytes, std::uint64_t leave_free) {
   ZA_REQUIRE(bytes > 0, "a disk slot of 0 bytes");
   const std::uint64_t wanted = (bytes + options_.stripe_bytes - 1) / options_.stripe_bytes;
   std::lock_guard lock(mutex_);
+  const std::uint64_t free_bytes = figures_.capacity_bytes - figures_.used_bytes;
+  if (wanted * options_.stripe_bytes + leave_free > free_bytes) {
+    ZA_THROW(disk_space_exhausted, "the NVMe tier has no room for ", format_bytes(bytes), ": ",
+             format_bytes(figures_.used_bytes), " of its ", format_bytes(figures_.capacity_bytes),
+             " hold other chunks",
+             leave_free == 0 ? std::string()
+                             : " and " + format_bytes(leave_free) +
+                                   " stay free for bringing chunks back from it");
+  }
   slot_record record;
   record.bytes = bytes;
   std::uint64_t left = wanted;

@@ -131,8 +131,10 @@ class disk_store {
   /// use plain requests) when the kernel refuses them.
   bool register_host_buffers(const std::vector<iovec>& buffers);
 
-  /// A slot for `bytes` (rounded up to whole stripe units). Throws disk_space_exhausted.
-  disk_slot allocate(std::size_t bytes);
+  /// A slot for `bytes` (rounded up to whole stripe units) that leaves at least
+  /// `leave_free` bytes of the store free (Note [Room kept for restores]). Throws
+  /// disk_space_exhausted.
+  disk_slot allocate(std::size_t bytes, std::uint64_t leave_free = 0);
   /// Gives a slot's space back. Nothing may be in flight on it.
   void release(disk_slot slot);
 

@@ -663,6 +663,15 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
 // nothing] in disk_store.hpp); a read that fails leaves it on disk. The placeholders are
 // host memory outside ZEROALLOC_HOST_LIMIT: one per size of chunk on disk (most chunks are
 // ZEROALLOC_CHUNK_SIZE; a segment's last one may be smaller), until the migrator goes.
+//
+// Note [Room kept for restores]: a chunk on disk comes back into a host chunk, and a full
+// host tier makes room by sending another chunk to the disk, which needs a disk slot before
+// the restore frees one. With the disk full too (the largest model a machine trains fills
+// every tier), nothing could come back. So a spill leaves the room of the largest chunk
+// spilled so far free in the store, unless it makes host room for a restore: that one may
+// take the room, which the restore gives back when it frees its slot. The tier holds one
+// chunk less than its capacity; a model that needs that last chunk fails its allocation
+// with the usual message instead of failing later, at a use.
 
 physical_handle migrator::placeholder_for(std::size_t bytes) {
   {
@@ -702,7 +711,8 @@ bool migrator::claim_spill(std::uintptr_t address) {
   return true;
 }
 
-void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after) {
+void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after,
+                                   bool for_restore) {
   const auto started = std::chrono::steady_clock::now();
   host_chunk host;
   int cls = 0;
@@ -720,13 +730,19 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
     return;
   }
   const std::size_t bytes = host.handle.bytes;
+  std::uint64_t leave_free = 0;  // Note [Room kept for restores]
+  {
+    std::lock_guard lock(mutex_);
+    largest_spill_bytes_ = std::max(largest_spill_bytes_, bytes);
+    if (!for_restore) leave_free = largest_spill_bytes_;
+  }
   disk_slot slot = 0;
   try {
     if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
       ZA_THROW(error, "the chunk at ", address, " was remapped while moving to the disk");
     }
     const physical_handle placeholder = placeholder_for(bytes);
-    slot = disk_->allocate(bytes);
+    slot = disk_->allocate(bytes, leave_free);
     {
       std::lock_guard io(write_lane_.mutex);  // Note [Two disk lanes]
       std::byte* const bounce = write_lane_.buffer(bytes);

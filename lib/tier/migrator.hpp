@@ -163,8 +163,11 @@ class migrator : public paging_listener {
   /// disk_space_exhausted with the chunk still wholly on the host (the claim given up).
   /// Its copy waits for `after` (the ends of the chunk's hinted uses) when given, and for
   /// everything queued on the chunk's streams.
-  void start_claimed_spill(std::uintptr_t address,
-                           const std::vector<event_handle>* after = nullptr);
+  /// `for_restore`: the spill makes host room for a chunk coming back from the disk, and
+  /// may take the disk room kept for that (Note [Room kept for restores]); any other spill
+  /// leaves it free.
+  void start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after = nullptr,
+                           bool for_restore = false);
   /// Gives up a claim_spill that will not start.
   void cancel_spill(std::uintptr_t address) { release_claim(address); }
   /// Reads the disk-resident chunk at `address` into a host chunk and maps its addresses
@@ -271,7 +274,8 @@ class migrator : public paging_listener {
     std::size_t bytes = 0;
     int allocation_class = 0;
   };
-  std::unordered_map<std::uintptr_t, chunk_on_disk> on_disk_;      // under mutex_
+  std::unordered_map<std::uintptr_t, chunk_on_disk> on_disk_;  // under mutex_
+  std::size_t largest_spill_bytes_ = 0;  // Note [Room kept for restores]; under mutex_
   std::unordered_map<std::size_t, physical_handle> placeholders_;  // by bytes, under mutex_
   stream_handle out_stream_ = nullptr;
   stream_handle in_stream_ = nullptr;

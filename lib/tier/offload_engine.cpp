@@ -740,7 +740,7 @@ void offload_engine::read_ahead_worker() {
 // disk too: the class's contract (include/zeroalloc/zeroalloc.h) is that every use of it is hinted,
 // so its next use brings it back first.
 std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep,
-                                             std::uint64_t farther_than) {
+                                             std::uint64_t farther_than, bool for_restore) {
   if (!migrator_.has_disk()) return 0;
   std::vector<std::uintptr_t> claimed;
   std::vector<std::vector<event_handle>> fences;  // each claimed chunk's use-ends
@@ -809,7 +809,8 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
   std::uint64_t spilled = 0;
   for (std::size_t i = 0; i < claimed.size(); ++i) {
     try {
-      migrator_.start_claimed_spill(claimed[i], fences[i].empty() ? nullptr : &fences[i]);
+      migrator_.start_claimed_spill(claimed[i], fences[i].empty() ? nullptr : &fences[i],
+                                    for_restore);
       if (migrator_.where(claimed[i]) == residency::disk) ++spilled;
     } catch (const std::exception& failure) {
       // The chunk stays on the host; so do the rest, their claims given up.
@@ -836,7 +837,7 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
       // Host chunks being fetched (the prefetcher's) are neither spillable nor free until
       // their fetch lands: let the moves in flight land before giving up.
       if (attempt >= 3) throw;
-      if (make_host_room(bytes, address) == 0) migrator_.drain();
+      if (make_host_room(bytes, address, 0, /*for_restore=*/true) == 0) migrator_.drain();
     }
     // A chunk left on disk sits behind addresses no kernel may touch: never return so.
     if (attempt >= 3) {

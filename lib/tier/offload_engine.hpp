@@ -295,14 +295,16 @@ class offload_engine : public paging_listener {
                     const std::function<bool(std::uintptr_t, std::size_t)>& act);
   void prefetch_worker();
   void read_ahead_worker();
-  /// Note [Chunks on disk] in migrator.hpp: moves idle host-resident optimizer states, the
+  /// Note [Chunks on disk] in migrator.cpp: moves idle host-resident optimizer states, the
   /// farthest next use first (never `keep`), to the disk until `bytes` of host memory are
   /// free; returns how many chunks went (0: none could, or there is no disk tier). Caller
   /// does not hold mutex_.
   /// `farther_than`: only chunks whose next use is farther than that many positions (a
-  /// read ahead of need); 0: any.
+  /// read ahead of need); 0: any. `for_restore`: the room is for `keep` coming back from
+  /// the disk now, and may take the disk room kept for that (Note [Room kept for restores]
+  /// in migrator.cpp).
   std::uint64_t make_host_room(std::size_t bytes, std::uintptr_t keep,
-                               std::uint64_t farther_than = 0);
+                               std::uint64_t farther_than = 0, bool for_restore = false);
   /// The prefetcher's read of an in-place chunk from disk ahead of its use, making host
   /// room only from chunks needed later than it is. True when it came to the host. Caller
   /// does not hold mutex_.

@@ -284,6 +284,28 @@ TEST_F(DiskStoreTest, SpaceIsReusedAndAFullStoreSaysSo) {
   }
 }
 
+// A slot that must leave room free (Note [Room kept for restores] in migrator.cpp) is
+// refused once taking it would eat into that room, and the message says what is kept;
+// a slot asked without it may still take the room.
+TEST_F(DiskStoreTest, ASlotLeavesTheRoomAskedFree) {
+  ZA_OPEN_STORE_OR_SKIP(store, options_for(2, 8 * MiB));
+  const disk_slot first = store->allocate(4 * MiB, 2 * MiB);
+  EXPECT_NE(first, 0u);
+  try {
+    store->allocate(4 * MiB, 2 * MiB);
+    ADD_FAILURE() << "a slot took the room it had to leave free";
+  } catch (const disk_space_exhausted& full) {
+    EXPECT_NE(std::string(full.what()).find("2.00 MiB stay free"), std::string::npos)
+        << full.what();
+  }
+  EXPECT_EQ(store->figures().used_bytes, 4 * MiB) << "a refused slot kept its space";
+  const disk_slot kept = store->allocate(2 * MiB, 2 * MiB);
+  const disk_slot last = store->allocate(2 * MiB);  // the kept room, taken when allowed
+  EXPECT_EQ(store->figures().used_bytes, 8 * MiB);
+  for (disk_slot slot : {first, kept, last}) store->release(slot);
+  EXPECT_EQ(store->figures().used_bytes, 0u);
+}
+
 TEST_F(DiskStoreTest, SwapFilesLeaveNoNameBehind) {
   const disk_store_options options = options_for(2, 16 * MiB);
   {

@@ -569,7 +569,7 @@ TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
   constexpr std::size_t kStateBytes = 2 * kChunkBytes;  // a segment of its own each
   std::vector<void*> states;
   bool refused = false;
-  for (int i = 0; i < 12 && !refused; ++i) {  // 48 + 32 + 32 MiB hold 7 of them
+  for (int i = 0; i < 12 && !refused; ++i) {  // 48 + 32 + 24 MiB hold 6 of them
     try {
       states.push_back(
           allocator_->allocate(kStateBytes, nullptr, allocation_class::optimizer_state));
@@ -584,8 +584,10 @@ TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
     engine.use_ends(states.back(), nullptr);
   }
   EXPECT_TRUE(refused) << "12 states of 16 MiB fit in 48 + 32 + 32 MiB";
-  EXPECT_EQ(engine.mover().figures().disk_resident_bytes, 32 * MiB);
-  EXPECT_EQ(disk_->figures().used_bytes, 32 * MiB);
+  // The disk tier is full but for one chunk's room, kept for bringing chunks back (Note
+  // [Room kept for restores]).
+  EXPECT_EQ(engine.mover().figures().disk_resident_bytes, 32 * MiB - kChunkBytes);
+  EXPECT_EQ(disk_->figures().used_bytes, 32 * MiB - kChunkBytes);
   // The states with a chunk on disk stay; the rest go, and their memory with them.
   auto on_disk = [&](void* pointer) {
     std::vector<chunk_info> chunks;
@@ -612,6 +614,44 @@ TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
     engine.use_ends(state, nullptr);
   }
   for (const auto& [state, value] : kept) allocator_->deallocate(state);
+}
+
+// The largest model a machine trains fills every tier. A chunk on disk needs a host chunk
+// to come back to, and the host tier makes room by sending another chunk to the disk: the
+// disk tier keeps one chunk's room for that (Note [Room kept for restores]), so states that
+// fill the device, the host and the disk still take their turns, step after step, intact.
+TEST_F(OffloadEngineDiskTest, StatesFillingEveryTierStillComeBackForTheirUses) {
+  if (!start(32 * MiB, 32 * MiB, 32 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  std::vector<void*> states;
+  for (int i = 0; i < 12; ++i) {  // as many as fit: 96 MiB of tiers, less the room kept
+    void* state = nullptr;
+    try {
+      state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    } catch (const out_of_memory&) {
+      break;
+    }
+    device_->fill_async(state, static_cast<std::uint8_t>(0x20 + i), kChunkBytes, nullptr);
+    engine.use_begins(state, nullptr);
+    engine.use_ends(state, nullptr);
+    states.push_back(state);
+  }
+  ASSERT_GE(states.size(), 10u) << "the tiers hold 12 chunks less the one kept for restores";
+  EXPECT_GE(engine.mover().figures().disk_resident_bytes, 24 * MiB);
+  for (int round = 0; round < 3; ++round) {
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      ASSERT_NO_THROW(engine.use_begins(states[i], nullptr))
+          << "state " << i << ", round " << round;
+      EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes) ==
+                  std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x20 + i)))
+          << "state " << i << ", round " << round;
+      engine.use_ends(states[i], nullptr);
+    }
+    engine.step_boundary();
+  }
+  EXPECT_LE(allocator_->held_bytes(), 32 * MiB) << "the device limit was broken";
+  EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+  for (void* state : states) allocator_->deallocate(state);
 }
 
 // A chunk whose bytes are on disk maps a placeholder that no access may touch: a copy that
