@@ -377,6 +377,87 @@ TEST_F(OffloadEngineDiskTest, HintedParametersGoToDiskOnlyWhenAskedAndComeBackIn
   }
 }
 
+// ZEROALLOC_NVME_PARAMETERS sends a parameter's chunk to disk only while its hints describe
+// everything in it: a chunk that an unhinted tensor shares (allocated beside a layer after
+// the layer's last hinted use) stays in memory, where that tensor's reads find its bytes,
+// though its layer is the one needed farthest ahead.
+TEST_F(OffloadEngineDiskTest, AParameterChunkSharedWithAnUnhintedTensorStaysOffTheDisk) {
+  if (!start(32 * MiB, 32 * MiB, 256 * MiB, 0, /*parameters_to_disk=*/true)) {
+    GTEST_SKIP() << "skipped: " << skipped_;
+  }
+  offload_engine& engine = *engine_;
+  constexpr std::size_t kHalf = kChunkBytes / 2;
+  constexpr std::size_t kLayer = 2 * kChunkBytes;  // a segment of its own
+  auto first_chunk = [&](void* pointer) {
+    std::vector<chunk_info> chunks;
+    allocator_->chunks_of_allocation(pointer, chunks);
+    return chunks.at(0).address;
+  };
+  auto intact = [&](void* pointer, std::size_t bytes, int value) {
+    return read_back(*device_, pointer, bytes) ==
+           std::vector<std::uint8_t>(bytes, static_cast<std::uint8_t>(value));
+  };
+  // Two small layers, each beside a gap (small requests share a 20 MiB segment), and two
+  // large ones; a step uses the small ones last, so theirs are the chunks needed farthest
+  // ahead once the order is learned.
+  std::vector<void*> small, gaps, layers;
+  for (int i = 0; i < 2; ++i) {
+    small.push_back(allocator_->allocate(kHalf, nullptr, allocation_class::parameter));
+    device_->fill_async(small.back(), static_cast<std::uint8_t>(0x30 + i), kHalf, nullptr);
+    gaps.push_back(allocator_->allocate(kHalf, nullptr, allocation_class::parameter));
+  }
+  for (int i = 0; i < 2; ++i) {
+    layers.push_back(allocator_->allocate(kLayer, nullptr, allocation_class::parameter));
+    device_->fill_async(layers.back(), static_cast<std::uint8_t>(0x20 + i), kLayer, nullptr);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (auto* group : {&layers, &small}) {
+      for (void* layer : *group) {
+        engine.use_begins(layer, nullptr);
+        engine.use_ends(layer, nullptr);
+      }
+    }
+    engine.step_boundary();
+  }
+  // After their last hinted use, unhinted tensors in the gaps beside the small layers.
+  for (void* gap : gaps) allocator_->deallocate(gap);
+  std::vector<void*> unhinted;
+  for (int i = 0; i < 2; ++i) {
+    unhinted.push_back(allocator_->allocate(kHalf, nullptr, allocation_class::parameter));
+    device_->fill_async(unhinted.back(), static_cast<std::uint8_t>(0x70 + i), kHalf, nullptr);
+  }
+  // Which small layer each lands beside is the allocator's choice: any will do.
+  auto beside_a_layer = [&](void* tensor) {
+    return std::any_of(small.begin(), small.end(),
+                       [&](void* layer) { return first_chunk(layer) == first_chunk(tensor); });
+  };
+  ASSERT_GT(std::count_if(unhinted.begin(), unhinted.end(), beside_a_layer), 0)
+      << "no small layer shares its chunk with a tensor made after it";
+  // One more layer, in use: 68 MiB of parameters for 32 of device and 32 of host, so a
+  // chunk of the host's goes to disk, a large layer's.
+  void* more = allocator_->allocate(kLayer, nullptr, allocation_class::parameter);
+  engine.use_begins(more, nullptr);
+  device_->fill_async(more, 0x55, kLayer, nullptr);
+  engine.mover().drain();
+  EXPECT_GE(engine.mover().figures().chunks_to_disk, 1u);
+  for (int i = 0; i < 2; ++i) {
+    if (!beside_a_layer(unhinted[i])) continue;
+    ASSERT_NE(where(unhinted[i]), residency::disk)
+        << "tensor " << i << ": a chunk an unhinted tensor shares went to disk";
+    EXPECT_TRUE(intact(unhinted[i], kHalf, 0x70 + i)) << "tensor " << i;  // read unhinted
+  }
+  engine.use_ends(more, nullptr);
+  for (std::size_t i = 0; i < layers.size(); ++i) {  // the rest come back for their uses
+    engine.use_begins(layers[i], nullptr);
+    EXPECT_TRUE(intact(layers[i], kLayer, 0x20 + i)) << "layer " << i;
+    engine.use_ends(layers[i], nullptr);
+  }
+  for (auto* group : {&small, &layers, &unhinted}) {
+    for (void* pointer : *group) allocator_->deallocate(pointer);
+  }
+  allocator_->deallocate(more);
+}
+
 // With parameters allowed on disk, what goes first is what is needed farthest ahead: here
 // the optimizer states, which no use has reached yet, before the parameters, which the
 // forward uses again.
