@@ -666,6 +666,65 @@ def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monk
         assert torch.equal(value, state) and value.device.type == "cpu"
 
 
+def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(engine,
+                                                                            monkeypatch):
+    # ZEROALLOC_NVME_PARAMETERS: a parameter in the NVMe tier sits behind addresses no copy
+    # may touch. Under offload(), model.state_dict() holds a CPU copy of each such one, made
+    # under a use in place ended at once; the others are the parameters' own tensors.
+    from zeroalloc.torch import _settings
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    model, optimizer = build()
+    handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    parameters = dict(model.named_parameters())
+    names_on_disk = {"0.0.weight", "3.0.bias"}
+    on_disk = {parameters[name].untyped_storage().data_ptr() for name in names_on_disk}
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: "disk" if pointer in on_disk else "device")
+    pinned, ended = [], []
+    monkeypatch.setattr(zt._offload, "use_in_place_many",
+                        lambda pointers, stream=0: pinned.extend(pointers))
+    monkeypatch.setattr(zt._offload, "use_ends_many",
+                        lambda pointers, stream=0: ended.extend(pointers))
+    saved = model.state_dict()
+    assert sorted(pinned) == sorted(on_disk) and sorted(ended) == sorted(on_disk)
+    assert saved.keys() == parameters.keys()
+    for name, value in saved.items():
+        assert torch.equal(value, parameters[name]), name
+        copied = value.untyped_storage().data_ptr() != parameters[name].untyped_storage().data_ptr()
+        assert copied == (name in names_on_disk), name
+    handle.remove()  # the hook goes with the rest
+    pinned.clear()
+    model.state_dict()
+    assert pinned == []
+
+
+def test_without_offload_every_models_state_dict_copies_parameters_on_disk_once(engine,
+                                                                                 monkeypatch):
+    # The no-code-change mode knows no model: every module's state_dict is wrapped, and only
+    # the outermost call (the whole model's dict) copies, each parameter on disk once.
+    from zeroalloc.torch import _state_dict
+    monkeypatch.setattr(torch.nn.Module, "state_dict", torch.nn.Module.state_dict)
+    _state_dict.copy_parameters_off_disk_in_every_model()
+    _state_dict.copy_parameters_off_disk_in_every_model()  # once: a second call wraps nothing
+    model, _ = build()
+    parameters = dict(model.named_parameters())
+    on_disk = {parameters["2.0.weight"].untyped_storage().data_ptr()}
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: "disk" if pointer in on_disk else "device")
+    pinned = []
+    monkeypatch.setattr(zt._offload, "use_in_place_many",
+                        lambda pointers, stream=0: pinned.extend(pointers))
+    saved = model.state_dict()
+    assert pinned == list(on_disk)
+    assert saved["2.0.weight"].untyped_storage().data_ptr() not in on_disk
+    assert torch.equal(saved["2.0.weight"], parameters["2.0.weight"])
+    pinned.clear()
+    inner = model[2].state_dict()  # a submodule's own call is outermost too
+    assert pinned == list(on_disk) and set(inner) == {"0.weight", "0.bias"}
+
+
 def test_a_new_optimizer_state_is_written_into_its_class_under_a_hint(monkeypatch):
     """Note [States never used yet]: a state may go to disk before any hint reached it, so
     even its first write (the copy into the optimizer-state class) is hinted, in place, and

@@ -9,7 +9,9 @@ import torch
 
 from zeroalloc.torch import _adoption, _module_hints, _settings
 from zeroalloc.torch._optimizer_step import windowed_step
-from zeroalloc.torch._state_dict import readopt_after_load
+from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
+                                         copy_parameters_off_disk_in_every_model,
+                                         readopt_after_load)
 from zeroalloc.torch._weak_methods import original_of, put_back
 
 
@@ -97,6 +99,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
         # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
         # earlier offload() of this optimizer.
         hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
+    hooks.append(model.register_state_dict_post_hook(copy_parameters_off_disk))
 
     def adopt(late, into):
         if not _module_hints.automatic:
@@ -144,6 +147,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
     hints = _module_hints.AutomaticHints(hint_group_bytes)
     _module_hints.automatic.append(hints)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
+    copy_parameters_off_disk_in_every_model()
     _module_hints.always_called(torch.nn.modules.module.register_module_forward_hook,
                                 hints.after)
     original_init = torch.optim.Optimizer.__init__

@@ -1,7 +1,11 @@
 """The optimizer's state_dict and load_state_dict under offload(): the states the windowed
-step kept in scratch go home first, and loaded states move into their class."""
+step kept in scratch go home first, and loaded states move into their class. The model's
+state_dict: parameters in the NVMe tier come out as CPU copies."""
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
@@ -44,6 +48,50 @@ def readopt_after_load(optimizer) -> None:
 
     state_dict._zeroalloc_original = original_of(optimizer, "state_dict")
     optimizer.state_dict = BoundWeakly(state_dict, optimizer)
+
+
+def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None:
+    """A state_dict post-hook of the model under offload(): with ZEROALLOC_NVME_PARAMETERS,
+    a parameter may sit in the NVMe tier, behind addresses no copy may touch, so that
+    torch.save would fail with an illegal address. Each such entry becomes a CPU copy made
+    while a use pins it where it came back to (as copied_off_disk does for states); the
+    rest stay the module's own tensors."""
+    for key, value in list(state_dict.items()):
+        if not (torch.is_tensor(value) and value.numel() > 0 and
+                residency_or_foreign(value) in ("disk", "split", "moving")):
+            continue
+        pointer = value.untyped_storage().data_ptr()
+        _offload.use_in_place_many([pointer])  # back from the disk, pinned
+        try:
+            state_dict[key] = value.to("cpu", copy=True)
+        finally:
+            _offload.use_ends_many([pointer])
+
+
+def copy_parameters_off_disk_in_every_model() -> None:
+    """The no-code-change mode's form of copy_parameters_off_disk: it knows no model, so
+    every module's state_dict is wrapped, and the outermost call (the one whose dict holds
+    the whole model; its children's calls are nested in it) copies what is on disk. Once
+    per process."""
+    original = torch.nn.Module.state_dict
+    if getattr(original, "_zeroalloc_copies_off_disk", False):
+        return
+    depth = threading.local()
+
+    @functools.wraps(original)
+    def state_dict(self, *args, **kwargs):
+        level = getattr(depth, "value", 0)
+        depth.value = level + 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            depth.value = level
+        if level == 0 and isinstance(result, dict):
+            copy_parameters_off_disk(self, result, "", None)
+        return result
+
+    state_dict._zeroalloc_copies_off_disk = True
+    torch.nn.Module.state_dict = state_dict
 
 
 def copied_off_disk(optimizer, saved: dict) -> dict:
