@@ -383,6 +383,11 @@ int zeroalloc_group_reduce_scatter(const void* send, void* receive, size_t count
                                    zeroalloc_stream_t stream);
 /** `root`'s `bytes` at `buffer` into every rank's `buffer`. 0 or -1. */
 int zeroalloc_group_broadcast(void* buffer, size_t bytes, int root, zeroalloc_stream_t stream);
+/** The sum over ranks of `send` (`count` elements, float32, or bfloat16 when `bfloat16` is
+ *  not 0) into `root`'s `receive` (which may be `send`); the other ranks' `receive` is not
+ *  touched. 0 or -1. */
+int zeroalloc_group_reduce(const void* send, void* receive, size_t count, int bfloat16, int root,
+                           zeroalloc_stream_t stream);
 /** This rank failed for `why`: every rank's collectives from now on fail naming it. */
 void zeroalloc_group_abort(const char* why);
 

@@ -736,6 +736,17 @@ ZA_EXPORT int zeroalloc_group_broadcast(void* buffer, size_t bytes, int root,
   });
 }
 
+ZA_EXPORT int zeroalloc_group_reduce(const void* send, void* receive, size_t count, int bfloat16,
+                                     int root, zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_group_reduce", -1, [&] {
+    joined_group().reduce(
+        send, receive, count,
+        bfloat16 != 0 ? zeroalloc::element_type::bfloat16 : zeroalloc::element_type::float32, root,
+        device_stream(stream));
+    return 0;
+  });
+}
+
 ZA_EXPORT void zeroalloc_group_abort(const char* why) {
   guarded_void("zeroalloc_group_abort",
                [&] { joined_group().abort(why != nullptr ? why : "(no reason given)"); });

@@ -28,6 +28,8 @@ struct nccl_api {
                                  ncclComm_t, cudaStream_t) = nullptr;
   ncclResult_t (*broadcast)(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t,
                             cudaStream_t) = nullptr;
+  ncclResult_t (*reduce)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, int, ncclComm_t,
+                         cudaStream_t) = nullptr;
 };
 
 const nccl_api& nccl() {
@@ -60,6 +62,7 @@ const nccl_api& nccl() {
     find(api.all_gather, "ncclAllGather");
     find(api.reduce_scatter, "ncclReduceScatter");
     find(api.broadcast, "ncclBroadcast");
+    find(api.reduce, "ncclReduce");
     return api;
   }();
   return loaded;
@@ -189,6 +192,17 @@ void nccl_transport::broadcast(void* buffer, std::size_t bytes, int root, stream
   }
   enqueue("broadcast", stream, [&](cudaStream_t on) {
     return nccl().broadcast(buffer, buffer, bytes, ncclUint8, root, comm_, on);
+  });
+}
+
+void nccl_transport::reduce(const void* send, void* receive, std::size_t count, element_type type,
+                            int root, stream_handle stream) {
+  if (root < 0 || root >= world_size_) {
+    ZA_THROW(invalid_argument, "reduce to rank ", root, " in a group of ", world_size_);
+  }
+  const ncclDataType_t nccl_type = type == element_type::float32 ? ncclFloat32 : ncclBfloat16;
+  enqueue("reduce", stream, [&](cudaStream_t on) {
+    return nccl().reduce(send, receive, count, nccl_type, ncclSum, root, comm_, on);
   });
 }
 

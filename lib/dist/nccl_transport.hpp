@@ -56,6 +56,8 @@ class nccl_transport : public transport {
   void reduce_scatter(const void* send, void* receive, std::size_t count, element_type type,
                       stream_handle stream) override;
   void broadcast(void* buffer, std::size_t bytes, int root, stream_handle stream) override;
+  void reduce(const void* send, void* receive, std::size_t count, element_type type, int root,
+              stream_handle stream) override;
   void abort(const std::string& why) override;
 
  private:

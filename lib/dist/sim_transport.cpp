@@ -150,6 +150,25 @@ void sim_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_
   group_.depart(rank_, sequence_++, "broadcast");
 }
 
+void sim_transport::reduce(const void* send, void* receive, std::size_t count, element_type type,
+                           int root, stream_handle stream) {
+  if (root < 0 || root >= world_size()) {
+    ZA_THROW(invalid_argument, "reduce to rank ", root, " in a group of ", world_size());
+  }
+  group_.device_.synchronize_stream(stream);
+  const auto all = group_.arrive(
+      rank_, sequence_, "reduce",
+      {send, receive,
+       detail::concat("reduce of ", count, type == element_type::float32 ? " float32" : " bfloat16",
+                      " to rank ", root)});
+  if (rank_ == root) {
+    std::vector<const void*> inputs;
+    for (const sim_group::posted& each : all) inputs.push_back(each.send);
+    sum_in_rank_order(inputs, 0, count, type, receive);  // in place: element by element
+  }
+  group_.depart(rank_, sequence_++, "reduce");
+}
+
 void sim_transport::abort(const std::string& why) { group_.abort(rank_, why); }
 
 }  // namespace zeroalloc

@@ -22,8 +22,10 @@ const char* name_of(std::uint32_t what) {
       return "all_gather";
     case 1:
       return "reduce_scatter";
-    default:
+    case 2:
       return "broadcast";
+    default:
+      return "reduce";
   }
 }
 
@@ -34,6 +36,11 @@ std::string tcp_transport::call::describe() const {
   if (what == kind::reduce_scatter) {
     return text + " of " + std::to_string(bytes) +
            (type == element_type::float32 ? " float32" : " bfloat16") + " per rank";
+  }
+  if (what == kind::reduce) {
+    return text + " of " + std::to_string(bytes) +
+           (type == element_type::float32 ? " float32" : " bfloat16") + " to rank " +
+           std::to_string(root);
   }
   text += " of " + std::to_string(bytes) + " bytes";
   if (what == kind::broadcast) text += " from rank " + std::to_string(root);
@@ -199,11 +206,10 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
     theirs.type = static_cast<element_type>(*type);
     theirs.root = static_cast<int>(*root);
     const std::size_t expected =
-        theirs.what == kind::reduce_scatter
-            ? theirs.bytes * ranks * element_bytes(theirs.type)
-            : (theirs.what == kind::broadcast && theirs.root != static_cast<int>(each)
-                   ? 0
-                   : theirs.bytes);
+        theirs.what == kind::reduce_scatter ? theirs.bytes * ranks * element_bytes(theirs.type)
+        : theirs.what == kind::reduce       ? theirs.bytes * element_bytes(theirs.type)
+        : (theirs.what == kind::broadcast && theirs.root != static_cast<int>(each)) ? 0
+                                                                                    : theirs.bytes;
     if (data->size() != expected && failure.empty()) {
       failure = "rank " + std::to_string(each) + " sent " + std::to_string(data->size()) +
                 " bytes for its " + theirs.describe() + " (expected " + std::to_string(expected) +
@@ -229,6 +235,18 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
       send_string(to_rank_[each].get(), failure, reply_by);
     }
     fail_with(failure);
+  }
+  if (mine.what == kind::reduce) {  // the sum to the root, nothing to the others
+    std::string sum(mine.bytes * element_bytes(mine.type), '\0');
+    std::vector<const void*> sources;
+    for (const std::string& each : inputs) sources.push_back(each.data());
+    sum_in_rank_order(sources, 0, mine.bytes, mine.type, sum.data());
+    const auto root = static_cast<std::size_t>(mine.root);
+    for (std::size_t each = 1; each < ranks; ++each) {
+      send_u32(to_rank_[each].get(), 0, reply_by);
+      send_string(to_rank_[each].get(), each == root ? sum : std::string(), reply_by);
+    }
+    return root == 0 ? sum : std::string();
   }
   if (mine.what != kind::reduce_scatter) {  // one output for every rank, sent as it is
     std::string same;
@@ -287,6 +305,17 @@ void tcp_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_
   const std::string output =
       round({kind::broadcast, bytes, element_type::float32, root}, std::move(input));
   std::memcpy(buffer, output.data(), output.size());
+}
+
+void tcp_transport::reduce(const void* send, void* receive, std::size_t count, element_type type,
+                           int root, stream_handle stream) {
+  if (root < 0 || root >= world_size()) {
+    ZA_THROW(invalid_argument, "reduce to rank ", root, " in a group of ", world_size());
+  }
+  device_.synchronize_stream(stream);
+  std::string input(static_cast<const char*>(send), count * element_bytes(type));
+  const std::string output = round({kind::reduce, count, type, root}, std::move(input));
+  if (rank() == root) std::memcpy(receive, output.data(), output.size());
 }
 
 void tcp_transport::abort(const std::string& why) {

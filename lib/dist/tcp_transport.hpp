@@ -42,13 +42,15 @@ class tcp_transport : public transport {
   void reduce_scatter(const void* send, void* receive, std::size_t count, element_type type,
                       stream_handle stream) override;
   void broadcast(void* buffer, std::size_t bytes, int root, stream_handle stream) override;
+  void reduce(const void* send, void* receive, std::size_t count, element_type type, int root,
+              stream_handle stream) override;
   void abort(const std::string& why) override;
 
  private:
-  enum class kind : std::uint32_t { all_gather, reduce_scatter, broadcast };
+  enum class kind : std::uint32_t { all_gather, reduce_scatter, broadcast, reduce };
   struct call {
     kind what;
-    std::uint64_t bytes = 0;  // all_gather, broadcast: bytes; reduce_scatter: per rank count
+    std::uint64_t bytes = 0;  // all_gather, broadcast: bytes; reduce_scatter, reduce: count
     element_type type = element_type::float32;
     int root = 0;
     [[nodiscard]] std::string describe() const;

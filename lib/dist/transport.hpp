@@ -28,7 +28,7 @@ class collective_error : public error {
   using error::error;
 };
 
-/// What reduce_scatter sums.
+/// What reduce_scatter and reduce sum.
 enum class element_type { float32, bfloat16 };
 
 [[nodiscard]] constexpr std::size_t element_bytes(element_type type) {
@@ -52,6 +52,11 @@ class transport {
                               stream_handle stream) = 0;
   /// `root`'s `bytes` at `buffer` end up in every rank's `buffer`, in `stream`'s order.
   virtual void broadcast(void* buffer, std::size_t bytes, int root, stream_handle stream) = 0;
+  /// The element-wise sum over ranks of `send` (`count` elements on each rank) into
+  /// `root`'s `receive`, in `stream`'s order; the other ranks' `receive` is not touched.
+  /// `send` may be `receive` (in place). Summed as reduce_scatter sums.
+  virtual void reduce(const void* send, void* receive, std::size_t count, element_type type,
+                      int root, stream_handle stream) = 0;
   /// Note [Collectives and failures]: this rank failed for `why`; every rank's collectives
   /// end with collective_error naming it.
   virtual void abort(const std::string& why) = 0;

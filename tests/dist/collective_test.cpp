@@ -177,6 +177,37 @@ TEST_P(CollectiveTest, ReduceScatterSumsEachElementOverRanksIntoItsOwner) {
   });
 }
 
+// A reduce sums over ranks into the root alone, as a reduce-scatter would sum that rank's
+// part, in place or not; the others' buffers keep their bytes.
+TEST_P(CollectiveTest, ReduceSumsEachElementOverRanksIntoTheRootAlone) {
+  const int world = GetParam();
+  const std::size_t count = 50'021;
+  sim_group group(*device_, world);
+  auto value = [](int rank, std::size_t i) {
+    return static_cast<float>(rank + 1) * 0.75f + static_cast<float>(i % 89) * 0.125f;
+  };
+  on_every_rank(group, [&](transport& own) {
+    std::vector<float> mine(count);
+    for (std::size_t i = 0; i < count; ++i) mine[i] = value(own.rank(), i);
+    void* send = device_buffer(count * 4);
+    void* receive = device_buffer(count * 4);
+    for (int root = 0; root < world; ++root) {
+      upload(send, mine);
+      upload(receive, std::vector<float>(count, -1.0f));
+      const bool in_place = root % 2 == 1;
+      own.reduce(send, in_place ? send : receive, count, element_type::float32, root, nullptr);
+      const auto got = download<float>(in_place ? send : receive, count);
+      for (std::size_t i = 0; i < count; ++i) {
+        float expected = value(0, i);
+        for (int rank = 1; rank < world; ++rank) expected += value(rank, i);
+        if (own.rank() != root) expected = in_place ? mine[i] : -1.0f;
+        ASSERT_EQ(got[i], expected)
+            << "element " << i << " on rank " << own.rank() << ", root " << root;
+      }
+    }
+  });
+}
+
 TEST_P(CollectiveTest, BroadcastFromEachRootReachesEveryRank) {
   const int world = GetParam();
   sim_group group(*device_, world);

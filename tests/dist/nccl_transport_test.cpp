@@ -36,7 +36,7 @@ class NcclTransportTest : public ::testing::Test {
   std::vector<void*> allocations_;
 };
 
-TEST_F(NcclTransportTest, OneRankGathersScattersAndBroadcastsItsOwnBytes) {
+TEST_F(NcclTransportTest, OneRankGathersScattersBroadcastsAndReducesItsOwnBytes) {
   std::printf("NCCL %s\n", nccl_transport::version().c_str());
   nccl_transport own(*device_, 0, 1, nccl_transport::new_id());
   const std::size_t bytes = 8 * MiB;
@@ -50,11 +50,15 @@ TEST_F(NcclTransportTest, OneRankGathersScattersAndBroadcastsItsOwnBytes) {
   own.reduce_scatter(send, receive, values.size(), element_type::float32, nullptr);
   void* broadcast = buffer(bytes, 0x33);
   own.broadcast(broadcast, bytes, 0, nullptr);
+  void* reduced = buffer(bytes, 0);
+  own.reduce(send, reduced, values.size(), element_type::float32, 0, nullptr);
   device_->synchronize_stream(nullptr);
   EXPECT_EQ(read_back(*device_, gathered, bytes), std::vector<std::uint8_t>(bytes, 0x5a));
   const auto summed = read_back(*device_, receive, bytes);
   EXPECT_EQ(std::memcmp(summed.data(), values.data(), bytes), 0);  // one rank: the sum is itself
   EXPECT_EQ(read_back(*device_, broadcast, bytes), std::vector<std::uint8_t>(bytes, 0x33));
+  const auto reduced_bytes = read_back(*device_, reduced, bytes);
+  EXPECT_EQ(std::memcmp(reduced_bytes.data(), values.data(), bytes), 0);  // the root's sum
 }
 
 // Note [Collectives and failures]: after an abort, every collective of the rank throws with

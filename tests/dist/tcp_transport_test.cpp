@@ -114,6 +114,17 @@ TEST_P(TcpTransportTest, EveryByteOfEachCollectiveLandsWhereItShould) {
     for (std::size_t i = 0; i < kCount; ++i) {
       if (bf16_to_float(part16[i]) != 1.5f * float(world)) failed += "reduce_scatter bfloat16; ";
     }
+    // reduce to the last rank, in place: element i of rank r's input is r * 1000 + i; the
+    // others' buffers stay as they were.
+    auto* reduced = static_cast<float*>(allocate(kCount * sizeof(float)));
+    for (std::size_t i = 0; i < kCount; ++i) reduced[i] = float(rank * 1000) + float(i);
+    transport.reduce(reduced, reduced, kCount, element_type::float32, world - 1, nullptr);
+    for (std::size_t i = 0; i < kCount; ++i) {
+      float sum = 0;
+      for (int from = 0; from < world; ++from) sum += float(from * 1000) + float(i);
+      const float expected = rank == world - 1 ? sum : float(rank * 1000) + float(i);
+      if (reduced[i] != expected) failed += "reduce; ";
+    }
     // broadcast from the last rank.
     auto* buffer = static_cast<std::uint8_t*>(allocate(kCount));
     std::memset(buffer, rank == world - 1 ? 0xab : 0, kCount);

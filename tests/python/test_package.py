@@ -254,7 +254,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_group_join", "zeroalloc_group_rank",
                                       "zeroalloc_group_size", "zeroalloc_group_all_gather",
                                       "zeroalloc_group_reduce_scatter",
-                                      "zeroalloc_group_broadcast"})
+                                      "zeroalloc_group_broadcast", "zeroalloc_group_reduce"})
     assert not missing, f"not declared in zeroalloc._library: {missing}"
     stream = lib.zeroalloc_stream_create(0)
     assert stream, zeroalloc._library.last_error()

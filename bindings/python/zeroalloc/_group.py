@@ -54,6 +54,15 @@ def broadcast(pointer: int, nbytes: int, root: int, stream: "int | None" = None)
            f"broadcasting {nbytes} bytes from rank {root}")
 
 
+def reduce(send: int, receive: int, count: int, bfloat16: bool, root: int,
+           stream: "int | None" = None) -> None:
+    """The sum over ranks of `count` float32 (or bfloat16) elements at `send` into rank
+    `root`'s `receive` (which may be `send`), ordered on `stream`."""
+    _check(library().zeroalloc_group_reduce(send, receive, count, int(bfloat16), root,
+                                            stream or None),
+           f"reducing {count} {'bfloat16' if bfloat16 else 'float32'} elements to rank {root}")
+
+
 def abort(why: str) -> None:
     """Ends every rank's collectives with `why` (a rank that failed on its own)."""
     library().zeroalloc_group_abort(why.encode())

@@ -147,6 +147,8 @@ def library() -> ctypes.CDLL:
                                                ctypes.c_int),
             "zeroalloc_group_broadcast": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                            c_stream], ctypes.c_int),
+            "zeroalloc_group_reduce": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_int, c_stream], ctypes.c_int),
             "zeroalloc_group_abort": ([ctypes.c_char_p], None),
         }
         missing = [name for name in signatures if not hasattr(handle, name)]
