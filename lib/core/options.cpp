@@ -220,7 +220,8 @@ const std::vector<option_spec>& table() {
        "step across the ranks (ZeRO stage 1: each rank steps its share of the parameters, "
        "holds only their optimizer states and broadcasts them to the others; the gradients "
        "must be reduced already, as DistributedDataParallel does). Every rank must set the "
-       "same value.",
+       "same value. Stage 2 (gradients reduced to their owners) is zt.partition(optimizer, "
+       "stage=2), for a model outside DistributedDataParallel.",
        check<read_choice>},
       {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
        "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "

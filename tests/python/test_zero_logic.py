@@ -1,5 +1,6 @@
-"""ZeRO stage 1's ownership and buckets (zeroalloc/torch/_zero.py), without ranks: who owns
-which parameter, and which parameters one broadcast carries."""
+"""ZeRO's ownership and buckets (zeroalloc/torch/_zero.py), without ranks: who owns which
+parameter, which parameters one broadcast carries, and which gradients one reduce of stage 2
+carries."""
 
 import sys
 from pathlib import Path
@@ -37,3 +38,16 @@ def test_a_parameter_that_is_not_contiguous_is_refused_with_its_shape():
     strided = torch.zeros(4, 6).t()
     with pytest.raises(ZeroallocError, match=r"shape \(6, 4\) is not contiguous"):
         _zero.buckets([strided], [0])
+
+
+def test_a_reduce_carries_one_owners_gradients_in_backward_order_one_dtype_at_a_time():
+    a, b, c = torch.zeros(1024), torch.zeros(1024), torch.zeros(1024)
+    half = torch.zeros(1024, dtype=torch.bfloat16)
+    frozen = torch.zeros(1024)
+    for parameter in (a, b, c, half):
+        parameter.requires_grad_(True)
+    found = _zero.gradient_buckets([a, b, frozen, half, c], [0, 0, 0, 1, 1])
+    # Reversed (a backward makes the last layer's gradients first); a frozen parameter has
+    # none; a bfloat16 gradient does not share a float32 one's buffer.
+    assert [(owner, [id(p) for p in members]) for owner, members in found] == [
+        (1, [id(c)]), (1, [id(half)]), (0, [id(b), id(a)])]

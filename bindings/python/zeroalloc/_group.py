@@ -54,6 +54,13 @@ def broadcast(pointer: int, nbytes: int, root: int, stream: "int | None" = None)
            f"broadcasting {nbytes} bytes from rank {root}")
 
 
+def all_gather(send: int, receive: int, nbytes: int, stream: "int | None" = None) -> None:
+    """Every rank's `nbytes` at `send` into every rank's `receive` (size() x `nbytes`, in
+    rank order), ordered on `stream`."""
+    _check(library().zeroalloc_group_all_gather(send, receive, nbytes, stream or None),
+           f"gathering {nbytes} bytes from every rank")
+
+
 def reduce(send: int, receive: int, count: int, bfloat16: bool, root: int,
            stream: "int | None" = None) -> None:
     """The sum over ranks of `count` float32 (or bfloat16) elements at `send` into rank

@@ -48,7 +48,9 @@ def zero_stage() -> int:
         raise ZeroallocError(
             f"ZEROALLOC_ZERO_STAGE={os.environ['ZEROALLOC_ZERO_STAGE']!r} is not valid: use "
             "1 (each rank steps its share of the parameters and holds only their optimizer "
-            "states) or 0 (none); stages 2 and 3 are not available yet")
+            "states) or 0 (none); stage 2 (gradients reduced to their owners) needs the "
+            "script's model outside DistributedDataParallel: zt.partition(optimizer, "
+            "stage=2); stage 3 is not available yet")
     return int(value)
 
 

@@ -1,6 +1,8 @@
-"""ZeRO stage 1 across the ranks of a torchrun job: each rank steps only the parameters it
-owns, so it holds optimizer states for 1/N of the model, and then every parameter is
-broadcast from its owner (the library's group: NCCL on GPUs, TCP on the simulated device).
+"""ZeRO stages 1 and 2 across the ranks of a torchrun job: each rank steps only the
+parameters it owns, so it holds optimizer states for 1/N of the model, and then every
+parameter is broadcast from its owner (the library's group: NCCL on GPUs, TCP on the
+simulated device). Stage 2 also reduces each gradient to its owner alone, so a rank holds
+gradients for 1/N of the model once its backward is over.
 
 Note [Stage 1 by whole parameters]: a rank owns whole parameters, a contiguous run of the
 optimizer's parameters (in param_groups order) holding about 1/N of their bytes, the split
@@ -17,6 +19,22 @@ collectives a step, not one each. The joined group's
 agreement carries the stage and the parameters' count and bytes, so ranks whose models or
 settings differ end at the join, every rank with both settings named, instead of
 exchanging mismatched bytes.
+
+Note [Stage 2 by whole parameters]: the gradients go to the parameters' owners (the
+ownership of stage 1) by reduce, in buckets fixed at partition(): runs of one owner's
+parameters in reverse order (the order a backward makes their gradients), up to 64 MiB
+each. A bucket goes once every gradient in it has been accumulated (a post-accumulate hook
+per parameter), buckets in their order, and the end of the backward sends what is left, a
+parameter without a gradient as zeros, so that every rank calls the same reduces in the
+same order. Each rank's gradient is divided by the number of ranks as it arrives (a hook
+on the parameter, as DistributedDataParallel's predivision), so the owner's sum is the
+average DistributedDataParallel's all-reduce makes, added to what the owner accumulated
+before (gradient accumulation over micro-batches works as without ZeRO: the others'
+gradients are None again after each reduce). Afterwards a rank holds the gradients of what
+it owns and None for the rest; the step is stage 1's. The model must not be wrapped in
+DistributedDataParallel (its all-reduce would give every rank every gradient), and
+torch.nn.utils.clip_grad_norm_ sees only the rank's own gradients: Partition.clip_grad_norm_
+clips by the norm over every rank's.
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
 unpartitioned one would: every rank's own states gathered (pickled, through the default
@@ -85,6 +103,25 @@ def _gather_objects(distributed, value) -> list:
 BUCKET_BYTES = 64 << 20
 
 
+def gradient_buckets(parameters: list, owners: list) -> list:
+    """(owner, parameters) per reduce of stage 2: runs of one owner's parameters of one
+    device and dtype, in reverse order (the backward's), up to BUCKET_BYTES each; parameters
+    that take no gradient are left out."""
+    found = []
+    for parameter, owner in reversed(list(zip(parameters, owners))):
+        if not parameter.requires_grad:
+            continue
+        if found:
+            last_owner, members = found[-1]
+            if (last_owner == owner and members[0].device == parameter.device
+                    and members[0].dtype == parameter.dtype
+                    and sum(_nbytes(p) for p in members) + _nbytes(parameter) <= BUCKET_BYTES):
+                members.append(parameter)
+                continue
+        found.append((owner, [parameter]))
+    return found
+
+
 def buckets(parameters: list, owners: list) -> list:
     """(owner, parameters) per broadcast: runs of one owner's parameters on one device, up
     to BUCKET_BYTES each. Raises for a parameter that is not contiguous (the bytes are
@@ -109,7 +146,8 @@ class Partition:
     and bytes this rank owns, the bytes broadcast and the time it took); remove() gives the
     optimizer back its own step."""
 
-    def __init__(self, optimizer, parameters: list, owners: list, rank: int, ranks: int):
+    def __init__(self, optimizer, parameters: list, owners: list, rank: int, ranks: int,
+                 stage: int = 1):
         self.optimizer = optimizer
         self.parameters = parameters
         self.owners = owners
@@ -120,17 +158,111 @@ class Partition:
         self.inner_load_state_dict = optimizer.load_state_dict
         self.buckets = buckets(parameters, owners)
         owned = [p for p, owner in zip(parameters, owners) if owner == rank]
-        self.figures = {"stage": 1, "rank": rank, "ranks": ranks,
+        self.stage = stage
+        self.hooks = []
+        self.figures = {"stage": stage, "rank": rank, "ranks": ranks,
                         "owned_parameters": len(owned),
                         "owned_bytes": sum(_nbytes(p) for p in owned),
                         "parameter_bytes": sum(_nbytes(p) for p in parameters),
                         "steps": 0, "broadcasts": 0, "broadcast_bytes": 0,
                         "broadcast_s": 0.0}
+        if stage == 2:
+            self.figures.update({"reduces": 0, "reduced_bytes": 0})
+            self._install_gradient_reduction()
+
+    def _install_gradient_reduction(self) -> None:
+        """Note [Stage 2 by whole parameters]."""
+        self.gradient_buckets = gradient_buckets(self.parameters, self.owners)
+        self.bucket_of = {}
+        for index, (_, members) in enumerate(self.gradient_buckets):
+            for parameter in members:
+                self.bucket_of[id(parameter)] = index
+        self.ready = [0] * len(self.gradient_buckets)
+        self.next_bucket = 0
+        self.end_queued = False
+        scale = 1.0 / self.ranks
+        for parameter in self.parameters:
+            if not parameter.requires_grad:
+                continue
+            self.hooks.append(parameter.register_hook(lambda gradient: gradient * scale))
+            self.hooks.append(parameter.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, parameter) -> None:
+        if not self.end_queued:
+            self.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        index = self.bucket_of[id(parameter)]
+        self.ready[index] += 1
+        while (self.next_bucket < len(self.gradient_buckets)
+               and self.ready[self.next_bucket] == len(self.gradient_buckets[self.next_bucket][1])):
+            self._reduce(self.next_bucket)
+            self.next_bucket += 1
+
+    def _backward_ended(self) -> None:
+        """The buckets not sent yet (a parameter the backward gave no gradient: zeros), then
+        the next backward starts over."""
+        try:
+            while self.next_bucket < len(self.gradient_buckets):
+                self._reduce(self.next_bucket)
+                self.next_bucket += 1
+        finally:
+            self.ready = [0] * len(self.gradient_buckets)
+            self.next_bucket = 0
+            self.end_queued = False
+
+    def _reduce(self, index: int) -> None:
+        owner, members = self.gradient_buckets[index]
+        device = members[0].device
+        stream = current_stream(device.index) if device.type == "cuda" else None
+        gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+        if len(members) == 1 and gradients[0].is_contiguous():
+            flat = gradients[0].reshape(-1)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in gradients])
+        bfloat16 = flat.dtype == torch.bfloat16
+        _group.reduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), bfloat16, owner, stream)
+        self.figures["reduces"] += 1
+        self.figures["reduced_bytes"] += flat.numel() * flat.element_size()
+        if owner != self.rank:
+            for parameter in members:
+                parameter.grad = None
+            return
+        offset = 0
+        for parameter, gradient in zip(members, gradients):
+            part = flat[offset:offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+            if parameter.grad is None:
+                parameter.grad = part.clone() if len(members) > 1 else part
+            elif part.data_ptr() != parameter.grad.data_ptr():
+                parameter.grad.copy_(part)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Stage 2's torch.nn.utils.clip_grad_norm_: the norm over every rank's gradients
+        (each rank holds only its own; Note [Stage 2 by whole parameters]), and each rank's
+        gradients scaled by the same factor. Returns the total norm, on every rank."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_ of a ZeRO stage 2 partition takes the 2-norm "
+                             f"only, not norm_type={norm_type}")
+        owned = [p.grad for p, owner in zip(self.parameters, self.owners)
+                 if owner == self.rank and p.grad is not None]
+        device = self.parameters[0].device
+        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        for gradient in owned:
+            squares += gradient.detach().float().pow(2).sum()
+        everyone = torch.empty(self.ranks, dtype=torch.float32, device=device)
+        stream = current_stream(device.index) if device.type == "cuda" else None
+        _group.all_gather(squares.data_ptr(), everyone.data_ptr(), 4, stream)
+        total = everyone.sum().sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for gradient in owned:
+            gradient.mul_(coefficient.to(gradient.dtype))
+        return total
 
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("a ZeRO stage 1 step takes no closure: the closure's backward "
-                             "would give the step every parameter's gradient again")
+            raise ValueError(f"a ZeRO stage {self.stage} step takes no closure: the "
+                             "closure's backward would give the step every parameter's "
+                             "gradient again")
         hidden = []
         for parameter, owner in zip(self.parameters, self.owners):
             if owner != self.rank and parameter.grad is not None:
@@ -205,6 +337,9 @@ class Partition:
                 self.optimizer.state.pop(parameter, None)
 
     def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         for name in ("step", "state_dict", "load_state_dict"):
             if self.optimizer.__dict__.get(name) == getattr(self, name):
                 del self.optimizer.__dict__[name]
@@ -213,13 +348,15 @@ class Partition:
 def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
     """Partitions `optimizer`'s step across the ranks of the torchrun job (Note [Stage 1 by
     whole parameters]): from now on each rank steps the parameters it owns and broadcasts
-    them to the others. Call it on every rank, after the model is wrapped in
-    DistributedDataParallel (whose all-reduce gives every rank the same gradients) and after
+    them to the others. Stage 1: call it after the model is wrapped in
+    DistributedDataParallel (whose all-reduce gives every rank the same gradients). Stage 2:
+    the model is not wrapped; each gradient is reduced to its owner as the backward makes
+    it, and the others free theirs (Note [Stage 2 by whole parameters]). On every rank, after
     zt.offload(), if used. Joins the library's group the first time (torchrun's variables;
     the library's bootstrap at MASTER_PORT+1)."""
-    if stage != 1:
-        raise ValueError(f"ZeRO stage {stage} is not available yet: only stage 1 (partitioned "
-                         "optimizer step) is")
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO stage {stage} is not available: stage 1 (partitioned "
+                         "optimizer step) and stage 2 (and gradients) are")
     parameters, seen = [], set()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
@@ -227,10 +364,20 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
                 seen.add(id(parameter))
                 parameters.append(parameter)
     sizes = [_nbytes(p) for p in parameters]
-    _group.join(f"ZEROALLOC_ZERO_STAGE=1;parameters={len(parameters)};bytes={sum(sizes)}",
-                timeout_s)
+    if stage == 2:
+        for parameter in parameters:
+            if parameter.requires_grad and parameter.dtype not in (torch.float32,
+                                                                   torch.bfloat16):
+                raise ZeroallocError("ZeRO stage 2 reduces float32 and bfloat16 gradients: a "
+                                     f"parameter of shape {tuple(parameter.shape)} is "
+                                     f"{parameter.dtype}")
+    # Stage 1 and 2 ranks agree on the broadcasts but not on the reduces: the stage is
+    # part of the agreement.
+    _group.join(f"ZEROALLOC_ZERO_STAGE={stage};parameters={len(parameters)};"
+                f"bytes={sum(sizes)}", timeout_s)
     rank, ranks = _group.rank(), _group.size()
-    handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks)
+    handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks,
+                       stage)
     handle.report()
     optimizer.step = handle.step
     optimizer.state_dict = handle.state_dict

@@ -1,0 +1,120 @@
+"""ZeRO stage 2 (zt.partition(stage=2)) under torchrun on the simulated device: each
+gradient is reduced to its owner alone as the backward makes it, so after the backward a
+rank holds the gradients of the parameters it owns (the same, bit for bit, as
+DistributedDataParallel's averaged ones) and None for the others; the steps that follow
+leave the model as DistributedDataParallel's would, also with micro-batches accumulated and
+with the gradients clipped by their norm over every rank."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
+if not LIBRARY.exists():
+    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
+
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from test_group import free_port  # noqa: E402
+
+PROGRAM = """
+import torch
+import torch.distributed as dist
+import zeroalloc.torch as zt
+
+dist.init_process_group("gloo")  # DistributedDataParallel's, for the model compared with
+rank = dist.get_rank()
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 8))
+
+
+plain = torch.nn.parallel.DistributedDataParallel(build())
+parted = build()  # not wrapped: stage 2 reduces the gradients itself
+plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+parted_optimizer = torch.optim.AdamW(parted.parameters(), lr=1e-2)
+handle = zt.partition(parted_optimizer, stage=2, timeout_s=30)
+mine = [owner == rank for owner in handle.owners]
+inputs = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+
+
+def batch():
+    return torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
+
+
+def same(exact):
+    check = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-7))
+    return all(check(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
+
+
+for step in range(3):  # one micro-batch a step: DistributedDataParallel's bits
+    x, y = batch()
+    for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    held = [p.grad is not None for p in parted.parameters()]
+    grads_same = all(torch.equal(a.grad, b.grad)
+                     for a, b, own in zip(plain.parameters(), parted.parameters(), mine) if own)
+    print(f"rank {rank} step {step} holds {held == mine} grads {grads_same}", flush=True)
+    plain_optimizer.step()
+    parted_optimizer.step()
+    print(f"rank {rank} step {step} same {same(True)}", flush=True)
+
+for step in range(2):  # three micro-batches accumulated, then clipped
+    for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
+        optimizer.zero_grad()
+    for micro in range(3):
+        x, y = batch()
+        for model in (plain, parted):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+    parted_norm = handle.clip_grad_norm_(0.05)
+    norms = torch.allclose(plain_norm, parted_norm, rtol=1e-5)
+    plain_optimizer.step()
+    parted_optimizer.step()
+    print(f"rank {rank} accumulated {step} norm {norms} close {same(False)}", flush=True)
+owned = sum(p.numel() * 4 for p, own in zip(parted.parameters(), mine) if own)
+print(f"rank {rank} gradient bytes {sum(p.grad.numel() * 4 for p in parted.parameters() if p.grad is not None)} "
+      f"owned {owned}", flush=True)
+"""
+
+
+def test_each_rank_keeps_the_gradients_it_owns_and_the_model_matches_ddp(tmp_path):
+    script = tmp_path / "stage2.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+           "ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_REPORT": str(tmp_path / "run")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          str(script)], env=env, capture_output=True, text=True, timeout=240)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        for step in range(3):
+            assert f"rank {rank} step {step} holds True grads True" in output, output[-3000:]
+            assert f"rank {rank} step {step} same True" in output, output[-3000:]
+        for step in range(2):
+            assert f"rank {rank} accumulated {step} norm True close True" in output, \
+                output[-3000:]
+    held = {int(rank): (int(grads), int(owned)) for rank, grads, owned in
+            re.findall(r"rank (\d) gradient bytes (\d+) owned (\d+)", run.stdout)}
+    assert sorted(held) == [0, 1], run.stdout
+    for rank, (grads, owned) in held.items():
+        assert grads == owned, held  # only its own gradients, after every backward
+    for rank in (0, 1):
+        zero = json.loads((tmp_path / f"run.rank{rank}.json").read_text())["sections"]["zero"]
+        assert zero["stage"] == 2 and zero["steps"] == 5, zero
+        # A reduce per owner's run of gradients a backward: 3 + 2 x 3 backwards, 2 each.
+        assert zero["reduces"] == 9 * 2, zero
