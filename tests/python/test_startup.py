@@ -50,9 +50,14 @@ FAKE_TORCH = textwrap.dedent('''
         def __init__(self, params, defaults):
             self.param_groups, self.state = [], {}
 
-    nn = types.SimpleNamespace(modules=types.SimpleNamespace(module=types.SimpleNamespace(
-        register_module_forward_pre_hook=_global_hook("register_module_forward_pre_hook"),
-        register_module_forward_hook=_global_hook("register_module_forward_hook"))))
+    class Module:
+        def state_dict(self, *args, **kwargs):
+            return {}
+
+    nn = types.SimpleNamespace(Module=Module, modules=types.SimpleNamespace(
+        module=types.SimpleNamespace(
+            register_module_forward_pre_hook=_global_hook("register_module_forward_pre_hook"),
+            register_module_forward_hook=_global_hook("register_module_forward_hook"))))
     optim = types.SimpleNamespace(Optimizer=Optimizer)
 ''')
 
@@ -65,6 +70,8 @@ PROGRAM = textwrap.dedent('''
     print("startup", started)
     print("optimizer init", torch.optim.Optimizer.__init__.__qualname__ if hasattr(torch, "optim")
           else "-")
+    print("state_dict copies off disk", hasattr(torch, "nn") and
+          getattr(torch.nn.Module.state_dict, "_zeroalloc_copies_off_disk", False))
     for call in torch.calls:
         print("call", *call)
 ''')
@@ -155,5 +162,7 @@ def test_zeroalloc_offload_alone_installs_and_hooks_every_module_and_optimizer(s
     assert "call change_current_allocator" in lines  # offload needs zeroalloc under PyTorch
     assert "call register_module_forward_pre_hook" in lines
     assert "call register_module_forward_hook" in lines
+    # Parameters on the NVMe tier come out of every model's state_dict as CPU copies.
+    assert "state_dict copies off disk True" in lines
     # Optimizers created from now on are adopted by the offload engine.
     assert any(line.startswith("optimizer init enable_automatic_offload") for line in lines), lines
