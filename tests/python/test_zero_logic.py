@@ -51,3 +51,12 @@ def test_a_reduce_carries_one_owners_gradients_in_backward_order_one_dtype_at_a_
     # none; a bfloat16 gradient does not share a float32 one's buffer.
     assert [(owner, [id(p) for p in members]) for owner, members in found] == [
         (1, [id(c)]), (1, [id(half)]), (0, [id(b), id(a)])]
+
+
+def test_stage_3_needs_the_model_and_a_stage_beyond_it_is_named():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"pass the model"):
+        _zero.partition(optimizer, stage=3)
+    with pytest.raises(ValueError, match=r"stage 4 does not exist"):
+        _zero.partition(optimizer, stage=4)

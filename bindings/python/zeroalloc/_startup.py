@@ -50,7 +50,7 @@ def zero_stage() -> int:
             "1 (each rank steps its share of the parameters and holds only their optimizer "
             "states) or 0 (none); stage 2 (gradients reduced to their owners) needs the "
             "script's model outside DistributedDataParallel: zt.partition(optimizer, "
-            "stage=2); stage 3 is not available yet")
+            "stage=2), and so does stage 3: zt.partition(optimizer, stage=3, model=model)")
     return int(value)
 
 

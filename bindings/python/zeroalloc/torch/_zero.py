@@ -57,6 +57,7 @@ import torch
 from zeroalloc import _group
 from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc.torch._use_hints import current_stream
+from zeroalloc.torch._zero_parameters import ParameterShards
 
 
 def owners_by_bytes(sizes: list, ranks: int) -> list:
@@ -147,7 +148,7 @@ class Partition:
     optimizer back its own step."""
 
     def __init__(self, optimizer, parameters: list, owners: list, rank: int, ranks: int,
-                 stage: int = 1):
+                 stage: int = 1, model=None):
         self.optimizer = optimizer
         self.parameters = parameters
         self.owners = owners
@@ -166,9 +167,15 @@ class Partition:
                         "parameter_bytes": sum(_nbytes(p) for p in parameters),
                         "steps": 0, "broadcasts": 0, "broadcast_bytes": 0,
                         "broadcast_s": 0.0}
-        if stage == 2:
+        self.shards = None
+        if stage >= 2:
             self.figures.update({"reduces": 0, "reduced_bytes": 0})
             self._install_gradient_reduction()
+        if stage == 3:  # Note [Stage 3 by whole parameters]
+            self.figures.update({"gathers": 0, "gathered_bytes": 0})
+            self.shards = ParameterShards(
+                model, {id(p): owner for p, owner in zip(parameters, owners)}, rank,
+                self.figures)
 
     def _install_gradient_reduction(self) -> None:
         """Note [Stage 2 by whole parameters]."""
@@ -193,6 +200,8 @@ class Partition:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         index = self.bucket_of[id(parameter)]
         self.ready[index] += 1
+        if self.shards is not None:  # its gradient is made: the gathered copy may go
+            self.shards.release(parameter)
         while (self.next_bucket < len(self.gradient_buckets)
                and self.ready[self.next_bucket] == len(self.gradient_buckets[self.next_bucket][1])):
             self._reduce(self.next_bucket)
@@ -209,12 +218,16 @@ class Partition:
             self.ready = [0] * len(self.gradient_buckets)
             self.next_bucket = 0
             self.end_queued = False
+            if self.shards is not None:
+                self.shards.release_all()
 
     def _reduce(self, index: int) -> None:
         owner, members = self.gradient_buckets[index]
         device = members[0].device
         stream = current_stream(device.index) if device.type == "cuda" else None
-        gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in members]
+        gradients = [p.grad if p.grad is not None else
+                     torch.zeros(self._shape(p), dtype=p.dtype, device=p.device)
+                     for p in members]
         if len(members) == 1 and gradients[0].is_contiguous():
             flat = gradients[0].reshape(-1)
         else:
@@ -229,12 +242,17 @@ class Partition:
             return
         offset = 0
         for parameter, gradient in zip(members, gradients):
-            part = flat[offset:offset + parameter.numel()].view_as(parameter)
-            offset += parameter.numel()
+            shape = self._shape(parameter)
+            count = shape.numel()
+            part = flat[offset:offset + count].view(shape)
+            offset += count
             if parameter.grad is None:
                 parameter.grad = part.clone() if len(members) > 1 else part
             elif part.data_ptr() != parameter.grad.data_ptr():
                 parameter.grad.copy_(part)
+
+    def _shape(self, parameter) -> torch.Size:
+        return parameter.shape if self.shards is None else self.shards.shape_of(parameter)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Stage 2's torch.nn.utils.clip_grad_norm_: the norm over every rank's gradients
@@ -273,7 +291,8 @@ class Partition:
         finally:
             for parameter, gradient in hidden:
                 parameter.grad = gradient
-        self.share()
+        if self.shards is None:  # stage 3: the others gather them at their next use
+            self.share()
         self.figures["steps"] += 1
         self.report()
         return loss
@@ -337,26 +356,36 @@ class Partition:
                 self.optimizer.state.pop(parameter, None)
 
     def remove(self) -> None:
+        """The optimizer's own methods back; at stage 3 every rank gathers every parameter
+        back (a collective: every rank must call it)."""
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        if self.shards is not None:
+            self.shards.remove()
+            self.shards = None
         for name in ("step", "state_dict", "load_state_dict"):
             if self.optimizer.__dict__.get(name) == getattr(self, name):
                 del self.optimizer.__dict__[name]
 
 
-def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
+def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -> Partition:
     """Partitions `optimizer`'s step across the ranks of the torchrun job (Note [Stage 1 by
     whole parameters]): from now on each rank steps the parameters it owns and broadcasts
     them to the others. Stage 1: call it after the model is wrapped in
     DistributedDataParallel (whose all-reduce gives every rank the same gradients). Stage 2:
     the model is not wrapped; each gradient is reduced to its owner as the backward makes
-    it, and the others free theirs (Note [Stage 2 by whole parameters]). On every rank, after
-    zt.offload(), if used. Joins the library's group the first time (torchrun's variables;
-    the library's bootstrap at MASTER_PORT+1)."""
-    if stage not in (1, 2):
-        raise ValueError(f"ZeRO stage {stage} is not available: stage 1 (partitioned "
-                         "optimizer step) and stage 2 (and gradients) are")
+    it, and the others free theirs (Note [Stage 2 by whole parameters]). Stage 3, with
+    `model`: as stage 2, and each rank keeps only the parameters it owns, the others
+    gathered while a module uses them (Note [Stage 3 by whole parameters]). On every rank,
+    after zt.offload(), if used. Joins the library's group the first time (torchrun's
+    variables; the library's bootstrap at MASTER_PORT+1)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} does not exist: stage 1 partitions the "
+                         "optimizer's step, 2 also the gradients, 3 also the parameters")
+    if stage == 3 and model is None:
+        raise ValueError("ZeRO stage 3 partitions the model's parameters: pass the model "
+                         "(zt.partition(optimizer, stage=3, model=model))")
     parameters, seen = [], set()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
@@ -364,11 +393,12 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
                 seen.add(id(parameter))
                 parameters.append(parameter)
     sizes = [_nbytes(p) for p in parameters]
-    if stage == 2:
+    if stage >= 2:
         for parameter in parameters:
             if parameter.requires_grad and parameter.dtype not in (torch.float32,
                                                                    torch.bfloat16):
-                raise ZeroallocError("ZeRO stage 2 reduces float32 and bfloat16 gradients: a "
+                raise ZeroallocError(f"ZeRO stage {stage} reduces float32 and bfloat16 "
+                                     "gradients: a "
                                      f"parameter of shape {tuple(parameter.shape)} is "
                                      f"{parameter.dtype}")
     # Stage 1 and 2 ranks agree on the broadcasts but not on the reduces: the stage is
@@ -377,7 +407,7 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0) -> Partition:
                 f"bytes={sum(sizes)}", timeout_s)
     rank, ranks = _group.rank(), _group.size()
     handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks,
-                       stage)
+                       stage, model)
     handle.report()
     optimizer.step = handle.step
     optimizer.state_dict = handle.state_dict

@@ -1,0 +1,146 @@
+"""ZeRO stage 3's parameters: each rank keeps the parameters it owns (stage 1's ownership)
+and only an empty placeholder for the others, gathered from their owners while a module
+uses them.
+
+Note [Stage 3 by whole parameters]: a parameter that is not this rank's holds a tensor of
+no elements (``parameter.data``; the Parameter object, its autograd identity and its
+optimizer state slot stay). A module's forward pre-hook gathers its own parameters (not its
+children's): the owner broadcasts each one that is not gathered yet, the others receive it
+into a new tensor of the full shape and make it the parameter's data; the module's forward
+hook releases them again. The backward needs them too: a hook on each output of the module
+(a tensor that requires a gradient) gathers the module's parameters when the gradient of
+that output arrives, before the module's backward runs; a parameter is released once its
+gradient has been accumulated (stage 2's hook, which then reduces it to its owner), and the
+end of the backward releases what is left. Whether a parameter is gathered is the same on
+every rank (the same hooks fire in the same order), so every rank calls the same broadcasts
+in the same order. The saved tensors of the forward are the Parameter objects themselves,
+so the backward reads whatever data they hold then: the gathered copy. After the step
+nothing is broadcast: the owners' parameters are the only up-to-date ones, and the others
+gather them at their next use. model.state_dict() gathers every parameter (on every rank,
+as every rank must call it) and returns CPU copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroalloc import _group
+from zeroalloc.torch._use_hints import current_stream
+
+
+class ParameterShards:
+    """The gathering and releasing of a partitioned model's parameters (Note [Stage 3 by
+    whole parameters])."""
+
+    def __init__(self, model: torch.nn.Module, owner_of: dict, rank: int, figures: dict):
+        self.model = model
+        self.owner_of = owner_of  # id(parameter) -> owning rank
+        self.rank = rank
+        self.figures = figures
+        self.shapes = {}  # id(parameter) -> full shape
+        self.gathered = set()  # ids of parameters every rank holds whole now
+        self.hooks = []
+        for module in model.modules():
+            own = [p for p in module._parameters.values() if p is not None]
+            if not own:
+                continue
+            self.hooks.append(module.register_forward_pre_hook(self._before_forward))
+            self.hooks.append(module.register_forward_hook(self._after_forward))
+        for parameter in model.parameters():
+            self.shapes[id(parameter)] = parameter.shape
+            if id(parameter) not in owner_of:
+                raise ValueError("ZeRO stage 3 partitions the optimizer's parameters: the "
+                                 f"model's parameter of shape {tuple(parameter.shape)} is not "
+                                 "in the optimizer, so no rank would own it")
+        # (A function: PyTorch marks the hook with an attribute, which a method cannot take.)
+        self.hooks.append(model.register_state_dict_post_hook(
+            lambda *arguments: self._gathered_state_dict(*arguments)))
+        for parameter in model.parameters():
+            self.release(parameter)
+
+    def shape_of(self, parameter) -> torch.Size:
+        return self.shapes[id(parameter)]
+
+    def owned(self, parameter) -> bool:
+        return self.owner_of[id(parameter)] == self.rank
+
+    def gather(self, parameters) -> None:
+        """Every rank gets each parameter not gathered yet from its owner."""
+        for parameter in parameters:
+            if id(parameter) in self.gathered:
+                continue
+            owner = self.owner_of[id(parameter)]
+            data = parameter.data
+            if owner != self.rank:
+                data = torch.empty(self.shape_of(parameter), dtype=data.dtype, device=data.device)
+            stream = current_stream(data.device.index) if data.device.type == "cuda" else None
+            nbytes = data.numel() * data.element_size()
+            _group.broadcast(data.data_ptr(), nbytes, owner, stream)
+            self.figures["gathers"] += 1
+            self.figures["gathered_bytes"] += nbytes
+            if owner != self.rank:
+                parameter.data = data
+            self.gathered.add(id(parameter))
+
+    def release(self, parameter) -> None:
+        """The parameter's gathered copy goes (the owner keeps its own)."""
+        self.gathered.discard(id(parameter))
+        if not self.owned(parameter) and parameter.data.numel() != 0:
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+
+    def release_all(self) -> None:
+        for parameter in self.model.parameters():
+            self.release(parameter)
+
+    def _module_parameters(self, module) -> list:
+        return [p for p in module._parameters.values() if p is not None]
+
+    def _before_forward(self, module, inputs) -> None:
+        self.gather(self._module_parameters(module))
+
+    def _after_forward(self, module, inputs, output):
+        parameters = self._module_parameters(module)
+        if torch.is_grad_enabled():
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._regather(parameters))
+        for parameter in parameters:
+            self.release(parameter)
+        return output
+
+    def _regather(self, parameters):
+        def hook(gradient):
+            self.gather(parameters)
+            return gradient
+        return hook
+
+    def _gathered_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """The whole model's parameters, gathered from their owners, as CPU copies."""
+        # Tied parameters appear under each of their names.
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            was_gathered = id(parameter) in self.gathered
+            self.gather([parameter])
+            state_dict[key] = parameter.detach().to("cpu", copy=True)
+            if not was_gathered:
+                self.release(parameter)
+
+    def remove(self) -> None:
+        """Every rank gathers every parameter back for good (the partition ends)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        self.gather(list(self.model.parameters()))
+
+
+def _tensors_in(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for each in value:
+            yield from _tensors_in(each)
+    elif isinstance(value, dict):
+        for each in value.values():
+            yield from _tensors_in(each)
