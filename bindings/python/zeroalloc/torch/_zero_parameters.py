@@ -5,8 +5,8 @@ uses them.
 Note [Stage 3 by whole parameters]: a parameter that is not this rank's holds a tensor of
 no elements (``parameter.data``; the Parameter object, its autograd identity and its
 optimizer state slot stay). A module's forward pre-hook gathers its own parameters (not its
-children's): the owner broadcasts each one that is not gathered yet, the others receive it
-into a new tensor of the full shape and make it the parameter's data; the module's forward
+children's): the owner broadcasts those not gathered yet, a run of one owner's parameters
+packed into one broadcast, and the others make what they receive the parameters' data; the module's forward
 hook releases them again. The backward needs them too: a hook on each output of the module
 (a tensor that requires a gradient) gathers the module's parameters when the gradient of
 that output arrives, before the module's backward runs; a parameter is released once its
@@ -65,21 +65,49 @@ class ParameterShards:
         return self.owner_of[id(parameter)] == self.rank
 
     def gather(self, parameters) -> None:
-        """Every rank gets each parameter not gathered yet from its owner."""
+        """Every rank gets each parameter not gathered yet from its owner: one broadcast per
+        run of one owner's parameters of one device and dtype (packed into one buffer when
+        several)."""
+        runs = []
         for parameter in parameters:
             if id(parameter) in self.gathered:
                 continue
             owner = self.owner_of[id(parameter)]
-            data = parameter.data
-            if owner != self.rank:
-                data = torch.empty(self.shape_of(parameter), dtype=data.dtype, device=data.device)
-            stream = current_stream(data.device.index) if data.device.type == "cuda" else None
-            nbytes = data.numel() * data.element_size()
-            _group.broadcast(data.data_ptr(), nbytes, owner, stream)
-            self.figures["gathers"] += 1
-            self.figures["gathered_bytes"] += nbytes
-            if owner != self.rank:
+            last = runs[-1][1][0] if runs else None
+            if (last is not None and runs[-1][0] == owner and last.device == parameter.device
+                    and last.dtype == parameter.dtype):
+                runs[-1][1].append(parameter)
+            else:
+                runs.append((owner, [parameter]))
+        for owner, members in runs:
+            self._gather_run(owner, members)
+
+    def _gather_run(self, owner: int, members: list) -> None:
+        device = members[0].device
+        stream = current_stream(device.index) if device.type == "cuda" else None
+        sizes = [self.shape_of(p).numel() * p.element_size() for p in members]
+        mine = owner == self.rank
+        if len(members) == 1:  # in place on the owner, into a new tensor elsewhere
+            parameter = members[0]
+            data = parameter.data if mine else torch.empty(
+                self.shape_of(parameter), dtype=parameter.dtype, device=device)
+            _group.broadcast(data.data_ptr(), sizes[0], owner, stream)
+            if not mine:
                 parameter.data = data
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            if mine:
+                torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in members], out=flat)
+            _group.broadcast(flat.data_ptr(), flat.numel(), owner, stream)
+            if not mine:  # views of the one buffer, which goes when the last is let go
+                offset = 0
+                for parameter, size in zip(members, sizes):
+                    parameter.data = flat[offset:offset + size].view(parameter.dtype).view(
+                        self.shape_of(parameter))
+                    offset += size
+        self.figures["gathers"] += 1
+        self.figures["gathered_bytes"] += sum(sizes)
+        for parameter in members:
             self.gathered.add(id(parameter))
 
     def release(self, parameter) -> None:
