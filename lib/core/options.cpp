@@ -215,13 +215,14 @@ const std::vector<option_spec>& table() {
        "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
        "torch is imported, as zeroalloc.torch.install() does.",
        check<read_choice>},
-      {"ZEROALLOC_ZERO_STAGE", option_kind::choice, "0", "0|1",
-       "With the Python package's start-up hook under torchrun: 1 partitions every optimizer's "
-       "step across the ranks (ZeRO stage 1: each rank steps its share of the parameters, "
-       "holds only their optimizer states and broadcasts them to the others; the gradients "
-       "must be reduced already, as DistributedDataParallel does). Every rank must set the "
-       "same value. Stage 2 (gradients reduced to their owners) is zt.partition(optimizer, "
-       "stage=2), for a model outside DistributedDataParallel.",
+      {"ZEROALLOC_ZERO_STAGE", option_kind::choice, "0", "0|1|2|3",
+       "With the Python package's start-up hook under torchrun: partitions every optimizer "
+       "across the ranks (ZeRO). 1: each rank steps its share of the parameters, holds only "
+       "their optimizer states and broadcasts them to the others (the gradients reduced as "
+       "DistributedDataParallel does); 2: and each gradient goes to its owner alone (the "
+       "script's DistributedDataParallel leaves them to it); 3: and a rank keeps only its "
+       "own parameters, the others gathered while a module uses them. Every rank must set "
+       "the same value.",
        check<read_choice>},
       {"ZEROALLOC_NVME_PATH", option_kind::text, "", "",
        "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "

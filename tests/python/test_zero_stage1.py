@@ -155,9 +155,13 @@ for step in range(3):
     optimizer.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
-flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.uint8)
+# The model's state_dict: at stage 3 the parameters gathered from their owners.
+whole = model.state_dict()
+flat = torch.cat([whole[key].reshape(-1) for key in sorted(whole)]).view(torch.uint8)
 digest = hashlib.sha256(bytes(flat.tolist()))  # (no NumPy needed)
-print(f"rank {rank} states {len(optimizer.state)} digest {digest.hexdigest()}", flush=True)
+grads = sum(p.grad is not None for p in model.parameters())
+print(f"rank {rank} states {len(optimizer.state)} grads {grads} digest {digest.hexdigest()}",
+      flush=True)
 """
 
 LAUNCHER = """
@@ -169,9 +173,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
-    """ZEROALLOC_ZERO_STAGE=1 with the package installed: a script that never imports
-    zeroalloc holds 1/N of its optimizer states per rank and ends with the same model, bit
-    for bit, as without the variable."""
+    """ZEROALLOC_ZERO_STAGE=1, 2 or 3 with the package installed: a script that never
+    imports zeroalloc (and wraps its model in DistributedDataParallel) holds 1/N of its
+    optimizer states per rank, at stages 2 and 3 also 1/N of its gradients, and ends with
+    the same model, bit for bit, as without the variable."""
     import shutil
     site = tmp_path / "site"
     site.mkdir()
@@ -181,7 +186,7 @@ def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(UNMODIFIED))
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
     results = {}
-    for stage in ("0", "1"):
+    for stage in ("0", "1", "2", "3"):
         env = {key: value for key, value in os.environ.items()
                if not key.startswith("ZEROALLOC_") and key != "PYTHONPATH"}
         env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_LIBRARY": str(LIBRARY),
@@ -192,11 +197,15 @@ def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
                               str(tmp_path / "train.py")],
                              env=env, capture_output=True, text=True, timeout=240)
         assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-        # (rank, states, digest); the ranks' lines can run together in the one pipe
-        results[stage] = sorted(re.findall(r"rank (\d) states (\d+) digest ([0-9a-f]{64})",
-                                           run.stdout))
+        # (rank, states, grads, digest); the ranks' lines can run together in the one pipe
+        results[stage] = sorted(re.findall(
+            r"rank (\d) states (\d+) grads (\d+) digest ([0-9a-f]{64})", run.stdout))
         assert len(results[stage]) == 2, run.stdout
-    assert [int(states) for _, states, _ in results["0"]] == [4, 4], results
-    assert sorted(int(states) for _, states, _ in results["1"]) == [1, 3], results
-    digests = {digest for _, _, digest in results["0"] + results["1"]}
+    assert [int(states) for _, states, _, _ in results["0"]] == [4, 4], results
+    for stage in ("1", "2", "3"):
+        assert sorted(int(states) for _, states, _, _ in results[stage]) == [1, 3], results
+    # Gradients: every rank all of them, except at stages 2 and 3 (each its own).
+    for stage, expected in (("0", [4, 4]), ("1", [4, 4]), ("2", [1, 3]), ("3", [1, 3])):
+        assert sorted(int(grads) for _, _, grads, _ in results[stage]) == expected, results
+    digests = {digest for stage in results for _, _, _, digest in results[stage]}
     assert len(digests) == 1, f"the models differ: {results}"

@@ -37,20 +37,19 @@ def torch_allocator_choice() -> str:
 
 
 #: Values of ZEROALLOC_ZERO_STAGE the package acts on (0: none).
-ZERO_STAGES = ("0", "1")
+ZERO_STAGES = ("0", "1", "2", "3")
 
 
 def zero_stage() -> int:
-    """ZEROALLOC_ZERO_STAGE, checked: 0 (the default, no partitioning) or 1."""
+    """ZEROALLOC_ZERO_STAGE, checked: 0 (the default, no partitioning), 1, 2 or 3."""
     value = os.environ.get("ZEROALLOC_ZERO_STAGE", "0").strip()
     if value not in ZERO_STAGES:
         from zeroalloc._library import ZeroallocError
         raise ZeroallocError(
             f"ZEROALLOC_ZERO_STAGE={os.environ['ZEROALLOC_ZERO_STAGE']!r} is not valid: use "
             "1 (each rank steps its share of the parameters and holds only their optimizer "
-            "states) or 0 (none); stage 2 (gradients reduced to their owners) needs the "
-            "script's model outside DistributedDataParallel: zt.partition(optimizer, "
-            "stage=2), and so does stage 3: zt.partition(optimizer, stage=3, model=model)")
+            "states), 2 (and only their gradients), 3 (and only the parameters themselves "
+            "between uses) or 0 (none)")
     return int(value)
 
 

@@ -57,6 +57,7 @@ import torch
 from zeroalloc import _group
 from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc.torch._use_hints import current_stream
+from zeroalloc.torch import _zero_ddp
 from zeroalloc.torch._zero_parameters import ParameterShards
 
 
@@ -408,6 +409,8 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
     rank, ranks = _group.rank(), _group.size()
     handle = Partition(optimizer, parameters, owners_by_bytes(sizes, ranks), rank, ranks,
                        stage, model)
+    if stage == 2:  # every rank's replica the owners' from the start (stage 3 keeps owners')
+        handle.share()
     handle.report()
     optimizer.step = handle.step
     optimizer.state_dict = handle.state_dict
@@ -416,22 +419,38 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
 
 
 def enable_automatic_partition(stage: int = 1, timeout_s: float = 300.0) -> None:
-    """ZeRO with no line changed in the script (ZEROALLOC_ZERO_STAGE=1 under torchrun, with
-    the package's start-up hook): every optimizer created from now on is partitioned as
-    partition() does, at the end of its construction (every rank builds its optimizers in
-    the same order, so their joins and steps meet). Raises at once outside torchrun."""
+    """ZeRO with no line changed in the script (ZEROALLOC_ZERO_STAGE=1, 2 or 3 under
+    torchrun, with the package's start-up hook): every optimizer created from now on is
+    partitioned as partition() does, at the end of its construction (every rank builds its
+    optimizers in the same order, so their joins and steps meet). At stages 2 and 3 the
+    script's DistributedDataParallel is a stand-in that leaves the gradients to the
+    partition (Note [DistributedDataParallel under stages 2 and 3]), and stage 3 partitions
+    the model it wrapped. Raises at once outside torchrun."""
     import os
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise ZeroallocError(f"ZEROALLOC_ZERO_STAGE={stage} needs torchrun's RANK and "
                              "WORLD_SIZE: start the script with torchrun (nothing is "
                              "partitioned)")
-    if stage != 1:
-        raise ValueError(f"ZeRO stage {stage} is not available yet: only stage 1 is")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} does not exist: use 1, 2 or 3")
+    if stage >= 2:
+        _zero_ddp.replace_distributed_data_parallel()
     original_init = torch.optim.Optimizer.__init__
 
     def init(self, params, defaults, *args, **kwargs):
         original_init(self, params, defaults, *args, **kwargs)
-        if getattr(self, "_zeroalloc_partition", None) is None:
-            self._zeroalloc_partition = partition(self, stage, timeout_s)
+        if getattr(self, "_zeroalloc_partition", None) is not None:
+            return
+        model = None
+        if stage == 3:
+            stepped = [p for group in self.param_groups for p in group["params"]]
+            model = _zero_ddp.model_of(stepped)
+            if model is None:
+                raise ZeroallocError(
+                    "ZEROALLOC_ZERO_STAGE=3 partitions the model an optimizer steps, found "
+                    "as the module wrapped in DistributedDataParallel: this optimizer's "
+                    "parameters are not all in one wrapped module (wrap the model before "
+                    "building its optimizer)")
+        self._zeroalloc_partition = partition(self, stage, timeout_s, model=model)
 
     torch.optim.Optimizer.__init__ = init
