@@ -672,9 +672,10 @@ def deepspeed_config(args, stage: int, nvme_path: str = "",
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path,
                                      "pin_memory": True, "buffer_count": 4}
         if parameters_on_nvme:
+            # Each buffer must hold the largest parameter (the embedding: vocab x hidden).
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path,
                                      "pin_memory": True, "buffer_count": 24,
-                                     "buffer_size": 100_000_000}
+                                     "buffer_size": max(100_000_000, args.vocab * args.hidden)}
             zero["stage3_max_reuse_distance"] = 0
             zero["stage3_max_live_parameters"] = 100_000_000
             zero["stage3_prefetch_bucket_size"] = 50_000_000

@@ -24,8 +24,10 @@ const char* name_of(std::uint32_t what) {
       return "reduce_scatter";
     case 2:
       return "broadcast";
-    default:
+    case 3:
       return "reduce";
+    default:
+      return "an unknown collective";
   }
 }
 

@@ -95,6 +95,27 @@ for step in range(5):
         torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b, own in
         zip(plain.module.parameters(), parted.parameters(), mine) if own)
     print(f"rank {rank} step {step} loss {same_loss} owners {same} holds {held()}", flush=True)
+# A backward that accumulates nothing (torch.autograd.grad of an input) after the step's
+# backward: its gathered copies must not outlive the step, or the next forward would run on
+# the weights from before it.
+plain.module.checkpointing = parted.checkpointing = False
+for probe in (True, False):
+    x, y = torch.randn(16, 32, generator=inputs), torch.randn(16, 8, generator=inputs)
+    losses = []
+    for model, module, optimizer in ((plain, plain.module, plain_optimizer),
+                                     (parted, parted, parted_optimizer)):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        if probe:
+            probed = x.clone().requires_grad_()
+            torch.autograd.grad(module(probed).sum(), probed)
+        optimizer.step()
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b, own in
+                zip(plain.module.parameters(), parted.parameters(), mine) if own)
+    print(f"rank {rank} probe {probe} loss {torch.allclose(*losses, rtol=1e-5)} "
+          f"owners {close} holds {held()}", flush=True)
 whole = parted.state_dict()
 reference = plain.module.state_dict()
 gathered = (whole.keys() == reference.keys() and
@@ -121,10 +142,13 @@ def test_each_rank_keeps_its_parameters_and_gathers_the_rest_as_modules_use_them
         for step in range(5):
             assert f"rank {rank} step {step} loss True owners True holds True" in output, \
                 output[-3000:]
+        for probe in (True, False):
+            assert f"rank {rank} probe {probe} loss True owners True holds True" in output, \
+                output[-3000:]
         assert f"rank {rank} state_dict gathered True holds True" in output, output[-3000:]
         assert f"rank {rank} removed whole True" in output, output[-3000:]
     for rank in (0, 1):
         zero = json.loads((tmp_path / f"run.rank{rank}.json").read_text())["sections"]["zero"]
-        assert zero["stage"] == 3 and zero["steps"] == 5, zero
+        assert zero["stage"] == 3 and zero["steps"] == 7, zero
         assert zero["broadcasts"] == 0, zero  # nothing shared after a step: gathered at use
         assert zero["gathers"] > 0 and zero["reduces"] > 0, zero

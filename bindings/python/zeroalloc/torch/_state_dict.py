@@ -57,6 +57,8 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     while a use pins it where it came back to (as copied_off_disk does for states); the
     rest stay the module's own tensors."""
     for key, value in list(state_dict.items()):
+        if isinstance(value, torch.nn.Parameter):  # keep_vars=True: the live objects asked
+            continue
         if not (torch.is_tensor(value) and value.numel() > 0 and
                 residency_or_foreign(value) in ("disk", "split", "moving")):
             continue

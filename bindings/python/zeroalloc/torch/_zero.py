@@ -34,7 +34,16 @@ gradients are None again after each reduce). Afterwards a rank holds the gradien
 it owns and None for the rest; the step is stage 1's. The model must not be wrapped in
 DistributedDataParallel (its all-reduce would give every rank every gradient), and
 torch.nn.utils.clip_grad_norm_ sees only the rank's own gradients: Partition.clip_grad_norm_
-clips by the norm over every rank's.
+clips by the norm over every rank's. Bit for bit DistributedDataParallel's when the number
+of ranks is a power of two (g x 1/N is then g / N exactly); otherwise to rounding. Limits:
+a parameter no rank gave a gradient gets zeros on its owner (AdamW then decays it, where
+DistributedDataParallel leaves it); every rank must use the same parameters in a backward
+(a bucket whose gradients are ready on one rank and missing on another is sent at
+different times, and the ranks' collectives no longer match: the group's timeout ends
+them, naming the calls); reentrant activation checkpointing ends a nested backward per
+segment, each sending the buckets not ready yet (zeros), which is correct but multiplies
+the traffic (use_reentrant=False does not); and fp16 with a GradScaler is not supported
+(each rank would find its own infinities).
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
 unpartitioned one would: every rank's own states gathered (pickled, through the default
@@ -264,10 +273,10 @@ class Partition:
                              f"only, not norm_type={norm_type}")
         owned = [p.grad for p, owner in zip(self.parameters, self.owners)
                  if owner == self.rank and p.grad is not None]
-        device = self.parameters[0].device
+        device = self.parameters[0].device  # where every rank's sum meets
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         for gradient in owned:
-            squares += gradient.detach().float().pow(2).sum()
+            squares += gradient.detach().float().pow(2).sum().to(device)
         everyone = torch.empty(self.ranks, dtype=torch.float32, device=device)
         stream = current_stream(device.index) if device.type == "cuda" else None
         _group.all_gather(squares.data_ptr(), everyone.data_ptr(), 4, stream)
@@ -282,6 +291,15 @@ class Partition:
             raise ValueError(f"a ZeRO stage {self.stage} step takes no closure: the "
                              "closure's backward would give the step every parameter's "
                              "gradient again")
+        if self.stage >= 2:
+            # A backward that raised left its counts (and no end callback will come).
+            self.ready = [0] * len(self.gradient_buckets)
+            self.next_bucket = 0
+            self.end_queued = False
+        if self.shards is not None:
+            # Copies gathered by a backward that accumulated nothing (torch.autograd.grad)
+            # or a forward that raised: after this step they would be stale.
+            self.shards.release_all()
         hidden = []
         for parameter, owner in zip(self.parameters, self.owners):
             if owner != self.rank and parameter.grad is not None:

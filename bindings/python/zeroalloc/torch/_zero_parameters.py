@@ -17,7 +17,13 @@ in the same order. The saved tensors of the forward are the Parameter objects th
 so the backward reads whatever data they hold then: the gathered copy. After the step
 nothing is broadcast: the owners' parameters are the only up-to-date ones, and the others
 gather them at their next use. model.state_dict() gathers every parameter (on every rank,
-as every rank must call it) and returns CPU copies.
+as every rank must call it: a script that saves from rank 0 alone must call it on every
+rank first) and returns CPU copies. The step lets go of any copy still gathered (a backward
+that accumulated nothing, a forward that raised), since the owners' step makes it stale.
+Limits: a parameter must be used inside the forward of a module that registers it (one
+read by another module's forward, as F.linear(h, self.embedding.weight) in a parent, is
+empty on the ranks that do not own it); and stage 3 does not combine with
+ZEROALLOC_NVME_PARAMETERS (the gathers read the owner's parameter without a use hint).
 """
 
 from __future__ import annotations
