@@ -668,10 +668,12 @@ void migrator::give_back_staging(std::uintptr_t slot, physical_handle device_chu
 // host tier makes room by sending another chunk to the disk, which needs a disk slot before
 // the restore frees one. With the disk full too (the largest model a machine trains fills
 // every tier), nothing could come back. So a spill leaves the room of the largest chunk
-// spilled so far free in the store, unless it makes host room for a restore: that one may
-// take the room, which the restore gives back when it frees its slot. The tier holds one
-// chunk less than its capacity; a model that needs that last chunk fails its allocation
-// with the usual message instead of failing later, at a use.
+// spilled so far free in the store, except the one of a swap: a chunk of the same size goes
+// to the disk, into that room, and the chunk coming back takes its host chunk directly
+// (never through the pool, where another move could take it first); the restore then frees
+// its slot, and the room is there again. The engine makes one swap at a time. The tier
+// holds one chunk less than its capacity; a model that needs that last chunk fails its
+// allocation with the usual message instead of failing later, at a use.
 
 physical_handle migrator::placeholder_for(std::size_t bytes) {
   {
@@ -711,8 +713,17 @@ bool migrator::claim_spill(std::uintptr_t address) {
   return true;
 }
 
-void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after,
-                                   bool for_restore) {
+bool migrator::swap(std::uintptr_t from_disk, std::uintptr_t claimed,
+                    const std::vector<event_handle>* after) {
+  host_chunk freed;
+  spill(claimed, after, &freed);
+  if (!freed.valid()) return false;  // its segment went meanwhile: nothing moved
+  return restore_into(from_disk, &freed);
+}
+
+void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* after,
+                     host_chunk* freed) {
+  const bool for_restore = freed != nullptr;
   const auto started = std::chrono::steady_clock::now();
   host_chunk host;
   int cls = 0;
@@ -795,7 +806,11 @@ void migrator::start_claimed_spill(std::uintptr_t address, const std::vector<eve
     moving_.erase(address);
   }
   changed_.notify_all();
-  pool_.release(host);
+  if (freed != nullptr) {
+    *freed = host;  // straight to the chunk coming back (swap)
+  } else {
+    pool_.release(host);
+  }
 }
 
 std::byte* migrator::disk_lane::buffer(std::size_t bytes) {
@@ -809,21 +824,30 @@ std::byte* migrator::disk_lane::buffer(std::size_t bytes) {
   return bounce.get();
 }
 
-bool migrator::restore(std::uintptr_t address) {
+bool migrator::restore_into(std::uintptr_t address, const host_chunk* into) {
   const auto started = std::chrono::steady_clock::now();
   chunk_on_disk away;
+  bool refused = false;
   {
     std::lock_guard lock(mutex_);
     auto found = on_disk_.find(address);
-    if (found == on_disk_.end() || moving_.contains(address)) return false;
-    away = found->second;
-    moving_[address] = residency::moving_from_disk;
+    refused = found == on_disk_.end() || moving_.contains(address) ||
+              (into != nullptr && into->handle.bytes != found->second.bytes);
+    if (!refused) {
+      away = found->second;
+      moving_[address] = residency::moving_from_disk;
+    }
+  }
+  if (refused) {
+    if (into != nullptr) pool_.release(*into);
+    return false;
   }
   host_chunk host;
   chunk_info chunk;
   bool pinned = false;
   try {
-    host = pool_.acquire(away.bytes);  // host_memory_exhausted: the caller makes room
+    // host_memory_exhausted: the caller makes room
+    host = into != nullptr ? *into : pool_.acquire(away.bytes);
     pinned = paging_.pin_chunk(address, chunk);
     if (!pinned) ZA_THROW(error, "the chunk at ", address, " is pinned by another move");
     if (!chunk.handle.inaccessible) {

@@ -163,18 +163,25 @@ class migrator : public paging_listener {
   /// disk_space_exhausted with the chunk still wholly on the host (the claim given up).
   /// Its copy waits for `after` (the ends of the chunk's hinted uses) when given, and for
   /// everything queued on the chunk's streams.
-  /// `for_restore`: the spill makes host room for a chunk coming back from the disk, and
-  /// may take the disk room kept for that (Note [Room kept for restores]); any other spill
-  /// leaves it free.
-  void start_claimed_spill(std::uintptr_t address, const std::vector<event_handle>* after = nullptr,
-                           bool for_restore = false);
+  /// It leaves the disk room kept for restores free (Note [Room kept for restores]).
+  void start_claimed_spill(std::uintptr_t address,
+                           const std::vector<event_handle>* after = nullptr) {
+    spill(address, after, nullptr);
+  }
   /// Gives up a claim_spill that will not start.
   void cancel_spill(std::uintptr_t address) { release_claim(address); }
   /// Reads the disk-resident chunk at `address` into a host chunk and maps its addresses
   /// there: afterwards it is host-resident, as after an eviction. False when it is not on
   /// the disk or is moving. Throws host_memory_exhausted (the host tier has no room: make
   /// some, then try again) or disk_io_error, with the chunk still on the disk.
-  bool restore(std::uintptr_t address);
+  bool restore(std::uintptr_t address) { return restore_into(address, nullptr); }
+  /// Note [Room kept for restores]: with the host tier full, the chunk at `from_disk` comes
+  /// back into the host chunk of `claimed` (claimed with claim_spill, the same size), which
+  /// goes to the disk first, into the room the disk keeps for this; the room is free again
+  /// once `from_disk`'s slot is. True when `from_disk` came back. Throws as a spill or a
+  /// restore does; the claim is used up either way.
+  bool swap(std::uintptr_t from_disk, std::uintptr_t claimed,
+            const std::vector<event_handle>* after = nullptr);
   /// The host-resident chunks, with their bytes and class, for the engine's choice of what
   /// goes to the disk.
   struct host_resident_chunk {
@@ -241,6 +248,12 @@ class migrator : public paging_listener {
   /// gives both back; an unmap that fails retires both instead.
   void give_back_staging(std::uintptr_t slot, physical_handle device_chunk, bool mapped);
 
+  /// start_claimed_spill; with `freed`, the spill may take the room kept for restores and
+  /// hands its host chunk over there instead of giving it back to the pool (swap()).
+  void spill(std::uintptr_t address, const std::vector<event_handle>* after, host_chunk* freed);
+  /// restore(); with `into`, the chunk comes back into that host chunk instead of one from
+  /// the pool, and the call owns it: used, or given back to the pool.
+  bool restore_into(std::uintptr_t address, const host_chunk* into);
   /// The placeholder mapped behind disk-resident chunks of `bytes` (Note [Chunks on disk]).
   physical_handle placeholder_for(std::size_t bytes);
   /// Brings every disk-resident chunk back to the host (the destructor's first step).

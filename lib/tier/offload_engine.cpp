@@ -739,66 +739,66 @@ void offload_engine::read_ahead_worker() {
 // nothing on disk). So an optimizer-state chunk that no hint has reached yet may go to
 // disk too: the class's contract (include/zeroalloc/zeroalloc.h) is that every use of it is hinted,
 // so its next use brings it back first.
+std::vector<offload_engine::disk_candidate> offload_engine::disk_candidates(
+    std::uintptr_t keep, std::uint64_t farther_than) {
+  // Note [Chunks on disk]: optimizer states go (every use of theirs is hinted, so the
+  // engine brings them back first), and with ZEROALLOC_NVME_PARAMETERS parameters whose
+  // uses are hinted; none with a use open; the farthest next use first (a state before a
+  // parameter when they tie).
+  using candidate = disk_candidate;
+  // A parameter's chunk goes only while its segment has seen no allocation or free since
+  // its last hinted use ended (its generation then), so the hints still describe what it
+  // holds (its next hinted use brings it back, learned order or not).
+  std::unordered_map<std::uintptr_t, std::uint64_t> generations;
+  if (settings_.parameters_to_disk) {
+    std::vector<chunk_info> all;
+    paging_.list_chunks(all);
+    for (const chunk_info& chunk : all) {
+      if (chunk.allocation_class == static_cast<int>(allocation_class::parameter)) {
+        generations[chunk.address] = chunk.generation;
+      }
+    }
+  }
+  std::vector<candidate> candidates;
+  for (const auto& each : migrator_.host_resident_chunks()) {
+    const bool state_class =
+        each.allocation_class == static_cast<int>(allocation_class::optimizer_state);
+    const bool parameter = settings_.parameters_to_disk &&
+                           each.allocation_class == static_cast<int>(allocation_class::parameter);
+    if (each.address == keep || !(state_class || parameter)) continue;
+    // Every use of it so far hinted, or none yet for a state (Note [States never used
+    // yet]); no use open.
+    auto state = chunks_.find(each.address);
+    if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
+      continue;
+    }
+    const std::uint64_t distance = next_use_distance(each.address, /*on_device=*/false);
+    if (parameter) {
+      auto generation = generations.find(each.address);
+      if (state == chunks_.end() || generation == generations.end() ||
+          state->second.released_generation != generation->second) {
+        continue;
+      }
+    }
+    if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
+    candidates.push_back({each.address, each.bytes, parameter, distance});
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
+    if (a.distance != b.distance) return a.distance > b.distance;
+    return !a.parameter && b.parameter;
+  });
+  return candidates;
+}
+
 std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t keep,
-                                             std::uint64_t farther_than, bool for_restore) {
+                                             std::uint64_t farther_than) {
   if (!migrator_.has_disk()) return 0;
   std::vector<std::uintptr_t> claimed;
   std::vector<std::vector<event_handle>> fences;  // each claimed chunk's use-ends
   std::uint64_t claimed_bytes = 0;
   {
-    // Note [Chunks on disk]: optimizer states go (every use of theirs is hinted, so the
-    // engine brings them back first), and with ZEROALLOC_NVME_PARAMETERS parameters whose
-    // uses are hinted; none with a use open; the farthest next use first (a state before a
-    // parameter when they tie).
     std::lock_guard lock(mutex_);
-    struct candidate {
-      std::uintptr_t address;
-      std::size_t bytes;
-      bool parameter;
-      std::uint64_t distance;
-    };
-    // A parameter's chunk goes only while its segment has seen no allocation or free since
-    // its last hinted use ended (its generation then), so the hints still describe what it
-    // holds (its next hinted use brings it back, learned order or not).
-    std::unordered_map<std::uintptr_t, std::uint64_t> generations;
-    if (settings_.parameters_to_disk) {
-      std::vector<chunk_info> all;
-      paging_.list_chunks(all);
-      for (const chunk_info& chunk : all) {
-        if (chunk.allocation_class == static_cast<int>(allocation_class::parameter)) {
-          generations[chunk.address] = chunk.generation;
-        }
-      }
-    }
-    std::vector<candidate> candidates;
-    for (const auto& each : migrator_.host_resident_chunks()) {
-      const bool state_class =
-          each.allocation_class == static_cast<int>(allocation_class::optimizer_state);
-      const bool parameter = settings_.parameters_to_disk &&
-                             each.allocation_class == static_cast<int>(allocation_class::parameter);
-      if (each.address == keep || !(state_class || parameter)) continue;
-      // Every use of it so far hinted, or none yet for a state (Note [States never used
-      // yet]); no use open.
-      auto state = chunks_.find(each.address);
-      if (state != chunks_.end() && (!state->second.hinted || state->second.open_uses > 0)) {
-        continue;
-      }
-      const std::uint64_t distance = next_use_distance(each.address, /*on_device=*/false);
-      if (parameter) {
-        auto generation = generations.find(each.address);
-        if (state == chunks_.end() || generation == generations.end() ||
-            state->second.released_generation != generation->second) {
-          continue;
-        }
-      }
-      if (farther_than != 0 && distance <= farther_than) continue;  // needed sooner
-      candidates.push_back({each.address, each.bytes, parameter, distance});
-    }
-    std::sort(candidates.begin(), candidates.end(), [](const candidate& a, const candidate& b) {
-      if (a.distance != b.distance) return a.distance > b.distance;
-      return !a.parameter && b.parameter;
-    });
-    for (const candidate& each : candidates) {
+    for (const disk_candidate& each : disk_candidates(keep, farther_than)) {
       if (claimed_bytes >= bytes) break;
       if (!migrator_.claim_spill(each.address)) continue;  // claimed under the lock a use takes
       claimed.push_back(each.address);
@@ -809,8 +809,7 @@ std::uint64_t offload_engine::make_host_room(std::size_t bytes, std::uintptr_t k
   std::uint64_t spilled = 0;
   for (std::size_t i = 0; i < claimed.size(); ++i) {
     try {
-      migrator_.start_claimed_spill(claimed[i], fences[i].empty() ? nullptr : &fences[i],
-                                    for_restore);
+      migrator_.start_claimed_spill(claimed[i], fences[i].empty() ? nullptr : &fences[i]);
       if (migrator_.where(claimed[i]) == residency::disk) ++spilled;
     } catch (const std::exception& failure) {
       // The chunk stays on the host; so do the rest, their claims given up.
@@ -837,7 +836,9 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
       // Host chunks being fetched (the prefetcher's) are neither spillable nor free until
       // their fetch lands: let the moves in flight land before giving up.
       if (attempt >= 3) throw;
-      if (make_host_room(bytes, address, 0, /*for_restore=*/true) == 0) migrator_.drain();
+      if (make_host_room(bytes, address) == 0 && !swap_off_disk(address, bytes)) {
+        migrator_.drain();
+      }
     }
     // A chunk left on disk sits behind addresses no kernel may touch: never return so.
     if (attempt >= 3) {
@@ -846,6 +847,28 @@ void offload_engine::off_disk(std::uintptr_t address, std::size_t bytes) {
                "after ",
                attempt + 1, " tries (ZEROALLOC_HOST_LIMIT)");
     }
+  }
+}
+
+bool offload_engine::swap_off_disk(std::uintptr_t address, std::size_t bytes) {
+  std::lock_guard swapping(swap_mutex_);  // one at a time: one room is kept for them
+  std::uintptr_t claimed = 0;
+  std::vector<event_handle> fences;
+  {
+    std::lock_guard lock(mutex_);
+    for (const disk_candidate& each : disk_candidates(address, 0)) {
+      if (each.bytes != bytes || !migrator_.claim_spill(each.address)) continue;
+      claimed = each.address;
+      fences = use_end_fences(each.address);
+      break;
+    }
+  }
+  if (claimed == 0) return false;
+  try {
+    return migrator_.swap(address, claimed, fences.empty() ? nullptr : &fences);
+  } catch (const std::exception& failure) {
+    log().warn("offload: swapping a chunk back from the disk failed: {}", failure.what());
+    return false;
   }
 }
 

@@ -300,11 +300,22 @@ class offload_engine : public paging_listener {
   /// free; returns how many chunks went (0: none could, or there is no disk tier). Caller
   /// does not hold mutex_.
   /// `farther_than`: only chunks whose next use is farther than that many positions (a
-  /// read ahead of need); 0: any. `for_restore`: the room is for `keep` coming back from
-  /// the disk now, and may take the disk room kept for that (Note [Room kept for restores]
-  /// in migrator.cpp).
+  /// read ahead of need); 0: any.
   std::uint64_t make_host_room(std::size_t bytes, std::uintptr_t keep,
-                               std::uint64_t farther_than = 0, bool for_restore = false);
+                               std::uint64_t farther_than = 0);
+  /// What may go to the disk (never `keep`), the farthest next use first. Caller holds
+  /// mutex_.
+  struct disk_candidate {
+    std::uintptr_t address;
+    std::size_t bytes;
+    bool parameter;
+    std::uint64_t distance;
+  };
+  std::vector<disk_candidate> disk_candidates(std::uintptr_t keep, std::uint64_t farther_than);
+  /// Note [Room kept for restores] in migrator.cpp: the chunk at `address` comes back from
+  /// the disk into the host chunk of one of the same size that goes there. One at a time.
+  /// Caller does not hold mutex_.
+  bool swap_off_disk(std::uintptr_t address, std::size_t bytes);
   /// The prefetcher's read of an in-place chunk from disk ahead of its use, making host
   /// room only from chunks needed later than it is. True when it came to the host. Caller
   /// does not hold mutex_.
@@ -327,6 +338,7 @@ class offload_engine : public paging_listener {
   const offload_settings settings_;
 
   mutable std::mutex mutex_;
+  std::mutex swap_mutex_;  // swap_off_disk, one at a time (Note [Room kept for restores])
   std::condition_variable wishes_changed_;
   std::unordered_map<std::uintptr_t, chunk_state> chunks_;
   // Note [In-place uses in the order]: the uses that need their chunk on the device, and

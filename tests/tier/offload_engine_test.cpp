@@ -377,6 +377,44 @@ TEST_F(OffloadEngineDiskTest, HintedParametersGoToDiskOnlyWhenAskedAndComeBackIn
   }
 }
 
+// The windowed step uses host-resident states in place: with the host tier and the disk
+// full, a state on disk comes back into the host chunk of one that goes to the disk in its
+// place, through the room the disk keeps (Note [Room kept for restores]), step after step.
+TEST_F(OffloadEngineDiskTest, StatesUsedInPlaceSwapWithTheHostsWhenHostAndDiskAreFull) {
+  if (!start(16 * MiB, 32 * MiB, 32 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
+  offload_engine& engine = *engine_;
+  std::vector<void*> states;
+  for (int i = 0; i < 12; ++i) {  // as many as fit: 16 + 32 + 24 MiB
+    void* state = nullptr;
+    try {
+      state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+    } catch (const out_of_memory&) {
+      break;
+    }
+    device_->fill_async(state, static_cast<std::uint8_t>(0x40 + i), kChunkBytes, nullptr);
+    engine.use_in_place(state, nullptr);
+    engine.use_ends(state, nullptr);
+    states.push_back(state);
+  }
+  ASSERT_GE(states.size(), 8u);
+  EXPECT_EQ(disk_->figures().used_bytes, 32 * MiB - kChunkBytes) << "the disk is not full";
+  const std::uint64_t from_disk_before = engine.mover().figures().chunks_from_disk;
+  for (int round = 0; round < 3; ++round) {
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      ASSERT_NO_THROW(engine.use_in_place(states[i], nullptr)) << "state " << i;
+      EXPECT_TRUE(read_back(*device_, states[i], kChunkBytes) ==
+                  std::vector<std::uint8_t>(kChunkBytes, static_cast<std::uint8_t>(0x40 + i)))
+          << "state " << i << ", round " << round;
+      engine.use_ends(states[i], nullptr);
+    }
+    engine.step_boundary();
+  }
+  EXPECT_GE(engine.mover().figures().chunks_from_disk - from_disk_before, 3u);
+  EXPECT_LE(pool_->figures().in_use_bytes, 32 * MiB) << "the host limit was broken";
+  EXPECT_LE(disk_->figures().used_bytes, 32 * MiB - kChunkBytes) << "the kept room stayed used";
+  for (void* state : states) allocator_->deallocate(state);
+}
+
 // ZEROALLOC_NVME_PARAMETERS sends a parameter's chunk to disk only while its hints describe
 // everything in it: a chunk that an unhinted tensor shares (allocated beside a layer after
 // the layer's last hinted use) stays in memory, where that tensor's reads find its bytes,
