@@ -76,6 +76,16 @@ same_state = (gathered["param_groups"] == whole["param_groups"]
                                   torch.as_tensor(whole["state"][i][name]).cpu())
                       for i in whole["state"] for name in whole["state"][i]))
 print(f"rank {{rank}} gathered state same {{same_state}}", flush=True)
+# Rank 0 alone: the same state there, nothing elsewhere.
+at_rank0 = parted_optimizer.state_dict(rank0_only=True)
+if rank:
+    rank0_only = at_rank0 == {{}}
+else:
+    rank0_only = (sorted(at_rank0["state"]) == sorted(gathered["state"])
+                  and all(torch.equal(torch.as_tensor(at_rank0["state"][i][name]),
+                                      torch.as_tensor(gathered["state"][i][name]))
+                          for i in gathered["state"] for name in gathered["state"][i]))
+print(f"rank {{rank}} rank0 only {{rank0_only}}", flush=True)
 owned_before = len(parted_optimizer.state)
 # What a restart from the checkpoint does (a copy: the plain optimizer's state_dict holds
 # its own tensors, which the loaded optimizer would then share).
@@ -107,7 +117,8 @@ def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(t
     for rank in (0, 1):
         for step in range(4):
             assert f"rank {rank} step {step} same True" in output, output[-3000:]
-        for what in ("gathered state same True", "loaded keeps True", "after loading same True"):
+        for what in ("gathered state same True", "rank0 only True", "loaded keeps True",
+                     "after loading same True"):
             assert f"rank {rank} {what}" in output, output[-3000:]
     states, owned_bytes = {}, {}
     # The ranks' lines can run together in the one pipe: found by pattern, not by line.

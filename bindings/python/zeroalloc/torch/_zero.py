@@ -50,8 +50,8 @@ unpartitioned one would: every rank's own states gathered (pickled, through the 
 process group, which DistributedDataParallel needs anyway), on the CPU, so
 a checkpoint saved from any rank loads into a run with any number of ranks, or none.
 load_state_dict() takes such a state and keeps only the states of the parameters the rank
-owns. Gathering holds every state on every rank for the moment: a model whose states fit
-the ranks' host memory only when partitioned cannot be saved this way yet.
+owns. Gathering holds every state on every rank, unless state_dict(rank0_only=True) asks
+for rank 0 alone to hold them (the others get an empty dict).
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def _nbytes(parameter: torch.Tensor) -> int:
     return parameter.numel() * parameter.element_size()
 
 
-def _gather_objects(distributed, value) -> list:
+def _gather_objects(distributed, value, to: "int | None" = None) -> "list | None":
     """Every rank's `value` (picklable), in rank order, through the default process group:
-    all_gather_object without its NumPy (which PyTorch needs there and may lack)."""
+    all_gather_object without its NumPy (which PyTorch needs there and may lack). With `to`,
+    only that rank gets them (the others None), and no other rank holds every value."""
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     device = (torch.device("cuda", torch.cuda.current_device())
               if distributed.get_backend() == "nccl" else torch.device("cpu"))
@@ -101,8 +102,15 @@ def _gather_objects(distributed, value) -> list:
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(device)
-    everyone = [torch.empty_like(mine) for _ in range(ranks)]
-    distributed.all_gather(everyone, mine)
+    if to is None:
+        everyone = [torch.empty_like(mine) for _ in range(ranks)]
+        distributed.all_gather(everyone, mine)
+    else:
+        here = distributed.get_rank() == to
+        everyone = [torch.empty_like(mine) for _ in range(ranks)] if here else None
+        distributed.gather(mine, everyone, dst=to)
+        if not here:
+            return None
     found = []
     for each, length in zip(everyone, lengths):
         host = each[:length].cpu().contiguous()
@@ -348,9 +356,11 @@ class Partition:
             self.figures["broadcasts"] += 1
         self.figures["broadcast_s"] += time.perf_counter() - started
 
-    def state_dict(self) -> dict:
+    def state_dict(self, rank0_only: bool = False) -> dict:
         """What the unpartitioned optimizer's state_dict() holds (Note [Checkpoints of a
-        partition]): every rank's own states, gathered, on the CPU."""
+        partition]): every rank's own states, gathered, on the CPU. With `rank0_only`, only
+        rank 0 gets them (the others an empty dict), so no other rank needs room for every
+        state; every rank must call it either way."""
         import torch.distributed as distributed
         if not (distributed.is_available() and distributed.is_initialized()):
             raise ZeroallocError("the state of a ZeRO-partitioned optimizer is gathered through "
@@ -360,7 +370,9 @@ class Partition:
         mine = {index: {name: value.detach().cpu() if torch.is_tensor(value) else value
                         for name, value in state.items()}
                 for index, state in own["state"].items()}
-        everyone = _gather_objects(distributed, mine)
+        everyone = _gather_objects(distributed, mine, to=0 if rank0_only else None)
+        if everyone is None:
+            return {}
         gathered = {}
         for states in everyone:
             gathered.update(states)
