@@ -26,41 +26,56 @@ import torch
 wrapped: list = []
 
 
-class ZeroDataParallel(torch.nn.parallel.DistributedDataParallel):
-    """What DistributedDataParallel(module, ...) builds under stages 2 and 3."""
+def stand_in_class():
+    """The ZeroDataParallel class, made at first use: torch.nn.parallel is imported only by
+    the scripts that use it (and the start-up hook may run with a torch that lacks it)."""
+    global _stand_in
+    if _stand_in is not None:
+        return _stand_in
 
-    def __init__(self, module, *args, **kwargs):
-        torch.nn.Module.__init__(self)
-        self.module = module
-        import torch.distributed as distributed
-        if distributed.is_available() and distributed.is_initialized():
-            with torch.no_grad():
-                for tensor in list(module.parameters()) + list(module.buffers()):
-                    distributed.broadcast(tensor.data, src=0)
-        wrapped.append(weakref.ref(module))
+    class ZeroDataParallel(torch.nn.parallel.DistributedDataParallel):
+        """What DistributedDataParallel(module, ...) builds under stages 2 and 3."""
 
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        def __init__(self, module, *args, **kwargs):
+            torch.nn.Module.__init__(self)
+            self.module = module
+            import torch.distributed as distributed
+            if distributed.is_available() and distributed.is_initialized():
+                with torch.no_grad():
+                    for tensor in list(module.parameters()) + list(module.buffers()):
+                        distributed.broadcast(tensor.data, src=0)
+            wrapped.append(weakref.ref(module))
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        yield
+        def forward(self, *inputs, **kwargs):
+            return self.module(*inputs, **kwargs)
 
-    def __getstate__(self):
-        return torch.nn.Module.__getstate__(self)
+        @contextlib.contextmanager
+        def no_sync(self):
+            yield
 
-    def __setstate__(self, state):
-        torch.nn.Module.__setstate__(self, state)
+        def __getstate__(self):
+            return torch.nn.Module.__getstate__(self)
+
+        def __setstate__(self, state):
+            torch.nn.Module.__setstate__(self, state)
+
+    _stand_in = ZeroDataParallel
+    return _stand_in
+
+
+_stand_in = None
 
 
 def replace_distributed_data_parallel() -> None:
     """From now on DistributedDataParallel(...) builds a ZeroDataParallel. Once per process."""
+    import torch.nn.parallel  # noqa: F401 (the attribute below)
     parallel = torch.nn.parallel.DistributedDataParallel
     if getattr(parallel, "_zeroalloc_replaced", False):
         return
+    stand_in = stand_in_class()
 
     def new(cls, *args, **kwargs):
-        return torch.nn.Module.__new__(ZeroDataParallel if cls is parallel else cls)
+        return torch.nn.Module.__new__(stand_in if cls is parallel else cls)
 
     parallel.__new__ = new
     parallel._zeroalloc_replaced = True
