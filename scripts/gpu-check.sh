@@ -197,7 +197,7 @@ if [[ -z $(skipped big) ]]; then
     --heads 40 --accumulate 4 --checkpointing --no-autocast-cache >"$out/big.out" 2>"$out/big.err"
   echo "exit $?"
   grep -o '^step [0-9]*: [0-9.]* s (fwd/bwd/step [0-9./]*' "$out/big.err"
-  python3 - "$out/big.out" <<'PY'
+  python3 - "$out/big.out" <<'PY' | tee "$out/big.txt"
 import json, sys
 text = open(sys.argv[1]).read()
 result = json.loads(text[text.index("{"):]) if "{" in text else {}
@@ -235,6 +235,13 @@ python3 - "$out" <<'PY'
 import json, os, re, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 rows = []
+left_out = set(os.environ.get("GPU_CHECK_SKIP", "").split())
+
+
+def missing(step, detail=""):  # a figure a step left out is "skipped", not "missing"
+    return "skipped" if step in left_out else "missing" + (f" ({detail})" if detail else "")
+
+
 try:
     bench = json.loads((out / "alloc_bench.json").read_text())
     baseline_file = out / "alloc_bench-build-baseline.json"
@@ -246,16 +253,16 @@ try:
             rows.append((b["run_name"], f'{b["real_time"]:.1f} {b["time_unit"]}' +
                          (f' (baseline {old["real_time"]:.1f})' if old else "")))
 except Exception as e:
-    rows.append(("alloc bench", f"missing ({e})"))
+    rows.append(("alloc bench", missing("alloc_bench", e)))
 demo = (out / "demo.txt").read_text() if (out / "demo.txt").exists() else ""
 m = re.search(r"peak reserved / peak allocated = ([0-9.]+)", demo)
-rows.append(("trace ratio zeroalloc", m.group(1) if m else "missing"))
+rows.append(("trace ratio zeroalloc", m.group(1) if m else missing("demo")))
 for name in ("replay_native", "replay_expandable"):
     try:
         line = (out / f"{name}.txt").read_text().strip().splitlines()[-1]
         rows.append((f"trace ratio {name}", f'{json.loads(line)["ratio"]:.3f}'))
     except Exception as e:
-        rows.append((f"trace ratio {name}", f"missing ({e})"))
+        rows.append((f"trace ratio {name}", missing("trace", e)))
 tree = "."
 for line in (out / "torch_empty.txt").read_text().splitlines() if (out / "torch_empty.txt").exists() else []:
     if line.startswith("-- "):
@@ -280,15 +287,19 @@ for line in (out / "llama.txt").read_text().splitlines() if (out / "llama.txt").
 for line in (out / "disk.txt").read_text().splitlines() if (out / "disk.txt").exists() else []:
     if re.match(r"^\| [0-9]+ \|", line):
         rows.append(("disk GB/s: write store/plain/ratio, read store/plain/ratio", line.strip()))
+for line in (out / "big.txt").read_text().splitlines() if (out / "big.txt").exists() else []:
+    if line.startswith("parameters "):
+        rows.append(("the NVMe tier: the big model", line.strip()))
 ctest = (out / "ctest.log").read_text() if (out / "ctest.log").exists() else ""
 m = re.search(r"(\d+% tests passed.*)", ctest)
-rows.append(("ctest -L gpu", m.group(1) if m else "missing"))
+rows.append(("ctest -L gpu", m.group(1) if m else missing("ctest")))
 doctor = (out / "doctor.txt").read_text() if (out / "doctor.txt").exists() else ""
 m = re.search(r"(\d+ checks: .*)", doctor)
 rows.append(("doctor after pip install", m.group(1) if m else "missing"))
 py = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
 m = re.findall(r"(\d+ (?:passed|failed|skipped)[^\n]*)", py)
-rows.append((f"pytest {os.environ.get('GPU_CHECK_PYTEST', 'tests/python')}", m[-1] if m else "missing"))
+rows.append((f"pytest {os.environ.get('GPU_CHECK_PYTEST', 'tests/python')}",
+             m[-1] if m else missing("pytest")))
 w = max(len(r[0]) for r in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")
