@@ -39,8 +39,8 @@ class Model(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.first = torch.nn.Linear(32, 64)
-        self.middle = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
-                                          torch.nn.Linear(48, 64))
+        self.middle = torch.nn.Sequential(
+            *[layer for _ in range(6) for layer in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
         self.last = torch.nn.Linear(64, 8)
         self.checkpointing = False
 
@@ -72,6 +72,23 @@ def owners_same():
 
 
 print(f"rank {rank} partitioned holds {held()}", flush=True)
+# What a rank holds while a module runs: its own parameters and the layers in flight, no
+# more: the module running, and in the backward the one whose gradients are still being
+# made (each module's are let go when its forward ends or its gradients are made).
+owned_elements = sum(p.numel() for p in parted.parameters())
+largest_module = max(sum(handle.shards.shape_of(p).numel() for p in m._parameters.values()
+                         if p is not None) for m in parted.modules())
+peak = [0]
+
+
+def measure(module, inputs):
+    peak[0] = max(peak[0], sum(p.numel() for p in parted.parameters()))
+
+
+for module in parted.modules():
+    if any(p is not None for p in module._parameters.values()):
+        module.register_forward_pre_hook(measure)  # after the gathering hook
+
 for step in range(5):
     checkpointing = step >= 3
     plain.module.checkpointing = parted.checkpointing = checkpointing
@@ -116,6 +133,10 @@ for probe in (True, False):
                 zip(plain.module.parameters(), parted.parameters(), mine) if own)
     print(f"rank {rank} probe {probe} loss {torch.allclose(*losses, rtol=1e-5)} "
           f"owners {close} holds {held()}", flush=True)
+whole_elements = sum(handle.shards.shape_of(p).numel() for p in parted.parameters())
+assert owned_elements + 2 * largest_module < whole_elements  # else the bound says nothing
+print(f"rank {rank} in flight {peak[0] <= owned_elements + 2 * largest_module} "
+      f"({peak[0]} of {owned_elements} owned + 2 x {largest_module})", flush=True)
 whole = parted.state_dict()
 reference = plain.module.state_dict()
 gathered = (whole.keys() == reference.keys() and
@@ -145,6 +166,7 @@ def test_each_rank_keeps_its_parameters_and_gathers_the_rest_as_modules_use_them
         for probe in (True, False):
             assert f"rank {rank} probe {probe} loss True owners True holds True" in output, \
                 output[-3000:]
+        assert f"rank {rank} in flight True" in output, output[-3000:]
         assert f"rank {rank} state_dict gathered True holds True" in output, output[-3000:]
         assert f"rank {rank} removed whole True" in output, output[-3000:]
     for rank in (0, 1):
