@@ -112,9 +112,36 @@ for step in range(2):  # three micro-batches accumulated, then clipped
     parted_optimizer.step()
     print(f"rank {rank} accumulated {step} norm {norms} close {same(False)}", flush=True)
 print(f"rank {rank} deviation from one rank {deviation():.3g}", flush=True)
+
 owned = sum(p.numel() * 4 for p, own in zip(parted.parameters(), mine) if own)
 print(f"rank {rank} gradient bytes {sum(p.grad.numel() * 4 for p in parted.parameters() if p.grad is not None)} "
       f"owned {owned}", flush=True)
+
+# Reentrant activation checkpointing (each segment's backward a nested one, as
+# transformers' gradient_checkpointing_enable() makes by default): still one reduce per
+# bucket a backward, and the gradients those of the same forward without checkpointing.
+import torch.utils.checkpoint  # noqa: E402
+
+
+def checkpointed(model, x):
+    h = x.detach().requires_grad_()  # a reentrant segment needs an input that takes grads
+    h = torch.utils.checkpoint.checkpoint(model[0:2], h, use_reentrant=True)
+    h = torch.utils.checkpoint.checkpoint(model[2:4], h, use_reentrant=True)
+    return model[4](h)
+
+
+x, y = batch()
+parted_optimizer.zero_grad()
+torch.nn.functional.mse_loss(parted(x), y).backward()  # without checkpointing, for reference
+reference = [p.grad.clone() for p, own in zip(parted.parameters(), mine) if own]
+parted_optimizer.zero_grad()
+before = handle.figures["reduces"]
+torch.nn.functional.mse_loss(checkpointed(parted, x), y).backward()
+reduces = handle.figures["reduces"] - before
+grads_same = all(torch.equal(p.grad, r) for p, r in
+                 zip([p for p, own in zip(parted.parameters(), mine) if own], reference))
+print(f"rank {rank} reentrant reduces {reduces == len(handle.gradient_buckets)} "
+      f"grads {grads_same}", flush=True)
 """
 
 
@@ -142,6 +169,8 @@ def test_each_rank_keeps_the_gradients_it_owns_and_the_model_matches_ddp(tmp_pat
     # averaged against one mean over both halves), so the models agree to rounding: within
     # 2e-5 of each parameter's largest magnitude after 5 AdamW steps (measured: 5e-7-3e-6).
     assert len(deviations) == 2 and max(deviations) < 2e-5, deviations
+    for rank in (0, 1):
+        assert f"rank {rank} reentrant reduces True grads True" in output, output[-3000:]
     held = {int(rank): (int(grads), int(owned)) for rank, grads, owned in
             re.findall(r"rank (\d) gradient bytes (\d+) owned (\d+)", run.stdout)}
     assert sorted(held) == [0, 1], run.stdout

@@ -40,9 +40,12 @@ a parameter no rank gave a gradient gets zeros on its owner (AdamW then decays i
 DistributedDataParallel leaves it); every rank must use the same parameters in a backward
 (a bucket whose gradients are ready on one rank and missing on another is sent at
 different times, and the ranks' collectives no longer match: the group's timeout ends
-them, naming the calls); reentrant activation checkpointing ends a nested backward per
-segment, each sending the buckets not ready yet (zeros), which is correct but multiplies
-the traffic (use_reentrant=False does not); and fp16 with a GradScaler is not supported
+them, naming the calls); with reentrant activation checkpointing, each segment's backward
+is a nested one whose end comes while the outer is open, and only the outer's end sends
+what is left, except where the outer backward accumulates nothing before the first
+segment's does (every parameter checkpointed): then each segment's end sends the buckets
+not ready yet (zeros), which is correct but multiplies the traffic (use_reentrant=False
+does not); and fp16 with a GradScaler is not supported
 (each rank would find its own infinities).
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
@@ -80,6 +83,13 @@ def owners_by_bytes(sizes: list, ranks: int) -> list:
         owners.append(min(ranks - 1, int(middle * ranks // total)) if total else 0)
         before += size
     return owners
+
+
+def _graph_task():
+    """The backward (autograd graph task) running now; None where PyTorch cannot say, and
+    then every end is taken as the backward's."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
 
 
 def _nbytes(parameter: torch.Tensor) -> int:
@@ -204,7 +214,7 @@ class Partition:
                 self.bucket_of[id(parameter)] = index
         self.ready = [0] * len(self.gradient_buckets)
         self.next_bucket = 0
-        self.end_queued = False
+        self.open_tasks = set()  # the backwards (graph tasks) whose end is queued
         scale = 1.0 / self.ranks
         for parameter in self.parameters:
             if not parameter.requires_grad:
@@ -213,9 +223,14 @@ class Partition:
             self.hooks.append(parameter.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, parameter) -> None:
-        if not self.end_queued:
-            self.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        # Note [Stage 2 by whole parameters]: an end per backward, run when it ends; a
+        # reentrant checkpoint's nested backward is a task of its own, whose end comes while
+        # the outer one is still open.
+        task = _graph_task()
+        if task not in self.open_tasks:
+            self.open_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._task_ended(task))
         index = self.bucket_of[id(parameter)]
         self.ready[index] += 1
         if self.shards is not None:  # its gradient is made: the gathered copy may go
@@ -224,6 +239,11 @@ class Partition:
                and self.ready[self.next_bucket] == len(self.gradient_buckets[self.next_bucket][1])):
             self._reduce(self.next_bucket)
             self.next_bucket += 1
+
+    def _task_ended(self, task) -> None:
+        self.open_tasks.discard(task)
+        if not self.open_tasks:  # else a nested backward ended inside one still running
+            self._backward_ended()
 
     def _backward_ended(self) -> None:
         """The buckets not sent yet (a parameter the backward gave no gradient: zeros), then
@@ -235,7 +255,7 @@ class Partition:
         finally:
             self.ready = [0] * len(self.gradient_buckets)
             self.next_bucket = 0
-            self.end_queued = False
+            self.open_tasks = set()
             if self.shards is not None:
                 self.shards.release_all()
 
@@ -303,7 +323,7 @@ class Partition:
             # A backward that raised left its counts (and no end callback will come).
             self.ready = [0] * len(self.gradient_buckets)
             self.next_bucket = 0
-            self.end_queued = False
+            self.open_tasks = set()
         if self.shards is not None:
             # Copies gathered by a backward that accumulated nothing (torch.autograd.grad)
             # or a forward that raised: after this step they would be stale.
