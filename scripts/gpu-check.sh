@@ -17,7 +17,8 @@
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS,
 # _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
 # --nvme-path, --nvme-size, --host-limit and a model, DeepSpeed ZeRO-Infinity beside the
-# NVMe tier)
+# NVMe tier) zero (two GPUs or more only: bench/python/zero_bench.py, about 5 minutes;
+# GPU_CHECK_ZERO_MODES, _ARGS)
 # baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
@@ -229,6 +230,21 @@ if [[ -z $(skipped sweep) ]]; then
     --warmup ${GPU_CHECK_SWEEP_WARMUP:-4} --steps ${GPU_CHECK_SWEEP_STEPS:-5} ${GPU_CHECK_SWEEP_ARGS:-} \
     --log-dir "$out/sweep" 2>&1 | tee "$out/sweep.txt" | grep -v '^{' | tail -30
 else skipped sweep; fi
+
+# ZeRO across the host's GPUs (bench/python/zero_bench.py): zeroalloc's stages beside DDP,
+# FSDP2 and DeepSpeed ZeRO-3; only where there are two GPUs or more.
+step "ZeRO across GPUs: stages 1-3 beside DDP, FSDP2 and DeepSpeed ZeRO-3, one run"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [[ -z $(skipped zero) ]] && ((gpus >= 2)); then
+  zero_modes=${GPU_CHECK_ZERO_MODES:-ddp,zero1,zero2,zero3,fsdp2}
+  if [[ -d .whl/ds ]] && bash scripts/install-deepspeed.sh /tmp/deepspeed-site >"$out/deepspeed-install-zero.log" 2>&1; then
+    export PYTHONPATH=/tmp/deepspeed-site${PYTHONPATH:+:$PYTHONPATH} PATH=$PATH:/tmp/deepspeed-site/bin
+    zero_modes=${GPU_CHECK_ZERO_MODES:-ddp,zero1,zero2,zero3,fsdp2,ds3}
+  fi
+  PYTHONUNBUFFERED=1 python3 bench/python/zero_bench.py --nproc "$gpus" --modes "$zero_modes" \
+    --library build/libzeroalloc.so ${GPU_CHECK_ZERO_ARGS:-} 2>&1 | tee "$out/zero.txt" | grep -v '^{' | tail -12
+elif [[ -n $(skipped zero) ]]; then skipped zero
+else echo "one GPU: nothing to partition across (nvidia-h200-x2 runs it)"; fi
 
 step summary
 python3 - "$out" <<'PY'
