@@ -60,3 +60,12 @@ def test_stage_3_needs_the_model_and_a_stage_beyond_it_is_named():
         _zero.partition(optimizer, stage=3)
     with pytest.raises(ValueError, match=r"stage 4 does not exist"):
         _zero.partition(optimizer, stage=4)
+
+
+def test_stages_2_and_3_refuse_an_offloaded_optimizer_naming_what_combines():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.weight._zeroalloc_adopted = True  # what zt.offload's adoption marks
+    for stage in (2, 3):
+        with pytest.raises(ZeroallocError, match=r"does not combine with offload.*stage 1"):
+            _zero.partition(optimizer, stage=stage, model=model)

@@ -444,6 +444,12 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
                 seen.add(id(parameter))
                 parameters.append(parameter)
     sizes = [_nbytes(p) for p in parameters]
+    if stage >= 2 and (getattr(optimizer, "_zeroalloc_stepper", None) is not None or
+                       any(getattr(p, "_zeroalloc_adopted", False) for p in parameters)):
+        raise ZeroallocError(f"ZeRO stage {stage} does not combine with offload (zt.offload "
+                             "or ZEROALLOC_OFFLOAD) yet: its gradient and parameter hooks "
+                             "would move tensors the offload engine pages; use stage 1 with "
+                             "offload, or stage 2 or 3 without it")
     if stage >= 2:
         for parameter in parameters:
             if parameter.requires_grad and parameter.dtype not in (torch.float32,
