@@ -68,17 +68,24 @@ def free_port() -> int:
     raise RuntimeError("no free port between 20000 and 32000")
 
 
+def run_ranks(script, ranks: int = 2, timeout: int = 240,
+              **environment) -> subprocess.CompletedProcess:
+    """`script` as a torchrun job of `ranks` processes on the simulated device, with this
+    tree's package and library (and `environment` besides); the ZeRO tests' launcher too."""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+           "ZEROALLOC_LIBRARY": str(LIBRARY), **environment}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(ranks), "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(script)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def torchrun(tmp_path, ranks: int, agreement: str = '"ZEROALLOC_ZERO_STAGE=2"',
              dies_after_join: bool = False) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(PROGRAM.format(agreement=agreement,
                                                      dies_after_join=dies_after_join)))
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
-           "ZEROALLOC_LIBRARY": str(LIBRARY)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(ranks), "--master-addr", "127.0.0.1", "--master-port",
-                           str(free_port()), str(script)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    return run_ranks(script, ranks, timeout=120)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

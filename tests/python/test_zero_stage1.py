@@ -22,7 +22,7 @@ if not LIBRARY.exists():
 pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
 
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from test_group import free_port  # noqa: E402
+from test_group import free_port, run_ranks  # noqa: E402
 
 PROGRAM = """
 import copy
@@ -102,12 +102,7 @@ print(f"rank {{rank}} states {{len(parted_optimizer.state)}} of {{total}} "
 def torchrun(tmp_path, leave_one_out: bool = False) -> subprocess.CompletedProcess:
     script = tmp_path / "stage1.py"
     script.write_text(textwrap.dedent(PROGRAM.format(leave_one_out=leave_one_out)))
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
-           "ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_REPORT": str(tmp_path / "run")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(script)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    return run_ranks(script, ZEROALLOC_REPORT=str(tmp_path / "run"))
 
 
 def test_each_rank_steps_its_share_and_the_model_matches_an_unpartitioned_step(tmp_path):

@@ -7,7 +7,6 @@ parameter."""
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,14 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "bindings" / "python"
 LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so"))
 if not LIBRARY.exists():
     pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
 pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
 
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from test_group import free_port  # noqa: E402
+from test_group import run_ranks  # noqa: E402
 
 PROGRAM = """
 import torch
@@ -151,11 +149,7 @@ print(f"rank {rank} removed whole {all(p.numel() != 0 for p in parted.parameters
 def test_each_rank_keeps_its_parameters_and_gathers_the_rest_as_modules_use_them(tmp_path):
     script = tmp_path / "stage3.py"
     script.write_text(textwrap.dedent(PROGRAM))
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
-           "ZEROALLOC_LIBRARY": str(LIBRARY), "ZEROALLOC_REPORT": str(tmp_path / "run")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(script)], env=env, capture_output=True, text=True, timeout=240)
+    run = run_ranks(script, ZEROALLOC_REPORT=str(tmp_path / "run"))
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
     for rank in (0, 1):
