@@ -72,7 +72,11 @@ def run_ranks(script, ranks: int = 2, timeout: int = 240,
               **environment) -> subprocess.CompletedProcess:
     """`script` as a torchrun job of `ranks` processes on the simulated device, with this
     tree's package and library (and `environment` besides); the ZeRO tests' launcher too."""
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+    # Without TORCHINDUCTOR_CACHE_DIR, which an earlier test's torch._dynamo import sets in
+    # this process: with it, PyTorch alone ended torchrun jobs at start with std::terminate.
+    env = {**{key: value for key, value in os.environ.items()
+              if not key.startswith("TORCHINDUCTOR_")},
+           "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
            "ZEROALLOC_LIBRARY": str(LIBRARY), **environment}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(ranks), "--master-addr", "127.0.0.1", "--master-port",

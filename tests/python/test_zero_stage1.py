@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,7 @@ digest = hashlib.sha256(bytes(flat.tolist()))  # (no NumPy needed)
 grads = sum(p.grad is not None for p in model.parameters())
 print(f"rank {rank} states {len(optimizer.state)} grads {grads} digest {digest.hexdigest()}",
       flush=True)
+dist.destroy_process_group()
 """
 
 LAUNCHER = """
@@ -193,16 +195,27 @@ def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
     results = {}
     for stage in ("0", "1", "2", "3"):
+        # TORCHINDUCTOR_CACHE_DIR, which an earlier test's torch._dynamo import sets in this
+        # process, made about half of these jobs end at start with std::terminate, PyTorch
+        # alone, zeroalloc not loaded ("terminate called without an active exception").
         env = {key: value for key, value in os.environ.items()
-               if not key.startswith("ZEROALLOC_") and key != "PYTHONPATH"}
+               if not key.startswith(("ZEROALLOC_", "TORCHINDUCTOR_")) and key != "PYTHONPATH"}
         env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_LIBRARY": str(LIBRARY),
                     "ZEROALLOC_ZERO_STAGE": stage})
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                              "2", "--master-addr", "127.0.0.1", "--master-port",
-                              str(free_port()), str(tmp_path / "launch.py"), str(site),
-                              str(tmp_path / "train.py")],
-                             env=env, capture_output=True, text=True, timeout=240)
-        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        for attempt in range(3):
+            run = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                                  "--master-port", str(free_port()), str(tmp_path / "launch.py"),
+                                  str(site), str(tmp_path / "train.py")],
+                                 env=env, capture_output=True, text=True, timeout=240)
+            # Still, after other tests in this process, about one job in five ended at start,
+            # before any output, with that std::terminate (reproduced without zeroalloc):
+            # such a start is tried again, at most twice; any other failure fails at once.
+            if not (run.returncode != 0 and "digest" not in run.stdout and
+                    "terminate called without an active exception" in run.stdout + run.stderr):
+                break
+            time.sleep(10)  # such starts came in runs of seconds
+        assert run.returncode == 0, f"stage {stage}: " + (run.stdout + run.stderr)[-3000:]
         # (rank, states, grads, digest); the ranks' lines can run together in the one pipe
         results[stage] = sorted(re.findall(
             r"rank (\d) states (\d+) grads (\d+) digest ([0-9a-f]{64})", run.stdout))
