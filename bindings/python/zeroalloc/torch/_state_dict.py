@@ -59,15 +59,23 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     for key, value in list(state_dict.items()):
         if isinstance(value, torch.nn.Parameter):  # keep_vars=True: the live objects asked
             continue
-        if not (torch.is_tensor(value) and value.numel() > 0 and
-                residency_or_foreign(value) in ("disk", "split", "moving")):
-            continue
-        pointer = value.untyped_storage().data_ptr()
-        _offload.use_in_place_many([pointer])  # back from the disk, pinned
-        try:
-            state_dict[key] = value.to("cpu", copy=True)
-        finally:
-            _offload.use_ends_many([pointer])
+        copied = cpu_copy_if_on_disk(value)
+        if copied is not None:
+            state_dict[key] = copied
+
+
+def cpu_copy_if_on_disk(value):
+    """A CPU copy of `value` when any of it is in the NVMe tier (or moving there), made
+    while a use pins it where it came back to; None for anything else."""
+    if not (torch.is_tensor(value) and value.numel() > 0 and
+            residency_or_foreign(value) in ("disk", "split", "moving")):
+        return None
+    pointer = value.untyped_storage().data_ptr()
+    _offload.use_in_place_many([pointer])  # back from the disk, pinned
+    try:
+        return value.to("cpu", copy=True)
+    finally:
+        _offload.use_ends_many([pointer])
 
 
 def copy_parameters_off_disk_in_every_model() -> None:
@@ -105,14 +113,9 @@ def copied_off_disk(optimizer, saved: dict) -> dict:
     on_disk = {}
     for per_parameter in optimizer.state.values():
         for value in per_parameter.values():
-            if (torch.is_tensor(value) and value.numel() > 0 and
-                    residency_or_foreign(value) in ("disk", "split", "moving")):
-                pointer = value.untyped_storage().data_ptr()
-                _offload.use_in_place_many([pointer])  # back from the disk, pinned
-                try:
-                    on_disk[id(value)] = value.to("cpu")
-                finally:
-                    _offload.use_ends_many([pointer])
+            copied = cpu_copy_if_on_disk(value)
+            if copied is not None:
+                on_disk[id(value)] = copied
     if not on_disk:
         return saved
     state = {index: {key: on_disk.get(id(value), value) for key, value in per.items()}
