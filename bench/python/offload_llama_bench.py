@@ -41,6 +41,7 @@ under a limit given outright, with micro-batches per step and model TFLOPS repor
 """
 
 import argparse
+import itertools
 import dataclasses
 import importlib.util
 import json
@@ -84,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window-bytes", default="",
                         help="offload mode: zt.offload's window_bytes; several, comma-separated, "
                         "run the offload mode once for each")
+    parser.add_argument("--step-parameters", default="",
+                        help="offload mode: how the windowed step reaches parameters on the "
+                        "host: bounce (copied through scratch, the default) or fetch (brought "
+                        "back by use hints); a comma list runs each side by side")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -196,6 +201,7 @@ class Run:
     overlap_bytes: str = ""
     gradient_class: str = ""
     log_suffix: str = ""
+    step_parameters: str = ""
 
 
 def plan_runs(args) -> list[Run]:
@@ -231,21 +237,26 @@ def plan_runs(args) -> list[Run]:
         sizes = args.window_bytes.split(",") if args.window_bytes else [""]
         overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
         gradients = args.gradient_class.split(",") if args.gradient_class else [""]
-        for limit in limits:
-            for size in sizes:
-                for overlap in overlaps:
-                    for gradient in gradients:
-                        name = "offload"
-                        if sweep:
-                            name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
-                        if len(sizes) > 1:
-                            name += f"_{int(size) >> 20}MiB"
-                        if len(overlaps) > 1:
-                            name += f"_ov{int(overlap) >> 20}M"
-                        if len(gradients) > 1:
-                            name += f"_grad{gradient}"
-                        runs.append(Run(name, "offload", limit, size, overlap, gradient,
-                                        f"_limit{limit.label}" if sweep else ""))
+        reaches = args.step_parameters.split(",") if args.step_parameters else [""]
+        unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
+        if unknown:
+            raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
+        for limit, size, overlap, gradient, reach in itertools.product(
+                limits, sizes, overlaps, gradients, reaches):
+            name = "offload"
+            if sweep:
+                name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
+            if len(sizes) > 1:
+                name += f"_{int(size) >> 20}MiB"
+            if len(overlaps) > 1:
+                name += f"_ov{int(overlap) >> 20}M"
+            if len(gradients) > 1:
+                name += f"_grad{gradient}"
+            if len(reaches) > 1:
+                name += f"_{reach}"
+            runs.append(Run(name, "offload", limit, size, overlap, gradient,
+                            (f"_limit{limit.label}" if sweep else "")
+                            + (f"_{reach}" if len(reaches) > 1 else ""), reach))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -415,11 +426,13 @@ def format_main_table(results: dict) -> str:
             overlap = result.get("overlap") or {}
             if overlap.get("steps"):
                 notes += (f"; staged {overlap['staged_bytes'] / overlap['steps'] / GIB:.2f}, "
-                          f"kept {overlap['kept_bytes'] / overlap['steps'] / GIB:.2f} GiB/step")
+                          f"kept {overlap['kept_bytes'] / overlap['steps'] / GIB:.2f}, parameters "
+                          f"bounced {overlap.get('bounced_parameter_bytes', 0) / overlap['steps'] / GIB:.2f}"
+                          " GiB/step")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "
-                     f"{' and '.join(setup['offloaded'])} on the host, "
+                     f"{' and '.join(setup['offloaded'])}, "
                      f"{setup['optimizer']}, bf16 weights; checkpointing "
                      f"{'on' if setup['checkpointing'] else 'off'}; peak allocated "
                      f"{result['peak_allocated'] / GIB:.1f} GiB over the timed steps, "
@@ -519,6 +532,8 @@ def worker(args) -> int:
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
+        if args.step_parameters:  # Note [Parameters stepped where they are], or not
+            optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
 
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -826,7 +841,9 @@ def deepspeed_worker(args) -> int:
     result["peak_allocated_run"] = max(peak_allocated_before, result["peak_allocated"])
     result["deepspeed"] = {
         "version": deepspeed.__version__, "stage": stage,
-        "offloaded": ["optimizer states"] + (["parameters"] if stage == 3 else []),
+        "offloaded": [f"optimizer states on {'NVMe' if nvme_path else 'the host'}"]
+                     + ([f"parameters on {'NVMe' if mode == 'ds3nvme' else 'the host'}"]
+                        if stage == 3 else []),
         "nvme_path": nvme_path,
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "checkpointing": bool(args.checkpointing), "config": config}
@@ -910,7 +927,8 @@ def libaio_environment(env: dict) -> dict:
 
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
-             overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "") -> dict:
+             overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
+             step_parameters: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -937,7 +955,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
-    command += ["--gradient-class", gradient_class]
+    command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
                 for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
@@ -1002,7 +1020,8 @@ def main() -> int:
                 results[run.name] = {"mode": run.mode, "error": f"no {source} figure"}
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
-                                     run.overlap_bytes, run.gradient_class, run.log_suffix)
+                                     run.overlap_bytes, run.gradient_class, run.log_suffix,
+                                     run.step_parameters)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

@@ -146,7 +146,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix=""):
+                 gradient_class="", log_suffix="", step_parameters=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -248,3 +248,12 @@ def test_without_libaio_or_its_packages_deepspeeds_nvme_mode_says_what_to_carry(
 def test_the_zero_infinity_mode_runs_before_the_sweep_like_the_other_deepspeed_modes():
     assert names(["--modes", "ds3nvme,offload", "--limits-gib", "ds2", "--nvme-path", "/x",
                   "--nvme-size", "1GiB"]) == ["ds2", "ds3nvme", "bandwidth", "offload_ds2"]
+
+
+def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit():
+    assert names(["--modes", "offload", "--limits-gib", "18,21",
+                  "--step-parameters", "bounce,fetch"]) == [
+        "bandwidth", "offload_18GiB_bounce", "offload_18GiB_fetch", "offload_21GiB_bounce",
+        "offload_21GiB_fetch"]
+    with pytest.raises(ValueError, match="--step-parameters 'move': accepted: bounce, fetch"):
+        names(["--modes", "offload", "--step-parameters", "move"])

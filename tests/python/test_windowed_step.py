@@ -2,7 +2,8 @@
 zeroalloc/torch/_optimizer_step.py), on the GPU: with part of the optimizer's states in host
 memory, in windows smaller than the model, it gives the parameters and states of PyTorch's
 own step bit for bit, for the fused and the foreach AdamW; states it creates land in the
-optimizer-state class; a window that fails leaves every state as it was and every hint
+optimizer-state class; a parameter on the host stays there (copied through scratch, not fetched);
+a window that fails leaves every state as it was and every hint
 closed (the engine's chunks_in_use figure). With overlap_bytes, training through it moves
 states during forward and backward and still gives plain training's numbers bit for bit.
 
@@ -50,6 +51,9 @@ for number, step_grads in enumerate(grads):
         for p, g in zip(params, step_grads):
             p.grad = torch.empty_like(p).copy_(g)  # the parameter's layout (channels_last)
         optimizer.step()
+    if number > 0:  # Note [Parameters stepped where they are]: bounced, not fetched
+        torch.cuda.synchronize()
+        assert zt.residency(managed[4]) == "host", "the step fetched a host parameter back"
     if number == 0:
         classes = zeroalloc.raw_stats(0)["classes"]
         assert classes["optimizer_state"]["allocated_bytes"]["current"] >= \

@@ -204,6 +204,42 @@ def test_overlapped_training_equals_plain_training_and_every_pin_ends(engine):
     assert engine.stray_ends == []  # no pin or use ended twice
 
 
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_parameters_are_stepped_where_they_are_never_fetched_for_the_step(engine, monkeypatch,
+                                                                         place):
+    """Note [Parameters stepped where they are]: the step pins every parameter where it is
+    and hints no use of it (a use would fetch it); one on the host is copied through scratch
+    and back, and training gives plain training's numbers bit for bit."""
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=0)
+    homes = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: place if pointer in homes else "host")
+    stepping, begun, pinned = [False], [], []
+    for name, seen in (("use_begins_many", begun), ("use_in_place_many", pinned)):
+        def recording(pointers, stream=0, call=getattr(engine, name), seen=seen):
+            if stepping[0]:
+                seen.append(set(pointers))
+            call(pointers, stream)
+        monkeypatch.setattr(zt._offload, name, recording)
+    for inputs, labels in data(4):
+        train(plain, plain_optimizer, inputs, labels)
+        torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+        stepping[0] = True
+        optimizer.step()
+        stepping[0] = False
+        optimizer.zero_grad(set_to_none=True)
+        same(plain, plain_optimizer, model, optimizer)
+        # Each parameter's own tensor again, not scratch.
+        assert {p.untyped_storage().data_ptr() for p in model.parameters()} == homes
+    assert not any(each & homes for each in begun), "the step hinted a parameter's use"
+    assert set().union(*pinned) >= homes, "a parameter was not pinned for its window"
+    bounced = zt.step_figures(optimizer)["bounced_parameter_bytes"]
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert bounced == (4 * parameter_bytes if place == "host" else 0)
+    assert engine.open() == 0 and engine.stray_ends == []
+
+
 def test_a_state_written_between_staging_and_step_is_staged_again(engine):
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)

@@ -18,7 +18,7 @@ from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_ta
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
     CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
-    is_bounced, padded, residency_or_foreign, scratch_size)
+    current, is_bounced, is_parameter, padded, put, residency_or_foreign, scratch_size)
 from zeroalloc.torch._weak_methods import BoundWeakly, unbound
 
 
@@ -88,6 +88,17 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     step, load_state_dict and OffloadHandle.remove() write them
     back first. Staged and kept states stay pinned (use_in_place) until their copies end,
     also across the step boundary.
+    Note [Parameters stepped where they are]: a parameter the forward and backward pushed
+    to the host under a limit is stepped as its states are: pinned where it is, its bytes
+    copied into the window's scratch, stepped there (the parameter's data is the scratch
+    meanwhile) and copied back, with no remap. Fetching it for the step instead (a remap to
+    device memory, usually after a remap of another chunk to the host to make room) put it
+    back on the device only for the engine to move it out again before its next forward
+    use: at 18 GiB of 31 the 1.3B bench model moved its weights out and in about twice a
+    step, and those remaps were what the step waited for (bench/RESULTS.md). Parameters on
+    the device are pinned there for their window. Only the step's own windows do this:
+    windows staged during the backward leave their parameters to use hints (the backward
+    still needs them on the device), and no parameter stays in scratch after the step.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
@@ -162,6 +173,9 @@ class WindowedStep:
                           "parameters of param_groups as torch.optim's optimizers do, so it "
                           "runs in one piece, not in windows: host-resident states are reached "
                           "where they are (slower)")
+        # Note [Parameters stepped where they are]; False: the step's use hints fetch them
+        # (what bench/python/offload_llama_bench.py --step-parameters compares).
+        self.bounce_parameters = True
         self.streams: dict = {}  # device index -> CopyStreams
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step
@@ -169,6 +183,10 @@ class WindowedStep:
         self.slots: list = []
         self.free: list = []
         self.slot_bytes = 0
+        # The step's bounced parameters have slots of their own, never kept or staged.
+        self.parameter_slots: list = []
+        self.parameter_free: list = []
+        self.parameter_slot_bytes = 0
         self.retired: list = []  # buffers replaced by larger ones, freed after the step
         # Learned from the last step (Note [Overlapping the step]).
         self.plan: list = []  # its windows
@@ -194,7 +212,8 @@ class WindowedStep:
         self.kept: list = []  # entries whose states stay in scratch after the step
         self.written = None  # event: the kept states' write-back is done
         self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
-                        "kept_bytes": 0, "written_back_during_forward": 0,
+                        "kept_bytes": 0, "bounced_parameter_bytes": 0,
+                        "written_back_during_forward": 0,
                         "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
         if overlap_bytes > 0:
             listeners.overlapping.add(self)
@@ -252,16 +271,24 @@ class WindowedStep:
         return sum(scratch_size(value) for parameter in window
                    for _, value in self.items(parameter) if is_bounced(value, places))
 
+    def parameter_scratch_bytes(self, window, places) -> int:
+        """Room for the window's bounced parameters (Note [Parameters stepped where they
+        are]); 0 for a window whose parameters' residency was not asked (staged)."""
+        return sum(scratch_size(p) for p in window
+                   if id(p) in places and is_bounced(p, places))
+
     def streams_of(self, device):
         if device.index not in self.streams:
             self.streams[device.index] = CopyStreams(torch.cuda.Stream(device),
                                                      torch.cuda.Stream(device))
         return self.streams[device.index]
 
-    def stage(self, window, slot: int, places, copy_in, main, held: list):
-        """Pins the window's states where they are (their entries go into `held` first: a
-        failure still ends them) and starts copying the bounced ones into scratch slot
-        `slot`, after that slot's last write-back; returns (entries, event after the
+    def stage(self, window, slot: int, places, copy_in, main, held: list,
+              parameters: bool = False):
+        """Pins the window's states (with `parameters`, also its managed parameters: Note
+        [Parameters stepped where they are]) where they are (their entries go into `held`
+        first: a failure still ends them) and starts copying the bounced ones into scratch
+        slot `slot`, after that slot's last write-back; returns (entries, event after the
         copies, or None when nothing is copied)."""
         entries = []
         for parameter in window:
@@ -270,26 +297,50 @@ class WindowedStep:
                 entries.append(StateEntry(state, key, home, None,
                                           places[id(home)] != "foreign", parameter,
                                           home._version))
+        if parameters:
+            entries += [StateEntry(None, None, parameter.data, None, True, parameter, 0)
+                        for parameter in window if places[id(parameter)] != "foreign"]
         pinned = [entry for entry in entries if entry.pinned]
         held.extend(entries)
         if pinned:
             _offload.use_in_place_many(_use_hints.pointers(entry.home for entry in pinned),
                                        copy_in.cuda_stream)
-        bounced = [entry for entry in pinned if is_bounced(entry.home, places)]
+        # A parameter's residency is asked of the parameter: its .data is a new tensor.
+        bounced = [entry for entry in pinned
+                   if is_bounced(entry.parameter if is_parameter(entry) else entry.home, places)]
         if not bounced:
             return StagedWindow(entries, None)
+        states = [entry for entry in bounced if not is_parameter(entry)]
+        params = [entry for entry in bounced if is_parameter(entry)]
+        if states:
+            self.carve(states, self.slots, self.free, slot, self.slot_bytes, window, copy_in,
+                       main)
+        if params:
+            self.carve(params, self.parameter_slots, self.parameter_free, slot,
+                       self.parameter_slot_bytes, window, copy_in, main)
+        with torch.cuda.stream(copy_in):
+            for entry in bounced:
+                entry.scratch.copy_(entry.home, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_in)
+        return StagedWindow(entries, done)
+
+    def carve(self, bounced, slots: list, free: list, slot: int, slot_bytes: int, window,
+              copy_in, main) -> None:
+        """Gives each bounced entry its scratch in buffer `slot` of `slots` (grown when too
+        small), and has copy_in wait for that slot's last write-back (`free`)."""
         need = sum(scratch_size(entry.home) for entry in bounced)
-        while len(self.slots) <= slot:
-            self.slots.append(None)
-            self.free.append(None)
-        buffer = self.slots[slot]
+        while len(slots) <= slot:
+            slots.append(None)
+            free.append(None)
+        buffer = slots[slot]
         if buffer is None or buffer.numel() < need:
             if buffer is not None:
                 self.retired.append(buffer)
             with _stats.allocation_class("other"):
-                buffer = torch.empty(max(need, self.slot_bytes), dtype=torch.uint8,
+                buffer = torch.empty(max(need, slot_bytes), dtype=torch.uint8,
                                      device=window[0].device)
-            self.slots[slot] = buffer
+            slots[slot] = buffer
             copy_in.wait_stream(main)  # the memory may be what main's last kernels used
         offset = 0
         for entry in bounced:
@@ -297,14 +348,8 @@ class WindowedStep:
             nbytes = home.numel() * home.element_size()
             entry.scratch = buffer[offset:offset + nbytes].view(home.dtype).view(home.shape)
             offset += padded(nbytes)
-        if self.free[slot] is not None:
-            copy_in.wait_event(self.free[slot])  # the slot's last step and write-back
-        with torch.cuda.stream(copy_in):
-            for entry in bounced:
-                entry.scratch.copy_(entry.home, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(copy_in)
-        return StagedWindow(entries, done)
+        if free[slot] is not None:
+            copy_in.wait_event(free[slot])  # the slot's last step and write-back
 
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
     def module_hint(self, own: list, forward: bool) -> None:
@@ -650,9 +695,14 @@ class WindowedStep:
                     if number >= len(staged) or staged[number] is None]
         places = {id(value): residency_or_foreign(value) for window in unstaged
                   for parameter in window for _, value in self.items(parameter)}
+        if self.bounce_parameters:
+            places.update({id(parameter): residency_or_foreign(parameter)
+                           for window in unstaged for parameter in window})
         sizes = [copied_bytes(each.entries) for each in staged if each is not None]
         sizes += [self.scratch_bytes(window, places) for window in unstaged]
         self.slot_bytes = max(sizes)
+        self.parameter_slot_bytes = max(self.parameter_scratch_bytes(window, places)
+                                        for window in found)
         keep_from = self.keep_from(found, staged, places)
         slot_count = min(len(found), max(3, len(staged) + 2, len(found) - keep_from))
         while len(self.slots) < slot_count:
@@ -678,7 +728,8 @@ class WindowedStep:
                 if scratch.queued[cursor] is None:
                     scratch.queued[cursor] = self.stage(
                         run.windows[cursor], cursor % scratch.slot_count, scratch.places,
-                        run.copies.copy_in, main, run.held)
+                        run.copies.copy_in, main, run.held,
+                        parameters=self.bounce_parameters)
                 cursor += 1
             entries = scratch.queued[number].entries
             fresh = self.step_window(run, window, scratch.queued[number], main, kwargs)
@@ -689,25 +740,29 @@ class WindowedStep:
 
     def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
                     kwargs) -> list:
-        """Steps one window with the optimizer's own step: its bounced states' scratch in
-        the state dict, its parameters alone in param_groups, their use hinted. Returns its
-        parameters that had no states (the step may have created them)."""
+        """Steps one window with the optimizer's own step: its bounced states' (and
+        parameters') scratch in the state dict (the parameters' data), its parameters alone
+        in param_groups, the use of those not pinned with it hinted. Returns its parameters
+        that had no states (the step may have created them)."""
         if staged.copied is not None:
             main.wait_event(staged.copied)
         for entry in staged.entries:
             if entry.scratch is not None:
-                entry.state[entry.key] = entry.scratch
+                put(entry, entry.scratch)
                 run.swapped.append(entry)
         chosen = {id(p) for p in window}
         fresh = [p for p in window if not self.items(p)]
-        _use_hints.begin(window, main.cuda_stream)
-        run.begun = window
+        pinned = {id(entry.parameter) for entry in staged.entries if is_parameter(entry)}
+        run.begun = [p for p in window if id(p) not in pinned]
+        if run.begun:
+            _use_hints.begin(run.begun, main.cuda_stream)
         for group, params in zip(self.optimizer.param_groups, run.saved):
             group["params"] = [p for p in params if id(p) in chosen]
         # Temporaries of the step (foreach intermediates) go with activations.
         with _stats.allocation_class("other"):
             self.original_step(**kwargs)
-        _use_hints.end(window, main.cuda_stream)
+        if run.begun:
+            _use_hints.end(run.begun, main.cuda_stream)
         run.begun = None
         self.forget(window)  # the optimizer may have created or replaced states
         return fresh
@@ -716,27 +771,36 @@ class WindowedStep:
                           main) -> None:
         """After a window's step, on the copy-out stream: its bounced states are copied home
         and the homes put back in the state dict, or, in the last windows (`keep`), stay in
-        scratch (Note [Overlapping the step]); its pins end, and its slot is free for the
-        window after next once the copies are done."""
+        scratch (Note [Overlapping the step]); bounced parameters are always copied home;
+        its pins end, and its slot is free for the window after next once the copies are
+        done."""
         copy_out = run.copies.copy_out
         if keep:
             self.figures["kept_windows"] += 1
-            self.figures["kept_bytes"] += copied_bytes(entries)
-        ending = [e for e in entries if e.pinned and not (keep and e.scratch is not None)]
+            self.figures["kept_bytes"] += copied_bytes(entries, parameters=False)
+        self.figures["bounced_parameter_bytes"] += sum(
+            e.home.numel() * e.home.element_size() for e in entries
+            if is_parameter(e) and e.scratch is not None)
+
+        def stays(entry) -> bool:  # in scratch after the step
+            return keep and entry.scratch is not None and not is_parameter(entry)
+
+        ending = [e for e in entries if e.pinned and not stays(e)]
         copy_out.wait_stream(main)
         with torch.cuda.stream(copy_out):
             for entry in entries:
                 if entry.scratch is None:
                     continue
                 run.swapped.remove(entry)  # by identity (eq=False)
-                if keep:
+                if stays(entry):
                     run.kept.append(entry)
                     continue
-                current = entry.state[entry.key]
-                entry.home.copy_(current, non_blocking=True)
-                if current is not entry.scratch:  # the optimizer replaced it
-                    current.record_stream(copy_out)
-                entry.state[entry.key] = entry.home
+                now = current(entry)
+                entry.home.copy_(now, non_blocking=True)
+                # The optimizer replaced it (a parameter's .data is a new object each time).
+                if now.data_ptr() != entry.scratch.data_ptr():
+                    now.record_stream(copy_out)
+                put(entry, entry.home)
             # Every end on copy_out, which follows main: the chunk's fence covers both the
             # step and the write-back.
             if ending:
@@ -744,16 +808,19 @@ class WindowedStep:
                                        copy_out.cuda_stream)
             done_ids = {id(e) for e in entries}
             run.held[:] = [e for e in run.held if id(e) not in done_ids]
+            written = torch.cuda.Event()
+            written.record(copy_out)
             if not keep:
-                self.free[slot] = torch.cuda.Event()
-                self.free[slot].record(copy_out)
+                self.free[slot] = written
+            if slot < len(self.parameter_free):
+                self.parameter_free[slot] = written
 
     def finish(self, run: "StepRun", succeeded: bool) -> None:
         """Also when a window failed: its states stay as they were, param_groups are put
         back, the main stream waits for every copy, and every pin and use still open ends.
         Raises a device error met while waiting only when the step itself succeeded."""
         for entry in run.swapped:  # a window failed: its states stay as they were
-            entry.state[entry.key] = entry.home
+            put(entry, entry.home)
         for group, params in zip(self.optimizer.param_groups, run.saved):
             group["params"] = params
         fence, wait_error = 0, None
@@ -776,9 +843,10 @@ class WindowedStep:
         # Pinned by a window that failed or never ran.
         _offload.use_ends_many(
             _use_hints.pointers(entry.home for entry in run.held if entry.pinned), fence)
-        if run.begun is not None:
+        if run.begun:
             _use_hints.end(run.begun, fence)
         self.slots, self.free, self.retired = [], [], []
+        self.parameter_slots, self.parameter_free = [], []
         self.cache = None
         if wait_error is not None and succeeded:
             raise wait_error

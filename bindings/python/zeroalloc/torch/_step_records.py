@@ -15,16 +15,35 @@ from zeroalloc._library import ZeroallocError
 
 @dataclass(eq=False)  # compared by identity: == would compare the tensors
 class StateEntry:
-    """One optimizer state in a window of the step."""
+    """One optimizer state in a window of the step, or (`state` None) the parameter's own
+    data (Note [Parameters stepped where they are])."""
 
     __slots__ = ("state", "key", "home", "scratch", "pinned", "parameter", "version")
-    state: dict  # the parameter's state dict
-    key: str  # the state's key in it
-    home: "torch.Tensor"  # the state's own tensor, in the optimizer-state class
+    state: "dict | None"  # the parameter's state dict; None: the entry is the parameter's data
+    key: "str | None"  # the state's key in it
+    home: "torch.Tensor"  # the state's own tensor (optimizer-state class), or parameter.data
     scratch: "torch.Tensor | None"  # its copy in a scratch buffer; None: stepped where it is
     pinned: bool  # pinned where it is (use_in_place), not yet ended
     parameter: "torch.Tensor"  # whose state it is
     version: int  # the home's version counter when it was staged
+
+
+def is_parameter(entry: StateEntry) -> bool:
+    return entry.state is None
+
+
+def current(entry: StateEntry):
+    """What the step reads and writes for the entry now: the state dict's tensor, or the
+    parameter's data."""
+    return entry.parameter.data if entry.state is None else entry.state.get(entry.key)
+
+
+def put(entry: StateEntry, tensor) -> None:
+    """Puts `tensor` where the step reads the entry: the state dict, or the parameter's data."""
+    if entry.state is None:
+        entry.parameter.data = tensor
+    else:
+        entry.state[entry.key] = tensor
 
 
 class StagedWindow(NamedTuple):
@@ -63,7 +82,7 @@ class StepRun:
         self.held: list = []  # entries pinned and not yet ended
         self.swapped: list = []  # entries whose scratch is in the state dict now
         self.kept: list = []  # entries of the last windows, kept in scratch (succeeded only)
-        self.begun = None  # the window whose parameters' use is open
+        self.begun = None  # the window's parameters whose use is open (not pinned with it)
 
 
 class CopyStreams(NamedTuple):
@@ -82,9 +101,11 @@ def scratch_size(tensor) -> int:
     return padded(tensor.numel() * tensor.element_size())
 
 
-def copied_bytes(entries) -> int:
-    """Scratch taken by the entries whose state is copied through it."""
-    return sum(scratch_size(entry.home) for entry in entries if entry.scratch is not None)
+def copied_bytes(entries, parameters: bool = True) -> int:
+    """Scratch taken by the entries whose state (or, with `parameters`, parameter) is copied
+    through it."""
+    return sum(scratch_size(entry.home) for entry in entries
+               if entry.scratch is not None and (parameters or not is_parameter(entry)))
 
 
 def residency_or_foreign(tensor) -> str:
