@@ -2,6 +2,7 @@
 parameter, which parameters one broadcast carries, and which gradients one reduce of stage 2
 carries."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -62,10 +63,55 @@ def test_stage_3_needs_the_model_and_a_stage_beyond_it_is_named():
         _zero.partition(optimizer, stage=4)
 
 
-def test_stages_2_and_3_refuse_an_offloaded_optimizer_naming_what_combines():
+def test_stage_3_refuses_an_offloaded_optimizer_naming_what_combines():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
     model.weight._zeroalloc_adopted = True  # what zt.offload's adoption marks
-    for stage in (2, 3):
-        with pytest.raises(ZeroallocError, match=r"does not combine with offload.*stage 1"):
-            _zero.partition(optimizer, stage=stage, model=model)
+    with pytest.raises(ZeroallocError, match=r"stage 3 does not combine with offload.*stage 1 "
+                       r"or 2 with offload"):
+        _zero.partition(optimizer, stage=3, model=model)
+
+
+def test_stage_2_divides_each_gradient_as_it_arrives_into_offloads_gradient_class(monkeypatch):
+    """A first gradient of a parameter whose gradients offload keeps in their class is
+    divided into that class (the accumulation adopts what the hook returns); the others
+    where they are."""
+    classes = []
+
+    @contextlib.contextmanager
+    def allocation_class(name):
+        classes.append(name)
+        yield
+
+    monkeypatch.setattr(_zero._stats, "allocation_class", allocation_class)
+    hooked, plain = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    hooked._zeroalloc_gradient_hooked = True
+    with torch.no_grad():  # as in a backward
+        for parameter in (hooked, plain):
+            assert torch.equal(_zero.predivision(parameter, 0.5)(torch.full((4,), 3.0)),
+                               torch.full((4,), 1.5))
+        assert classes == ["gradient"]
+        hooked.grad = torch.zeros(4)  # later gradients are added into it: a temporary
+        _zero.predivision(hooked, 0.5)(torch.ones(4))
+    assert classes == ["gradient"]
+
+
+def test_a_broadcast_of_parameters_pins_those_on_gpus_for_its_collectives(monkeypatch):
+    """Note [Collectives on paged parameters]: the pins open before the first collective and
+    end after the last, on the parameters' streams; tensors off the GPUs are left alone."""
+    calls = []
+    monkeypatch.setattr(_zero._use_hints, "hint",
+                        lambda call, tensors, stream: calls.append((call.__name__, len(tensors))))
+    cpu = [torch.nn.Parameter(torch.ones(4))]
+    with _zero.pinned_where_they_are(cpu):
+        calls.append(("collective", 0))
+    assert calls == [("collective", 0)]
+    if not torch.cuda.is_available():
+        return
+    calls.clear()
+    gpu = [torch.nn.Parameter(torch.ones(4, device="cuda")) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="injected"):
+        with _zero.pinned_where_they_are(cpu + gpu):
+            calls.append(("collective", 0))
+            raise RuntimeError("injected")  # the pins still end
+    assert calls == [("use_in_place_many", 3), ("collective", 0), ("use_ends_many", 3)]

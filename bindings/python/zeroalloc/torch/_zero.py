@@ -46,7 +46,10 @@ what is left, except where the outer backward accumulates nothing before the fir
 segment's does (every parameter checkpointed): then each segment's end sends the buckets
 not ready yet (zeros), which is correct but multiplies the traffic (use_reentrant=False
 does not); and fp16 with a GradScaler is not supported
-(each rank would find its own infinities).
+(each rank would find its own infinities). With offload (zt.offload before partition) the
+windowed step steps the rank's own parameters, their states wherever the engine put them;
+a gradient that offload keeps in its class is divided into that class (predivision), and
+the broadcasts pin the parameters (Note [Collectives on paged parameters]).
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
 unpartitioned one would: every rank's own states gathered (pickled, through the default
@@ -59,17 +62,19 @@ for rank 0 alone to hold them (the others get an empty dict).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import pickle
 import time
+import weakref
 
 import torch
 
-from zeroalloc import _group
+from zeroalloc import _group, _offload, _stats
 from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc.torch._use_hints import current_stream
-from zeroalloc.torch import _zero_ddp
+from zeroalloc.torch import _use_hints, _zero_ddp
 from zeroalloc.torch._zero_parameters import ParameterShards
 
 
@@ -126,6 +131,49 @@ def _gather_objects(distributed, value, to: "int | None" = None) -> "list | None
         host = each[:length].cpu().contiguous()
         found.append(pickle.loads(ctypes.string_at(host.data_ptr(), length)))
     return found
+
+
+def gradient_class_of(parameter):
+    """Where a gradient made for `parameter` is allocated: the gradient class when offload
+    put its gradients there (Note [Gradients' class]), else where it is now."""
+    if getattr(parameter, "_zeroalloc_gradient_hooked", False):
+        return _stats.allocation_class("gradient")
+    return contextlib.nullcontext()
+
+
+def predivision(parameter, scale: float):
+    """Stage 2's hook: each gradient divided by the number of ranks as it arrives. A first
+    gradient of a parameter whose gradients offload keeps in their class is made there (the
+    accumulation adopts the tensor the hook returns)."""
+    owner = weakref.ref(parameter)
+
+    def hook(gradient):
+        held = owner()
+        if held is not None and held.grad is None and not torch.is_grad_enabled():
+            with gradient_class_of(held):
+                return gradient * scale
+        return gradient * scale
+
+    return hook
+
+
+@contextlib.contextmanager
+def pinned_where_they_are(parameters):
+    """Note [Collectives on paged parameters]: under offload, a collective that writes a
+    parameter (a broadcast from its owner) is not a use the engine was told of, so a move
+    of its chunk (an eviction ahead of need takes a chunk whose last hinted use has ended)
+    could copy the bytes before the collective's writes land and keep the stale copy. So the
+    parameters on GPUs are pinned where they are (use_in_place) for the collectives, and the
+    pins end on the streams they ran on; a parameter on the host is written there over
+    PCIe. Memory the engine does not manage is left alone (the library ignores it)."""
+    on_gpus = [p for p in parameters if p.is_cuda]
+    if on_gpus:
+        _use_hints.hint(_offload.use_in_place_many, on_gpus, 0)
+    try:
+        yield
+    finally:
+        if on_gpus:
+            _use_hints.hint(_offload.use_ends_many, on_gpus, 0)
 
 
 #: The most bytes of parameters one broadcast carries (a larger parameter goes alone).
@@ -219,7 +267,7 @@ class Partition:
         for parameter in self.parameters:
             if not parameter.requires_grad:
                 continue
-            self.hooks.append(parameter.register_hook(lambda gradient: gradient * scale))
+            self.hooks.append(parameter.register_hook(predivision(parameter, scale)))
             self.hooks.append(parameter.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, parameter) -> None:
@@ -285,7 +333,8 @@ class Partition:
             part = flat[offset:offset + count].view(shape)
             offset += count
             if parameter.grad is None:
-                parameter.grad = part.clone() if len(members) > 1 else part
+                with gradient_class_of(parameter):
+                    parameter.grad = part.clone() if len(members) > 1 else part
             elif part.data_ptr() != parameter.grad.data_ptr():
                 parameter.grad.copy_(part)
 
@@ -355,6 +404,11 @@ class Partition:
         """Every parameter from its owner, a bucket per broadcast (Note [Stage 1 by whole
         parameters])."""
         started = time.perf_counter()
+        with pinned_where_they_are(self.parameters):
+            self._broadcast_buckets()
+        self.figures["broadcast_s"] += time.perf_counter() - started
+
+    def _broadcast_buckets(self) -> None:
         for owner, members in self.buckets:
             device = members[0].device
             stream = current_stream(device.index) if device.type == "cuda" else None
@@ -374,7 +428,6 @@ class Partition:
                         offset += view.numel()
             self.figures["broadcast_bytes"] += sum(v.numel() for v in views)
             self.figures["broadcasts"] += 1
-        self.figures["broadcast_s"] += time.perf_counter() - started
 
     def state_dict(self, rank0_only: bool = False) -> dict:
         """What the unpartitioned optimizer's state_dict() holds (Note [Checkpoints of a
@@ -444,12 +497,12 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
                 seen.add(id(parameter))
                 parameters.append(parameter)
     sizes = [_nbytes(p) for p in parameters]
-    if stage >= 2 and (getattr(optimizer, "_zeroalloc_stepper", None) is not None or
+    if stage == 3 and (getattr(optimizer, "_zeroalloc_stepper", None) is not None or
                        any(getattr(p, "_zeroalloc_adopted", False) for p in parameters)):
-        raise ZeroallocError(f"ZeRO stage {stage} does not combine with offload (zt.offload "
-                             "or ZEROALLOC_OFFLOAD) yet: its gradient and parameter hooks "
-                             "would move tensors the offload engine pages; use stage 1 with "
-                             "offload, or stage 2 or 3 without it")
+        raise ZeroallocError("ZeRO stage 3 does not combine with offload (zt.offload or "
+                             "ZEROALLOC_OFFLOAD) yet: it replaces the parameters' storage, "
+                             "which the offload engine pages and its hints name; use stage 1 "
+                             "or 2 with offload, or stage 3 without it")
     if stage >= 2:
         for parameter in parameters:
             if parameter.requires_grad and parameter.dtype not in (torch.float32,
