@@ -17,7 +17,9 @@
 // the segment's blocks are on the host. A chunk is idle when no use hint is open on it.
 //
 // Note [Used in place]: data that a step reads and writes once, in one streaming pass
-// (optimizer states), is cheapest where it already is: a host-resident chunk is reached over
+// (optimizer states, and in the optimizer's step the parameters too: Note [Parameters
+// stepped where they are] in the Python package), is cheapest where it already is: a
+// host-resident chunk is reached over
 // PCIe, or copied to device scratch and back by the caller, with no remap (a 64 MiB
 // host-located map costs about 0.5 ms, 15 times a device one). Such uses are hinted with
 // use_in_place: they pin the chunks where they are for the use, and the prefetcher never
