@@ -14,7 +14,7 @@
 # run of figures alone) alloc_bench hint migration remap torch_empty
 # preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
-# GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 6 minutes; GPU_CHECK_SWEEP_MODES, _LIMITS,
+# GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
 # _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
 # --nvme-path, --nvme-size, --host-limit and a model, DeepSpeed ZeRO-Infinity beside the
 # NVMe tier) zero (two GPUs or more only: bench/python/zero_bench.py, about 5 minutes;
@@ -220,7 +220,7 @@ if [[ -z $(skipped sweep) ]]; then
   sweep_modes=native,offload
   if [[ -d .whl/ds ]] && bash scripts/install-deepspeed.sh /tmp/deepspeed-site >"$out/deepspeed-install.log" 2>&1; then
     export PYTHONPATH=/tmp/deepspeed-site${PYTHONPATH:+:$PYTHONPATH} PATH=$PATH:/tmp/deepspeed-site/bin
-    sweep_modes=${GPU_CHECK_SWEEP_MODES:-native,offload,ds2}
+    sweep_modes=${GPU_CHECK_SWEEP_MODES:-native,offload,ds2,ds3}
   else
     echo "DeepSpeed not installed (.whl/ds missing or install failed: deepspeed-install.log); zeroalloc rows only"
     tail -5 "$out/deepspeed-install.log" 2>/dev/null
