@@ -240,6 +240,45 @@ def test_parameters_are_stepped_where_they_are_never_fetched_for_the_step(engine
     assert engine.open() == 0 and engine.stray_ends == []
 
 
+def test_a_window_that_fails_with_its_parameters_in_scratch_leaves_every_parameter_as_it_was(
+        engine):
+    """A window that raises while its bounced parameters' data is scratch: every parameter
+    is its own tensor again, those of the failed window and after it unchanged, every pin
+    ends, and the next step steps them all."""
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=0)
+    inputs, labels = data(2)[0]
+    train(plain, plain_optimizer, inputs, labels)
+    train(model, optimizer, inputs, labels)  # states exist from here on
+    homes = {id(p): p.untyped_storage().data_ptr() for p in model.parameters()}
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    stepper = optimizer._zeroalloc_stepper
+    windows = []
+    original = stepper._original_step
+
+    def failing(self, *args, **kwargs):
+        windows.append([p for group in self.param_groups for p in group["params"]])
+        if len(windows) == 2:
+            assert any(p.untyped_storage().data_ptr() != homes[id(p)] for p in windows[-1]), \
+                "the failing window's parameters were not in scratch"
+            raise RuntimeError("injected")
+        return original(self, *args, **kwargs)
+
+    stepper._original_step = failing
+    torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        optimizer.step()
+    stepped = {id(p) for p in windows[0]}
+    for p in model.parameters():
+        assert p.untyped_storage().data_ptr() == homes[id(p)]
+        assert torch.equal(p, before[id(p)]) != (id(p) in stepped)
+    assert engine.open() == 0 and engine.stray_ends == []
+    stepper._original_step = original
+    optimizer.step()
+    assert all(not torch.equal(p, before[id(p)]) for p in model.parameters())
+    assert engine.open() == 0 and engine.stray_ends == []
+
+
 def test_a_state_written_between_staging_and_step_is_staged_again(engine):
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
