@@ -245,6 +245,28 @@ class OffloadEngineDiskTest : public ::testing::Test {
     allocator_->chunks_of_allocation(pointer, chunks);
     return engine_->mover().where(chunks.at(0).address);
   }
+  /// Chunk-sized optimizer states, state i filled with `first_byte` + i and used once (in
+  /// place, or on the device), until `count` are made or the tiers refuse one.
+  std::vector<void*> states_filling_the_tiers(int count, std::uint8_t first_byte, bool in_place) {
+    std::vector<void*> states;
+    for (int i = 0; i < count; ++i) {
+      void* state = nullptr;
+      try {
+        state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+      } catch (const out_of_memory&) {
+        break;
+      }
+      device_->fill_async(state, static_cast<std::uint8_t>(first_byte + i), kChunkBytes, nullptr);
+      if (in_place) {
+        engine_->use_in_place(state, nullptr);
+      } else {
+        engine_->use_begins(state, nullptr);
+      }
+      engine_->use_ends(state, nullptr);
+      states.push_back(state);
+    }
+    return states;
+  }
 
   std::unique_ptr<device> device_;
   std::filesystem::path directory_;
@@ -383,19 +405,8 @@ TEST_F(OffloadEngineDiskTest, HintedParametersGoToDiskOnlyWhenAskedAndComeBackIn
 TEST_F(OffloadEngineDiskTest, StatesUsedInPlaceSwapWithTheHostsWhenHostAndDiskAreFull) {
   if (!start(16 * MiB, 32 * MiB, 32 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
   offload_engine& engine = *engine_;
-  std::vector<void*> states;
-  for (int i = 0; i < 12; ++i) {  // as many as fit: 16 + 32 + 24 MiB
-    void* state = nullptr;
-    try {
-      state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
-    } catch (const out_of_memory&) {
-      break;
-    }
-    device_->fill_async(state, static_cast<std::uint8_t>(0x40 + i), kChunkBytes, nullptr);
-    engine.use_in_place(state, nullptr);
-    engine.use_ends(state, nullptr);
-    states.push_back(state);
-  }
+  // As many as fit: 16 + 32 + 24 MiB.
+  std::vector<void*> states = states_filling_the_tiers(12, 0x40, /*in_place=*/true);
   ASSERT_GE(states.size(), 8u);
   EXPECT_EQ(disk_->figures().used_bytes, 32 * MiB - kChunkBytes) << "the disk is not full";
   const std::uint64_t from_disk_before = engine.mover().figures().chunks_from_disk;
@@ -742,19 +753,8 @@ TEST_F(OffloadEngineDiskTest, AFullDiskTierFailsTheAllocationAndLosesNothing) {
 TEST_F(OffloadEngineDiskTest, StatesFillingEveryTierStillComeBackForTheirUses) {
   if (!start(32 * MiB, 32 * MiB, 32 * MiB)) GTEST_SKIP() << "skipped: " << skipped_;
   offload_engine& engine = *engine_;
-  std::vector<void*> states;
-  for (int i = 0; i < 12; ++i) {  // as many as fit: 96 MiB of tiers, less the room kept
-    void* state = nullptr;
-    try {
-      state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
-    } catch (const out_of_memory&) {
-      break;
-    }
-    device_->fill_async(state, static_cast<std::uint8_t>(0x20 + i), kChunkBytes, nullptr);
-    engine.use_begins(state, nullptr);
-    engine.use_ends(state, nullptr);
-    states.push_back(state);
-  }
+  // As many as fit: 96 MiB of tiers, less the room kept.
+  std::vector<void*> states = states_filling_the_tiers(12, 0x20, /*in_place=*/false);
   ASSERT_GE(states.size(), 10u) << "the tiers hold 12 chunks less the one kept for restores";
   EXPECT_GE(engine.mover().figures().disk_resident_bytes, 24 * MiB);
   for (int round = 0; round < 3; ++round) {
