@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: how the windowed step reaches parameters on the "
                         "host: bounce (copied through scratch, the default) or fetch (brought "
                         "back by use hints); a comma list runs each side by side")
+    parser.add_argument("--park", default="",
+                        help="offload mode: ZEROALLOC_PARK_PARAMETERS (1: evicted parameters "
+                        "parked behind unmapped addresses, the default; 0: mapped on the host); "
+                        "0,1 runs both side by side")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -202,6 +206,7 @@ class Run:
     gradient_class: str = ""
     log_suffix: str = ""
     step_parameters: str = ""
+    park: str = ""
 
 
 def plan_runs(args) -> list[Run]:
@@ -241,8 +246,11 @@ def plan_runs(args) -> list[Run]:
         unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
         if unknown:
             raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
-        for limit, size, overlap, gradient, reach in itertools.product(
-                limits, sizes, overlaps, gradients, reaches):
+        parks = args.park.split(",") if args.park else [""]
+        if any(each not in ("", "0", "1") for each in parks):
+            raise ValueError(f"--park {args.park!r}: accepted: 0, 1 or both")
+        for limit, size, overlap, gradient, reach, park in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, parks):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -254,9 +262,12 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
+            if len(parks) > 1:
+                name += f"_park{park}"
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
-                            + (f"_{reach}" if len(reaches) > 1 else ""), reach))
+                            + (f"_{reach}" if len(reaches) > 1 else "")
+                            + (f"_park{park}" if len(parks) > 1 else ""), reach, park))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -332,6 +343,10 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
                                    timed.get("bytes_to_device_parameter", nan)) / steps / GIB
         if steps else nan,
         "remap_s_per_step": timed.get("remap_ns", nan) / 1e9 / steps if steps else nan,
+        # Note [Parameters parked]: evictions that left their addresses unmapped, and
+        # parked chunks mapped on the host after all, per step.
+        "parked_per_step": timed.get("chunks_parked", nan) / steps if steps else nan,
+        "unparked_per_step": timed.get("chunks_unparked", nan) / steps if steps else nan,
         "pcie_bound_s": nan,
         "step_over_bound": nan,
     }
@@ -353,7 +368,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     native = results.get("native", {})
     width = max([len(run.name) for run in sweep] + [len(mode) for mode in deepspeed] + [14])
     header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
-              f"{'GiB/step':>8} {'params':>6} {'remap s':>7} {'host GiB':>8} {'wait s/step':>11} "
+              f"{'GiB/step':>8} {'params':>6} {'remap s':>7} {'parked':>6} {'mapped':>6} "
+              f"{'host GiB':>8} {'wait s/step':>11} "
               f"{'PCIe bound s':>12} {'step/bound':>10}")
     header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
     lines = [header]
@@ -369,7 +385,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
             limit += f" ({run.limit.label})"
         line = (f"{run.name:{width}} {limit:>10} {f['tokens_per_s']:8.0f} {f['step_s']:7.3f} "
                 f"{f['hit_rate']:8.3f} {f['moved_gib_per_step']:8.2f} "
-                f"{f['parameter_gib_per_step']:6.2f} {f['remap_s_per_step']:7.3f} {f['host_gib']:8.2f} "
+                f"{f['parameter_gib_per_step']:6.2f} {f['remap_s_per_step']:7.3f} "
+                f"{f['parked_per_step']:6.0f} {f['unparked_per_step']:6.0f} {f['host_gib']:8.2f} "
                 f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
                 f"{f['step_over_bound']:10.2f}")
         line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
@@ -384,7 +401,9 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                  "steps, per step); the windowed step's copies of host-resident states through "
                  "device scratch are not in it: they are about host GiB each way a step; params: "
                  "the parameters' share of it; remap s: the migrator's time remapping chunks, "
-                 "per step")
+                 "per step; parked: evictions a step that left their addresses unmapped "
+                 "(ZEROALLOC_PARK_PARAMETERS), mapped: parked chunks mapped on the host for a "
+                 "use after all")
     lines.append(PCIE_BOUND_FORMULA)
     if bandwidth is None:
         lines.append("pinned bandwidth: not measured (the bandwidth run failed)")
@@ -468,6 +487,7 @@ def build(args, torch, device, context=None):
 # (raw_stats' `offload` at the end counts the warmup steps too).
 TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits",
                   "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns",
+                  "chunks_parked", "chunks_unparked",
                   "bytes_to_disk", "bytes_from_disk", "disk_ns", "disk_prefetches")
 
 
@@ -928,7 +948,7 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "") -> dict:
+             step_parameters: str = "", park: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -937,6 +957,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env["ZEROALLOC_OFFLOAD"] = "host"
         env["ZEROALLOC_HOST_LIMIT"] = args.host_limit
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
+        if park:
+            env["ZEROALLOC_PARK_PARAMETERS"] = park
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
@@ -1021,7 +1043,7 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters)
+                                     run.step_parameters, run.park)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

@@ -292,11 +292,14 @@ int zeroalloc_forget_stream(zeroalloc_stream_t stream);
 
 /** Where an allocation's bytes are (zeroalloc_residency). */
 typedef enum zeroalloc_residency_kind {
-  ZEROALLOC_ON_DEVICE = 0, /**< every chunk in device memory */
-  ZEROALLOC_ON_HOST = 1,   /**< every chunk in pinned host memory (kernels still reach it) */
-  ZEROALLOC_SPLIT = 2,     /**< some chunks in one tier, some in another */
-  ZEROALLOC_MOVING = 3,    /**< a chunk is moving */
-  ZEROALLOC_ON_DISK = 4    /**< every chunk in the NVMe tier (hint a use first) */
+  ZEROALLOC_ON_DEVICE = 0,       /**< every chunk in device memory */
+  ZEROALLOC_ON_HOST = 1,         /**< every chunk in pinned host memory (kernels still reach it) */
+  ZEROALLOC_SPLIT = 2,           /**< some chunks in one tier, some in another */
+  ZEROALLOC_MOVING = 3,          /**< a chunk is moving */
+  ZEROALLOC_ON_DISK = 4,         /**< every chunk in the NVMe tier (hint a use first) */
+  ZEROALLOC_ON_HOST_UNMAPPED = 5 /**< every chunk in pinned host memory behind addresses no
+                                      kernel may touch (ZEROALLOC_PARK_PARAMETERS: hint a use
+                                      first) */
 } zeroalloc_residency_kind;
 
 /**

@@ -613,6 +613,7 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
     zeroalloc::offload_engine* engine = started.engine_of(pointer);
     std::size_t device_chunks = 0;
     std::size_t host_chunks = 0;
+    std::size_t parked_chunks = 0;
     std::size_t disk_chunks = 0;
     for (const zeroalloc::chunk_info& chunk : chunks) {
       const zeroalloc::residency where =
@@ -620,7 +621,7 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
       if (where == zeroalloc::residency::device) {
         ++device_chunks;
       } else if (where == zeroalloc::residency::host) {
-        ++host_chunks;
+        ++(engine->mover().parked(chunk.address) ? parked_chunks : host_chunks);
       } else if (where == zeroalloc::residency::disk) {
         ++disk_chunks;
       } else {
@@ -629,6 +630,7 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
     }
     if (device_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_DEVICE);
     if (host_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_HOST);
+    if (parked_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_HOST_UNMAPPED);
     if (disk_chunks == chunks.size()) return static_cast<int>(ZEROALLOC_ON_DISK);
     return static_cast<int>(ZEROALLOC_SPLIT);
   });

@@ -278,6 +278,7 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   offload_settings settings;
   settings.prefetch_bytes = options_.prefetch_bytes;
   settings.parameters_to_disk = options_.nvme_parameters;
+  settings.park_parameters = options_.park_parameters;
   disk_store* disk = nullptr;
   if (disk_tier_enabled()) {  // Note [Chunks on disk] in tier/migrator.hpp
     disk_store_options disk_options;
@@ -330,6 +331,9 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
       {"chunks_to_device", moved.chunks_to_device},
       {"verified_chunks", moved.verified_chunks},
       {"remap_ns", moved.remap_ns},
+      {"parked_bytes", moved.parked_bytes},
+      {"chunks_parked", moved.chunks_parked},
+      {"chunks_unparked", moved.chunks_unparked},
       {"settle_waits", moved.waits},
       {"settle_waited_ns", moved.waited_ns},
       {"disk_capacity_bytes", disk_tier_enabled() ? options_.nvme_bytes : 0},

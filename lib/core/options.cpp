@@ -244,6 +244,16 @@ const std::vector<option_spec>& table() {
        "torch.save then fail with CUDA's illegal-address error (fetch first: "
        "zt.fetch_tensor), rather than read wrong bytes.",
        store<&options::nvme_parameters, read_boolean>},
+      {"ZEROALLOC_PARK_PARAMETERS", option_kind::boolean, "1", "",
+       "1: a parameter evicted while every use of it is hinted (zt.offload, or the "
+       "no-code-change mode's hooks) keeps its bytes in pinned host memory with its addresses "
+       "unmapped until its next use brings it back: mapping host memory costs the driver "
+       "about 1 ms per 64 MiB, mapping none 4 us. A read of such a parameter outside the "
+       "model's forward and backward (a kernel the hooks do not see) fails with CUDA's "
+       "illegal-address error instead of reading wrong bytes; model.state_dict() is safe. "
+       "0 keeps evicted parameters mapped, readable over PCIe by any kernel (slower under "
+       "pressure; for scripts that read parameters outside the model's calls).",
+       store<&options::park_parameters, read_boolean>},
       {"ZEROALLOC_LIBRARY", option_kind::text, "", "",
        "Path of libzeroalloc.so for the Python package, when it is not next to the package or "
        "in the build tree.",

@@ -74,6 +74,15 @@ migrator::~migrator() {
       }
     }
     drain();
+    // Those that stay are reached over PCIe from now on: none is left behind a placeholder.
+    for (std::uintptr_t address : away) {
+      try {
+        map_on_host(address);
+      } catch (const std::exception& failure) {
+        log().error("offload: mapping the parked chunk at {:#x} on the host failed: {}", address,
+                    failure.what());
+      }
+    }
     restore_all();  // then the disk's, through the host memory those left, one at a time
     if (stranded != 0) {
       log().warn("offload: {} chunks stay in host memory: no device memory to bring them back",
@@ -200,14 +209,16 @@ void migrator::cancel_eviction(std::uintptr_t address) {
 
 void migrator::start_claimed_eviction(const chunk_info& chunk,
                                       const std::vector<event_handle>* after,
-                                      bool and_chunk_streams) {
+                                      bool and_chunk_streams, bool park) {
   const std::uintptr_t address = chunk.address;
   transfer moving;
   moving.chunk = chunk;
   moving.to_host = true;
   moving.device_chunk = chunk.handle;
+  moving.park = park;
   bool copy_queued = false;
   try {
+    if (park) moving.placeholder = placeholder_for(chunk.handle.bytes);  // Note [Parked chunks]
     moving.host = pool_.acquire(chunk.handle.bytes);
     moving.copied = obtain_event();
     if (after != nullptr) {
@@ -256,10 +267,14 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
                                    std::uint64_t idle_generation,
                                    const std::vector<event_handle>* after) {
   host_chunk host;
+  bool parked = false;
   {
     std::lock_guard lock(mutex_);
     auto found = on_host_.find(address);
-    if (found != on_host_.end()) host = found->second.host;
+    if (found != on_host_.end()) {
+      host = found->second.host;
+      parked = found->second.parked;
+    }
   }
   if (!host.valid()) {  // its segment went while the claim was being made
     release_claim(address);
@@ -270,7 +285,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     release_claim(address);
     return false;
   }
-  if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
+  if (!maps_host_copy(chunk.handle, host, parked)) {
     // remapped behind our back: not ours
     paging_.unpin_chunk(address);
     release_claim(address);
@@ -323,7 +338,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
       bool stays_on_device = false;
       if (moving.remapped_early) {
         try {
-          paging_.remap_pinned_chunk(address, host.handle);
+          paging_.remap_pinned_chunk(address, chunk.handle);  // the host chunk or placeholder
         } catch (const std::exception& again) {
           // Its addresses still map the device chunk: that is where it is now, with the
           // bytes the copy brought (synchronized above) or without them.
@@ -363,7 +378,9 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     if (after != nullptr) {
       for (event_handle fence : *after) device_.stream_wait_event(in_stream_, fence);
     }
-    if (verify_) moving.checksum = checksum_of(address, chunk.handle.bytes, in_stream_);
+    if (verify_) {  // the host chunk's bytes (a parked chunk's addresses reach none)
+      moving.checksum = checksum_of(host.staging_address, chunk.handle.bytes, in_stream_);
+    }
     device_.copy_async(reinterpret_cast<void*>(moving.staging),
                        reinterpret_cast<const void*>(host.staging_address), chunk.handle.bytes,
                        in_stream_);
@@ -404,7 +421,8 @@ void migrator::finish(transfer& done) {
   if (done.to_host) {
     // Stays pinned until on_host_ knows the chunk (below): a segment unmapped in between
     // would hand its host slice to host_chunk_released before it could be found.
-    left_behind = paging_.remap_pinned_chunk(address, done.host.handle);
+    left_behind =
+        paging_.remap_pinned_chunk(address, done.park ? done.placeholder : done.host.handle);
   } else if (!done.remapped_early) {
     // Stays pinned through the verification below, which reads the chunk's addresses: a
     // segment released in between would leave them unmapped, or mapping another's bytes.
@@ -428,7 +446,10 @@ void migrator::finish(transfer& done) {
   if (verify_) {
     std::uint64_t after = 0;
     try {
-      after = done.remapped_early ? fnv1a(done.arrived) : checksum_of(address, bytes, stream);
+      // A parked chunk's bytes are read where they are: its addresses reach none.
+      after = done.remapped_early ? fnv1a(done.arrived)
+              : done.park         ? checksum_of(done.host.staging_address, bytes, stream)
+                                  : checksum_of(address, bytes, stream);
     } catch (const std::exception& failure) {
       log().error(
           "ZEROALLOC_VERIFY: the chunk at {:#x} moved to the {} but could not be read "
@@ -458,8 +479,12 @@ void migrator::finish(transfer& done) {
   figures_.remap_ns += remap_ns;
   if (done.to_host) {
     bytes_leaving_device_ -= bytes;
-    on_host_[address] = {done.host, done.chunk.allocation_class};
+    on_host_[address] = {done.host, done.chunk.allocation_class, done.park};
     host_owner_[{done.host.handle.value, done.host.handle.offset}] = address;
+    if (done.park) {
+      ++figures_.chunks_parked;
+      figures_.parked_bytes += bytes;
+    }
     ++figures_.chunks_to_host;
     figures_.bytes_to_host += bytes;
     figures_.host_resident_bytes += bytes;
@@ -616,6 +641,10 @@ void migrator::settle(stream_handle stream) {
 void migrator::forget_host_copy(transfer& fetched) {
   pool_.release(fetched.host);
   std::lock_guard lock(mutex_);
+  if (auto found = on_host_.find(fetched.chunk.address);
+      found != on_host_.end() && found->second.parked) {
+    figures_.parked_bytes -= fetched.chunk.handle.bytes;
+  }
   on_host_.erase(fetched.chunk.address);
   host_owner_.erase({fetched.host.handle.value, fetched.host.handle.offset});
   ++figures_.chunks_to_device;
@@ -688,6 +717,56 @@ physical_handle migrator::placeholder_for(std::size_t bytes) {
   return where->second;
 }
 
+bool migrator::maps_host_copy(const physical_handle& mapped, const host_chunk& host, bool parked) {
+  if (parked) return mapped.inaccessible;  // Note [Parked chunks]: the placeholder
+  return mapped.value == host.handle.value && mapped.offset == host.handle.offset;
+}
+
+bool migrator::parked(std::uintptr_t address) const {
+  std::lock_guard lock(mutex_);
+  auto found = on_host_.find(address);
+  return found != on_host_.end() && found->second.parked && !moving_.contains(address);
+}
+
+bool migrator::map_on_host(std::uintptr_t address) {
+  host_chunk host;
+  {
+    std::lock_guard lock(mutex_);
+    auto found = on_host_.find(address);
+    if (found == on_host_.end() || !found->second.parked || moving_.contains(address)) {
+      return false;
+    }
+    host = found->second.host;
+    moving_[address] = residency::moving_to_host;  // uses that begin now wait for the map
+  }
+  chunk_info chunk;
+  if (!paging_.pin_chunk(address, chunk)) {  // its segment went meanwhile
+    release_claim(address);
+    return false;
+  }
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    if (!chunk.handle.inaccessible) {
+      ZA_THROW(error, "the parked chunk at ", address, " is not mapped to its placeholder");
+    }
+    paging_.remap_pinned_chunk(address, host.handle);  // on failure it stays parked
+  } catch (...) {
+    paging_.unpin_chunk(address);
+    release_claim(address);
+    throw;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (auto found = on_host_.find(address); found != on_host_.end()) found->second.parked = false;
+    figures_.parked_bytes -= host.handle.bytes;
+    ++figures_.chunks_unparked;
+    figures_.remap_ns += nanoseconds_since(started);
+  }
+  paging_.unpin_chunk(address);  // Note [Unpinned before settled]
+  release_claim(address);
+  return true;
+}
+
 std::vector<migrator::host_resident_chunk> migrator::host_resident_chunks() const {
   std::lock_guard lock(mutex_);
   std::vector<host_resident_chunk> chunks;
@@ -727,12 +806,14 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
   const auto started = std::chrono::steady_clock::now();
   host_chunk host;
   int cls = 0;
+  bool parked = false;
   {
     std::lock_guard lock(mutex_);
     auto found = on_host_.find(address);
     if (found != on_host_.end()) {
       host = found->second.host;
       cls = found->second.allocation_class;
+      parked = found->second.parked;
     }
   }
   chunk_info chunk;
@@ -749,7 +830,7 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
   }
   disk_slot slot = 0;
   try {
-    if (chunk.handle.value != host.handle.value || chunk.handle.offset != host.handle.offset) {
+    if (!maps_host_copy(chunk.handle, host, parked)) {
       ZA_THROW(error, "the chunk at ", address, " was remapped while moving to the disk");
     }
     const physical_handle placeholder = placeholder_for(bytes);
@@ -781,7 +862,8 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
         throw;
       }
     }
-    paging_.remap_pinned_chunk(address, placeholder);  // on failure the host chunk stays mapped
+    // On failure the host chunk stays mapped; a parked chunk maps its placeholder already.
+    if (!parked) paging_.remap_pinned_chunk(address, placeholder);
   } catch (...) {
     if (slot != 0) disk_->release(slot);
     paging_.unpin_chunk(address);
@@ -792,6 +874,7 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
     std::lock_guard lock(mutex_);
     on_host_.erase(address);
     host_owner_.erase({host.handle.value, host.handle.offset});
+    if (parked) figures_.parked_bytes -= bytes;
     on_disk_[address] = {slot, bytes, cls};
     figures_.host_resident_bytes -= bytes;
     figures_.host_resident_class_bytes[class_slot(cls)] -= bytes;
@@ -919,7 +1002,25 @@ void migrator::restore_all() {
 }
 
 void migrator::host_chunk_released(physical_handle handle, std::uintptr_t address) {
-  if (handle.inaccessible) {  // a disk-resident chunk's placeholder: its slot is free again
+  if (handle.inaccessible) {
+    {
+      // A parked chunk's placeholder (Note [Parked chunks]): its host chunk goes back.
+      std::unique_lock lock(mutex_);
+      auto parked = on_host_.find(address);
+      if (parked != on_host_.end() && parked->second.parked) {
+        const host_chunk away = parked->second.host;
+        figures_.host_resident_class_bytes[class_slot(parked->second.allocation_class)] -=
+            away.handle.bytes;
+        figures_.host_resident_bytes -= away.handle.bytes;
+        figures_.parked_bytes -= away.handle.bytes;
+        host_owner_.erase({away.handle.value, away.handle.offset});
+        on_host_.erase(parked);
+        lock.unlock();
+        pool_.release(away);
+        return;
+      }
+    }
+    // A disk-resident chunk's placeholder: its slot is free again.
     std::uint64_t slot = 0;
     {
       std::lock_guard lock(mutex_);

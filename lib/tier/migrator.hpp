@@ -37,6 +37,20 @@
 // bulk traffic therefore avoids remaps: the windowed optimizer step copies host-resident
 // states through device scratch and back (tier by copy, not by mapping), and a steady
 // training step remaps nothing (bench/RESULTS.md, the Llama runs).
+//
+// Note [Parked chunks]: mapping host memory costs the driver per 4 KiB page (above): about
+// 0.7 ms per 64 MiB chunk on an idle GPU and 1.1-1.6 ms while copies run, serialised across
+// threads, against 40 us for device memory and 4 us for a mapping granted no access. Under
+// pressure a training step moves the same parameters out and back several times a step (out
+// during the forward, back for the backward, out again after it), and those host remaps
+// bound it (bench/RESULTS.md: 0.3-0.6 s of remapping a step at 18 GiB on the 1.3B bench). So
+// an eviction may park its chunk: the bytes go to a host chunk as always (copied through the
+// host chunk's own staging address), but the chunk's addresses then map the placeholder of
+// Note [Chunks on disk] (no access: a kernel that touches them faults) instead of the host
+// chunk. A fetch maps a device chunk there and copies from the staging address, as for any
+// host chunk. The engine parks only chunks whose every use it sees coming (Note [Parameters
+// parked] in offload_engine.hpp); a use that must run on the host after all maps the host
+// chunk first (map_on_host: one host remap, paid only then).
 #pragma once
 
 #include <array>
@@ -92,6 +106,10 @@ struct migration_figures {
   std::uint64_t bytes_from_disk = 0;
   std::uint64_t disk_resident_bytes = 0;  ///< bytes of live chunks on disk now
   std::uint64_t disk_ns = 0;              ///< time spent moving chunks to and from the disk
+  std::uint64_t chunks_parked = 0;        ///< evictions that left the addresses unmapped
+                                          ///< (Note [Parked chunks])
+  std::uint64_t chunks_unparked = 0;      ///< parked chunks mapped on the host for a use
+  std::uint64_t parked_bytes = 0;         ///< bytes of parked chunks now (in host_resident_bytes)
 };
 
 /// A paging_listener for the one thing the migrator needs told: a host chunk whose segment
@@ -122,9 +140,11 @@ class migrator : public paging_listener {
   /// pins the chunk and marks it moving to the host (uses that begin now wait for the move);
   /// false as evict_async. Every successful claim must be followed by exactly one
   /// start_claimed_eviction (which gives the claim up if it throws) or cancel_eviction.
+  /// With `park`, the chunk's addresses map a placeholder no kernel may touch once its
+  /// bytes are on the host, instead of its host chunk (Note [Parked chunks]).
   bool claim_eviction(std::uintptr_t address, chunk_info& claimed);
   void start_claimed_eviction(const chunk_info& claimed, const std::vector<event_handle>* after,
-                              bool and_chunk_streams = false);
+                              bool and_chunk_streams = false, bool park = false);
   void cancel_eviction(std::uintptr_t address);
   /// Starts bringing the chunk back to the device. Its copy waits for the work queued on
   /// the chunk's streams unless `chunk_idle` says that none of it touches the chunk (the
@@ -146,6 +166,12 @@ class migrator : public paging_listener {
   bool claim_fetch(std::uintptr_t address);
   bool start_claimed_fetch(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation,
                            const std::vector<event_handle>* after = nullptr);
+  /// Note [Parked chunks]: maps the addresses of the parked chunk at `address` to its host
+  /// chunk, so that kernels reach its bytes over PCIe from then on (a host remap: about
+  /// 1 ms per 64 MiB). False, with nothing done, when it is not a settled parked chunk.
+  bool map_on_host(std::uintptr_t address);
+  /// Whether the chunk at `address` is on the host behind a placeholder (parked, settled).
+  [[nodiscard]] bool parked(std::uintptr_t address) const;
   /// For a chunk fetched as idle (mapped on the device at once, its bytes still arriving):
   /// makes `stream` wait for the bytes, and returns true. False, with nothing done, for any
   /// other chunk. No host thread waits.
@@ -221,6 +247,8 @@ class migrator : public paging_listener {
     // order before the copy's event (its users may write the chunk from then on).
     std::vector<std::uint64_t> arrived;
     bool remapped_early = false;  // to device, idle: mapped before the copy
+    bool park = false;            // to host: map the placeholder (Note [Parked chunks])
+    physical_handle placeholder;  // ... the one of its size
     bool committed = false;       // the chunk maps its new backing (Note [Committing a move])
   };
 
@@ -254,6 +282,9 @@ class migrator : public paging_listener {
   /// restore(); with `into`, the chunk comes back into that host chunk instead of one from
   /// the pool, and the call owns it: used, or given back to the pool.
   bool restore_into(std::uintptr_t address, const host_chunk* into);
+  /// Whether `mapped` (what a chunk's addresses map) is where a host-resident chunk's
+  /// addresses should point: its host chunk, or with `parked` a placeholder.
+  static bool maps_host_copy(const physical_handle& mapped, const host_chunk& host, bool parked);
   /// The placeholder mapped behind disk-resident chunks of `bytes` (Note [Chunks on disk]).
   physical_handle placeholder_for(std::size_t bytes);
   /// Brings every disk-resident chunk back to the host (the destructor's first step).
@@ -308,6 +339,7 @@ class migrator : public paging_listener {
   struct chunk_on_host {
     host_chunk host;
     int allocation_class = 0;  // the chunk's, for the figures by class
+    bool parked = false;       // its addresses map a placeholder (Note [Parked chunks])
   };
   std::unordered_map<std::uintptr_t, chunk_on_host> on_host_;  // chunk address -> its host copy
   // host slice (slab handle, offset) -> chunk address

@@ -74,7 +74,8 @@ std::vector<event_handle> offload_engine::use_end_fences(std::uintptr_t address)
 }
 
 offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_info& claimed,
-                                                                 bool fence_streams) const {
+                                                                 bool fence_streams,
+                                                                 bool may_park) const {
   // The ends of hinted uses are fenced whatever the generation: a use may have run on a
   // stream the allocator does not know of (no record_stream), which only its hint names.
   // They cover the chunk alone only while no block of its segment has been allocated or
@@ -86,6 +87,11 @@ offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_inf
   if (planned.fences.empty() || state->second.released_generation != claimed.generation) {
     planned.fence_streams = true;
   }
+  // Note [Parameters parked]: its next use is a hint, and nothing unhinted landed in it.
+  planned.park = may_park && settings_.park_parameters &&
+                 claimed.allocation_class == static_cast<int>(allocation_class::parameter) &&
+                 state != chunks_.end() && state->second.hinted && state->second.open_uses == 0 &&
+                 !planned.fences.empty() && state->second.released_generation == claimed.generation;
   return planned;
 }
 
@@ -105,7 +111,7 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
       const std::uintptr_t address = each.chunk.address;
       try {
         migrator_.start_claimed_eviction(each.chunk, each.fences.empty() ? nullptr : &each.fences,
-                                         each.fence_streams);
+                                         each.fence_streams, each.park);
       } catch (const host_memory_exhausted& exhausted) {
         // Note [Chunks on disk] in migrator.hpp: with the host tier full, what it holds that
         // is used farthest ahead goes to the disk, and the eviction tries again. The failed
@@ -121,6 +127,7 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
                    "(only those go to disk).");
         }
         chunk_info again;
+        bool park = false;
         {
           std::lock_guard lock(mutex_);
           auto state = chunks_.find(address);
@@ -128,9 +135,11 @@ std::vector<std::uintptr_t> offload_engine::launch_evictions(std::vector<planned
               !migrator_.claim_eviction(address, again)) {
             continue;
           }
+          // Decided again: an allocation may have landed in it meanwhile.
+          park = each.park && fenced_eviction(again).park;
         }
         migrator_.start_claimed_eviction(again, each.fences.empty() ? nullptr : &each.fences,
-                                         /*and_chunk_streams=*/true);
+                                         /*and_chunk_streams=*/true, park);
       }
       started.push_back(address);
     }
@@ -427,6 +436,7 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
   }
   if (!wait_for_arrival(chunk.address, stream, opened)) {
     migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
+    reachable_where_it_is(chunk.address);         // used on the host after all
   }
   std::lock_guard lock(mutex_);
   figures_.waited_ns += nanoseconds_since(started);
@@ -462,6 +472,7 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
         migrator_.wait_until_settled(chunk.address);
       }
+      reachable_where_it_is(chunk.address);
       if (migrator_.where(chunk.address) == residency::host) {
         std::lock_guard lock(mutex_);
         chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
@@ -987,9 +998,11 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
                failure.what());
     }
     if (migrator_.where(chunk.address) != residency::host) continue;
-    // Another block of the chunk may be in use (a hint open on it): it stays for now.
+    // Another block of the chunk may be in use (a hint open on it): it stays for now,
+    // reachable (Note [Parameters parked]: the new allocation's work is not hinted).
     if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,
                     /*ordered_use=*/true)) {
+      reachable_where_it_is(chunk.address);
       continue;
     }
     // Ordered after the bytes without timing the wait: an allocation is not a use, and
@@ -1017,8 +1030,9 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     for (const chunk_info& chunk : chunks) {
       chunk_info claimed;
       if (migrator_.claim_eviction(chunk.address, claimed)) {
-        // Asked for: unhinted work on the chunk may be queued, so its streams are fenced.
-        planned.push_back(fenced_eviction(claimed, /*fence_streams=*/true));
+        // Asked for: unhinted work on the chunk may be queued, so its streams are fenced;
+        // and the program may read it next, so it stays mapped.
+        planned.push_back(fenced_eviction(claimed, /*fence_streams=*/true, /*may_park=*/false));
       }
     }
   }
@@ -1029,14 +1043,35 @@ bool offload_engine::evict(const void* pointer, bool wait) {
   return true;
 }
 
+void offload_engine::reachable_where_it_is(std::uintptr_t address) {
+  // A move may start between the look and the map (a prefetch, or an eviction when no use
+  // is open): the loop looks again once it has settled.
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    if (!migrator_.parked(address)) {
+      const residency where = migrator_.where(address);
+      if (where == residency::device || where == residency::host || where == residency::disk) {
+        return;
+      }
+      migrator_.wait_until_settled(address);
+      continue;
+    }
+    if (migrator_.map_on_host(address)) return;
+  }
+  ZA_THROW(error, "the parked chunk at ", address,
+           " kept moving while a use waited to map it on the host");
+}
+
 bool offload_engine::fetch(const void* pointer, bool wait) {
   const std::vector<chunk_info> chunks = chunks_of(pointer);
   if (chunks.empty()) return false;
   for (const chunk_info& chunk : chunks) {
     if (migrator_.where(chunk.address) != residency::device) {
-      // A plain fetch: the caller's later work is not ordered after the bytes.
-      bring_back(chunk.address, chunk.handle.bytes, wait, /*urgent=*/true,
-                 /*ordered_use=*/false);
+      // A plain fetch: the caller's later work is not ordered after the bytes. What stays
+      // on the host is reachable there (Note [Parameters parked]).
+      if (!bring_back(chunk.address, chunk.handle.bytes, wait, /*urgent=*/true,
+                      /*ordered_use=*/false)) {
+        reachable_where_it_is(chunk.address);
+      }
     }
   }
   return true;

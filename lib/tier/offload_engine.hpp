@@ -58,6 +58,22 @@
 // is still on the host or moving (a miss), and that time is reported as compute waiting on
 // fetches. Without hints the engine still works, from the pressure path alone.
 //
+// Note [Parameters parked]: an evicted parameter may leave its addresses unmapped (Note
+// [Parked chunks] in migrator.hpp: a host remap costs 15-30 times a device one, and under
+// pressure the step moves the same parameters several times). Safe only where no kernel
+// reads the chunk without the engine bringing it back first, so the engine parks a chunk
+// only when (ZEROALLOC_PARK_PARAMETERS, on by default) it holds parameters, every use of it
+// so far was hinted, none is open, and no block of its segment was allocated or freed since
+// its last use ended (the rule of parameters on disk, Note [Chunks on disk] in
+// migrator.cpp): its next use is a hint, which fetches it. Where that use cannot have it on
+// the device (no room, another use open) or is a use in place, and where an allocation
+// lands in its free space, the host chunk is mapped first (reachable_where_it_is). A read
+// the hints do not cover (a kernel outside the model's forward and backward: the README
+// names them) faults with CUDA's illegal-address error instead of reading wrong bytes;
+// ZEROALLOC_PARK_PARAMETERS=0 keeps every evicted chunk mapped, readable over PCIe. The
+// model's state_dict copies parked parameters through a use in place (the Python package).
+// Evictions the program asks for (zeroalloc_offload) never park.
+//
 // Note [Tiers that come next]: the engine decides where each chunk lives and the migrator
 // moves a chunk between device and pinned host memory at a fixed address. Other sources of
 // bytes plug in beside those moves, which stay as they are:
@@ -100,6 +116,9 @@ struct offload_settings {
   /// ZEROALLOC_NVME_PARAMETERS: parameters whose every use was hinted, untouched by any
   /// allocation since, may go to disk too (Note [Chunks on disk] in migrator.hpp).
   bool parameters_to_disk = false;
+  /// ZEROALLOC_PARK_PARAMETERS: parameters evicted while their uses are all hinted leave
+  /// their addresses unmapped (Note [Parameters parked]).
+  bool park_parameters = false;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
   /// test can put another thread's use exactly there. Empty in the library.
@@ -256,6 +275,7 @@ class offload_engine : public paging_listener {
     chunk_info chunk;
     std::vector<event_handle> fences;  // the chunk's use-ends fences
     bool fence_streams = true;         // also every stream of the chunk (always when none)
+    bool park = false;                 // Note [Parameters parked]
   };
   /// The chunk's use-ends events, one per stream its hinted uses ended on. Caller holds
   /// mutex_.
@@ -263,7 +283,14 @@ class offload_engine : public paging_listener {
   /// The eviction of a claimed chunk, with what its copy must wait for: its use-ends fences,
   /// and its streams too when `fence_streams` or unless those fences cover every use since
   /// the last allocation or free in its segment. Caller holds mutex_.
-  planned_eviction fenced_eviction(const chunk_info& claimed, bool fence_streams = false) const;
+  /// `may_park`: the eviction may park the chunk when the rule of Note [Parameters parked]
+  /// allows (not for an eviction the program asked for: it may read the chunk next).
+  planned_eviction fenced_eviction(const chunk_info& claimed, bool fence_streams = false,
+                                   bool may_park = true) const;
+  /// Note [Parameters parked]: makes a chunk about to be used (or allocated in) on the host
+  /// reachable there: a parked chunk's host chunk is mapped at its addresses. Returns when
+  /// the chunk is on the device, or on the host and mapped. Caller does not hold mutex_.
+  void reachable_where_it_is(std::uintptr_t address);
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);

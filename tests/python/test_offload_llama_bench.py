@@ -146,7 +146,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters=""):
+                 gradient_class="", log_suffix="", step_parameters="", park=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -257,3 +257,24 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
         "offload_21GiB_fetch"]
     with pytest.raises(ValueError, match="--step-parameters 'move': accepted: bounce, fetch"):
         names(["--modes", "offload", "--step-parameters", "move"])
+
+
+def test_parked_and_mapped_parameters_run_side_by_side_each_with_its_setting(monkeypatch):
+    assert names(["--modes", "offload", "--limits-gib", "18", "--park", "1,0"]) == [
+        "bandwidth", "offload_18GiB_park1", "offload_18GiB_park0"]
+    with pytest.raises(ValueError, match="--park '2': accepted: 0, 1 or both"):
+        names(["--modes", "offload", "--park", "2"])
+    seen = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        seen.append(env.get("ZEROALLOC_PARK_PARAMETERS"))
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(["--modes", "offload"])
+    for park in ("1", "0", ""):
+        bench.run_mode(args, "offload", 1 << 30, park=park)
+    assert seen == ["1", "0", None]  # not given: the library's default

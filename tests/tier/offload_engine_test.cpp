@@ -55,7 +55,8 @@ class OffloadEngineTest : public ::testing::Test {
     settings.prefetch_bytes = prefetch_bytes;
     settings.between_fetch_attempts = std::move(between_fetch_attempts);
     settings.anticipate_state_chunks = anticipate_state_chunks_;
-    engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, false, settings);
+    settings.park_parameters = park_parameters_;
+    engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, verify_, settings);
     allocator_->paging().attach(*engine_);
   }
   /// As CUDA drivers do, the device maps host chunks only whole (the simulated one is told
@@ -95,6 +96,8 @@ class OffloadEngineTest : public ::testing::Test {
   std::unique_ptr<host_pool> pool_;
   std::unique_ptr<offload_engine> engine_;
   bool anticipate_state_chunks_ = true;
+  bool park_parameters_ = false;  // ZEROALLOC_PARK_PARAMETERS (on in the library)
+  bool verify_ = false;           // ZEROALLOC_VERIFY
 };
 
 TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
@@ -1605,6 +1608,199 @@ TEST_F(OffloadEngineTest, AnAllocationInFreeSpaceOnTheHostBringsItBack) {
   }
   EXPECT_TRUE(holds(second, 0x77, 16 * MiB));
   allocator_->deallocate(second);
+}
+
+// Note [Parameters parked]: six hinted layers of parameters under a limit that holds three.
+// Used in order, the engine evicts the earlier ones with their addresses unmapped (no host
+// remap); each comes back intact for its next hinted use, and the device limit holds.
+// Under ZEROALLOC_VERIFY too, whose checksums read a parked chunk's host copy.
+class ParkedParametersTest : public OffloadEngineTest, public ::testing::WithParamInterface<bool> {
+ protected:
+  /// Six layers of one chunk each, filled with 0x30 + i (allocated at once, as a model's
+  /// parameters are), then used under hints in order for two steps, under a 24 MiB limit.
+  std::vector<void*> hinted_layers() {
+    std::vector<void*> layers;
+    for (int i = 0; i < 6; ++i) {
+      layers.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter));
+      device_->fill_async(layers.back(), static_cast<std::uint8_t>(0x30 + i), kChunkBytes, nullptr);
+    }
+    for (int round = 0; round < 2; ++round) {  // the first learns the order
+      for (void* layer : layers) {
+        engine_->use_begins(layer, nullptr);
+        engine_->use_ends(layer, nullptr);
+      }
+      engine_->step_boundary();
+    }
+    device_->synchronize_stream(nullptr);
+    engine_->mover().drain();
+    return layers;
+  }
+  bool parked(void* pointer) { return engine_->mover().parked(first_chunk(pointer)); }
+};
+
+TEST_P(ParkedParametersTest, EvictedHintedParametersAreParkedAndComeBackIntactForTheirUse) {
+  park_parameters_ = true;
+  verify_ = GetParam();
+  start(24 * MiB, 0);
+  offload_engine& engine = *engine_;
+  std::vector<void*> layers = hinted_layers();
+  const auto parked_layers =
+      std::count_if(layers.begin(), layers.end(), [&](void* layer) { return parked(layer); });
+  EXPECT_GE(parked_layers, 3) << "the layers the limit could not hold were not parked";
+  const migration_figures away = engine.mover().figures();
+  EXPECT_GE(away.chunks_parked, static_cast<std::uint64_t>(parked_layers));
+  EXPECT_EQ(away.parked_bytes, static_cast<std::uint64_t>(parked_layers) * kChunkBytes);
+  EXPECT_EQ(away.chunks_unparked, 0u);
+  const std::uint64_t used_on_host = engine.figures(true).used_on_host;  // the first step's
+  for (int round = 0; round < 2; ++round) {  // each used again, in order: fetched for its use
+    for (int i = 0; i < 6; ++i) {
+      engine.use_begins(layers[i], nullptr);
+      EXPECT_NE(where_first_chunk(layers[i]), residency::host) << "layer " << i;
+      EXPECT_TRUE(holds(layers[i], static_cast<std::uint8_t>(0x30 + i), kChunkBytes))
+          << "layer " << i << ", round " << round;
+      engine.use_ends(layers[i], nullptr);
+    }
+    engine.step_boundary();
+  }
+  engine.mover().drain();
+  EXPECT_LE(allocator_->held_bytes(), 24 * MiB) << "the device limit was broken";
+  EXPECT_EQ(engine.figures(true).used_on_host, used_on_host) << "a use ran on the host";
+  EXPECT_EQ(engine.mover().figures().chunks_unparked, 0u) << "a host remap was paid";
+  if (verify_) {
+    EXPECT_GT(engine.mover().figures().verified_chunks, 0u);
+  }
+  for (void* layer : layers) allocator_->deallocate(layer);
+}
+
+INSTANTIATE_TEST_SUITE_P(Verify, ParkedParametersTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Verified" : "Plain"; });
+
+// A use in place (the windowed step, a state_dict copy) of a parked parameter runs where it
+// is: its host chunk is mapped first, and the kernels read its bytes there.
+TEST_F(ParkedParametersTest, AUseInPlaceMapsAParkedParameterOnTheHost) {
+  park_parameters_ = true;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  void* parked_layer = nullptr;
+  int index = 0;
+  for (int i = 0; i < 6 && parked_layer == nullptr; ++i) {
+    if (parked(layers[i])) parked_layer = layers[index = i];
+  }
+  ASSERT_NE(parked_layer, nullptr);
+  engine_->use_in_place(parked_layer, nullptr);
+  EXPECT_EQ(where_first_chunk(parked_layer), residency::host);
+  EXPECT_FALSE(parked(parked_layer));
+  EXPECT_TRUE(holds(parked_layer, static_cast<std::uint8_t>(0x30 + index), kChunkBytes));
+  device_->fill_async(parked_layer, 0x5A, kChunkBytes, nullptr);  // the step writes it there
+  engine_->use_ends(parked_layer, nullptr);
+  EXPECT_EQ(engine_->mover().figures().chunks_unparked, 1u);
+  engine_->use_begins(parked_layer, nullptr);
+  EXPECT_TRUE(holds(parked_layer, 0x5A, kChunkBytes)) << "the write on the host was lost";
+  engine_->use_ends(parked_layer, nullptr);
+  for (void* layer : layers) allocator_->deallocate(layer);
+}
+
+// Only chunks whose every use the engine sees coming are parked: not a parameter no hint has
+// reached, nor one whose segment gained an allocation since its last use, nor an
+// optimizer state, nor one the program evicted itself, nor any with the setting off. Those
+// stay readable on the host.
+TEST_F(ParkedParametersTest, OnlyHintedParametersUntouchedSinceTheirUseAreParked) {
+  park_parameters_ = true;
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* hinted = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  engine.use_begins(hinted, nullptr);
+  device_->fill_async(hinted, 0x11, kChunkBytes, nullptr);
+  engine.use_ends(hinted, nullptr);
+  ASSERT_TRUE(engine.evict(hinted, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(hinted), residency::host);
+  EXPECT_FALSE(parked(hinted)) << "an eviction the program asked for parked its chunk";
+  EXPECT_TRUE(holds(hinted, 0x11, kChunkBytes));
+  allocator_->deallocate(hinted);
+
+  // Pressure: a limit of 16 MiB, and three candidates of one chunk each.
+  allocator_->set_limit(24 * MiB, "ZEROALLOC_MEMORY_LIMIT (test)");
+  void* never_hinted = allocator_->allocate(kChunkBytes, nullptr, allocation_class::parameter);
+  device_->fill_async(never_hinted, 0x22, kChunkBytes, nullptr);
+  void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  engine.use_begins(state, nullptr);
+  device_->fill_async(state, 0x33, kChunkBytes, nullptr);
+  engine.use_ends(state, nullptr);
+  void* touched = allocator_->allocate(kChunkBytes / 2, nullptr, allocation_class::parameter);
+  engine.use_begins(touched, nullptr);
+  device_->fill_async(touched, 0x44, kChunkBytes / 2, nullptr);
+  engine.use_ends(touched, nullptr);
+  void* neighbour = allocator_->allocate(kChunkBytes / 4, nullptr, allocation_class::parameter);
+  device_->synchronize_stream(nullptr);
+  const bool shares = first_chunk(neighbour) == first_chunk(touched);
+  // Everything else must go for this one.
+  void* activations = allocator_->allocate(24 * MiB, nullptr, allocation_class::other);
+  engine.mover().drain();
+  for (void* each : {never_hinted, state, touched}) {
+    EXPECT_EQ(where_first_chunk(each), residency::host);
+    EXPECT_FALSE(parked(each));
+  }
+  EXPECT_TRUE(holds(never_hinted, 0x22, kChunkBytes));
+  EXPECT_TRUE(holds(state, 0x33, kChunkBytes));
+  if (shares) {
+    EXPECT_TRUE(holds(touched, 0x44, kChunkBytes / 2));
+  }
+  EXPECT_EQ(engine.mover().figures().chunks_parked, 0u);
+  for (void* each : {activations, never_hinted, state, touched, neighbour}) {
+    allocator_->deallocate(each);
+  }
+}
+
+// The setting off (ZEROALLOC_PARK_PARAMETERS=0): hinted parameters go to the host mapped.
+TEST_F(ParkedParametersTest, WithTheSettingOffEvictedParametersStayMapped) {
+  park_parameters_ = false;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  int on_host = 0;
+  for (int i = 0; i < 6; ++i) {
+    if (where_first_chunk(layers[i]) != residency::host) continue;
+    ++on_host;
+    EXPECT_FALSE(parked(layers[i]));
+    EXPECT_TRUE(holds(layers[i], static_cast<std::uint8_t>(0x30 + i), kChunkBytes)) << i;
+  }
+  EXPECT_GE(on_host, 3);
+  EXPECT_EQ(engine_->mover().figures().chunks_parked, 0u);
+  for (void* layer : layers) allocator_->deallocate(layer);
+}
+
+// A segment released while its chunks are parked gives their host chunks back: nothing
+// stays counted on the host, and the pool has the memory again.
+TEST_F(ParkedParametersTest, AReleasedSegmentGivesItsParkedChunksHostMemoryBack) {
+  park_parameters_ = true;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  ASSERT_GT(engine_->mover().figures().parked_bytes, 0u);
+  for (void* layer : layers) allocator_->deallocate(layer);
+  allocator_->empty_cache();
+  const migration_figures after = engine_->mover().figures();
+  EXPECT_EQ(after.parked_bytes, 0u);
+  EXPECT_EQ(after.host_resident_bytes, 0u);
+  EXPECT_EQ(pool_->figures().in_use_bytes, 0u) << "host chunks of parked chunks leaked";
+}
+
+// A read no hint announces faults instead of reading wrong bytes (the simulated device maps
+// the placeholder with no access; on CUDA the fault would end the context).
+TEST_F(ParkedParametersTest, AnUnhintedReadOfAParkedParameterFaultsInsteadOfReadingWrongBytes) {
+  if (!device_->is_simulated()) GTEST_SKIP() << "skipped: a fault would end the CUDA context";
+  park_parameters_ = true;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  void* parked_layer = nullptr;
+  for (void* layer : layers) {
+    if (parked(layer)) parked_layer = layer;
+  }
+  ASSERT_NE(parked_layer, nullptr);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH((void)read_back(*device_, parked_layer, kChunkBytes), "");
+  engine_->use_begins(parked_layer, nullptr);  // hinted, it reads again
+  EXPECT_EQ(read_back(*device_, parked_layer, 4096).size(), 4096u);
+  engine_->use_ends(parked_layer, nullptr);
+  for (void* layer : layers) allocator_->deallocate(layer);
 }
 
 // Twenty layers of parameters, 1.7 times what the device may hold, used in order every step

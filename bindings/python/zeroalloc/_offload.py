@@ -9,7 +9,7 @@ import ctypes
 from zeroalloc._library import ZeroallocError, last_error, library
 
 #: zeroalloc_residency's answers.
-RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving", 4: "disk"}
+RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving", 4: "disk", 5: "host_unmapped"}
 
 
 def offload_pointer(pointer: int, wait: bool = True) -> None:
@@ -26,7 +26,8 @@ def fetch_pointer(pointer: int, wait: bool = True) -> None:
 
 
 def residency_of(pointer: int) -> str:
-    """"device", "host", "disk", "split" or "moving"."""
+    """"device", "host", "host_unmapped" (Note [Parameters parked]), "disk", "split" or
+    "moving"."""
     answer = library().zeroalloc_residency(pointer)
     if answer < 0:
         raise ZeroallocError(last_error())

@@ -37,6 +37,7 @@ from zeroalloc.torch._optimizer_step import step_figures
 from zeroalloc.torch._settings import gradient_class_default
 from zeroalloc.torch._swap import install, installed, mem_pool
 from zeroalloc.torch._tensors import fetch_tensor, offload_tensor, residency
+from zeroalloc.torch._use_hints import using
 from zeroalloc.torch._zero import Partition, partition
 
 # The pieces under the names tests and benchmarks use to put them together by hand.
@@ -81,4 +82,5 @@ __all__ = [
     "residency",
     "room",
     "step_figures",
+    "using",
 ]

@@ -51,9 +51,10 @@ def readopt_after_load(optimizer) -> None:
 
 
 def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None:
-    """A state_dict post-hook of the model under offload(): with ZEROALLOC_NVME_PARAMETERS,
-    a parameter may sit in the NVMe tier, behind addresses no copy may touch, so that
-    torch.save would fail with an illegal address. Each such entry becomes a CPU copy made
+    """A state_dict post-hook of the model under offload(): a parameter may sit in the NVMe
+    tier (ZEROALLOC_NVME_PARAMETERS) or be parked on the host (ZEROALLOC_PARK_PARAMETERS),
+    behind addresses no copy may touch, so that torch.save would fail with an illegal
+    address. Each such entry becomes a CPU copy made
     while a use pins it where it came back to (as copied_off_disk does for states); the
     rest stay the module's own tensors."""
     for key, value in list(state_dict.items()):
@@ -65,10 +66,10 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
 
 
 def cpu_copy_if_on_disk(value):
-    """A CPU copy of `value` when any of it is in the NVMe tier (or moving there), made
-    while a use pins it where it came back to; None for anything else."""
+    """A CPU copy of `value` when any of it is in the NVMe tier or parked (or moving), made
+    while a use in place pins it where it came back to (mapped); None for anything else."""
     if not (torch.is_tensor(value) and value.numel() > 0 and
-            residency_or_foreign(value) in ("disk", "split", "moving")):
+            residency_or_foreign(value) in ("disk", "host_unmapped", "split", "moving")):
         return None
     pointer = value.untyped_storage().data_ptr()
     _offload.use_in_place_many([pointer])  # back from the disk, pinned

@@ -26,8 +26,9 @@ def fetch_tensor(tensor: "torch.Tensor", wait: bool = True) -> None:
 
 
 def residency(tensor: "torch.Tensor") -> str:
-    """Where the tensor's storage is: "device", "host", "split" or "moving" (a kept optimizer
-    state: its own tensor's, as offload_tensor)."""
+    """Where the tensor's storage is: "device", "host", "host_unmapped" (a parameter parked on
+    the host behind unmapped addresses: ZEROALLOC_PARK_PARAMETERS), "disk", "split" or
+    "moving" (a kept optimizer state: its own tensor's, as offload_tensor)."""
     return _offload.residency_of(home_of(tensor).untyped_storage().data_ptr())
 
 

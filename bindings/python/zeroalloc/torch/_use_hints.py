@@ -51,3 +51,25 @@ def begin(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
 
 def end(tensors: Iterable["torch.Tensor"], stream: int = 0) -> None:
     hint(_offload.use_ends_many, tensors, stream)
+
+
+class using:
+    """``with zt.using(*tensors):`` hints a use of the tensors around the block: on entry
+    each is on the device (or, with no room there, reachable on the host), and it stays
+    put until the block ends. For reads the module hooks do not see, of parameters that
+    ZEROALLOC_PARK_PARAMETERS may leave behind unmapped addresses (Note [Parameters parked]
+    in lib/tier/offload_engine.hpp): a norm for a log, an EMA update, a functional call on a
+    weight of a module the model never calls. Work queued on the current stream inside the
+    block is covered; tensors the engine does not manage are ignored."""
+
+    def __init__(self, *tensors: "torch.Tensor"):
+        self.tensors = [t for t in tensors if torch.is_tensor(t) and t.is_cuda and t.numel() > 0]
+
+    def __enter__(self):
+        if self.tensors:
+            begin(self.tensors)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tensors:
+            end(self.tensors)
