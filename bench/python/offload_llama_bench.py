@@ -487,7 +487,7 @@ def build(args, torch, device, context=None):
 # (raw_stats' `offload` at the end counts the warmup steps too).
 TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits",
                   "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns",
-                  "chunks_parked", "chunks_unparked",
+                  "chunks_parked", "chunks_unparked", "in_place_fetches",
                   "bytes_to_disk", "bytes_from_disk", "disk_ns", "disk_prefetches")
 
 

@@ -350,6 +350,7 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
       {"disk_prefetches", uses.disk_prefetches},
       {"evictions", uses.evictions},
       {"pressure_evictions", uses.pressure_evictions},
+      {"in_place_fetches", uses.in_place_fetches},
       {"device_waited_ns", uses.device_waited_ns},
       {"host_waited_ns", uses.waited_ns},
       {"steps", uses.steps},

@@ -472,7 +472,7 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
         migrator_.wait_until_settled(chunk.address);
       }
-      reachable_where_it_is(chunk.address);
+      in_place_off_the_placeholder(chunk.address);
       if (migrator_.where(chunk.address) == residency::host) {
         std::lock_guard lock(mutex_);
         chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
@@ -1041,6 +1041,28 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);
   }
   return true;
+}
+
+void offload_engine::in_place_off_the_placeholder(std::uintptr_t address) {
+  // Note [Parameters parked]: with device memory free within the limit, a fetch (a device
+  // map and a copy) costs less than mapping the host chunk, and the use then runs on the
+  // device; with none, nothing is evicted for it: the host chunk is mapped.
+  if (migrator_.parked(address)) {
+    std::vector<event_handle> use_ends;
+    bool claimed = false;
+    {
+      std::lock_guard lock(mutex_);
+      use_ends = use_end_fences(address);
+      claimed = migrator_.claim_fetch(address);
+    }
+    if (claimed && migrator_.start_claimed_fetch(address, /*chunk_idle=*/false, 0,
+                                                 use_ends.empty() ? nullptr : &use_ends)) {
+      migrator_.wait_until_settled(address);
+      std::lock_guard lock(mutex_);
+      ++figures_.in_place_fetches;
+    }
+  }
+  reachable_where_it_is(address);
 }
 
 void offload_engine::reachable_where_it_is(std::uintptr_t address) {

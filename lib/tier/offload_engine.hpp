@@ -66,8 +66,11 @@
 // so far was hinted, none is open, and no block of its segment was allocated or freed since
 // its last use ended (the rule of parameters on disk, Note [Chunks on disk] in
 // migrator.cpp): its next use is a hint, which fetches it. Where that use cannot have it on
-// the device (no room, another use open) or is a use in place, and where an allocation
-// lands in its free space, the host chunk is mapped first (reachable_where_it_is). A read
+// the device (no room, another use open), and where an allocation lands in its free space,
+// the host chunk is mapped first (reachable_where_it_is). A use in place (the windowed
+// step's, a state_dict copy) of a parked chunk fetches it when the device has room within
+// the limit, evicting nothing for it (a fetch costs a device map and the copy, less than
+// a host map), and maps the host chunk otherwise: the use then runs where the chunk is. A read
 // the hints do not cover (a kernel outside the model's forward and backward: the README
 // names them) faults with CUDA's illegal-address error instead of reading wrong bytes;
 // ZEROALLOC_PARK_PARAMETERS=0 keeps every evicted chunk mapped, readable over PCIe. The
@@ -147,6 +150,8 @@ struct offload_figures {
   std::uint64_t headroom_searches = 0;     ///< searches for chunks to evict ahead of need
   std::uint64_t headroom_search_ns = 0;    ///< host time those searches took
   std::uint64_t chunks_in_use = 0;         ///< chunks with a use open now
+  std::uint64_t in_place_fetches = 0;      ///< parked chunks fetched for a use in place
+                                           ///< (Note [Parameters parked])
 };
 
 /// The tier of one device's allocator: attach it to the allocator (paging_view::attach) to
@@ -291,6 +296,10 @@ class offload_engine : public paging_listener {
   /// reachable there: a parked chunk's host chunk is mapped at its addresses. Returns when
   /// the chunk is on the device, or on the host and mapped. Caller does not hold mutex_.
   void reachable_where_it_is(std::uintptr_t address);
+  /// use_in_place's part for a chunk that may be parked: fetched when the device has room
+  /// within the limit (no eviction for it), else mapped on the host; as
+  /// reachable_where_it_is otherwise. Caller does not hold mutex_ and has a use open on it.
+  void in_place_off_the_placeholder(std::uintptr_t address);
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);

@@ -1675,8 +1675,9 @@ TEST_P(ParkedParametersTest, EvictedHintedParametersAreParkedAndComeBackIntactFo
 INSTANTIATE_TEST_SUITE_P(Verify, ParkedParametersTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Verified" : "Plain"; });
 
-// A use in place (the windowed step, a state_dict copy) of a parked parameter runs where it
-// is: its host chunk is mapped first, and the kernels read its bytes there.
+// A use in place (the windowed step, a state_dict copy) of a parked parameter, with the
+// device full, runs where it is: its host chunk is mapped first, and the kernels read its
+// bytes there.
 TEST_F(ParkedParametersTest, AUseInPlaceMapsAParkedParameterOnTheHost) {
   park_parameters_ = true;
   start(24 * MiB, 0);
@@ -1698,6 +1699,41 @@ TEST_F(ParkedParametersTest, AUseInPlaceMapsAParkedParameterOnTheHost) {
   EXPECT_TRUE(holds(parked_layer, 0x5A, kChunkBytes)) << "the write on the host was lost";
   engine_->use_ends(parked_layer, nullptr);
   for (void* layer : layers) allocator_->deallocate(layer);
+}
+
+// With device memory free within the limit, a use in place of a parked parameter fetches
+// it (a device map and a copy, cheaper than mapping the host chunk) and runs on the device,
+// evicting nothing for it.
+TEST_F(ParkedParametersTest, AUseInPlaceFetchesAParkedParameterWhenTheDeviceHasRoom) {
+  park_parameters_ = true;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  std::vector<void*> parked_layers;
+  for (void*& layer : layers) {
+    if (parked(layer)) {
+      parked_layers.push_back(layer);
+    } else if (where_first_chunk(layer) == residency::device) {
+      allocator_->deallocate(std::exchange(layer, nullptr));  // room
+    }
+  }
+  allocator_->empty_cache();
+  ASSERT_FALSE(parked_layers.empty());
+  const std::uint64_t evictions = engine_->figures().evictions;
+  void* used = parked_layers.front();
+  const auto index = std::find(layers.begin(), layers.end(), used) - layers.begin();
+  engine_->use_in_place(used, nullptr);
+  EXPECT_EQ(where_first_chunk(used), residency::device);
+  EXPECT_TRUE(holds(used, static_cast<std::uint8_t>(0x30 + index), kChunkBytes));
+  device_->fill_async(used, 0x6B, kChunkBytes, nullptr);
+  engine_->use_ends(used, nullptr);
+  const offload_figures figures = engine_->figures();
+  EXPECT_EQ(figures.in_place_fetches, 1u);
+  EXPECT_EQ(figures.evictions, evictions) << "a use in place evicted another chunk";
+  EXPECT_EQ(engine_->mover().figures().chunks_unparked, 0u);
+  EXPECT_TRUE(holds(used, 0x6B, kChunkBytes));
+  for (void* layer : layers) {
+    if (layer != nullptr) allocator_->deallocate(layer);
+  }
 }
 
 // Only chunks whose every use the engine sees coming are parked: not a parameter no hint has
