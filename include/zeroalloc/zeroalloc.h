@@ -316,7 +316,10 @@ void zeroalloc_use_begins(const void* pointer, zeroalloc_stream_t stream);
  * device scratch and back). On return no part of it is moving, and none moves until
  * zeroalloc_use_ends. Such uses are not fetched and not learned: meant for data a step
  * touches once, in one pass (optimizer states), for which a remap costs more than the
- * transfer. Never fails; errors go to the log.
+ * transfer. One exception: a parameter parked behind unmapped addresses
+ * (ZEROALLOC_PARK_PARAMETERS) is fetched when the device has room, its bytes arriving in
+ * `stream`'s order (work on other streams must wait for `stream`), else mapped on the host.
+ * Never fails; errors go to the log.
  */
 void zeroalloc_use_in_place(const void* pointer, zeroalloc_stream_t stream);
 

@@ -448,7 +448,6 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
 }
 
 void offload_engine::use_in_place(std::span<const void* const> pointers, stream_handle stream) {
-  static_cast<void>(stream);  // the use's end (use_ends) carries the fence
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
   bool wished = false;
@@ -472,7 +471,7 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
         migrator_.wait_until_settled(chunk.address);
       }
-      in_place_off_the_placeholder(chunk.address);
+      in_place_off_the_placeholder(chunk.address, stream);
       if (migrator_.where(chunk.address) == residency::host) {
         std::lock_guard lock(mutex_);
         chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
@@ -1043,23 +1042,32 @@ bool offload_engine::evict(const void* pointer, bool wait) {
   return true;
 }
 
-void offload_engine::in_place_off_the_placeholder(std::uintptr_t address) {
+void offload_engine::in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream) {
   // Note [Parameters parked]: with device memory free within the limit, a fetch (a device
   // map and a copy) costs less than mapping the host chunk, and the use then runs on the
-  // device; with none, nothing is evicted for it: the host chunk is mapped.
+  // device; with none, nothing is evicted for it: the host chunk is mapped. A parked chunk
+  // untouched since its last use is idle (nothing queued can reach it: its addresses map
+  // nothing), so it is mapped on the device at once and `stream` waits for its bytes; the
+  // host waits only for a fetch that must be fenced.
   if (migrator_.parked(address)) {
     std::vector<event_handle> use_ends;
     bool claimed = false;
+    bool idle = false;
+    std::uint64_t idle_generation = 0;
     {
       std::lock_guard lock(mutex_);
+      auto state = chunks_.find(address);
+      idle = state != chunks_.end() && state->second.hinted && !state->second.used_on_host;
+      if (idle) idle_generation = state->second.released_generation;
       use_ends = use_end_fences(address);
       claimed = migrator_.claim_fetch(address);
     }
-    if (claimed && migrator_.start_claimed_fetch(address, /*chunk_idle=*/false, 0,
+    if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation,
                                                  use_ends.empty() ? nullptr : &use_ends)) {
-      migrator_.wait_until_settled(address);
+      if (!migrator_.order_after_arrival(address, stream)) migrator_.wait_until_settled(address);
       std::lock_guard lock(mutex_);
       ++figures_.in_place_fetches;
+      return;
     }
   }
   reachable_where_it_is(address);

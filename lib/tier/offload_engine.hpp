@@ -176,8 +176,9 @@ class offload_engine : public paging_listener {
   void use_begins(const void* pointer, stream_handle stream) { use_begins({&pointer, 1}, stream); }
   /// The allocation at `pointer` is about to be used on `stream` where it is, on the device
   /// or on the host (Note [Used in place]): on return none of its chunks is moving, and none
-  /// moves until use_ends. Never fetched to the device; a chunk on disk comes to the host
-  /// (Note [In-place uses in the order]).
+  /// moves until use_ends; a parked chunk (Note [Parameters parked]) may instead be arriving
+  /// on the device in `stream`'s order. Never fetched to the device; a chunk on disk comes to the
+  /// host (Note [In-place uses in the order]).
   void use_in_place(std::span<const void* const> pointers, stream_handle stream);
   void use_in_place(const void* pointer, stream_handle stream) {
     use_in_place({&pointer, 1}, stream);
@@ -297,9 +298,10 @@ class offload_engine : public paging_listener {
   /// the chunk is on the device, or on the host and mapped. Caller does not hold mutex_.
   void reachable_where_it_is(std::uintptr_t address);
   /// use_in_place's part for a chunk that may be parked: fetched when the device has room
-  /// within the limit (no eviction for it), else mapped on the host; as
-  /// reachable_where_it_is otherwise. Caller does not hold mutex_ and has a use open on it.
-  void in_place_off_the_placeholder(std::uintptr_t address);
+  /// within the limit (no eviction for it; its bytes arrive in `stream`'s order), else
+  /// mapped on the host; as reachable_where_it_is otherwise. Caller does not hold mutex_
+  /// and has a use open on it.
+  void in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream);
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);
