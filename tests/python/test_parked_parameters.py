@@ -36,7 +36,9 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)]).cuda()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 if offload:
-    zt.offload(model, optimizer, hint_group_bytes=16 << 20)  # a hint per layer
+    # A hint per layer; windows of about four layers (the step's scratch fits the limit).
+    zt.offload(model, optimizer, hint_group_bytes=16 << 20, window_bytes=64 << 20,
+               overlap_bytes=32 << 20)
 data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda"))
         for _ in range(6)]
 losses = []
