@@ -748,6 +748,7 @@ def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(en
     # under a use in place ended at once; the others are the parameters' own tensors.
     from zeroalloc.torch import _settings
     monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    monkeypatch.setattr(_settings, "parameters_park", lambda: False)  # ZEROALLOC_PARK_PARAMETERS=0
     model, optimizer = build()
     handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
     inputs, labels = data(1)[0]
@@ -775,11 +776,48 @@ def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(en
     assert pinned == []
 
 
+def test_with_parking_on_the_model_state_dict_copies_every_managed_parameter(engine,
+                                                                             monkeypatch):
+    # Note [Parameters parked]: any managed parameter may be parked once the copies' uses end
+    # (an eviction as a use ends), and torch.save would read unmapped addresses: each one is
+    # a CPU copy made under a use in place; memory the engine does not hold stays as it is.
+    from zeroalloc.torch import _settings
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    monkeypatch.setattr(_settings, "parameters_park", lambda: True)
+    model, optimizer = build()
+    handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    parameters = dict(model.named_parameters())
+    foreign = parameters["1.0.weight"].untyped_storage().data_ptr()
+    places = {foreign: "foreign", parameters["0.0.weight"].untyped_storage().data_ptr():
+              "host_unmapped"}
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: places.get(pointer, "device"))
+    monkeypatch.setattr("zeroalloc.torch._step_records.residency_or_foreign",
+                        lambda tensor: places.get(tensor.untyped_storage().data_ptr(), "device"))
+    monkeypatch.setattr("zeroalloc.torch._state_dict.residency_or_foreign",
+                        lambda tensor: places.get(tensor.untyped_storage().data_ptr(), "device"))
+    pinned, ended = [], []
+    monkeypatch.setattr(zt._offload, "use_in_place_many",
+                        lambda pointers, stream=0: pinned.extend(pointers))
+    monkeypatch.setattr(zt._offload, "use_ends_many",
+                        lambda pointers, stream=0: ended.extend(pointers))
+    saved = model.state_dict()
+    managed = {name for name, p in parameters.items() if p.untyped_storage().data_ptr() != foreign}
+    assert sorted(pinned) == sorted(ended) == sorted(
+        parameters[name].untyped_storage().data_ptr() for name in managed)
+    for name, value in saved.items():
+        assert torch.equal(value, parameters[name]), name
+        copied = value.untyped_storage().data_ptr() != parameters[name].untyped_storage().data_ptr()
+        assert copied == (name in managed), name
+    handle.remove()
+
+
 def test_without_offload_every_models_state_dict_copies_parameters_on_disk_once(engine,
                                                                                  monkeypatch):
     # The no-code-change mode knows no model: every module's state_dict is wrapped, and only
     # the outermost call (the whole model's dict) copies, each parameter on disk once.
-    from zeroalloc.torch import _state_dict
+    from zeroalloc.torch import _settings, _state_dict
+    monkeypatch.setattr(_settings, "parameters_park", lambda: False)  # ZEROALLOC_PARK_PARAMETERS=0
     monkeypatch.setattr(torch.nn.Module, "state_dict", torch.nn.Module.state_dict)
     _state_dict.copy_parameters_off_disk_in_every_model()
     _state_dict.copy_parameters_off_disk_in_every_model()  # once: a second call wraps nothing

@@ -31,6 +31,12 @@ def gradient_class_default() -> bool:
     return setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
 
 
+def parameters_park() -> bool:
+    """ZEROALLOC_PARK_PARAMETERS (default 1): whether evicted parameters may be parked
+    behind unmapped addresses (Note [Parameters parked] in lib/tier/offload_engine.hpp)."""
+    return setting("ZEROALLOC_PARK_PARAMETERS", "1") in ("1", "true", "yes", "on")
+
+
 def require_offload_engine() -> None:
     if offload_setting() != "host":
         raise ZeroallocError(

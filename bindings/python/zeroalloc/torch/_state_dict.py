@@ -1,6 +1,7 @@
 """The optimizer's state_dict and load_state_dict under offload(): the states the windowed
 step kept in scratch go home first, and loaded states move into their class. The model's
-state_dict: parameters in the NVMe tier come out as CPU copies."""
+state_dict: parameters the engine may leave behind unmapped addresses (in the NVMe tier, or
+parked) come out as CPU copies."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 import torch
 
 from zeroalloc import _offload
-from zeroalloc.torch import _adoption
+from zeroalloc.torch import _adoption, _settings
 from zeroalloc.torch._step_records import residency_or_foreign
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
@@ -57,19 +58,28 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     address. Each such entry becomes a CPU copy made
     while a use pins it where it came back to (as copied_off_disk does for states); the
     rest stay the module's own tensors."""
-    for key, value in list(state_dict.items()):
-        if isinstance(value, torch.nn.Parameter):  # keep_vars=True: the live objects asked
-            continue
-        copied = cpu_copy_if_on_disk(value)
+    # Note [Parameters parked]: with parking on, any managed parameter may be parked after
+    # this returns (an eviction as the use below ends, or the program's next allocation),
+    # and torch.save would then read unmapped addresses: every one comes out as a CPU copy,
+    # as torch.save would make anyway. The module's own tensors stay where they are.
+    every_managed = _settings.parameters_park()
+    values = [(key, value) for key, value in state_dict.items()
+              if not isinstance(value, torch.nn.Parameter)]  # keep_vars=True: live objects
+    for key, value in values:
+        copied = cpu_copy_if_on_disk(value, every_managed)
         if copied is not None:
             state_dict[key] = copied
 
 
-def cpu_copy_if_on_disk(value):
-    """A CPU copy of `value` when any of it is in the NVMe tier or parked (or moving), made
-    while a use in place pins it where it came back to (mapped); None for anything else."""
-    if not (torch.is_tensor(value) and value.numel() > 0 and
-            residency_or_foreign(value) in ("disk", "host_unmapped", "split", "moving")):
+def cpu_copy_if_on_disk(value, every_managed: bool = False):
+    """A CPU copy of `value` when any of it is in the NVMe tier or parked (or moving), or
+    with `every_managed` wherever the engine holds it, made while a use in place pins it
+    where it came back to (mapped); None for anything else."""
+    if not (torch.is_tensor(value) and value.numel() > 0):
+        return None
+    where = residency_or_foreign(value)
+    if where == "foreign" or (not every_managed and
+                              where not in ("disk", "host_unmapped", "split", "moving")):
         return None
     pointer = value.untyped_storage().data_ptr()
     _offload.use_in_place_many([pointer])  # back from the disk, pinned
