@@ -250,10 +250,11 @@ bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_
   return claim_fetch(address) && start_claimed_fetch(address, chunk_idle, idle_generation, after);
 }
 
-bool migrator::claim_fetch(std::uintptr_t address) {
+bool migrator::claim_fetch(std::uintptr_t address, bool parked_only) {
   std::lock_guard lock(mutex_);
   auto found = on_host_.find(address);
   if (found == on_host_.end() || moving_.contains(address)) return false;
+  if (parked_only && !found->second.parked) return false;
   // Note [Claiming a chunk]: a chunk is "moving" from the moment one thread decides to
   // move it, before its remap or copy. Claimed only after the remap, a use beginning in
   // between on another thread saw "host", queued its writes without waiting for the

@@ -163,7 +163,8 @@ class migrator : public paging_listener {
   /// false when the chunk is not on the host or is moving. Every successful claim must be
   /// followed by exactly one start_claimed_fetch, which gives the claim up when it returns
   /// false or throws.
-  bool claim_fetch(std::uintptr_t address);
+  /// With `parked_only`, only a parked chunk is claimed (Note [Parked chunks]).
+  bool claim_fetch(std::uintptr_t address, bool parked_only = false);
   bool start_claimed_fetch(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation,
                            const std::vector<event_handle>* after = nullptr);
   /// Note [Parked chunks]: maps the addresses of the parked chunk at `address` to its host

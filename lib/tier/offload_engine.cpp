@@ -431,8 +431,13 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
     // A miss: bring it now, unless another use is open on it (Note [Moving a chunk in
     // use]). If no room can be made it stays on the host, where kernels still reach it
     // (slowly).
-    bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
-               /*ordered_use=*/true, /*callers_uses=*/opened);
+    try {
+      bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/true,
+                 /*ordered_use=*/true, /*callers_uses=*/opened);
+    } catch (...) {
+      reachable_where_it_is(chunk.address);  // the use runs anyway (Note [Parameters parked])
+      throw;
+    }
   }
   if (!wait_for_arrival(chunk.address, stream, opened)) {
     migrator_.wait_until_settled(chunk.address);  // a fetch that had to be fenced
@@ -464,7 +469,10 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
   // A move started before the hint must land before the caller queues work on the chunk;
   // one failing does not leave the others unsettled (the first failure is reported after).
   std::exception_ptr first_failure;
+  std::vector<std::uintptr_t> seen;  // a chunk two of the allocations share: once
   for (const chunk_info& chunk : chunks) {
+    if (std::find(seen.begin(), seen.end(), chunk.address) != seen.end()) continue;
+    seen.push_back(chunk.address);
     try {
       off_disk(chunk.address, chunk.handle.bytes);  // used where it is: on the host, then
       const residency where = migrator_.where(chunk.address);
@@ -999,8 +1007,15 @@ void offload_engine::allocated_on_host(const void* pointer, stream_handle stream
     if (migrator_.where(chunk.address) != residency::host) continue;
     // Another block of the chunk may be in use (a hint open on it): it stays for now,
     // reachable (Note [Parameters parked]: the new allocation's work is not hinted).
-    if (!bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,
-                    /*ordered_use=*/true)) {
+    bool started = false;
+    try {
+      started = bring_back(chunk.address, chunk.handle.bytes, /*wait=*/false, /*urgent=*/false,
+                           /*ordered_use=*/true);
+    } catch (...) {
+      reachable_where_it_is(chunk.address);
+      throw;
+    }
+    if (!started) {
       reachable_where_it_is(chunk.address);
       continue;
     }
@@ -1036,6 +1051,11 @@ bool offload_engine::evict(const void* pointer, bool wait) {
     }
   }
   launch_evictions(planned, /*full_is_an_error=*/true);  // the caller asked for this move
+  // Kernels still reach what was asked to move: a chunk parked before stays no longer
+  // behind a placeholder (Note [Parameters parked]).
+  for (const chunk_info& chunk : chunks) {
+    if (migrator_.parked(chunk.address)) reachable_where_it_is(chunk.address);
+  }
   if (wait) {
     for (const chunk_info& chunk : chunks) migrator_.wait_until_settled(chunk.address);
   }
@@ -1060,10 +1080,19 @@ void offload_engine::in_place_off_the_placeholder(std::uintptr_t address, stream
       idle = state != chunks_.end() && state->second.hinted && !state->second.used_on_host;
       if (idle) idle_generation = state->second.released_generation;
       use_ends = use_end_fences(address);
-      claimed = migrator_.claim_fetch(address);
+      // Claimed only while still parked: another thread may have mapped it on the host
+      // meanwhile for a use of its own, whose work must not find it moved.
+      claimed = migrator_.claim_fetch(address, /*parked_only=*/true);
     }
-    if (claimed && migrator_.start_claimed_fetch(address, idle, idle_generation,
-                                                 use_ends.empty() ? nullptr : &use_ends)) {
+    bool started = false;
+    try {
+      started = claimed && migrator_.start_claimed_fetch(address, idle, idle_generation,
+                                                         use_ends.empty() ? nullptr : &use_ends);
+    } catch (...) {
+      reachable_where_it_is(address);  // the use still runs: on the host, mapped
+      throw;
+    }
+    if (started) {
       if (!migrator_.order_after_arrival(address, stream)) migrator_.wait_until_settled(address);
       std::lock_guard lock(mutex_);
       ++figures_.in_place_fetches;

@@ -57,10 +57,12 @@ class Engine:
         self.stray_ends = []
         self.in_place = 0
         self.boundaries = 0
+        self.pinned_ever = set()
 
     def use_in_place_many(self, pointers, stream=0):
         self.in_place += len(pointers)
         self.pins.update(pointers)
+        self.pinned_ever.update(pointers)
 
     def use_ends_many(self, pointers, stream=0):
         for pointer in pointers:
@@ -489,6 +491,8 @@ def test_an_optimizer_whose_step_does_not_follow_param_groups_steps_each_paramet
     assert moved == ["optimizer_state"] * created  # once each, after the step that made it
     assert engine.in_place >= 2 * created  # the two steps after the first pinned them all
     assert open_at_boundaries == [0, 0, 0] and not engine.stray_ends  # each pin ended
+    # Its parameters too (Note [Parameters parked]: unpinned, one could be parked).
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= engine.pinned_ever
 
 
 def test_a_dropped_optimizer_with_kept_states_is_freed(engine):
@@ -787,6 +791,8 @@ def test_with_parking_on_the_model_state_dict_copies_every_managed_parameter(eng
     model, optimizer = build()
     handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
     parameters = dict(model.named_parameters())
+    for parameter in parameters.values():  # what adoption marks on the GPU
+        parameter._zeroalloc_adopted = True
     foreign = parameters["1.0.weight"].untyped_storage().data_ptr()
     places = {foreign: "foreign", parameters["0.0.weight"].untyped_storage().data_ptr():
               "host_unmapped"}
@@ -810,6 +816,47 @@ def test_with_parking_on_the_model_state_dict_copies_every_managed_parameter(eng
         copied = value.untyped_storage().data_ptr() != parameters[name].untyped_storage().data_ptr()
         assert copied == (name in managed), name
     handle.remove()
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_load_state_dict_pins_the_managed_parameters_it_writes(engine, monkeypatch, park):
+    # Note [Parameters parked]: load_state_dict writes every parameter without a hint; with
+    # parking on, the managed ones are pinned where they are from its start to its end, in
+    # offload()'s hooks and in the no-code-change mode's wrapper alike.
+    from zeroalloc.torch import _state_dict
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    monkeypatch.setattr(_settings, "parameters_park", lambda: park)
+    model, optimizer = build()
+    source = copy.deepcopy(model.state_dict())
+    for p in source.values():
+        p.add_(1)
+    handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    for parameter in model.parameters():  # what adoption marks on the GPU
+        parameter._zeroalloc_adopted = True
+    pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    during = []
+    original = torch.Tensor.copy_
+
+    def copy_(self, other, *args, **kwargs):  # what the load writes, and what is pinned then
+        if self.untyped_storage().data_ptr() in pointers:
+            during.append(engine.pins[self.untyped_storage().data_ptr()] > 0)
+        return original(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    model.load_state_dict(source)
+    monkeypatch.setattr(torch.Tensor, "copy_", original)
+    assert during and all(during) == park and (park or not any(during))
+    assert engine.open() == 0 and not engine.stray_ends  # every pin ended
+    for name, p in model.named_parameters():
+        assert torch.equal(p, source[name])
+    handle.remove()
+    # The no-code-change mode: every module's load is wrapped, the outermost pins.
+    monkeypatch.setattr(torch.nn.Module, "state_dict", torch.nn.Module.state_dict)
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", torch.nn.Module.load_state_dict)
+    _state_dict.copy_parameters_off_disk_in_every_model()
+    engine.pinned_ever.clear()
+    model.load_state_dict(source)
+    assert (engine.pinned_ever == pointers) == park and engine.open() == 0
 
 
 def test_without_offload_every_models_state_dict_copies_parameters_on_disk_once(engine,
@@ -859,3 +906,22 @@ def test_a_new_optimizer_state_is_written_into_its_class_under_a_hint(monkeypatc
     calls.clear()
     _adoption.move_into_class(torch.zeros(4), "parameter")
     assert calls == ["copy"]
+
+
+@pytest.mark.parametrize("bounce", [True, False])
+def test_a_window_whose_parameters_are_pinned_waits_for_the_pins_stream(engine, monkeypatch,
+                                                                         bounce):
+    # Note [Parameters parked]: a parameter on the device when its residency was asked may
+    # be parked before its window is pinned, and the pin fetches it back in copy_in's order.
+    # So a window that pins parameters (Note [Parameters stepped where they are]) has the
+    # step wait for copy_in even when it copies nothing into scratch.
+    monkeypatch.setattr(zt._offload, "residency_of", lambda pointer: "device")
+    waited = []
+    monkeypatch.setattr(FakeStream, "wait_event", lambda self, event: waited.append(event))
+    model, optimizer = managed(overlap_bytes=0)
+    optimizer._zeroalloc_stepper.bounce_parameters = bounce
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    windows = len(optimizer._zeroalloc_stepper.plan)
+    assert windows >= 2
+    assert (len(waited) >= windows) if bounce else not waited

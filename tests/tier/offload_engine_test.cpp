@@ -1788,6 +1788,25 @@ TEST_F(ParkedParametersTest, OnlyHintedParametersUntouchedSinceTheirUseAreParked
   }
 }
 
+// A program that asks for a parked parameter to move to the host (zeroalloc_offload) reads
+// it next: its chunk is mapped there, and kernels reach its bytes.
+TEST_F(ParkedParametersTest, AnEvictionAskedForOfAParkedParameterLeavesItReadable) {
+  park_parameters_ = true;
+  start(24 * MiB, 0);
+  std::vector<void*> layers = hinted_layers();
+  void* parked_layer = nullptr;
+  int index = 0;
+  for (int i = 0; i < 6 && parked_layer == nullptr; ++i) {
+    if (parked(layers[i])) parked_layer = layers[index = i];
+  }
+  ASSERT_NE(parked_layer, nullptr);
+  ASSERT_TRUE(engine_->evict(parked_layer, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(parked_layer), residency::host);
+  EXPECT_FALSE(parked(parked_layer));
+  EXPECT_TRUE(holds(parked_layer, static_cast<std::uint8_t>(0x30 + index), kChunkBytes));
+  for (void* layer : layers) allocator_->deallocate(layer);
+}
+
 // The setting off (ZEROALLOC_PARK_PARAMETERS=0): hinted parameters go to the host mapped.
 TEST_F(ParkedParametersTest, WithTheSettingOffEvictedParametersStayMapped) {
   park_parameters_ = false;

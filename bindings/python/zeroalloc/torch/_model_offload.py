@@ -11,7 +11,7 @@ from zeroalloc.torch import _adoption, _module_hints, _settings
 from zeroalloc.torch._optimizer_step import windowed_step
 from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
                                          copy_parameters_off_disk_in_every_model,
-                                         readopt_after_load)
+                                         pin_during_load, readopt_after_load)
 from zeroalloc.torch._weak_methods import original_of, put_back
 
 
@@ -100,6 +100,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
         # earlier offload() of this optimizer.
         hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
     hooks.append(model.register_state_dict_post_hook(copy_parameters_off_disk))
+    hooks += pin_during_load(model)  # Note [Parameters parked]: load_state_dict writes them
 
     def adopt(late, into):
         if not _module_hints.automatic:

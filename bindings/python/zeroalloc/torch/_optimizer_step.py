@@ -309,7 +309,14 @@ class WindowedStep:
         bounced = [entry for entry in pinned
                    if is_bounced(entry.parameter if is_parameter(entry) else entry.home, places)]
         if not bounced:
-            return StagedWindow(entries, None)
+            if not any(is_parameter(entry) for entry in pinned):
+                return StagedWindow(entries, None)
+            # Note [Parameters parked] (lib/tier/offload_engine.hpp): a parameter that was on
+            # the device when `places` was asked may have been parked since, and the pin
+            # fetches it back in copy_in's order: the step waits for copy_in.
+            done = torch.cuda.Event()
+            done.record(copy_in)
+            return StagedWindow(entries, done)
         states = [entry for entry in bounced if not is_parameter(entry)]
         params = [entry for entry in bounced if is_parameter(entry)]
         if states:
@@ -580,23 +587,26 @@ class WindowedStep:
                 state[key] = _adoption.move_into_class(value, "optimizer_state")
 
     def step_in_one_piece(self, groups, closure, kwargs):
-        """The optimizer's own step over every parameter at once, its paged states pinned
-        where they are for it (hint every use of a class, or none), and the states it
-        creates moved into the optimizer-state class afterwards, as a window's are."""
+        """The optimizer's own step over every parameter at once, its paged states and its
+        parameters pinned where they are for it (hint every use of a class, or none: an
+        unhinted step could find a parameter parked behind unmapped addresses, Note
+        [Parameters parked] in lib/tier/offload_engine.hpp), and the states it creates moved
+        into the optimizer-state class afterwards, as a window's are."""
         parameters = [p for params in groups for p in params]
         states = [value for p in parameters for _, value in self.items(p)]
+        pinned = states + [p for p in parameters if on_gpu(p.device) and p.numel() > 0]
         fresh = [p for p in parameters if not self.items(p)]
         try:
-            if states:  # inside: a pin that fails half-way is still ended (surplus ends
-                _use_hints.hint(_offload.use_in_place_many, states, 0)  # are ignored)
+            if pinned:  # inside: a pin that fails half-way is still ended (surplus ends
+                _use_hints.hint(_offload.use_in_place_many, pinned, 0)  # are ignored)
             with _stats.allocation_class("other"):
                 if closure is not None and not self.by_groups:
                     loss = self.original_step(closure, **kwargs)
                 else:
                     loss = self.original_step(**kwargs)
         finally:
-            if states:
-                _use_hints.hint(_offload.use_ends_many, states, 0)
+            if pinned:
+                _use_hints.hint(_offload.use_ends_many, pinned, 0)
         self.forget(fresh)  # the step may have created their states
         self.adopt_new_states(fresh)
         self.forget(fresh)
@@ -690,7 +700,8 @@ class WindowedStep:
                 run.held.extend(each.entries)
         # Each state's residency, asked once (a call into the library each). A state the
         # engine moves before its window is pinned is still stepped correctly: in place if it
-        # left the device, through a redundant copy if it came back.
+        # left the device, through a redundant copy if it came back; a parameter parked
+        # meanwhile comes back in copy_in's order, which the step waits for (stage()).
         unstaged = [window for number, window in enumerate(found)
                     if number >= len(staged) or staged[number] is None]
         places = {id(value): residency_or_foreign(value) for window in unstaged

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from zeroalloc import _offload
-from zeroalloc.torch import _adoption, _settings
+from zeroalloc.torch import _adoption, _settings, _use_hints
 from zeroalloc.torch._step_records import residency_or_foreign
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
@@ -58,35 +58,79 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     address. Each such entry becomes a CPU copy made
     while a use pins it where it came back to (as copied_off_disk does for states); the
     rest stay the module's own tensors."""
-    # Note [Parameters parked]: with parking on, any managed parameter may be parked after
-    # this returns (an eviction as the use below ends, or the program's next allocation),
-    # and torch.save would then read unmapped addresses: every one comes out as a CPU copy,
-    # as torch.save would make anyway. The module's own tensors stay where they are.
-    every_managed = _settings.parameters_park()
+    # Note [Parameters parked]: with parking on, any parameter the engine manages may be
+    # parked after this returns (an eviction as the use below ends, or the program's next
+    # allocation), and torch.save would then read unmapped addresses: each one comes out as
+    # a CPU copy, as torch.save would make anyway. Other tensors (buffers, parameters
+    # offload() did not adopt) are never parked and stay the module's own.
+    adopted = set()
+    if _settings.parameters_park():
+        adopted = {p.untyped_storage().data_ptr() for p in module.parameters()
+                   if getattr(p, "_zeroalloc_adopted", False) and p.numel() > 0}
     values = [(key, value) for key, value in state_dict.items()
               if not isinstance(value, torch.nn.Parameter)]  # keep_vars=True: live objects
     for key, value in values:
-        copied = cpu_copy_if_on_disk(value, every_managed)
+        copied = cpu_copy_if_on_disk(
+            value, torch.is_tensor(value) and value.untyped_storage().data_ptr() in adopted)
         if copied is not None:
             state_dict[key] = copied
 
 
-def cpu_copy_if_on_disk(value, every_managed: bool = False):
+def cpu_copy_if_on_disk(value, wherever: bool = False):
     """A CPU copy of `value` when any of it is in the NVMe tier or parked (or moving), or
-    with `every_managed` wherever the engine holds it, made while a use in place pins it
-    where it came back to (mapped); None for anything else."""
+    with `wherever` wherever the engine holds it, made while a use in place pins it where it
+    came back to (mapped; the pin's fetch arrives in the current stream's order, which the
+    copy follows); None for anything else."""
     if not (torch.is_tensor(value) and value.numel() > 0):
         return None
     where = residency_or_foreign(value)
-    if where == "foreign" or (not every_managed and
+    if where == "foreign" or (not wherever and
                               where not in ("disk", "host_unmapped", "split", "moving")):
         return None
     pointer = value.untyped_storage().data_ptr()
-    _offload.use_in_place_many([pointer])  # back from the disk, pinned
+    stream = _use_hints.current_stream(value.get_device()) if value.is_cuda else 0
+    _offload.use_in_place_many([pointer], stream)  # back from the disk, pinned
     try:
         return value.to("cpu", copy=True)
     finally:
-        _offload.use_ends_many([pointer])
+        _offload.use_ends_many([pointer], stream)
+
+
+def pin_parameters_for_load(module) -> list:
+    """Note [Parameters parked]: load_state_dict writes every parameter without a hint; the
+    ones the engine manages are pinned where they are for it (a parked one fetched, or
+    mapped on the host). Returns what to unpin (pins_end)."""
+    if not _settings.parameters_park():
+        return []
+    adopted = [p for p in module.parameters()
+               if getattr(p, "_zeroalloc_adopted", False) and p.numel() > 0]
+    if adopted:
+        _use_hints.hint(_offload.use_in_place_many, adopted, 0)
+    return adopted
+
+
+def pins_end(pinned: list) -> None:
+    if pinned:
+        _use_hints.hint(_offload.use_ends_many, pinned, 0)
+
+
+def pin_during_load(model) -> list:
+    """The load_state_dict hooks of a model under offload(): its managed parameters pinned
+    from the start of the load (the root's pre-hook runs first) to its end."""
+    pinned: list = []
+
+    def before(module, *args, **kwargs):
+        if module is model and not pinned:
+            pinned.extend(pin_parameters_for_load(model))
+
+    def after(module, incompatible_keys):
+        pins_end(pinned)
+        pinned.clear()
+
+    register = getattr(model, "register_load_state_dict_pre_hook", None)
+    first = (register(before) if register is not None
+             else model._register_load_state_dict_pre_hook(before, with_module=True))
+    return [first, model.register_load_state_dict_post_hook(after)]
 
 
 def copy_parameters_off_disk_in_every_model() -> None:
@@ -113,6 +157,22 @@ def copy_parameters_off_disk_in_every_model() -> None:
 
     state_dict._zeroalloc_copies_off_disk = True
     torch.nn.Module.state_dict = state_dict
+    original_load = getattr(torch.nn.Module, "load_state_dict", None)
+    if original_load is None:
+        return
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, *args, **kwargs):  # Note [Parameters parked]
+        level = getattr(depth, "value", 0)
+        pinned = pin_parameters_for_load(self) if level == 0 else []
+        depth.value = level + 1
+        try:
+            return original_load(self, *args, **kwargs)
+        finally:
+            depth.value = level
+            pins_end(pinned)
+
+    torch.nn.Module.load_state_dict = load_state_dict
 
 
 def copied_off_disk(optimizer, saved: dict) -> dict:
