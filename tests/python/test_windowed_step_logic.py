@@ -745,6 +745,16 @@ def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monk
         assert torch.equal(value, state) and value.device.type == "cpu"
 
 
+def recorded_pins(monkeypatch):
+    """The pointers the library is asked to pin in place and to unpin, in two lists."""
+    pinned, ended = [], []
+    monkeypatch.setattr(zt._offload, "use_in_place_many",
+                        lambda pointers, stream=0: pinned.extend(pointers))
+    monkeypatch.setattr(zt._offload, "use_ends_many",
+                        lambda pointers, stream=0: ended.extend(pointers))
+    return pinned, ended
+
+
 def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(engine,
                                                                             monkeypatch):
     # ZEROALLOC_NVME_PARAMETERS: a parameter in the NVMe tier sits behind addresses no copy
@@ -762,11 +772,7 @@ def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(en
     on_disk = {parameters[name].untyped_storage().data_ptr() for name in names_on_disk}
     monkeypatch.setattr(zt._offload, "residency_of",
                         lambda pointer: "disk" if pointer in on_disk else "device")
-    pinned, ended = [], []
-    monkeypatch.setattr(zt._offload, "use_in_place_many",
-                        lambda pointers, stream=0: pinned.extend(pointers))
-    monkeypatch.setattr(zt._offload, "use_ends_many",
-                        lambda pointers, stream=0: ended.extend(pointers))
+    pinned, ended = recorded_pins(monkeypatch)
     saved = model.state_dict()
     assert sorted(pinned) == sorted(on_disk) and sorted(ended) == sorted(on_disk)
     assert saved.keys() == parameters.keys()
@@ -802,11 +808,7 @@ def test_with_parking_on_the_model_state_dict_copies_every_managed_parameter(eng
                         lambda tensor: places.get(tensor.untyped_storage().data_ptr(), "device"))
     monkeypatch.setattr("zeroalloc.torch._state_dict.residency_or_foreign",
                         lambda tensor: places.get(tensor.untyped_storage().data_ptr(), "device"))
-    pinned, ended = [], []
-    monkeypatch.setattr(zt._offload, "use_in_place_many",
-                        lambda pointers, stream=0: pinned.extend(pointers))
-    monkeypatch.setattr(zt._offload, "use_ends_many",
-                        lambda pointers, stream=0: ended.extend(pointers))
+    pinned, ended = recorded_pins(monkeypatch)
     saved = model.state_dict()
     managed = {name for name, p in parameters.items() if p.untyped_storage().data_ptr() != foreign}
     assert sorted(pinned) == sorted(ended) == sorted(

@@ -1636,6 +1636,19 @@ class ParkedParametersTest : public OffloadEngineTest, public ::testing::WithPar
     return layers;
   }
   bool parked(void* pointer) { return engine_->mover().parked(first_chunk(pointer)); }
+  /// Parking on, a 24 MiB limit, and the layers of hinted_layers.
+  std::vector<void*> parked_layers_under_limit() {
+    park_parameters_ = true;
+    start(24 * MiB, 0);
+    return hinted_layers();
+  }
+  /// The index in `layers` of the first parked one, or -1.
+  int first_parked(const std::vector<void*>& layers) {
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (parked(layers[i])) return static_cast<int>(i);
+    }
+    return -1;
+  }
 };
 
 TEST_P(ParkedParametersTest, EvictedHintedParametersAreParkedAndComeBackIntactForTheirUse) {
@@ -1679,15 +1692,10 @@ INSTANTIATE_TEST_SUITE_P(Verify, ParkedParametersTest, ::testing::Values(false, 
 // device full, runs where it is: its host chunk is mapped first, and the kernels read its
 // bytes there.
 TEST_F(ParkedParametersTest, AUseInPlaceMapsAParkedParameterOnTheHost) {
-  park_parameters_ = true;
-  start(24 * MiB, 0);
-  std::vector<void*> layers = hinted_layers();
-  void* parked_layer = nullptr;
-  int index = 0;
-  for (int i = 0; i < 6 && parked_layer == nullptr; ++i) {
-    if (parked(layers[i])) parked_layer = layers[index = i];
-  }
-  ASSERT_NE(parked_layer, nullptr);
+  std::vector<void*> layers = parked_layers_under_limit();
+  const int index = first_parked(layers);
+  ASSERT_GE(index, 0);
+  void* parked_layer = layers[index];
   engine_->use_in_place(parked_layer, nullptr);
   EXPECT_EQ(where_first_chunk(parked_layer), residency::host);
   EXPECT_FALSE(parked(parked_layer));
@@ -1705,9 +1713,7 @@ TEST_F(ParkedParametersTest, AUseInPlaceMapsAParkedParameterOnTheHost) {
 // it (a device map and a copy, cheaper than mapping the host chunk; its bytes arrive in the
 // use's stream order) and runs on the device, evicting nothing for it.
 TEST_F(ParkedParametersTest, AUseInPlaceFetchesAParkedParameterWhenTheDeviceHasRoom) {
-  park_parameters_ = true;
-  start(24 * MiB, 0);
-  std::vector<void*> layers = hinted_layers();
+  std::vector<void*> layers = parked_layers_under_limit();
   std::vector<void*> parked_layers;
   for (void*& layer : layers) {
     if (parked(layer)) {
@@ -1791,15 +1797,10 @@ TEST_F(ParkedParametersTest, OnlyHintedParametersUntouchedSinceTheirUseAreParked
 // A program that asks for a parked parameter to move to the host (zeroalloc_offload) reads
 // it next: its chunk is mapped there, and kernels reach its bytes.
 TEST_F(ParkedParametersTest, AnEvictionAskedForOfAParkedParameterLeavesItReadable) {
-  park_parameters_ = true;
-  start(24 * MiB, 0);
-  std::vector<void*> layers = hinted_layers();
-  void* parked_layer = nullptr;
-  int index = 0;
-  for (int i = 0; i < 6 && parked_layer == nullptr; ++i) {
-    if (parked(layers[i])) parked_layer = layers[index = i];
-  }
-  ASSERT_NE(parked_layer, nullptr);
+  std::vector<void*> layers = parked_layers_under_limit();
+  const int index = first_parked(layers);
+  ASSERT_GE(index, 0);
+  void* parked_layer = layers[index];
   ASSERT_TRUE(engine_->evict(parked_layer, /*wait=*/true));
   EXPECT_EQ(where_first_chunk(parked_layer), residency::host);
   EXPECT_FALSE(parked(parked_layer));
@@ -1827,9 +1828,7 @@ TEST_F(ParkedParametersTest, WithTheSettingOffEvictedParametersStayMapped) {
 // A segment released while its chunks are parked gives their host chunks back: nothing
 // stays counted on the host, and the pool has the memory again.
 TEST_F(ParkedParametersTest, AReleasedSegmentGivesItsParkedChunksHostMemoryBack) {
-  park_parameters_ = true;
-  start(24 * MiB, 0);
-  std::vector<void*> layers = hinted_layers();
+  std::vector<void*> layers = parked_layers_under_limit();
   ASSERT_GT(engine_->mover().figures().parked_bytes, 0u);
   for (void* layer : layers) allocator_->deallocate(layer);
   allocator_->empty_cache();
@@ -1843,14 +1842,10 @@ TEST_F(ParkedParametersTest, AReleasedSegmentGivesItsParkedChunksHostMemoryBack)
 // the placeholder with no access; on CUDA the fault would end the context).
 TEST_F(ParkedParametersTest, AnUnhintedReadOfAParkedParameterFaultsInsteadOfReadingWrongBytes) {
   if (!device_->is_simulated()) GTEST_SKIP() << "skipped: a fault would end the CUDA context";
-  park_parameters_ = true;
-  start(24 * MiB, 0);
-  std::vector<void*> layers = hinted_layers();
-  void* parked_layer = nullptr;
-  for (void* layer : layers) {
-    if (parked(layer)) parked_layer = layer;
-  }
-  ASSERT_NE(parked_layer, nullptr);
+  std::vector<void*> layers = parked_layers_under_limit();
+  const int index = first_parked(layers);
+  ASSERT_GE(index, 0);
+  void* parked_layer = layers[index];
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH((void)read_back(*device_, parked_layer, kChunkBytes), "");
   engine_->use_begins(parked_layer, nullptr);  // hinted, it reads again
