@@ -616,12 +616,14 @@ ZA_EXPORT int zeroalloc_residency(const void* pointer) {
     std::size_t parked_chunks = 0;
     std::size_t disk_chunks = 0;
     for (const zeroalloc::chunk_info& chunk : chunks) {
-      const zeroalloc::residency where =
-          engine != nullptr ? engine->mover().where(chunk.address) : zeroalloc::residency::device;
+      bool parked = false;  // read with the residency, under one lock
+      const zeroalloc::residency where = engine != nullptr
+                                             ? engine->mover().where(chunk.address, parked)
+                                             : zeroalloc::residency::device;
       if (where == zeroalloc::residency::device) {
         ++device_chunks;
       } else if (where == zeroalloc::residency::host) {
-        ++(engine->mover().parked(chunk.address) ? parked_chunks : host_chunks);
+        ++(parked ? parked_chunks : host_chunks);
       } else if (where == zeroalloc::residency::disk) {
         ++disk_chunks;
       } else {

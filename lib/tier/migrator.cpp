@@ -578,11 +578,20 @@ void migrator::drain() {
   changed_.wait(lock, [&] { return in_flight_.empty(); });
 }
 
-residency migrator::where(std::uintptr_t address) const {
+residency migrator::where(std::uintptr_t address, bool& parked) const {
   std::lock_guard lock(mutex_);
+  parked = false;
   if (auto found = moving_.find(address); found != moving_.end()) return found->second;
-  if (on_host_.contains(address)) return residency::host;
+  if (auto found = on_host_.find(address); found != on_host_.end()) {
+    parked = found->second.parked;
+    return residency::host;
+  }
   return on_disk_.contains(address) ? residency::disk : residency::device;
+}
+
+residency migrator::where(std::uintptr_t address) const {
+  bool parked = false;
+  return where(address, parked);
 }
 
 std::uint64_t migrator::bytes_leaving_device() const {

@@ -229,6 +229,8 @@ class migrator : public paging_listener {
   void host_chunk_released(physical_handle chunk, std::uintptr_t address) override;
 
   [[nodiscard]] residency where(std::uintptr_t address) const;
+  /// where(), and whether a host-resident chunk is parked, read together.
+  [[nodiscard]] residency where(std::uintptr_t address, bool& parked) const;
   /// Bytes of evictions in flight: device memory about to be freed.
   [[nodiscard]] std::uint64_t bytes_leaving_device() const;
   [[nodiscard]] migration_figures figures() const;
