@@ -733,9 +733,9 @@ bool migrator::maps_host_copy(const physical_handle& mapped, const host_chunk& h
 }
 
 bool migrator::parked(std::uintptr_t address) const {
-  std::lock_guard lock(mutex_);
-  auto found = on_host_.find(address);
-  return found != on_host_.end() && found->second.parked && !moving_.contains(address);
+  bool parked = false;
+  static_cast<void>(where(address, parked));  // false while it moves
+  return parked;
 }
 
 bool migrator::map_on_host(std::uintptr_t address) {

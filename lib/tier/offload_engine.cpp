@@ -1106,15 +1106,15 @@ void offload_engine::reachable_where_it_is(std::uintptr_t address) {
   // A move may start between the look and the map (a prefetch, or an eviction when no use
   // is open): the loop looks again once it has settled.
   for (int attempt = 0; attempt < 64; ++attempt) {
-    if (!migrator_.parked(address)) {
-      const residency where = migrator_.where(address);
-      if (where == residency::device || where == residency::host || where == residency::disk) {
-        return;
-      }
+    bool parked = false;
+    const residency where = migrator_.where(address, parked);
+    if (parked) {
+      if (migrator_.map_on_host(address)) return;
+    } else if (where == residency::device || where == residency::host || where == residency::disk) {
+      return;
+    } else {
       migrator_.wait_until_settled(address);
-      continue;
     }
-    if (migrator_.map_on_host(address)) return;
   }
   ZA_THROW(error, "the parked chunk at ", address,
            " kept moving while a use waited to map it on the host");
