@@ -65,8 +65,7 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     # offload() did not adopt) are never parked and stay the module's own.
     adopted = set()
     if _settings.parameters_park():
-        adopted = {p.untyped_storage().data_ptr() for p in module.parameters()
-                   if getattr(p, "_zeroalloc_adopted", False) and p.numel() > 0}
+        adopted = {p.untyped_storage().data_ptr() for p in adopted_parameters(module)}
     values = [(key, value) for key, value in state_dict.items()
               if not isinstance(value, torch.nn.Parameter)]  # keep_vars=True: live objects
     for key, value in values:
@@ -96,14 +95,20 @@ def cpu_copy_if_on_disk(value, wherever: bool = False):
         _offload.use_ends_many([pointer], stream)
 
 
+def adopted_parameters(module) -> list:
+    """The module's parameters that offload() moved into the parameter class (the ones the
+    engine may park), empty ones left out."""
+    return [p for p in module.parameters()
+            if getattr(p, "_zeroalloc_adopted", False) and p.numel() > 0]
+
+
 def pin_parameters_for_load(module) -> list:
     """Note [Parameters parked]: load_state_dict writes every parameter without a hint; the
     ones the engine manages are pinned where they are for it (a parked one fetched, or
     mapped on the host). Returns what to unpin (pins_end)."""
     if not _settings.parameters_park():
         return []
-    adopted = [p for p in module.parameters()
-               if getattr(p, "_zeroalloc_adopted", False) and p.numel() > 0]
+    adopted = adopted_parameters(module)
     if adopted:
         _use_hints.hint(_offload.use_in_place_many, adopted, 0)
     return adopted
@@ -111,7 +116,7 @@ def pin_parameters_for_load(module) -> list:
 
 def pins_end(pinned: list) -> None:
     if pinned:
-        _use_hints.hint(_offload.use_ends_many, pinned, 0)
+        _use_hints.end(pinned)
 
 
 def pin_during_load(model) -> list:
