@@ -364,6 +364,33 @@ int zeroalloc_fetch(const void* pointer, int wait);
 /** A zeroalloc_residency_kind, or -1 with zeroalloc_last_error() set. */
 int zeroalloc_residency(const void* pointer);
 
+/** torch.optim.AdamW's settings for one zeroalloc_adamw_on_host call (amsgrad off).
+ *  `step` counts this step (1 on the first), as the bias corrections read it. */
+typedef struct zeroalloc_adamw_settings {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  int64_t step;
+  int maximize; /**< non-zero: ascend the gradient */
+} zeroalloc_adamw_settings;
+
+/**
+ * One AdamW step of `count` parameters on the host's CPUs (those of the GPU's NUMA node),
+ * where their bytes are: each parameter, its gradient and both moments are `counts[i]`
+ * float32 elements, and every pointer is the start of an allocation (a gradient may also be
+ * host memory of the caller's, pinned or not). The device's work on them queued on `stream`
+ * (and on their own streams) is waited for first. Returns 1 when stepped; 0 when some
+ * allocation has a chunk in device memory or on disk, or host memory is not open to the CPUs
+ * on this driver: nothing was changed, step them on the device; -1 with zeroalloc_last_error()
+ * set. Not bit for bit the device's AdamW: rounding differs by a few ulps per step.
+ */
+int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradients,
+                            void* const* exp_avgs, void* const* exp_avg_sqs, const size_t* counts,
+                            size_t count, const zeroalloc_adamw_settings* settings,
+                            zeroalloc_stream_t stream);
+
 /**
  * Groups of ranks (ZeRO across GPUs). Joins this process to the group of the job it runs in,
  * from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0

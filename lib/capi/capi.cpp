@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include "dist/nccl_transport.hpp"
 #include "dist/tcp_transport.hpp"
 #include "profile/report.hpp"
+#include "tier/host_step.hpp"
 #include "zeroalloc/zeroalloc.h"
 
 #define ZA_EXPORT extern "C" __attribute__((visibility("default")))
@@ -570,6 +572,119 @@ ZA_EXPORT void zeroalloc_use_ends_many(const void* const* pointers, size_t count
     hint_many(pointers, count, [&](zeroalloc::offload_engine& engine, auto run) {
       engine.use_ends(run, device_stream(stream));
     });
+  });
+}
+
+namespace {
+
+// The host addresses of `bytes` at `address`, run by run, from the chunks' views (sorted by
+// address); nullopt when a byte lies in no view.
+struct host_run {
+  std::uintptr_t host = 0;
+  std::size_t bytes = 0;
+};
+
+std::uintptr_t host_address_in(const std::vector<zeroalloc::offload_engine::host_view>& views,
+                               std::uintptr_t address, std::size_t& run_bytes) {
+  auto after =
+      std::upper_bound(views.begin(), views.end(), address,
+                       [](std::uintptr_t at, const auto& view) { return at < view.address; });
+  if (after == views.begin()) return 0;
+  const auto& view = *std::prev(after);
+  if (address >= view.address + view.bytes) return 0;
+  run_bytes = view.address + view.bytes - address;
+  return view.host + (address - view.address);
+}
+
+}  // namespace
+
+ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradients,
+                                      void* const* exp_avgs, void* const* exp_avg_sqs,
+                                      const size_t* counts, size_t count,
+                                      const zeroalloc_adamw_settings* settings,
+                                      zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_adamw_on_host", -1, [&] {
+    ZA_REQUIRE(settings != nullptr, "settings is NULL");
+    ZA_REQUIRE(count == 0 || (parameters != nullptr && gradients != nullptr &&
+                              exp_avgs != nullptr && exp_avg_sqs != nullptr && counts != nullptr),
+               "a pointer array is NULL");
+    if (count == 0) return 1;
+    ZA_REQUIRE(settings->beta1 >= 0 && settings->beta1 < 1 && settings->beta2 >= 0 &&
+                   settings->beta2 < 1 && settings->step >= 1,
+               "AdamW settings out of range: beta1=", settings->beta1, " beta2=", settings->beta2,
+               " step=", settings->step, " (betas in [0, 1), step at least 1)");
+    runtime& started = runtime::get();
+    zeroalloc::offload_engine& engine = engine_for(parameters[0]);
+    const int ordinal = started.owner_of(parameters[0])->backing().ordinal();
+    // Everything the engine manages is reached through its chunks' host copies; a gradient
+    // the engine does not manage is host memory of the caller's, used as it is.
+    std::vector<const void*> managed;
+    managed.reserve(4 * count);
+    for (std::size_t i = 0; i < count; ++i) {
+      for (const void* each :
+           {static_cast<const void*>(parameters[i]), static_cast<const void*>(exp_avgs[i]),
+            static_cast<const void*>(exp_avg_sqs[i])}) {
+        ZA_REQUIRE(started.engine_of(each) == &engine, "pointer ", each,
+                   " is not memory zeroalloc offloads on the device of ", parameters[0]);
+        managed.push_back(each);
+      }
+      if (started.owner_of(gradients[i]) != nullptr) {
+        ZA_REQUIRE(started.engine_of(gradients[i]) == &engine, "gradient ", gradients[i],
+                   " is on another device than its parameter ", parameters[i]);
+        managed.push_back(gradients[i]);
+      }
+    }
+    zeroalloc::host_workers& workers = started.host_step_workers(ordinal);
+    std::vector<zeroalloc::offload_engine::host_view> views;
+    const zeroalloc::stream_handle on = device_stream(stream);
+    if (!engine.use_on_host(managed, on, views)) return 0;
+    std::sort(views.begin(), views.end(),
+              [](const auto& a, const auto& b) { return a.address < b.address; });
+    std::vector<zeroalloc::adamw_span> spans;
+    bool reached = true;
+    for (std::size_t i = 0; i < count && reached; ++i) {
+      const bool host_gradient = started.owner_of(gradients[i]) == nullptr;
+      std::size_t done = 0;  // bytes
+      const std::size_t total = counts[i] * sizeof(float);
+      while (done < total) {
+        std::size_t run = total - done;
+        std::array<std::uintptr_t, 4> host{};
+        const std::array<std::uintptr_t, 4> device{
+            reinterpret_cast<std::uintptr_t>(parameters[i]) + done,
+            reinterpret_cast<std::uintptr_t>(gradients[i]) + done,
+            reinterpret_cast<std::uintptr_t>(exp_avgs[i]) + done,
+            reinterpret_cast<std::uintptr_t>(exp_avg_sqs[i]) + done};
+        for (std::size_t k = 0; k < 4; ++k) {
+          if (k == 1 && host_gradient) {
+            host[k] = device[k];
+            continue;
+          }
+          std::size_t left = 0;
+          host[k] = host_address_in(views, device[k], left);
+          if (host[k] == 0) break;
+          run = std::min(run, left);
+        }
+        if (std::find(host.begin(), host.end(), std::uintptr_t{0}) != host.end()) {
+          reached = false;  // counts[i] runs past its allocation
+          break;
+        }
+        spans.push_back({reinterpret_cast<float*>(host[0]), reinterpret_cast<const float*>(host[1]),
+                         reinterpret_cast<float*>(host[2]), reinterpret_cast<float*>(host[3]),
+                         run / sizeof(float)});
+        done += run;
+      }
+    }
+    if (reached) {
+      const zeroalloc::adamw_settings chosen{
+          settings->lr,           settings->beta1, settings->beta2,        settings->eps,
+          settings->weight_decay, settings->step,  settings->maximize != 0};
+      zeroalloc::adamw_on_host(workers, spans, chosen);
+    }
+    engine.use_ends(managed, on);
+    ZA_REQUIRE(reached,
+               "an element count runs past the end of its allocation: every pointer "
+               "must be the start of an allocation of counts[i] float32 elements");
+    return 1;
   });
 }
 

@@ -368,6 +368,19 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
   return figures;
 }
 
+host_workers& runtime::host_step_workers(int ordinal) {
+  caching_allocator& owner = allocator(ordinal);  // checks the ordinal
+  std::lock_guard lock(create_mutex_);
+  std::unique_ptr<host_workers>& workers = host_step_workers_[ordinal];
+  if (!workers) {
+    const std::vector<int> cpus = host_step_cpus(owner.backing().host_numa_node());
+    workers = std::make_unique<host_workers>(cpus);
+    log().info("the host step runs on {} CPUs (NUMA node {})", workers->threads(),
+               owner.backing().host_numa_node());
+  }
+  return *workers;
+}
+
 offload_engine* runtime::engine_of(const void* pointer) {
   caching_allocator* owner = owner_of(pointer);
   if (owner == nullptr) return nullptr;

@@ -14,6 +14,7 @@
 #include "core/options.hpp"
 #include "device/device_registry.hpp"
 #include "profile/report.hpp"
+#include "tier/host_step.hpp"
 #include "tier/offload_engine.hpp"
 
 namespace zeroalloc {
@@ -46,6 +47,9 @@ class runtime {
   offload_engine* engine(int ordinal);
   /// The host pool of `ordinal`, or nullptr.
   host_pool* host_tier(int ordinal);
+  /// The threads of the host step for the device `ordinal` (Note [Stepped on the host] in
+  /// tier/host_step.hpp), bound to the CPUs of its NUMA node; made on first use.
+  host_workers& host_step_workers(int ordinal);
   /// The offload figures of `ordinal` as a JSON object, or "null" when offload is off.
   nlohmann::ordered_json offload_json(int ordinal);
   /// Stops the host tiers' background creation of pinned memory (at exit).
@@ -90,6 +94,7 @@ class runtime {
   std::vector<std::unique_ptr<offload_engine>> owned_engines_;
   std::vector<std::unique_ptr<paging_listener>> owned_listeners_;
   std::unique_ptr<reporter> reporter_;
+  std::array<std::unique_ptr<host_workers>, kMaxDevices> host_step_workers_;  // create_mutex_
 };
 
 }  // namespace zeroalloc

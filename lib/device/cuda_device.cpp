@@ -287,6 +287,19 @@ void cuda_device::map(std::uintptr_t address, physical_handle handle) {
   }
 }
 
+bool cuda_device::open_to_host(std::uintptr_t address, std::size_t bytes) {
+  const auto scope = enter_context();
+  // The CPU is a location of its own: host memory mapped through the driver's virtual memory
+  // is reached by the CPU only once granted to the host's NUMA node (or the host as a
+  // whole, for memory placed on any node).
+  CUmemAccessDesc access{};
+  access.location.type =
+      host_on_any_node_ ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access.location.id = host_on_any_node_ ? 0 : host_numa_node_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return driver_.pfn_cuMemSetAccess(address, bytes, &access, 1) == CUDA_SUCCESS;
+}
+
 void cuda_device::unmap(std::uintptr_t address, std::size_t bytes) {
   const auto scope = enter_context();
   check_range(driver_.pfn_cuMemUnmap(address, bytes), "cuMemUnmap", ordinal_, address, bytes);

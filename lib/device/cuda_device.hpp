@@ -66,6 +66,7 @@ class cuda_device final : public device {
   /// Maps the handle and grants this GPU read-write access; if granting fails the mapping
   /// is undone, so the range is left reserved and unmapped as before the call.
   void map(std::uintptr_t address, physical_handle handle) override;
+  bool open_to_host(std::uintptr_t address, std::size_t bytes) override;
   void unmap(std::uintptr_t address, std::size_t bytes) override;
 
   /// A non-blocking stream: it does not wait for, or hold up, the legacy default stream.

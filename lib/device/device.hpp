@@ -77,6 +77,11 @@ class device {
   /// the device read-write access to it (none when `handle.inaccessible`). The bytes behind
   /// the address are the handle's.
   virtual void map(std::uintptr_t address, physical_handle handle) = 0;
+  /// Grants this process's CPUs read-write access to `bytes` at `address`, a mapping of a
+  /// host-located handle (Note [Stepped on the host] in tier/host_step.hpp): the host then
+  /// reads and writes the bytes the device sees, at that address. False when the driver
+  /// refuses (the mapping stays as it was, reachable from the device only).
+  virtual bool open_to_host(std::uintptr_t address, std::size_t bytes) = 0;
   /// True when map() takes slices (a non-zero offset, or fewer bytes than the allocation);
   /// older drivers map only whole allocations.
   [[nodiscard]] virtual bool maps_slices() = 0;

@@ -42,6 +42,8 @@ class sim_device final : public device {
   std::uintptr_t reserve_addresses(std::size_t bytes, std::size_t alignment) override;
   void free_addresses(std::uintptr_t address, std::size_t bytes) override;
   void map(std::uintptr_t address, physical_handle handle) override;
+  /// A mapping is host memory the process maps itself: the CPU reaches it already.
+  bool open_to_host(std::uintptr_t /*address*/, std::size_t /*bytes*/) override { return true; }
   void unmap(std::uintptr_t address, std::size_t bytes) override;
 
   stream_handle create_stream() override;

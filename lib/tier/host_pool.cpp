@@ -60,6 +60,12 @@ std::unique_ptr<host_pool::slab> host_pool::create_slab(std::size_t bytes) {
       made->staging_address = take_staging(bytes);
     }
     device_.map(made->staging_address, made->handle);
+    if (!device_.open_to_host(made->staging_address, bytes) &&
+        open_to_host_.exchange(false, std::memory_order_acq_rel)) {
+      log().warn(
+          "the driver did not open host memory mapped through it to the CPUs; the "
+          "optimizer step runs on the device (ZEROALLOC_HOST_STEP has no effect)");
+    }
   } catch (...) {
     std::lock_guard lock(mutex_);
     if (made->staging_address != 0) free_staging_.give_back(made->staging_address, bytes);

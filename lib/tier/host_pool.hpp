@@ -34,6 +34,7 @@
 // odd sizes, are created on demand, as before.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -114,9 +115,14 @@ class host_pool {
   [[nodiscard]] std::optional<std::unordered_map<std::size_t, std::size_t>> ready_chunks() const;
 
   [[nodiscard]] host_pool_figures figures() const;
+  /// True while every slab made so far is open to the host's CPUs at its staging address
+  /// (device::open_to_host): the host step reads and writes chunks there (Note [Stepped on
+  /// the host] in tier/host_step.hpp).
+  [[nodiscard]] bool open_to_host() const { return open_to_host_.load(std::memory_order_acquire); }
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }
 
  private:
+  std::atomic<bool> open_to_host_{true};
   struct slab {
     physical_handle handle;              // the whole allocation
     std::uintptr_t staging_address = 0;  // where all of it is mapped

@@ -594,6 +594,14 @@ residency migrator::where(std::uintptr_t address) const {
   return where(address, parked);
 }
 
+std::uintptr_t migrator::host_address(std::uintptr_t address) const {
+  if (!pool_.open_to_host()) return 0;
+  std::lock_guard lock(mutex_);
+  if (moving_.contains(address)) return 0;
+  auto found = on_host_.find(address);
+  return found == on_host_.end() ? 0 : found->second.host.staging_address;
+}
+
 std::uint64_t migrator::bytes_leaving_device() const {
   std::lock_guard lock(mutex_);
   return bytes_leaving_device_;

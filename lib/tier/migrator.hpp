@@ -232,6 +232,10 @@ class migrator : public paging_listener {
   /// where(), and whether a host-resident chunk is parked, read together.
   [[nodiscard]] residency where(std::uintptr_t address, bool& parked) const;
   /// Bytes of evictions in flight: device memory about to be freed.
+  /// Where the host's CPUs reach the bytes of the chunk at `address` (Note [Stepped on the
+  /// host] in host_step.hpp): its host copy's address, when the chunk is on the host (mapped
+  /// or parked) and not moving and the host pool is open to the CPUs; else 0.
+  [[nodiscard]] std::uintptr_t host_address(std::uintptr_t address) const;
   [[nodiscard]] std::uint64_t bytes_leaving_device() const;
   [[nodiscard]] migration_figures figures() const;
   /// Bytes of live chunks on disk now (figures().disk_resident_bytes, without the copy).

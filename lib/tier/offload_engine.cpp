@@ -491,6 +491,69 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
   if (first_failure) std::rethrow_exception(first_failure);
 }
 
+bool offload_engine::use_on_host(std::span<const void* const> pointers, stream_handle stream,
+                                 std::vector<host_view>& views) {
+  views.clear();
+  const std::vector<chunk_info> chunks = chunks_of(pointers);
+  if (chunks.empty()) return false;
+  {
+    std::lock_guard lock(mutex_);
+    open_and_record(chunks, /*in_place=*/true);
+    figures_.in_place_uses += chunks.size();
+  }
+  bool on_host = true;
+  std::exception_ptr failure;
+  try {
+    for (const chunk_info& chunk : chunks) {
+      if (!views.empty() && views.back().address == chunk.address) continue;
+      const residency where = migrator_.where(chunk.address);
+      if (where == residency::moving_to_host || where == residency::moving_to_device) {
+        migrator_.wait_until_settled(chunk.address);
+      }
+      const std::uintptr_t host = migrator_.host_address(chunk.address);
+      if (host == 0) {
+        on_host = false;
+        break;
+      }
+      views.push_back({chunk.address, chunk.handle.bytes, host});
+    }
+    if (on_host) {
+      // The device's writes must have landed before the CPUs read: hinted uses end behind
+      // their fences, the others run on the chunk's streams or the caller's.
+      std::vector<event_handle> fences;
+      std::vector<stream_handle> streams{stream};
+      {
+        std::lock_guard lock(mutex_);
+        for (const host_view& view : views) {
+          for (event_handle fence : use_end_fences(view.address)) fences.push_back(fence);
+        }
+      }
+      for (const chunk_info& chunk : chunks) {
+        for (stream_handle each : chunk.streams) {
+          if (std::find(streams.begin(), streams.end(), each) == streams.end()) {
+            streams.push_back(each);
+          }
+        }
+      }
+      for (event_handle fence : fences) device_.synchronize_event(fence);
+      for (stream_handle each : streams) device_.synchronize_stream(each);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+    on_host = false;
+  }
+  if (!on_host) {
+    views.clear();
+    std::lock_guard lock(mutex_);
+    for (const chunk_info& chunk : chunks) {
+      chunk_state& state = chunks_[chunk.address];
+      if (state.open_uses > 0) --state.open_uses;
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  return on_host;
+}
+
 event_handle offload_engine::timing_event() {
   if (spare_timing_events_.empty()) return device_.create_timing_event();
   event_handle event = spare_timing_events_.back();

@@ -183,6 +183,21 @@ class offload_engine : public paging_listener {
   void use_in_place(const void* pointer, stream_handle stream) {
     use_in_place({&pointer, 1}, stream);
   }
+  /// A chunk as the host's CPUs reach it: its device addresses and where its bytes are.
+  struct host_view {
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    std::uintptr_t host = 0;
+  };
+  /// Note [Stepped on the host] (host_step.hpp): the allocations at `pointers` are about to
+  /// be read and written by the host's CPUs. Opens a use of each where it is (nothing moves
+  /// until use_ends), waits for the device's work on them (their use-ends fences, their
+  /// streams and `stream`), and returns true with `views`, one per chunk, when every chunk
+  /// is on the host and open to the CPUs. Else (a chunk on the device or on disk) returns
+  /// false with the uses ended and nothing waited for beyond the moves in flight. The caller
+  /// ends the uses with use_ends once the CPUs are done.
+  bool use_on_host(std::span<const void* const> pointers, stream_handle stream,
+                   std::vector<host_view>& views);
   /// The work enqueued on `stream` so far is the allocation's last use for now: its chunks
   /// may be evicted once that work has run (an event marks the point; no host waits).
   void use_ends(std::span<const void* const> pointers, stream_handle stream);

@@ -2,14 +2,18 @@
 // it, with a 256 MiB host limit and 8 MiB chunks): an allocation moves to the host and back
 // at the same address, the statistics say where the bytes went, hints are accepted, and bad
 // calls fail with a message.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <linux/io_uring.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -144,6 +148,131 @@ TEST(OffloadCapi, BadCallsFailWithAMessage) {
             std::string::npos)
       << zeroalloc_last_error();
   zeroalloc_free(pointer, 8 * kMiB, 0, nullptr);
+}
+
+// Bytes between the program and memory zeroalloc allocated: on CUDA through the runtime, on
+// the simulated device (host memory) directly.
+bool on_cuda() {
+  const char* kind = std::getenv("ZEROALLOC_DEVICE");
+  return kind != nullptr && std::string(kind) == "cuda";
+}
+
+void copy_bytes(void* to, const void* from, std::size_t bytes) {
+  if (on_cuda()) {
+    ASSERT_EQ(cudaMemcpy(to, from, bytes, cudaMemcpyDefault), cudaSuccess);
+  } else {
+    std::memcpy(to, from, bytes);
+  }
+}
+
+std::vector<float> random_floats(std::size_t count, float scale, unsigned seed) {
+  std::mt19937 generator(seed);
+  std::normal_distribution<float> normal(0.0F, scale);
+  std::vector<float> values(count);
+  for (float& value : values) value = normal(generator);
+  return values;
+}
+
+// torch.optim.AdamW's update (amsgrad off) in double, for one element.
+void adamw_reference(double& p, double g, double& m, double& v, const zeroalloc_adamw_settings& s) {
+  p *= 1.0 - s.lr * s.weight_decay;
+  m += (1.0 - s.beta1) * (g - m);
+  v = v * s.beta2 + (1.0 - s.beta2) * g * g;
+  const double step = static_cast<double>(s.step);
+  const double denominator = std::sqrt(v) / std::sqrt(1.0 - std::pow(s.beta2, step)) + s.eps;
+  p -= s.lr / (1.0 - std::pow(s.beta1, step)) * m / denominator;
+}
+
+// Note [Stepped on the host] (lib/tier/host_step.hpp): with a parameter and both moments on
+// the host (12 MiB each: two 8 MiB chunks and part of a third), AdamW steps them there, on the
+// CPUs, from a gradient in the program's host memory and then from one the library offloaded;
+// the values match AdamW computed in double to fp32 rounding, and the memory never moves.
+TEST(OffloadCapi, AdamWStepsStatesOnTheHostWhereTheyAre) {
+  constexpr std::size_t kCount = 3 * kMiB;  // floats
+  constexpr std::size_t kBytes = kCount * sizeof(float);
+  void* parameter = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
+  void* exp_avg = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  void* exp_avg_sq = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  void* gradient = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_GRADIENT);
+  ASSERT_TRUE(parameter && exp_avg && exp_avg_sq && gradient) << zeroalloc_last_error();
+  std::vector<float> p = random_floats(kCount, 1.0F, 1);
+  std::vector<float> m = random_floats(kCount, 0.01F, 2);
+  std::vector<float> v = random_floats(kCount, 0.001F, 3);
+  for (float& each : v) each = each * each;
+  const std::vector<float> g1 = random_floats(kCount, 0.1F, 4);
+  const std::vector<float> g2 = random_floats(kCount, 0.1F, 5);
+  copy_bytes(parameter, p.data(), kBytes);
+  copy_bytes(exp_avg, m.data(), kBytes);
+  copy_bytes(exp_avg_sq, v.data(), kBytes);
+  copy_bytes(gradient, g2.data(), kBytes);
+  std::vector<double> rp(p.begin(), p.end()), rm(m.begin(), m.end()), rv(v.begin(), v.end());
+  zeroalloc_adamw_settings settings{1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 0};
+  void* parameters[] = {parameter};
+  void* exp_avgs[] = {exp_avg};
+  void* exp_avg_sqs[] = {exp_avg_sq};
+  const std::size_t counts[] = {kCount};
+
+  // A state on the device: nothing is stepped, and the caller is told so.
+  const void* host_gradient[] = {g1.data()};
+  ASSERT_EQ(zeroalloc_offload(parameter, 1), 0) << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_offload(exp_avg, 1), 0) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_adamw_on_host(parameters, host_gradient, exp_avgs, exp_avg_sqs, counts, 1,
+                                    &settings, nullptr),
+            0)
+      << zeroalloc_last_error();
+  std::vector<float> unchanged(kCount);
+  copy_bytes(unchanged.data(), parameter, kBytes);
+  EXPECT_EQ(unchanged, p) << "a refused step changed the parameter";
+
+  ASSERT_EQ(zeroalloc_offload(exp_avg_sq, 1), 0) << zeroalloc_last_error();
+  const long long moved_out = offload_figure("bytes_to_host");
+  const long long moved_in = offload_figure("bytes_to_device");
+  ASSERT_EQ(zeroalloc_adamw_on_host(parameters, host_gradient, exp_avgs, exp_avg_sqs, counts, 1,
+                                    &settings, nullptr),
+            1)
+      << zeroalloc_last_error();
+  for (std::size_t i = 0; i < kCount; ++i) adamw_reference(rp[i], g1[i], rm[i], rv[i], settings);
+  // Step 2 reads its gradient from an allocation the library moved to the host.
+  ASSERT_EQ(zeroalloc_offload(gradient, 1), 0) << zeroalloc_last_error();
+  const void* offloaded_gradient[] = {gradient};
+  settings.step = 2;
+  ASSERT_EQ(zeroalloc_adamw_on_host(parameters, offloaded_gradient, exp_avgs, exp_avg_sqs, counts,
+                                    1, &settings, nullptr),
+            1)
+      << zeroalloc_last_error();
+  for (std::size_t i = 0; i < kCount; ++i) adamw_reference(rp[i], g2[i], rm[i], rv[i], settings);
+  EXPECT_EQ(zeroalloc_residency(parameter), ZEROALLOC_ON_HOST);
+  EXPECT_EQ(zeroalloc_residency(exp_avg_sq), ZEROALLOC_ON_HOST);
+  EXPECT_EQ(offload_figure("bytes_to_device"), moved_in) << "the step fetched something";
+  EXPECT_EQ(offload_figure("bytes_to_host"), moved_out + static_cast<long long>(kBytes))
+      << "only the gradient should have moved";
+
+  // Read back through the device's addresses: what the device sees is what the CPUs wrote.
+  std::vector<float> stepped(kCount), first(kCount), second(kCount);
+  copy_bytes(stepped.data(), parameter, kBytes);
+  copy_bytes(first.data(), exp_avg, kBytes);
+  copy_bytes(second.data(), exp_avg_sq, kBytes);
+  std::size_t moved = 0;
+  for (std::size_t i = 0; i < kCount; ++i) {
+    // fp32 rounding over two steps: a few ulps of each value, or of the terms (about 0.01)
+    // where a gradient cancels a moment.
+    EXPECT_NEAR(stepped[i], rp[i], 4e-6 * std::abs(rp[i]) + 1e-7) << "parameter " << i;
+    EXPECT_NEAR(first[i], rm[i], 4e-6 * std::abs(rm[i]) + 1e-8) << "exp_avg " << i;
+    EXPECT_NEAR(second[i], rv[i], 4e-6 * std::abs(rv[i]) + 1e-15) << "exp_avg_sq " << i;
+    if (stepped[i] != p[i]) ++moved;
+    if (HasFailure()) break;
+  }
+  EXPECT_GT(moved, kCount * 99 / 100) << "the step changed almost nothing";
+
+  settings.beta2 = 1.0;
+  EXPECT_EQ(zeroalloc_adamw_on_host(parameters, offloaded_gradient, exp_avgs, exp_avg_sqs, counts,
+                                    1, &settings, nullptr),
+            -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("beta2=1"), std::string::npos)
+      << zeroalloc_last_error();
+  for (void* each : {parameter, exp_avg, exp_avg_sq, gradient}) {
+    zeroalloc_free(each, kBytes, 0, nullptr);
+  }
 }
 
 // Whether this kernel lets the process use io_uring (the NVMe tier needs it).

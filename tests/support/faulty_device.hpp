@@ -102,6 +102,9 @@ class faulty_device final : public device {
     fail_if_chosen(device_call::map, "cuMemMap");
     inner_->map(address, handle);
   }
+  bool open_to_host(std::uintptr_t address, std::size_t bytes) override {
+    return inner_->open_to_host(address, bytes);
+  }
   [[nodiscard]] bool maps_slices() override { return inner_->maps_slices(); }
   void unmap(std::uintptr_t address, std::size_t bytes) override {
     {

@@ -1,0 +1,189 @@
+#include "tier/host_step.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace zeroalloc {
+namespace {
+
+struct adamw_factors {
+  float decay = 1.0F;            // 1 - lr * weight_decay
+  float one_minus_beta1 = 0.1F;  // the lerp weight of the first moment
+  float beta2 = 0.999F;
+  float one_minus_beta2 = 0.001F;
+  float bias_correction2_sqrt = 1.0F;
+  float eps = 1e-8F;
+  float negative_step_size = 0.0F;  // -lr / (1 - beta1^step)
+  float gradient_sign = 1.0F;       // -1 when maximizing
+};
+
+adamw_factors factors_of(const adamw_settings& s) {
+  // In double, then rounded once, as PyTorch computes the scalars of its fp32 kernels.
+  const auto step = static_cast<double>(s.step);
+  adamw_factors f;
+  f.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  f.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
+  f.beta2 = static_cast<float>(s.beta2);
+  f.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
+  f.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(s.beta2, step)));
+  f.eps = static_cast<float>(s.eps);
+  f.negative_step_size = static_cast<float>(-s.lr / (1.0 - std::pow(s.beta1, step)));
+  f.gradient_sign = s.maximize ? -1.0F : 1.0F;
+  return f;
+}
+
+// Built for three x86-64 levels, the best one chosen at load time; the loop has no
+// dependence between elements, so each build vectorises it at its width.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void update_elements(
+    float* __restrict parameter, const float* __restrict gradient, float* __restrict exp_avg,
+    float* __restrict exp_avg_sq, std::size_t count, adamw_factors f) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const float g = gradient[i] * f.gradient_sign;
+    const float p = parameter[i] * f.decay;
+    const float m = exp_avg[i] + f.one_minus_beta1 * (g - exp_avg[i]);
+    const float v = exp_avg_sq[i] * f.beta2 + f.one_minus_beta2 * g * g;
+    const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    parameter[i] = p + f.negative_step_size * (m / denominator);
+  }
+}
+
+std::vector<int> parse_cpu_list(const std::string& text) {
+  std::vector<int> cpus;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    if (item.empty() || item == "\n") continue;
+    const std::size_t dash = item.find('-');
+    try {
+      const int first = std::stoi(item.substr(0, dash));
+      const int last = dash == std::string::npos ? first : std::stoi(item.substr(dash + 1));
+      for (int cpu = first; cpu <= last; ++cpu) cpus.push_back(cpu);
+    } catch (const std::exception&) {
+      return {};  // not a CPU list: the caller uses every allowed CPU
+    }
+  }
+  return cpus;
+}
+
+}  // namespace
+
+void adamw_update(const adamw_span& span, const adamw_settings& settings) {
+  update_elements(span.parameter, span.gradient, span.exp_avg, span.exp_avg_sq, span.count,
+                  factors_of(settings));
+}
+
+std::vector<int> host_step_cpus(int node) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> usable;
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return usable;
+  std::ifstream list("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  std::string text;
+  if (node >= 0 && list && std::getline(list, text)) {
+    for (int cpu : parse_cpu_list(text)) {
+      if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &allowed)) usable.push_back(cpu);
+    }
+  }
+  if (!usable.empty()) return usable;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) usable.push_back(cpu);
+  }
+  return usable;
+}
+
+host_workers::host_workers(const std::vector<int>& cpus) {
+  const std::size_t extra = cpus.empty() ? 0 : cpus.size() - 1;
+  threads_.reserve(extra);
+  for (std::size_t index = 0; index < extra; ++index) {
+    threads_.emplace_back([this, index] { work(index); });
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[index + 1], &one);
+    // Best effort: a thread that cannot be bound still works, wherever it runs.
+    (void)::pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);
+  }
+}
+
+host_workers::~host_workers() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& thread : threads_) thread.join();
+}
+
+void host_workers::take_tasks() {
+  std::unique_lock lock(mutex_);
+  while (next_ < tasks_) {
+    const std::size_t mine = next_++;
+    const auto* task = task_;
+    lock.unlock();
+    (*task)(mine);
+    lock.lock();
+    if (++finished_ == tasks_) done_.notify_all();
+  }
+}
+
+void host_workers::work(std::size_t /*index*/) {
+  std::uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || round_ != seen; });
+      if (stopping_) return;
+      seen = round_;
+    }
+    take_tasks();
+  }
+}
+
+void host_workers::run(std::size_t tasks, const std::function<void(std::size_t)>& task) {
+  if (tasks == 0) return;
+  std::lock_guard one_call(call_);
+  {
+    std::lock_guard lock(mutex_);
+    task_ = &task;
+    tasks_ = tasks;
+    next_ = 0;
+    finished_ = 0;
+    ++round_;
+  }
+  if (tasks > 1) wake_.notify_all();
+  take_tasks();
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [&] { return finished_ == tasks_; });
+  task_ = nullptr;
+  tasks_ = 0;  // a worker that wakes late finds nothing to take
+}
+
+void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
+                   const adamw_settings& settings) {
+  // Pieces of 256 Ki elements (a megabyte of each tensor): enough to stream at full rate,
+  // small enough that the last ones balance the threads.
+  constexpr std::size_t kPiece = std::size_t{1} << 18;
+  std::vector<adamw_span> pieces;
+  for (const adamw_span& span : spans) {
+    for (std::size_t at = 0; at < span.count; at += kPiece) {
+      const std::size_t count = std::min(kPiece, span.count - at);
+      pieces.push_back({span.parameter + at, span.gradient + at, span.exp_avg + at,
+                        span.exp_avg_sq + at, count});
+    }
+  }
+  const adamw_factors factors = factors_of(settings);
+  workers.run(pieces.size(), [&](std::size_t index) {
+    const adamw_span& piece = pieces[index];
+    update_elements(piece.parameter, piece.gradient, piece.exp_avg, piece.exp_avg_sq, piece.count,
+                    factors);
+  });
+}
+
+}  // namespace zeroalloc
