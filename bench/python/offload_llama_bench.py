@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: ZEROALLOC_PARK_PARAMETERS (1: evicted parameters "
                         "parked behind unmapped addresses, the default; 0: mapped on the host); "
                         "0,1 runs both side by side")
+    parser.add_argument("--host-step", default="",
+                        help="offload mode: ZEROALLOC_HOST_STEP (1: AdamW windows whose states "
+                        "and parameters are all on the host step there, on the CPUs; 0: on the "
+                        "device, the default); 0,1 runs both side by side")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -207,6 +211,7 @@ class Run:
     log_suffix: str = ""
     step_parameters: str = ""
     park: str = ""
+    host_step: str = ""
 
 
 def plan_runs(args) -> list[Run]:
@@ -249,8 +254,11 @@ def plan_runs(args) -> list[Run]:
         parks = args.park.split(",") if args.park else [""]
         if any(each not in ("", "0", "1") for each in parks):
             raise ValueError(f"--park {args.park!r}: accepted: 0, 1 or both")
-        for limit, size, overlap, gradient, reach, park in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, parks):
+        hosts = args.host_step.split(",") if args.host_step else [""]
+        if any(each not in ("", "0", "1") for each in hosts):
+            raise ValueError(f"--host-step {args.host_step!r}: accepted: 0, 1 or both")
+        for limit, size, overlap, gradient, reach, park, host in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, parks, hosts):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -264,10 +272,13 @@ def plan_runs(args) -> list[Run]:
                 name += f"_{reach}"
             if len(parks) > 1:
                 name += f"_park{park}"
+            if len(hosts) > 1:
+                name += f"_host{host}"
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
                             + (f"_{reach}" if len(reaches) > 1 else "")
-                            + (f"_park{park}" if len(parks) > 1 else ""), reach, park))
+                            + (f"_park{park}" if len(parks) > 1 else "")
+                            + (f"_host{host}" if len(hosts) > 1 else ""), reach, park, host))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -448,6 +459,11 @@ def format_main_table(results: dict) -> str:
                           f"kept {overlap['kept_bytes'] / overlap['steps'] / GIB:.2f}, parameters "
                           f"bounced {overlap.get('bounced_parameter_bytes', 0) / overlap['steps'] / GIB:.2f}"
                           " GiB/step")
+                if "host_windows" in overlap:  # Note [Host windows]: which path ran
+                    notes += (f"; host step: {overlap['host_windows'] / overlap['steps']:.1f} "
+                              f"windows/step ({overlap['host_bytes'] / overlap['steps'] / GIB:.2f}"
+                              f" GiB of parameters, CPUs {overlap['host_s'] / overlap['steps']:.3f}"
+                              f" s/step), {overlap['host_refused']} refused")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "
@@ -948,7 +964,7 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", park: str = "") -> dict:
+             step_parameters: str = "", park: str = "", host_step: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -959,6 +975,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
         if park:
             env["ZEROALLOC_PARK_PARAMETERS"] = park
+        if host_step:
+            env["ZEROALLOC_HOST_STEP"] = host_step
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
@@ -1043,7 +1061,7 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.park)
+                                     run.step_parameters, run.park, run.host_step)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

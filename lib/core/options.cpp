@@ -194,6 +194,12 @@ const std::vector<option_spec>& table() {
        "speed where the states alone could make room. 0: gradients stay with the activations "
        "and never move.",
        store<&options::offload_gradients, read_boolean>},
+      {"ZEROALLOC_HOST_STEP", option_kind::boolean, "0", "",
+       "1: with ZEROALLOC_OFFLOAD=host, the Python package's windowed optimizer step runs AdamW "
+       "on the CPUs of the GPU's NUMA node for each window whose parameters and states are all "
+       "on the host, copying only the gradients there (not bit for bit the device's AdamW: "
+       "rounding differs). 0: every window steps on the device.",
+       check<read_boolean>},
       {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_host_share, "0.5", "",
        "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
        "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "

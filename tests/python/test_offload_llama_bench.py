@@ -146,7 +146,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", park=""):
+                 gradient_class="", log_suffix="", step_parameters="", park="", host_step=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -277,4 +277,25 @@ def test_parked_and_mapped_parameters_run_side_by_side_each_with_its_setting(mon
     args = bench.parse_args(["--modes", "offload"])
     for park in ("1", "0", ""):
         bench.run_mode(args, "offload", 1 << 30, park=park)
+    assert seen == ["1", "0", None]  # not given: the library's default
+
+
+def test_host_and_device_steps_run_side_by_side_each_with_its_setting(monkeypatch):
+    assert names(["--modes", "offload", "--limits-gib", "13.3", "--host-step", "0,1"]) == [
+        "bandwidth", "offload_13.3GiB_host0", "offload_13.3GiB_host1"]
+    with pytest.raises(ValueError, match="--host-step 'yes': accepted: 0, 1 or both"):
+        names(["--modes", "offload", "--host-step", "yes"])
+    seen = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        seen.append(env.get("ZEROALLOC_HOST_STEP"))
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(["--modes", "offload"])
+    for host in ("1", "0", ""):
+        bench.run_mode(args, "offload", 1 << 30, host_step=host)
     assert seen == ["1", "0", None]  # not given: the library's default

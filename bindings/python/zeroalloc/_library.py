@@ -83,6 +83,14 @@ def library_path() -> Path:
         "build it (scripts/demo.sh builds build/libzeroalloc.so) or set ZEROALLOC_LIBRARY")
 
 
+class AdamWSettings(ctypes.Structure):
+    """zeroalloc_adamw_settings."""
+
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
+                ("step", ctypes.c_int64), ("maximize", ctypes.c_int)]
+
+
 _loaded: ctypes.CDLL | None = None
 
 
@@ -137,6 +145,10 @@ def library() -> ctypes.CDLL:
             "zeroalloc_offload": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_fetch": ([ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_residency": ([ctypes.c_void_p], ctypes.c_int),
+            "zeroalloc_adamw_on_host": ([pointers, pointers, pointers, pointers,
+                                         ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+                                         ctypes.POINTER(AdamWSettings), c_stream],
+                                        ctypes.c_int),
             "zeroalloc_group_join": ([ctypes.c_char_p, ctypes.c_int], ctypes.c_int),
             "zeroalloc_group_rank": ([], ctypes.c_int),
             "zeroalloc_group_size": ([], ctypes.c_int),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
-from zeroalloc._library import ZeroallocError, last_error, library
+from zeroalloc._library import AdamWSettings, ZeroallocError, last_error, library
 
 #: zeroalloc_residency's answers.
 RESIDENCY = {0: "device", 1: "host", 2: "split", 3: "moving", 4: "disk", 5: "host_unmapped"}
@@ -68,3 +68,23 @@ def use_ends_many(pointers: list, stream: int = 0) -> None:
 
 def step_boundary() -> None:
     library().zeroalloc_step_boundary()
+
+
+def adamw_on_host(parameters: list, gradients: list, exp_avgs: list, exp_avg_sqs: list,
+                  counts: list, lr: float, betas: tuple, eps: float, weight_decay: float,
+                  step: int, maximize: bool = False, stream: int = 0) -> bool:
+    """One AdamW step of float32 tensors (pointers: allocation starts; a gradient may be host
+    memory) on the host's CPUs, where the engine holds them (Note [Stepped on the host] in
+    lib/tier/host_step.hpp). True when stepped; False when some allocation is not on the
+    host (nothing changed: step on the device)."""
+    if not parameters:
+        return True
+    settings = AdamWSettings(float(lr), float(betas[0]), float(betas[1]), float(eps),
+                             float(weight_decay), int(step), int(bool(maximize)))
+    answer = library().zeroalloc_adamw_on_host(
+        _array(parameters), _array(gradients), _array(exp_avgs), _array(exp_avg_sqs),
+        (ctypes.c_size_t * len(counts))(*counts), len(parameters), ctypes.byref(settings),
+        stream or None)
+    if answer < 0:
+        raise ZeroallocError(last_error())
+    return answer == 1

@@ -13,7 +13,8 @@ import torch
 
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
-from zeroalloc.torch import _adoption, _module_hints, _use_hints
+from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
+from zeroalloc.torch._host_step import HostStep
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
@@ -176,6 +177,9 @@ class WindowedStep:
         # Note [Parameters stepped where they are]; False: the step's use hints fetch them
         # (what bench/python/offload_llama_bench.py --step-parameters compares).
         self.bounce_parameters = True
+        # Note [Host windows] (_host_step.py): with ZEROALLOC_HOST_STEP, windows all on the
+        # host step there, on the CPUs.
+        self.host = HostStep() if _settings.host_step() else None
         self.streams: dict = {}  # device index -> CopyStreams
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step
@@ -733,10 +737,13 @@ class WindowedStep:
         run.copies = self.streams_of(device)
         main = torch.cuda.current_stream(device)
         scratch = self.prepare_scratch(run, main)
+        on_host = self.step_on_host(run, scratch, main) if self.host is not None else set()
         cursor = 0  # the next window that may need staging
         for number, window in enumerate(run.windows):
+            if number in on_host:
+                continue
             while cursor < len(run.windows) and cursor < number + scratch.slot_count:
-                if scratch.queued[cursor] is None:
+                if scratch.queued[cursor] is None and cursor not in on_host:
                     scratch.queued[cursor] = self.stage(
                         run.windows[cursor], cursor % scratch.slot_count, scratch.places,
                         run.copies.copy_in, main, run.held,
@@ -748,6 +755,28 @@ class WindowedStep:
                                    number % scratch.slot_count, main)
             self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
             self.forget(fresh)
+
+    def step_on_host(self, run: "StepRun", scratch: "StepScratch", main) -> set:
+        """Note [Host windows] (_host_step.py): steps on the CPUs the windows nothing staged
+        whose parameters and states are all on the host, each window's gradients copied to
+        the host while the CPUs step the window before; returns their numbers."""
+        groups = {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
+                  for p in params}
+        chosen = [number for number, window in enumerate(run.windows)
+                  if scratch.queued[number] is None
+                  and self.host.eligible(self, window, scratch.places, groups)]
+        done: set = set()
+        copies: dict = {}
+        for turn, number in enumerate(chosen):
+            if turn == 0:
+                copies[number] = self.host.copy_gradients(run.windows[number], 0, main)
+            if turn + 1 < len(chosen):  # the next window's gradients, while the CPUs work
+                following = chosen[turn + 1]
+                copies[following] = self.host.copy_gradients(run.windows[following],
+                                                              (turn + 1) % 2, main)
+            if self.host.step(self, run.windows[number], copies.pop(number), groups, main):
+                done.add(number)
+        return done
 
     def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
                     kwargs) -> list:
@@ -898,5 +927,8 @@ def step_figures(optimizer) -> dict:
     if stepper is None:
         raise ZeroallocError("this optimizer's step is not zeroalloc's windowed step: "
                              "pass it to zeroalloc.torch.offload() first")
-    return dict(stepper.figures)
+    figures = dict(stepper.figures)
+    if stepper.host is not None:  # Note [Host windows]: which windows ran where
+        figures.update(stepper.host.figures)
+    return figures
 

@@ -37,6 +37,13 @@ def parameters_park() -> bool:
     return setting("ZEROALLOC_PARK_PARAMETERS", "1") in ("1", "true", "yes", "on")
 
 
+def host_step() -> bool:
+    """ZEROALLOC_HOST_STEP (default 0): whether the windowed step steps AdamW windows whose
+    states and parameters are all on the host there, on the CPUs (Note [Stepped on the
+    host] in lib/tier/host_step.hpp)."""
+    return setting("ZEROALLOC_HOST_STEP", "0") in ("1", "true", "yes", "on")
+
+
 def require_offload_engine() -> None:
     if offload_setting() != "host":
         raise ZeroallocError(

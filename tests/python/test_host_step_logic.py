@@ -1,0 +1,131 @@
+"""The host step (ZEROALLOC_HOST_STEP; Note [Stepped on the host] in lib/tier/host_step.hpp)
+on the simulated device: zeroalloc_adamw_on_host steps states the engine holds on the host as
+torch.optim.AdamW steps the same values on the CPU, to fp32 rounding, and refuses (changing
+nothing) while a state is on the device; the windowed step's choice of what may step there.
+Each case runs in a fresh process (the library reads its variables once)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bindings" / "python"
+
+if not (ROOT / "build" / "libzeroalloc.so").exists() and "ZEROALLOC_LIBRARY" not in os.environ:
+    pytest.skip("skipped: build/libzeroalloc.so is not built", allow_module_level=True)
+
+
+def run_python(code: str, **environment) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_DEVICE": "sim",
+           "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "256MiB",
+           "ZEROALLOC_CHUNK_SIZE": "8MiB", **environment}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_adamw_on_host_matches_torch_adamw_and_refuses_states_on_the_device():
+    result = run_python("""
+        import ctypes
+        import torch
+        import zeroalloc
+        from zeroalloc import _offload
+        lib = zeroalloc.library()
+        torch.manual_seed(0)
+        # Two parameters: one across two 8 MiB chunks and a half, one small; two groups of
+        # hyperparameters as two calls.
+        shapes = [(2_500_000,), (1000,)]
+        classes = {"param": 1, "exp_avg": 3, "exp_avg_sq": 3}
+
+        def allocate(values, cls):
+            pointer = lib.zeroalloc_malloc_class(values.numel() * 4, 0, None, cls)
+            assert pointer, zeroalloc._library.last_error()
+            ctypes.memmove(pointer, values.data_ptr(), values.numel() * 4)  # host memory: sim
+            return pointer
+
+        def read(pointer, count):
+            out = torch.empty(count, dtype=torch.float32)
+            ctypes.memmove(out.data_ptr(), pointer, count * 4)
+            return out
+
+        reference = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        optimizer = torch.optim.AdamW([{"params": [reference[0]]},
+                                       {"params": [reference[1]], "lr": 3e-3, "weight_decay": 0.0,
+                                        "betas": (0.8, 0.95), "maximize": True}],
+                                      lr=1e-3, weight_decay=0.1, foreach=False)
+        ours = []
+        for p in reference:
+            ours.append({"param": allocate(p.detach(), 1),
+                         "exp_avg": allocate(torch.zeros_like(p), 3),
+                         "exp_avg_sq": allocate(torch.zeros_like(p), 3), "count": p.numel()})
+        for each in ours:
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                _offload.offload_pointer(each[key])
+        refused = None
+        for step in range(1, 4):
+            grads = [torch.randn(shape) * 0.1 for shape in shapes]
+            for p, g in zip(reference, grads):
+                p.grad = g.clone()
+            optimizer.step()
+            if step == 2:  # a state brought back to the device: refused, nothing changed
+                _offload.fetch_pointer(ours[0]["exp_avg"])
+                before = read(ours[0]["param"], ours[0]["count"])
+                group = optimizer.param_groups[0]
+                refused = _offload.adamw_on_host(
+                    [ours[0]["param"]], [grads[0].data_ptr()], [ours[0]["exp_avg"]],
+                    [ours[0]["exp_avg_sq"]], [ours[0]["count"]], lr=group["lr"],
+                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    step=step)
+                assert torch.equal(read(ours[0]["param"], ours[0]["count"]), before)
+                _offload.offload_pointer(ours[0]["exp_avg"])
+            for each, g, group in zip(ours, grads, optimizer.param_groups):
+                assert _offload.adamw_on_host(
+                    [each["param"]], [g.data_ptr()], [each["exp_avg"]], [each["exp_avg_sq"]],
+                    [each["count"]], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=step,
+                    maximize=group["maximize"]), zeroalloc._library.last_error()
+        print("refused", refused)
+        for each, p in zip(ours, reference):
+            state = optimizer.state[p]
+            for key, expected in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
+                                  ("exp_avg_sq", state["exp_avg_sq"])):
+                got = read(each[key], each["count"])
+                scale = expected.abs().max().item()
+                worst = ((got - expected).abs() / (expected.abs() + 1e-3 * scale)).max().item()
+                print(key, each["count"], "worst relative error", worst)
+                assert worst < 2e-5, (key, worst)
+            assert _offload.residency_of(each["param"]) == "host"
+        print("ok")
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "refused False" in result.stdout, result.stdout
+    assert "ok" in result.stdout
+
+
+def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch._host_step import adamw_settings, whole_fp32
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    adamw = torch.optim.AdamW([p], lr=torch.tensor(0.01), betas=(0.9, 0.99))
+    assert adamw_settings(adamw, adamw.param_groups[0]) == {
+        "lr": pytest.approx(0.01), "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01,
+        "maximize": False}
+    assert adamw_settings(torch.optim.AdamW([p], amsgrad=True),
+                          torch.optim.AdamW([p], amsgrad=True).param_groups[0]) is None
+    adam = torch.optim.Adam([p])  # no weight decay: AdamW's update
+    assert adamw_settings(adam, adam.param_groups[0])["weight_decay"] == 0.0
+    l2 = torch.optim.Adam([p], weight_decay=0.1)  # L2 in the gradient: not AdamW's update
+    assert adamw_settings(l2, l2.param_groups[0]) is None
+    sgd = torch.optim.SGD([p], lr=0.1)
+    assert adamw_settings(sgd, sgd.param_groups[0]) is None
+    whole = torch.zeros(8)
+    assert whole_fp32(whole)
+    assert not whole_fp32(whole[2:])  # a view: not the allocation's start
+    assert not whole_fp32(whole[:4])  # a view: not the whole allocation
+    assert not whole_fp32(whole.to(torch.bfloat16))
