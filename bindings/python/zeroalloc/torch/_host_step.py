@@ -62,45 +62,51 @@ class HostStep:
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_refused": 0}
 
-    def eligible(self, stepper, window, places: dict, groups: dict) -> bool:
-        """Whether every parameter of the window can be stepped on the host: AdamW settings
-        it runs, fp32 whole tensors, states created, and every parameter and state on the
-        host (as `places` says, or asked now)."""
-        for parameter in window:
-            group = groups.get(id(parameter))
-            if group is None or adamw_settings(stepper.optimizer, group) is None:
+    def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
+        """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
+        whole tensors, states created, and the parameter and its states on the host (as
+        `places` says, or asked now)."""
+        group = groups.get(id(parameter))
+        if group is None or adamw_settings(stepper.optimizer, group) is None:
+            return False
+        state = stepper.optimizer.state.get(parameter, {})
+        grad = parameter.grad
+        if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
+                or "step" not in state or not grad.is_cuda):
+            return False
+        tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
+        if not all(whole_fp32(t) for t in tensors + (grad,)):
+            return False
+        for tensor in tensors:
+            place = places.get(id(tensor))
+            if place is None:
+                place = places[id(tensor)] = residency_or_foreign(tensor)
+            if place not in ON_HOST:
                 return False
-            state = stepper.optimizer.state.get(parameter, {})
-            grad = parameter.grad
-            if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
-                    or "step" not in state or not grad.is_cuda):
-                return False
-            tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
-            if not all(whole_fp32(t) for t in tensors + (grad,)):
-                return False
-            for tensor in tensors:
-                place = places.get(id(tensor))
-                if place is None:
-                    place = places[id(tensor)] = residency_or_foreign(tensor)
-                if place not in ON_HOST:
-                    return False
         return True
 
     def copy_gradients(self, window, slot: int, main) -> tuple:
         """Starts copying the window's gradients into pinned buffer `slot`, after the
-        backward (main); returns (host views, event after the copies)."""
+        backward (main); returns (what the CPUs read for each: a view of the buffer, or the
+        gradient itself when it is on the host, event after the copies)."""
         device = window[0].device
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
-        total = sum(p.grad.numel() for p in window)
+        # A gradient the engine moved to the host (zt.offload's gradient_class) is read
+        # there; the others are copied.
+        there = {id(p) for p in window if residency_or_foreign(p.grad) == "host"}
+        total = sum(p.grad.numel() for p in window if id(p) not in there)
         buffer = self.buffers[slot]
-        if buffer is None or buffer.numel() < total:
+        if total and (buffer is None or buffer.numel() < total):
             buffer = self.buffers[slot] = torch.empty(total, dtype=torch.float32,
                                                       pin_memory=True)
         views, offset = [], 0
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             for parameter in window:
+                if id(parameter) in there:
+                    views.append(parameter.grad)
+                    continue
                 count = parameter.grad.numel()
                 view = buffer[offset:offset + count]
                 view.copy_(parameter.grad.view(-1), non_blocking=True)

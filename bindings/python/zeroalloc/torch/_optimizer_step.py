@@ -737,15 +737,19 @@ class WindowedStep:
         run.copies = self.streams_of(device)
         main = torch.cuda.current_stream(device)
         scratch = self.prepare_scratch(run, main)
-        on_host = self.step_on_host(run, scratch, main) if self.host is not None else set()
+        # Note [Host windows]: what the device still steps of windows the host stepped in
+        # part (run.windows stays as planned: the next step's staging compares with it).
+        left = self.step_on_host(run, scratch, main) if self.host is not None else {}
         cursor = 0  # the next window that may need staging
         for number, window in enumerate(run.windows):
-            if number in on_host:
+            window = left.get(number, window)
+            if not window:
                 continue
             while cursor < len(run.windows) and cursor < number + scratch.slot_count:
-                if scratch.queued[cursor] is None and cursor not in on_host:
+                if scratch.queued[cursor] is None and left.get(cursor, True):
                     scratch.queued[cursor] = self.stage(
-                        run.windows[cursor], cursor % scratch.slot_count, scratch.places,
+                        left.get(cursor, run.windows[cursor]), cursor % scratch.slot_count,
+                        scratch.places,
                         run.copies.copy_in, main, run.held,
                         parameters=self.bounce_parameters)
                 cursor += 1
@@ -756,27 +760,33 @@ class WindowedStep:
             self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
             self.forget(fresh)
 
-    def step_on_host(self, run: "StepRun", scratch: "StepScratch", main) -> set:
-        """Note [Host windows] (_host_step.py): steps on the CPUs the windows nothing staged
-        whose parameters and states are all on the host, each window's gradients copied to
-        the host while the CPUs step the window before; returns their numbers."""
+    def step_on_host(self, run: "StepRun", scratch: "StepScratch", main) -> dict:
+        """Note [Host windows] (_host_step.py): steps on the CPUs the parameters of the
+        windows nothing staged that are on the host with their states, each window's
+        gradients copied to the host while the CPUs step the window before. Returns what the
+        device still steps of the windows it touched: window number -> the parameters left
+        (an empty list: none)."""
         groups = {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
                   for p in params}
-        chosen = [number for number, window in enumerate(run.windows)
-                  if scratch.queued[number] is None
-                  and self.host.eligible(self, window, scratch.places, groups)]
-        done: set = set()
+        chosen = []  # (window number, its parameters on the host)
+        for number, window in enumerate(run.windows):
+            if scratch.queued[number] is None:
+                hosted = [p for p in window
+                          if self.host.eligible(self, p, scratch.places, groups)]
+                if hosted:
+                    chosen.append((number, hosted))
+        left: dict = {}
         copies: dict = {}
-        for turn, number in enumerate(chosen):
+        for turn, (number, hosted) in enumerate(chosen):
             if turn == 0:
-                copies[number] = self.host.copy_gradients(run.windows[number], 0, main)
+                copies[number] = self.host.copy_gradients(hosted, 0, main)
             if turn + 1 < len(chosen):  # the next window's gradients, while the CPUs work
-                following = chosen[turn + 1]
-                copies[following] = self.host.copy_gradients(run.windows[following],
-                                                              (turn + 1) % 2, main)
-            if self.host.step(self, run.windows[number], copies.pop(number), groups, main):
-                done.add(number)
-        return done
+                following, its_hosted = chosen[turn + 1]
+                copies[following] = self.host.copy_gradients(its_hosted, (turn + 1) % 2, main)
+            if self.host.step(self, hosted, copies.pop(number), groups, main):
+                done = {id(p) for p in hosted}
+                left[number] = [p for p in run.windows[number] if id(p) not in done]
+        return left
 
     def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
                     kwargs) -> list:
