@@ -519,20 +519,26 @@ bool offload_engine::use_on_host(std::span<const void* const> pointers, stream_h
     }
     if (on_host) {
       // The device's writes must have landed before the CPUs read: hinted uses end behind
-      // their fences, the others run on the chunk's streams or the caller's.
+      // their fences, which cover the chunk alone while nothing was allocated or freed in
+      // its segment since (the rule of fenced_eviction); else its streams are waited for
+      // too. And the caller's stream. Waiting for a busy stream needlessly would hold the
+      // CPUs behind device work they do not need (a window stepped on the device meanwhile).
       std::vector<event_handle> fences;
       std::vector<stream_handle> streams{stream};
       {
         std::lock_guard lock(mutex_);
-        for (const host_view& view : views) {
-          for (event_handle fence : use_end_fences(view.address)) fences.push_back(fence);
-        }
-      }
-      for (const chunk_info& chunk : chunks) {
-        for (stream_handle each : chunk.streams) {
-          if (std::find(streams.begin(), streams.end(), each) == streams.end()) {
-            streams.push_back(each);
+        for (const chunk_info& chunk : chunks) {
+          std::vector<event_handle> own = use_end_fences(chunk.address);
+          auto state = chunks_.find(chunk.address);
+          if (own.empty() || state == chunks_.end() ||
+              state->second.released_generation != chunk.generation) {
+            for (stream_handle each : chunk.streams) {
+              if (std::find(streams.begin(), streams.end(), each) == streams.end()) {
+                streams.push_back(each);
+              }
+            }
           }
+          fences.insert(fences.end(), own.begin(), own.end());
         }
       }
       for (event_handle fence : fences) device_.synchronize_event(fence);

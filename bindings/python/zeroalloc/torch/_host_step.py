@@ -15,6 +15,7 @@ runs here; the rest steps on the device.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -85,13 +86,10 @@ class HostStep:
                 return False
         return True
 
-    def copy_gradients(self, window, slot: int, main) -> tuple:
-        """Starts copying the window's gradients into pinned buffer `slot`, after the
-        backward (main); returns (what the CPUs read for each: a view of the buffer, or the
-        gradient itself when it is on the host, event after the copies)."""
-        device = window[0].device
-        if self.stream is None or self.stream.device != device:
-            self.stream = torch.cuda.Stream(device)
+    def copy_gradients(self, window, slot: int, after) -> tuple:
+        """Starts copying the window's gradients into pinned buffer `slot`, after the event
+        `after` (the backward's end); returns (what the CPUs read for each: a view of the
+        buffer, or the gradient itself when it is on the host, event after the copies)."""
         # A gradient the engine moved to the host (zt.offload's gradient_class) is read
         # there; the others are copied.
         there = {id(p) for p in window if residency_or_foreign(p.grad) == "host"}
@@ -101,7 +99,7 @@ class HostStep:
             buffer = self.buffers[slot] = torch.empty(total, dtype=torch.float32,
                                                       pin_memory=True)
         views, offset = [], 0
-        self.stream.wait_stream(main)
+        self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             for parameter in window:
                 if id(parameter) in there:
@@ -117,7 +115,38 @@ class HostStep:
         copied.record(self.stream)
         return views, copied
 
-    def step(self, stepper, window, gradients: tuple, groups: dict, main) -> bool:
+    def start(self, stepper, chosen: list, groups: dict, main) -> "HostRun":
+        """Steps `chosen` ((window number, its parameters on the host), in order) on a thread
+        of its own, while the caller steps the rest of the windows on the device: each
+        window's gradients are copied while the CPUs step the window before."""
+        device = main.device
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device)
+        after = torch.cuda.Event()
+        after.record(main)  # the backward's end: the copies need nothing main queues later
+        run = HostRun()
+
+        def work() -> None:
+            try:
+                with torch.cuda.device(device):
+                    copies: dict = {}
+                    for turn, (number, hosted) in enumerate(chosen):
+                        if turn == 0:
+                            copies[number] = self.copy_gradients(hosted, 0, after)
+                        if turn + 1 < len(chosen):  # the next one's, while the CPUs work
+                            following, its_hosted = chosen[turn + 1]
+                            copies[following] = self.copy_gradients(its_hosted, (turn + 1) % 2,
+                                                                     after)
+                        if not self.step(stepper, hosted, copies.pop(number), groups):
+                            run.refused.append(hosted)
+            except BaseException as error:  # noqa: BLE001  raised again by join()
+                run.error = error
+
+        run.thread = threading.Thread(target=work, name="zeroalloc-host-step", daemon=True)
+        run.thread.start()
+        return run
+
+    def step(self, stepper, window, gradients: tuple, groups: dict) -> bool:
         """Steps the window on the CPUs once its gradients are on the host; False when the
         library found a part of it on the device (nothing changed)."""
         views, copied = gradients
@@ -143,7 +172,7 @@ class HostStep:
                     [view.data_ptr() for _, view in members],
                     [s["exp_avg"].untyped_storage().data_ptr() for s in states],
                     [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states],
-                    [p.numel() for p, _ in members], step=count, stream=main.cuda_stream,
+                    [p.numel() for p, _ in members], step=count, stream=self.stream.cuda_stream,
                     **settings)
                 if not stepped:
                     self.figures["host_refused"] += 1
@@ -158,3 +187,21 @@ class HostStep:
         self.figures["host_windows"] += 1
         self.figures["host_bytes"] += sum(p.numel() * 4 for p in window)
         return True
+
+
+class HostRun:
+    """The host side of one step, running on its thread (HostStep.start)."""
+
+    def __init__(self):
+        self.thread: "threading.Thread | None" = None
+        self.refused: list = []  # parameter lists the library found partly on the device
+        self.error: "BaseException | None" = None
+
+    def join(self) -> list:
+        """Waits for the thread; returns what it refused (to step on the device), or raises
+        what it raised."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.refused

@@ -737,9 +737,28 @@ class WindowedStep:
         run.copies = self.streams_of(device)
         main = torch.cuda.current_stream(device)
         scratch = self.prepare_scratch(run, main)
-        # Note [Host windows]: what the device still steps of windows the host stepped in
-        # part (run.windows stays as planned: the next step's staging compares with it).
-        left = self.step_on_host(run, scratch, main) if self.host is not None else {}
+        # Note [Host windows]: the parameters on the host step there, on a thread, while
+        # the device steps the rest of each window (run.windows stays as planned: the next
+        # step's staging compares with it).
+        left, host_run = {}, None
+        if self.host is not None:
+            chosen = self.host_parts(run, scratch)
+            if chosen:
+                host_run = self.host.start(self, chosen, self.groups_of(run), main)
+            for number, hosted in chosen:
+                ids = {id(p) for p in hosted}
+                left[number] = [p for p in run.windows[number] if id(p) not in ids]
+        try:
+            self.step_device_parts(run, scratch, left, main, kwargs)
+        finally:
+            refused = host_run.join() if host_run is not None else []
+        for parameters in refused:  # moved to the device meanwhile: stepped there
+            self.step_pinned(run, parameters, main, kwargs)
+
+    def step_device_parts(self, run: "StepRun", scratch: "StepScratch", left: dict, main,
+                          kwargs) -> None:
+        """The windows on the device, in order (for a window the host stepped in part, what
+        `left` says is left of it)."""
         cursor = 0  # the next window that may need staging
         for number, window in enumerate(run.windows):
             window = left.get(number, window)
@@ -760,33 +779,37 @@ class WindowedStep:
             self.adopt_new_states(fresh)  # after the write-backs: a failure here loses none
             self.forget(fresh)
 
-    def step_on_host(self, run: "StepRun", scratch: "StepScratch", main) -> dict:
-        """Note [Host windows] (_host_step.py): steps on the CPUs the parameters of the
-        windows nothing staged that are on the host with their states, each window's
-        gradients copied to the host while the CPUs step the window before. Returns what the
-        device still steps of the windows it touched: window number -> the parameters left
-        (an empty list: none)."""
-        groups = {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
-                  for p in params}
-        chosen = []  # (window number, its parameters on the host)
+    def host_parts(self, run: "StepRun", scratch: "StepScratch") -> list:
+        """Note [Host windows] (_host_step.py): (window number, its parameters that are on the
+        host with their states) for the windows nothing staged, in order."""
+        groups = self.groups_of(run)
+        chosen = []
         for number, window in enumerate(run.windows):
             if scratch.queued[number] is None:
                 hosted = [p for p in window
                           if self.host.eligible(self, p, scratch.places, groups)]
                 if hosted:
                     chosen.append((number, hosted))
-        left: dict = {}
-        copies: dict = {}
-        for turn, (number, hosted) in enumerate(chosen):
-            if turn == 0:
-                copies[number] = self.host.copy_gradients(hosted, 0, main)
-            if turn + 1 < len(chosen):  # the next window's gradients, while the CPUs work
-                following, its_hosted = chosen[turn + 1]
-                copies[following] = self.host.copy_gradients(its_hosted, (turn + 1) % 2, main)
-            if self.host.step(self, hosted, copies.pop(number), groups, main):
-                done = {id(p) for p in hosted}
-                left[number] = [p for p in run.windows[number] if id(p) not in done]
-        return left
+        return chosen
+
+    def groups_of(self, run: "StepRun") -> dict:
+        return {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
+                for p in params}
+
+    def step_pinned(self, run: "StepRun", parameters: list, main, kwargs) -> None:
+        """Steps `parameters` with the optimizer's own step where they and their states are,
+        each pinned there (the host's refusals: rare, so not bounced)."""
+        chosen = {id(p) for p in parameters}
+        for group, params in zip(self.optimizer.param_groups, run.saved):
+            group["params"] = [p for p in params if id(p) in chosen]
+        pinned = [value for p in parameters for _, value in self.items(p)] + list(parameters)
+        _use_hints.hint(_offload.use_in_place_many, pinned, main.cuda_stream)
+        try:
+            with _stats.allocation_class("other"):
+                self.original_step(**kwargs)
+        finally:
+            _use_hints.hint(_offload.use_ends_many, pinned, main.cuda_stream)
+            self.forget(parameters)
 
     def step_window(self, run: "StepRun", window, staged: "StagedWindow", main,
                     kwargs) -> list:
