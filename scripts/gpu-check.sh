@@ -12,7 +12,7 @@
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
 # run of figures alone) alloc_bench hint migration remap torch_empty
-# preload_overhead trace pytest demo (about 40 s) optimizer_step (about 60 s) llama (about
+# preload_overhead trace pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
 # _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
@@ -164,6 +164,9 @@ skipped optimizer_step || python3 bench/python/optimizer_step_bench.py \
 step "Llama 1.3B: native, zeroalloc, offload under a limit, FSDP2 with CPUOffloadPolicy"
 skipped llama || python3 bench/python/offload_llama_bench.py \
   --library build/libzeroalloc.so --warmup 8 --steps 8 --overlap-bytes 0,2147483648 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
+
+step "the host step's AdamW on this machine's CPUs, by thread count (Note [Stepped on the host])"
+skipped host_step || build/bench/host_step_bench --millions 256 --rounds 3 2>&1 | tee "$out/host_step.txt" | tail -8
 
 step "the NVMe tier's disk store against plain O_DIRECT I/O on this machine's disk"
 if [[ -z $(skipped disk) ]]; then
