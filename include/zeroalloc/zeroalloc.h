@@ -382,9 +382,10 @@ typedef struct zeroalloc_adamw_settings {
  * float32 elements, and every pointer is the start of an allocation (a gradient may also be
  * host memory of the caller's, pinned or not). The device's work on them queued on `stream`
  * (and on their own streams) is waited for first. Returns 1 when stepped; 0 when some
- * allocation has a chunk in device memory or on disk, or host memory is not open to the CPUs
- * on this driver: nothing was changed, step them on the device; -1 with zeroalloc_last_error()
- * set. Not bit for bit the device's AdamW: rounding differs by a few ulps per step.
+ * allocation has a chunk in device memory or on disk: nothing was changed, step them on the
+ * device; 2 when this driver does not open host memory to the CPUs (nothing was changed, and
+ * no later call will step either); -1 with zeroalloc_last_error() set. Not bit for bit the device's
+ * AdamW: rounding differs by a few ulps per step.
  */
 int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradients,
                             void* const* exp_avgs, void* const* exp_avg_sqs, const size_t* counts,

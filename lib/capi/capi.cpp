@@ -634,10 +634,28 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
         managed.push_back(gradients[i]);
       }
     }
+    // Never on this driver: the host pool's memory is not open to the CPUs.
+    if (zeroalloc::host_pool* pool = started.host_tier(ordinal);
+        pool != nullptr && !pool->open_to_host()) {
+      return 2;
+    }
     zeroalloc::host_workers& workers = started.host_step_workers(ordinal);
     std::vector<zeroalloc::offload_engine::host_view> views;
     const zeroalloc::stream_handle on = device_stream(stream);
     if (!engine.use_on_host(managed, on, views)) return 0;
+    // The uses end however this call ends (an exception would leave the chunks pinned).
+    struct uses_end {
+      zeroalloc::offload_engine& engine;
+      const std::vector<const void*>& managed;
+      zeroalloc::stream_handle on;
+      ~uses_end() {
+        try {
+          engine.use_ends(managed, on);
+        } catch (const std::exception& failure) {
+          zeroalloc::log().error("ending the host step's uses failed: {}", failure.what());
+        }
+      }
+    } ending{engine, managed, on};
     std::sort(views.begin(), views.end(),
               [](const auto& a, const auto& b) { return a.address < b.address; });
     std::vector<zeroalloc::adamw_span> spans;
@@ -680,7 +698,6 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
           settings->weight_decay, settings->step,  settings->maximize != 0};
       zeroalloc::adamw_on_host(workers, spans, chosen);
     }
-    engine.use_ends(managed, on);
     ZA_REQUIRE(reached,
                "an element count runs past the end of its allocation: every pointer "
                "must be the start of an allocation of counts[i] float32 elements");

@@ -373,7 +373,10 @@ host_workers& runtime::host_step_workers(int ordinal) {
   std::lock_guard lock(create_mutex_);
   std::unique_ptr<host_workers>& workers = host_step_workers_[ordinal];
   if (!workers) {
-    const std::vector<int> cpus = host_step_cpus(owner.backing().host_numa_node());
+    std::vector<int> cpus = host_step_cpus(owner.backing().host_numa_node());
+    // One CPU stays with the training thread, which queues the device's part of the step
+    // meanwhile (Note [Host windows] in the Python package).
+    if (cpus.size() > 2) cpus.pop_back();
     workers = std::make_unique<host_workers>(cpus);
     log().info("the host step runs on {} CPUs (NUMA node {})", workers->threads(),
                owner.backing().host_numa_node());

@@ -40,7 +40,10 @@ adamw_factors factors_of(const adamw_settings& s) {
 
 // Built for three x86-64 levels, the best one chosen at load time; the loop has no
 // dependence between elements, so each build vectorises it at its width.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void update_elements(
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void update_elements(
     float* __restrict parameter, const float* __restrict gradient, float* __restrict exp_avg,
     float* __restrict exp_avg_sq, std::size_t count, adamw_factors f) {
   for (std::size_t i = 0; i < count; ++i) {

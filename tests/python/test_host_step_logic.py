@@ -116,6 +116,17 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert adamw_settings(adamw, adamw.param_groups[0]) == {
         "lr": pytest.approx(0.01), "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01,
         "maximize": False}
+    # A fused step unscales a GradScaler's gradients and skips overflowed steps in its kernel.
+    assert adamw_settings(adamw, {**adamw.param_groups[0], "fused": True}) is None
+    adamw.grad_scale = torch.tensor(1024.0)
+    assert adamw_settings(adamw, adamw.param_groups[0]) is None
+    del adamw.grad_scale
+
+    class Custom(torch.optim.AdamW):  # may step otherwise
+        pass
+
+    custom = Custom([p])
+    assert adamw_settings(custom, custom.param_groups[0]) is None
     assert adamw_settings(torch.optim.AdamW([p], amsgrad=True),
                           torch.optim.AdamW([p], amsgrad=True).param_groups[0]) is None
     adam = torch.optim.Adam([p])  # no weight decay: AdamW's update

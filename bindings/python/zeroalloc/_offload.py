@@ -76,7 +76,8 @@ def adamw_on_host(parameters: list, gradients: list, exp_avgs: list, exp_avg_sqs
     """One AdamW step of float32 tensors (pointers: allocation starts; a gradient may be host
     memory) on the host's CPUs, where the engine holds them (Note [Stepped on the host] in
     lib/tier/host_step.hpp). True when stepped; False when some allocation is not on the
-    host (nothing changed: step on the device)."""
+    host (nothing changed: step on the device). Raises HostStepUnavailable when no call can
+    step on this driver."""
     if not parameters:
         return True
     settings = AdamWSettings(float(lr), float(betas[0]), float(betas[1]), float(eps),
@@ -87,4 +88,11 @@ def adamw_on_host(parameters: list, gradients: list, exp_avgs: list, exp_avg_sqs
         stream or None)
     if answer < 0:
         raise ZeroallocError(last_error())
+    if answer == 2:
+        raise HostStepUnavailable("the driver does not open host memory mapped through it to "
+                                  "the CPUs: the optimizer steps on the device")
     return answer == 1
+
+
+class HostStepUnavailable(ZeroallocError):
+    """zeroalloc_adamw_on_host can never step on this driver (it answered 2)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import torch
 
@@ -28,7 +29,13 @@ ON_HOST = ("host", "host_unmapped")
 
 def adamw_settings(optimizer, group) -> "dict | None":
     """The group's AdamW settings when the host step can run them, else None."""
-    if isinstance(optimizer, torch.optim.AdamW):
+    # A subclass may step otherwise; a fused step unscales a GradScaler's gradients and skips
+    # steps that overflowed inside its kernel (grad_scale, found_inf), which the host step
+    # does not do.
+    if (getattr(optimizer, "grad_scale", None) is not None
+            or getattr(optimizer, "found_inf", None) is not None or group.get("fused")):
+        return None
+    if type(optimizer) is torch.optim.AdamW:
         decoupled = True
     elif type(optimizer) is torch.optim.Adam:
         decoupled = bool(group.get("decoupled_weight_decay", False))
@@ -60,6 +67,9 @@ class HostStep:
     def __init__(self):
         self.buffers = [None, None]  # pinned host memory for the gradients, double-buffered
         self.stream = None
+        self.fence = None
+        self.unavailable = False  # the library answered that it never steps on this driver
+        self.stepped: list = []
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_refused": 0}
 
@@ -107,8 +117,8 @@ class HostStep:
                     continue
                 count = parameter.grad.numel()
                 view = buffer[offset:offset + count]
+                parameter.grad.record_stream(self.stream)  # before the copy is queued
                 view.copy_(parameter.grad.view(-1), non_blocking=True)
-                parameter.grad.record_stream(self.stream)
                 views.append(view)
                 offset += count
         copied = torch.cuda.Event()
@@ -122,8 +132,12 @@ class HostStep:
         device = main.device
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
+            # What the library waits for before the CPUs read (the backward's end), apart
+            # from the copies: waiting for the copy stream would wait for the next window's.
+            self.fence = torch.cuda.Stream(device)
         after = torch.cuda.Event()
         after.record(main)  # the backward's end: the copies need nothing main queues later
+        self.fence.wait_event(after)
         run = HostRun()
 
         def work() -> None:
@@ -137,22 +151,38 @@ class HostStep:
                             following, its_hosted = chosen[turn + 1]
                             copies[following] = self.copy_gradients(its_hosted, (turn + 1) % 2,
                                                                      after)
-                        if not self.step(stepper, hosted, copies.pop(number), groups):
-                            run.refused.append(hosted)
-            except BaseException as error:  # noqa: BLE001  raised again by join()
-                run.error = error
+                        run.done = turn
+                        refused = self.step(stepper, hosted, copies.pop(number), groups)
+                        if refused:
+                            run.refused.append(refused)
+                        run.done = turn + 1
+            except BaseException as error:  # noqa: BLE001  raised by the caller after
+                if isinstance(error, _offload.HostStepUnavailable):
+                    # Never on this driver: the rest steps on the device, now and after.
+                    warnings.warn(f"zeroalloc: {error}")
+                    self.unavailable = True
+                else:
+                    run.error = error
+                # What no call stepped goes to the device: the window being stepped less
+                # what its finished calls stepped, and the windows after it.
+                if run.done < len(chosen):
+                    stepped = {id(p) for p in self.stepped}
+                    current = [p for p in chosen[run.done][1] if id(p) not in stepped]
+                    run.refused.extend(part for part in
+                                       [current] + [h for _, h in chosen[run.done + 1:]] if part)
 
         run.thread = threading.Thread(target=work, name="zeroalloc-host-step", daemon=True)
         run.thread.start()
         return run
 
-    def step(self, stepper, window, gradients: tuple, groups: dict) -> bool:
-        """Steps the window on the CPUs once its gradients are on the host; False when the
-        library found a part of it on the device (nothing changed)."""
+    def step(self, stepper, window, gradients: tuple, groups: dict) -> list:
+        """Steps the window on the CPUs once its gradients are on the host, one library call
+        per group and step count (the bias corrections differ between counts), each all or
+        nothing; returns the parameters of the calls the library refused (a part on the
+        device: nothing of theirs changed)."""
         views, copied = gradients
         copied.synchronize()
         started = time.perf_counter()
-        # One call per group and step count (the bias corrections differ between counts).
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -160,9 +190,8 @@ class HostStep:
             count = int(state["step"].item() if torch.is_tensor(state["step"])
                         else state["step"]) + 1
             batches.setdefault((id(group), count), (group, []))[1].append((parameter, view))
-        if len(batches) > 1:  # one call steps the window, or none does: never half of it
-            self.figures["host_refused"] += 1
-            return False
+        refused = []
+        self.stepped = []  # what this window's finished calls stepped
         try:
             for (_, count), (group, members) in batches.items():
                 settings = adamw_settings(stepper.optimizer, group)
@@ -172,21 +201,24 @@ class HostStep:
                     [view.data_ptr() for _, view in members],
                     [s["exp_avg"].untyped_storage().data_ptr() for s in states],
                     [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states],
-                    [p.numel() for p, _ in members], step=count, stream=self.stream.cuda_stream,
+                    [p.numel() for p, _ in members], step=count, stream=self.fence.cuda_stream,
                     **settings)
                 if not stepped:
                     self.figures["host_refused"] += 1
-                    return False
+                    refused.extend(p for p, _ in members)
+                    continue
                 for state in states:
                     if torch.is_tensor(state["step"]):
                         state["step"] += 1
                     else:
                         state["step"] = state["step"] + 1
+                self.stepped.extend(p for p, _ in members)
+                self.figures["host_bytes"] += sum(p.numel() * 4 for p, _ in members)
         finally:
             self.figures["host_s"] += time.perf_counter() - started
-        self.figures["host_windows"] += 1
-        self.figures["host_bytes"] += sum(p.numel() * 4 for p in window)
-        return True
+        if len(refused) < len(window):
+            self.figures["host_windows"] += 1
+        return refused
 
 
 class HostRun:
@@ -194,14 +226,15 @@ class HostRun:
 
     def __init__(self):
         self.thread: "threading.Thread | None" = None
-        self.refused: list = []  # parameter lists the library found partly on the device
+        # Parameter lists left to the device: refused (a part of them on the device), or not
+        # reached when the thread failed.
+        self.refused: list = []
+        self.done = 0  # windows finished
         self.error: "BaseException | None" = None
 
     def join(self) -> list:
-        """Waits for the thread; returns what it refused (to step on the device), or raises
-        what it raised."""
+        """Waits for the thread; returns what is left to step on the device (the caller
+        steps it, then raises `error` if there is one)."""
         if self.thread is not None:
             self.thread.join()
-        if self.error is not None:
-            raise self.error
         return self.refused

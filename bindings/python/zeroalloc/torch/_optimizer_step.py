@@ -741,7 +741,10 @@ class WindowedStep:
         # the device steps the rest of each window (run.windows stays as planned: the next
         # step's staging compares with it).
         left, host_run = {}, None
-        if self.host is not None:
+        if self.host is not None and self.host.unavailable:
+            self.host = None  # the library never steps on the host on this driver
+        # A step with arguments (a GradScaler's, say) is the optimizer's own business.
+        if self.host is not None and not kwargs:
             chosen = self.host_parts(run, scratch)
             if chosen:
                 host_run = self.host.start(self, chosen, self.groups_of(run), main)
@@ -752,8 +755,11 @@ class WindowedStep:
             self.step_device_parts(run, scratch, left, main, kwargs)
         finally:
             refused = host_run.join() if host_run is not None else []
-        for parameters in refused:  # moved to the device meanwhile: stepped there
+        # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
+        for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
+        if host_run is not None and host_run.error is not None:
+            raise host_run.error
 
     def step_device_parts(self, run: "StepRun", scratch: "StepScratch", left: dict, main,
                           kwargs) -> None:
