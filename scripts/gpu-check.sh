@@ -12,7 +12,7 @@
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
 # run of figures alone) alloc_bench hint migration remap torch_empty
-# preload_overhead trace pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
+# preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
 # _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
@@ -65,6 +65,7 @@ if [[ -z $(skipped ctest) ]]; then
 else skipped ctest; fi
 
 step "the wheel: installed with pip, then zeroalloc doctor with no variable set"
+if [[ -z $(skipped wheel) ]]; then
 wheel=$(ls .whl/zeroalloc-*.whl 2>/dev/null | head -1)
 if [[ -z $wheel ]]; then
   CMAKE_PREFIX_PATH="$prefix/usr" python3 -m pip wheel --no-deps --no-build-isolation -w "$out/dist" . \
@@ -83,6 +84,7 @@ if [[ -n $wheel ]] && python3 -m pip install -q --no-index --no-deps --target "$
 else
   echo "no wheel could be installed"; fail wheel-install
 fi
+else skipped wheel; fi
 
 step "baseline: the tree in .baseline/ (an earlier commit), built for side-by-side figures"
 baseline=""
