@@ -39,8 +39,10 @@ adamw_factors factors_of(const adamw_settings& s) {
 }
 
 // Built for three x86-64 levels, the best one chosen at load time; the loop has no
-// dependence between elements, so each build vectorises it at its width.
-#if defined(__x86_64__)
+// dependence between elements, so each build vectorises it at its width. Not under
+// ThreadSanitizer: the loader runs the choice (an ifunc resolver) before TSan's runtime is
+// ready, and the program crashes at load.
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void update_elements(
