@@ -7,23 +7,11 @@ its losses and final parameters stay within fp32 rounding of plain training on t
     python3 -m pytest -s tests/python/test_host_step.py
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+import ast
 
-import pytest
+from gpu_script import field, require_gpu, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "bindings" / "python"
-LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so")).resolve()
-
-torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
-if not torch.cuda.is_available():
-    pytest.skip("skipped: no CUDA GPU", allow_module_level=True)
-if not LIBRARY.is_file():
-    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+torch = require_gpu()
 
 # Twelve layers of 16 MiB: 192 MiB of parameters, as much of gradients, twice as much of
 # AdamW states: 768 MiB, under a limit of 448 MiB.
@@ -59,26 +47,12 @@ torch.save(values, sys.argv[1])
 """
 
 
-def run(tmp_path, name: str, **settings) -> str:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
-    env.update({"ZEROALLOC_DEVICE": "cuda", "ZEROALLOC_LIBRARY": str(LIBRARY),
-                "PYTHONPATH": str(PACKAGE), "ZEROALLOC_CHUNK_SIZE": "16MiB", **settings})
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAIN),
-                             str(tmp_path / f"{name}.pt")], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    return result.stdout
-
-
-def field(out: str, name: str) -> str:
-    return next(line for line in out.splitlines() if line.startswith(name + " "))[len(name) + 1:]
-
-
 def test_windows_on_the_host_step_there_within_rounding_of_the_device(tmp_path):
-    plain = run(tmp_path, "plain")
-    hosted = run(tmp_path, "hosted", ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
-                 ZEROALLOC_MEMORY_LIMIT="448MiB", ZEROALLOC_HOST_STEP="1")
-    figures = eval(field(hosted, "figures"))  # a dict of numbers, printed by the run
+    plain = run_script(TRAIN, str(tmp_path / "plain.pt"))
+    hosted = run_script(TRAIN, str(tmp_path / "hosted.pt"), ZEROALLOC_OFFLOAD="host",
+                        ZEROALLOC_HOST_LIMIT="4GiB", ZEROALLOC_MEMORY_LIMIT="448MiB",
+                        ZEROALLOC_HOST_STEP="1")
+    figures = ast.literal_eval(field(hosted, "figures"))  # a dict printed by the run
     print("host step figures:", figures)
     assert figures["host_windows"] > 0, hosted
     expected = [float(v) for v in field(plain, "losses").split()]

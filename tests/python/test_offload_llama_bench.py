@@ -259,43 +259,31 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
         names(["--modes", "offload", "--step-parameters", "move"])
 
 
-def test_parked_and_mapped_parameters_run_side_by_side_each_with_its_setting(monkeypatch):
-    assert names(["--modes", "offload", "--limits-gib", "18", "--park", "1,0"]) == [
-        "bandwidth", "offload_18GiB_park1", "offload_18GiB_park0"]
-    with pytest.raises(ValueError, match="--park '2': accepted: 0, 1 or both"):
-        names(["--modes", "offload", "--park", "2"])
+@pytest.mark.parametrize("flag, keyword, variable, values, names_made", [
+    ("--park", "park", "ZEROALLOC_PARK_PARAMETERS", "1,0",
+     ["offload_18GiB_park1", "offload_18GiB_park0"]),
+    ("--host-step", "host_step", "ZEROALLOC_HOST_STEP", "0,1",
+     ["offload_18GiB_host0", "offload_18GiB_host1"]),
+])
+def test_a_setting_swept_runs_side_by_side_each_with_its_variable(monkeypatch, flag, keyword,
+                                                                  variable, values, names_made):
+    """--park (parked or mapped parameters) and --host-step (the step on the host or the
+    device): each value its own run, with its variable set, or unset when not given."""
+    assert names(["--modes", "offload", "--limits-gib", "18", flag, values]) == [
+        "bandwidth", *names_made]
+    with pytest.raises(ValueError, match=f"{flag} '2': accepted: 0, 1 or both"):
+        names(["--modes", "offload", flag, "2"])
     seen = []
 
     class Finished:
         returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
 
     def run(command, env, **kwargs):
-        seen.append(env.get("ZEROALLOC_PARK_PARAMETERS"))
+        seen.append(env.get(variable))
         return Finished()
 
     monkeypatch.setattr(bench.subprocess, "run", run)
     args = bench.parse_args(["--modes", "offload"])
-    for park in ("1", "0", ""):
-        bench.run_mode(args, "offload", 1 << 30, park=park)
-    assert seen == ["1", "0", None]  # not given: the library's default
-
-
-def test_host_and_device_steps_run_side_by_side_each_with_its_setting(monkeypatch):
-    assert names(["--modes", "offload", "--limits-gib", "13.3", "--host-step", "0,1"]) == [
-        "bandwidth", "offload_13.3GiB_host0", "offload_13.3GiB_host1"]
-    with pytest.raises(ValueError, match="--host-step 'yes': accepted: 0, 1 or both"):
-        names(["--modes", "offload", "--host-step", "yes"])
-    seen = []
-
-    class Finished:
-        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
-
-    def run(command, env, **kwargs):
-        seen.append(env.get("ZEROALLOC_HOST_STEP"))
-        return Finished()
-
-    monkeypatch.setattr(bench.subprocess, "run", run)
-    args = bench.parse_args(["--modes", "offload"])
-    for host in ("1", "0", ""):
-        bench.run_mode(args, "offload", 1 << 30, host_step=host)
+    for value in ("1", "0", ""):
+        bench.run_mode(args, "offload", 1 << 30, **{keyword: value})
     assert seen == ["1", "0", None]  # not given: the library's default

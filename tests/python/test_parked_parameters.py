@@ -7,23 +7,9 @@ model.state_dict() and torch.save give their values, as does a read inside zt.us
     python3 -m pytest -s tests/python/test_parked_parameters.py
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from gpu_script import field, require_gpu, run_script
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "bindings" / "python"
-LIBRARY = Path(os.environ.get("ZEROALLOC_LIBRARY", ROOT / "build" / "libzeroalloc.so")).resolve()
-
-torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
-if not torch.cuda.is_available():
-    pytest.skip("skipped: no CUDA GPU", allow_module_level=True)
-if not LIBRARY.is_file():
-    pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
+torch = require_gpu()
 
 # Twelve layers of 16 MiB: 192 MiB of parameters, as much of gradients, twice as much of
 # AdamW states: 768 MiB, under a limit of 512 MiB.
@@ -68,27 +54,11 @@ if offload:
 """
 
 
-def run(tmp_path, offload: bool) -> str:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
-    env.update({"ZEROALLOC_DEVICE": "cuda", "ZEROALLOC_LIBRARY": str(LIBRARY),
-                "PYTHONPATH": str(PACKAGE), "ZEROALLOC_CHUNK_SIZE": "16MiB"})
-    if offload:
-        env.update({"ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
-                    "ZEROALLOC_MEMORY_LIMIT": "512MiB"})
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(TRAIN),
-                             str(tmp_path / "model.pt")], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    return result.stdout
-
-
-def field(out: str, name: str) -> str:
-    return next(line for line in out.splitlines() if line.startswith(name + " "))[len(name) + 1:]
-
 
 def test_parked_parameters_train_bit_for_bit_and_save_their_values(tmp_path):
-    plain = run(tmp_path, offload=False)
-    paged = run(tmp_path, offload=True)
+    plain = run_script(TRAIN, str(tmp_path / "model.pt"))
+    paged = run_script(TRAIN, str(tmp_path / "model.pt"), ZEROALLOC_OFFLOAD="host",
+                       ZEROALLOC_HOST_LIMIT="4GiB", ZEROALLOC_MEMORY_LIMIT="512MiB")
     assert field(paged, "losses") == field(plain, "losses")
     parked = field(paged, "parked").split()
     assert int(parked[0]) > 0, paged  # evictions during training parked parameters
