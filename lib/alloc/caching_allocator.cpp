@@ -404,6 +404,11 @@ bool caching_allocator::chunks_of_allocation(const void* pointer,
          owner->chunks_of_allocation(reinterpret_cast<std::uintptr_t>(pointer), into);
 }
 
+std::size_t caching_allocator::allocation_bytes(const void* pointer) const {
+  heap* owner = heap_at(reinterpret_cast<std::uintptr_t>(pointer));
+  return owner == nullptr ? 0 : owner->allocation_bytes(reinterpret_cast<std::uintptr_t>(pointer));
+}
+
 nlohmann::ordered_json caching_allocator::snapshot_json() const {
   nlohmann::ordered_json segments = nlohmann::ordered_json::array();
   for (const auto& each : heaps_) each->append_snapshot(segments);

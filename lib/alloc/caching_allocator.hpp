@@ -126,6 +126,9 @@ class caching_allocator {
   /// now (chunk_info); false when there is none. The tier reads it, and so does the C ABI's
   /// residency query.
   bool chunks_of_allocation(const void* pointer, std::vector<chunk_info>& into) const;
+  /// Bytes of the live allocation starting at `pointer` (at least what was asked for), or 0
+  /// when none starts there.
+  [[nodiscard]] std::size_t allocation_bytes(const void* pointer) const;
 
   /// What the tier works with besides allocations: its listener (paging_listener), chunks
   /// to pin and remap, the arena, the idle classes' cache.

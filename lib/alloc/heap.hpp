@@ -132,6 +132,8 @@ class heap {
   /// Appends the chunks that the live allocation starting at `pointer` spans; false when
   /// there is no such allocation.
   bool chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>& into) const;
+  /// Bytes of the live block at `pointer` (at least what was asked for), or 0.
+  [[nodiscard]] std::size_t allocation_bytes(std::uintptr_t pointer) const;
   /// Pins the chunk mapped at `address` so that its segment is neither unmapped nor given
   /// to another class until unpin_chunk; fills `into`. False when no chunk starts there, or
   /// it is pinned already.

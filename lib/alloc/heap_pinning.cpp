@@ -55,6 +55,12 @@ bool heap::chunks_of_allocation(std::uintptr_t pointer, std::vector<chunk_info>&
   return true;
 }
 
+std::size_t heap::allocation_bytes(std::uintptr_t pointer) const {
+  std::lock_guard lock(mutex_);
+  const block* found = live_.find(pointer);
+  return found == nullptr ? 0 : found->bytes;
+}
+
 std::pair<segment*, std::size_t> heap::chunk_at(std::uintptr_t address) const {
   for (const auto& owned : segments_) {
     if (address < owned->address || address >= owned->address + owned->bytes) continue;

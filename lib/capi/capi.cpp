@@ -620,17 +620,26 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
     // the engine does not manage is host memory of the caller's, used as it is.
     std::vector<const void*> managed;
     managed.reserve(4 * count);
+    // Each allocation must hold its count: the CPUs would otherwise write a neighbour's bytes.
+    auto holds = [&](const void* pointer, std::size_t elements) {
+      const std::size_t bytes = started.owner_of(pointer)->allocation_bytes(pointer);
+      ZA_REQUIRE(bytes != 0, "pointer ", pointer, " is not the start of a live allocation");
+      ZA_REQUIRE(elements <= bytes / sizeof(float), "pointer ", pointer, " holds ", bytes,
+                 " bytes, fewer than its count of ", elements, " float32 elements");
+    };
     for (std::size_t i = 0; i < count; ++i) {
       for (const void* each :
            {static_cast<const void*>(parameters[i]), static_cast<const void*>(exp_avgs[i]),
             static_cast<const void*>(exp_avg_sqs[i])}) {
         ZA_REQUIRE(started.engine_of(each) == &engine, "pointer ", each,
                    " is not memory zeroalloc offloads on the device of ", parameters[0]);
+        holds(each, counts[i]);
         managed.push_back(each);
       }
       if (started.owner_of(gradients[i]) != nullptr) {
         ZA_REQUIRE(started.engine_of(gradients[i]) == &engine, "gradient ", gradients[i],
                    " is on another device than its parameter ", parameters[i]);
+        holds(gradients[i], counts[i]);
         managed.push_back(gradients[i]);
       }
     }

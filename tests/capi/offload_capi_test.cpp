@@ -264,6 +264,13 @@ TEST(OffloadCapi, AdamWStepsStatesOnTheHostWhereTheyAre) {
   }
   EXPECT_GT(moved, kCount * 99 / 100) << "the step changed almost nothing";
 
+  // A count past the allocation's end would write a neighbour's bytes: refused, named.
+  const std::size_t too_many[] = {kCount + 4096};
+  EXPECT_EQ(zeroalloc_adamw_on_host(parameters, offloaded_gradient, exp_avgs, exp_avg_sqs, too_many,
+                                    1, &settings, nullptr),
+            -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("fewer than its count"), std::string::npos)
+      << zeroalloc_last_error();
   settings.beta2 = 1.0;
   EXPECT_EQ(zeroalloc_adamw_on_host(parameters, offloaded_gradient, exp_avgs, exp_avg_sqs, counts,
                                     1, &settings, nullptr),
