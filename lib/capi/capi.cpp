@@ -577,13 +577,8 @@ ZA_EXPORT void zeroalloc_use_ends_many(const void* const* pointers, size_t count
 
 namespace {
 
-// The host addresses of `bytes` at `address`, run by run, from the chunks' views (sorted by
-// address); nullopt when a byte lies in no view.
-struct host_run {
-  std::uintptr_t host = 0;
-  std::size_t bytes = 0;
-};
-
+// Where the CPUs reach `address`, from the chunks' views (sorted by address), with the bytes
+// left in its chunk in `run_bytes`; 0 when it lies in no view.
 std::uintptr_t host_address_in(const std::vector<zeroalloc::offload_engine::host_view>& views,
                                std::uintptr_t address, std::size_t& run_bytes) {
   auto after =
@@ -667,14 +662,14 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
     } ending{engine, managed, on};
     std::sort(views.begin(), views.end(),
               [](const auto& a, const auto& b) { return a.address < b.address; });
+    // Each tensor in runs where all four lie in one chunk each (holds() made sure that the
+    // chunks, whose views use_on_host returned, cover every count).
     std::vector<zeroalloc::adamw_span> spans;
-    bool reached = true;
-    for (std::size_t i = 0; i < count && reached; ++i) {
+    for (std::size_t i = 0; i < count; ++i) {
       const bool host_gradient = started.owner_of(gradients[i]) == nullptr;
-      std::size_t done = 0;  // bytes
       const std::size_t total = counts[i] * sizeof(float);
-      while (done < total) {
-        std::size_t run = total - done;
+      for (std::size_t done = 0, run = 0; done < total; done += run) {
+        run = total - done;
         std::array<std::uintptr_t, 4> host{};
         const std::array<std::uintptr_t, 4> device{
             reinterpret_cast<std::uintptr_t>(parameters[i]) + done,
@@ -688,28 +683,19 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
           }
           std::size_t left = 0;
           host[k] = host_address_in(views, device[k], left);
-          if (host[k] == 0) break;
+          ZA_REQUIRE(host[k] != 0, "internal error: ", reinterpret_cast<void*>(device[k]),
+                     " lies in none of the chunks the engine opened to the CPUs");
           run = std::min(run, left);
-        }
-        if (std::find(host.begin(), host.end(), std::uintptr_t{0}) != host.end()) {
-          reached = false;  // counts[i] runs past its allocation
-          break;
         }
         spans.push_back({reinterpret_cast<float*>(host[0]), reinterpret_cast<const float*>(host[1]),
                          reinterpret_cast<float*>(host[2]), reinterpret_cast<float*>(host[3]),
                          run / sizeof(float)});
-        done += run;
       }
     }
-    if (reached) {
-      const zeroalloc::adamw_settings chosen{
-          settings->lr,           settings->beta1, settings->beta2,        settings->eps,
-          settings->weight_decay, settings->step,  settings->maximize != 0};
-      zeroalloc::adamw_on_host(workers, spans, chosen);
-    }
-    ZA_REQUIRE(reached,
-               "an element count runs past the end of its allocation: every pointer "
-               "must be the start of an allocation of counts[i] float32 elements");
+    const zeroalloc::adamw_settings chosen{
+        settings->lr,           settings->beta1, settings->beta2,        settings->eps,
+        settings->weight_decay, settings->step,  settings->maximize != 0};
+    zeroalloc::adamw_on_host(workers, spans, chosen);
     return 1;
   });
 }
