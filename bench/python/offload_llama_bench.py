@@ -97,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: ZEROALLOC_HOST_STEP (1: AdamW windows whose states "
                         "and parameters are all on the host step there, on the CPUs; 0: on the "
                         "device, the default); 0,1 runs both side by side")
+    parser.add_argument("--backward-uses", default="",
+                        help="offload mode: ZEROALLOC_BACKWARD_USES (saved: a module's backward "
+                        "brings back only the parameters its forward saved, the default; all: "
+                        "every one); saved,all runs both side by side")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -212,6 +216,7 @@ class Run:
     step_parameters: str = ""
     park: str = ""
     host_step: str = ""
+    backward_uses: str = ""
 
 
 def plan_runs(args) -> list[Run]:
@@ -257,8 +262,12 @@ def plan_runs(args) -> list[Run]:
         hosts = args.host_step.split(",") if args.host_step else [""]
         if any(each not in ("", "0", "1") for each in hosts):
             raise ValueError(f"--host-step {args.host_step!r}: accepted: 0, 1 or both")
-        for limit, size, overlap, gradient, reach, park, host in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, parks, hosts):
+        backwards = args.backward_uses.split(",") if args.backward_uses else [""]
+        if any(each not in ("", "saved", "all") for each in backwards):
+            raise ValueError(f"--backward-uses {args.backward_uses!r}: accepted: saved, all "
+                             f"or both")
+        for limit, size, overlap, gradient, reach, park, host, backward in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, parks, hosts, backwards):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -274,11 +283,15 @@ def plan_runs(args) -> list[Run]:
                 name += f"_park{park}"
             if len(hosts) > 1:
                 name += f"_host{host}"
+            if len(backwards) > 1:
+                name += f"_bwd{backward}"
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
                             + (f"_{reach}" if len(reaches) > 1 else "")
                             + (f"_park{park}" if len(parks) > 1 else "")
-                            + (f"_host{host}" if len(hosts) > 1 else ""), reach, park, host))
+                            + (f"_host{host}" if len(hosts) > 1 else "")
+                            + (f"_bwd{backward}" if len(backwards) > 1 else ""),
+                            reach, park, host, backward))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -964,7 +977,8 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", park: str = "", host_step: str = "") -> dict:
+             step_parameters: str = "", park: str = "", host_step: str = "",
+             backward_uses: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -977,6 +991,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
             env["ZEROALLOC_PARK_PARAMETERS"] = park
         if host_step:
             env["ZEROALLOC_HOST_STEP"] = host_step
+        if backward_uses:
+            env["ZEROALLOC_BACKWARD_USES"] = backward_uses
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
@@ -1061,7 +1077,8 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.park, run.host_step)
+                                     run.step_parameters, run.park, run.host_step,
+                                     run.backward_uses)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

@@ -200,6 +200,13 @@ const std::vector<option_spec>& table() {
        "on the host, copying only the gradients there (not bit for bit the device's AdamW: "
        "rounding differs). 0: every window steps on the device.",
        check<read_boolean>},
+      {"ZEROALLOC_BACKWARD_USES", option_kind::choice, "saved", "saved|all",
+       "saved: the Python package's module hooks begin a parameter's use in the backward only "
+       "when its module's forward saved it for the backward (under autocast a Linear saves "
+       "the bf16 copy of its weight, and the fp32 weight stays where it is until the step). "
+       "all: every parameter of a module is brought back for its backward (for an "
+       "autograd.Function that keeps a parameter outside save_for_backward).",
+       check<read_choice>},
       {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_host_share, "0.5", "",
        "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
        "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "

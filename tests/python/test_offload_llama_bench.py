@@ -146,7 +146,8 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", park="", host_step=""):
+                 gradient_class="", log_suffix="", step_parameters="", park="", host_step="",
+                 backward_uses=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -259,19 +260,22 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
         names(["--modes", "offload", "--step-parameters", "move"])
 
 
-@pytest.mark.parametrize("flag, keyword, variable, values, names_made", [
+@pytest.mark.parametrize("flag, keyword, variable, values, names_made, accepted", [
     ("--park", "park", "ZEROALLOC_PARK_PARAMETERS", "1,0",
-     ["offload_18GiB_park1", "offload_18GiB_park0"]),
+     ["offload_18GiB_park1", "offload_18GiB_park0"], "0, 1"),
     ("--host-step", "host_step", "ZEROALLOC_HOST_STEP", "0,1",
-     ["offload_18GiB_host0", "offload_18GiB_host1"]),
+     ["offload_18GiB_host0", "offload_18GiB_host1"], "0, 1"),
+    ("--backward-uses", "backward_uses", "ZEROALLOC_BACKWARD_USES", "saved,all",
+     ["offload_18GiB_bwdsaved", "offload_18GiB_bwdall"], "saved, all"),
 ])
-def test_a_setting_swept_runs_side_by_side_each_with_its_variable(monkeypatch, flag, keyword,
-                                                                  variable, values, names_made):
-    """--park (parked or mapped parameters) and --host-step (the step on the host or the
-    device): each value its own run, with its variable set, or unset when not given."""
+def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
+        monkeypatch, flag, keyword, variable, values, names_made, accepted):
+    """--park (parked or mapped parameters), --host-step (the step on the host or the
+    device) and --backward-uses: each value its own run, with its variable set, or unset
+    when not given."""
     assert names(["--modes", "offload", "--limits-gib", "18", flag, values]) == [
         "bandwidth", *names_made]
-    with pytest.raises(ValueError, match=f"{flag} '2': accepted: 0, 1 or both"):
+    with pytest.raises(ValueError, match=f"{flag} '2': accepted: {accepted} or both"):
         names(["--modes", "offload", flag, "2"])
     seen = []
 
@@ -284,6 +288,7 @@ def test_a_setting_swept_runs_side_by_side_each_with_its_variable(monkeypatch, f
 
     monkeypatch.setattr(bench.subprocess, "run", run)
     args = bench.parse_args(["--modes", "offload"])
-    for value in ("1", "0", ""):
+    given = values.split(",")
+    for value in (*given, ""):
         bench.run_mode(args, "offload", 1 << 30, **{keyword: value})
-    assert seen == ["1", "0", None]  # not given: the library's default
+    assert seen == [*given, None]  # not given: the library's default

@@ -8,7 +8,7 @@ import threading
 import weakref
 from typing import NamedTuple
 
-from zeroalloc.torch import _adoption, _use_hints
+from zeroalloc.torch import _adoption, _settings, _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 
@@ -21,20 +21,38 @@ def managed(module) -> list:
             if p is not None and getattr(p, "_zeroalloc_adopted", False)]
 
 
-def before_forward(module, listeners: WindowedSteps) -> None:
+#: Per thread: (module, watch) of the members called on their own whose forward runs,
+#: innermost last.
+alone = threading.local()
+
+
+def alone_open() -> list:
+    found = getattr(alone, "open", None)
+    if found is None:
+        found = alone.open = []
+    return found
+
+
+def before_forward(module, listeners: WindowedSteps, backward: BackwardUses) -> None:
     """Hints a module's own parameters as its forward begins."""
     own = managed(module)
     if own:
         listeners.module_hint(own, True)
         _use_hints.begin(own)
+        alone_open().append((module, backward.watch(own)))
 
 
 def after_forward(module, output, backward: BackwardUses) -> None:
     own = managed(module)
     if not own:
         return
+    begun, watch = alone_open(), None
+    if begun and begun[-1][0] is module:
+        watch = begun.pop()[1]
+        if watch is not None:
+            watch.pop()
     _use_hints.end(own)
-    backward.hint_backward(own, output)
+    backward.hint_backward(own, output, watch)
 
 
 class HintGroup:
@@ -82,27 +100,30 @@ class HintGroup:
 
     def before(self, _module, _inputs) -> None:
         own = self.parameters()
-        self.open().append(own)
         if not own:  # nothing of its own left (a copy's group, or its modules are gone)
+            self.open().append((own, None))
             return
         self.listeners.module_hint(own, True)
         _use_hints.begin(own)
+        self.open().append((own, self.backward.watch(own)))
 
     def after(self, _module, _inputs, output) -> None:  # always called, also on an error
         begun = self.open()
         if not begun:
             return  # its pre-hook never ran (an earlier pre-hook raised)
-        own = begun.pop()
+        own, watch = begun.pop()
+        if watch is not None:
+            watch.pop()
         if not own:
             return
         _use_hints.end(own)
-        if output is not None:
-            self.backward.hint_backward(own, output)
+        if output is not None or watch is not None:  # (a checkpoint's recomputation stops
+            self.backward.hint_backward(own, output, watch)  # early by raising)
 
     def member_before(self, module, _inputs) -> None:
         self.listeners.finish_write_backs()
         if not self.open():  # called on its own, outside `top`'s forward (in this thread)
-            before_forward(module, self.listeners)
+            before_forward(module, self.listeners, self.backward)
 
     def member_after(self, module, _inputs, output) -> None:
         if not self.open():
@@ -114,6 +135,7 @@ class HintGroup:
         forward hook then); the uses themselves the engine closes at the step boundary."""
         for group in list(HintGroup._all):
             group.local = threading.local()
+        alone.open = []
 
 
 def managed_bytes(module) -> int:
@@ -169,6 +191,7 @@ class AutomaticHints:
         self.backward = backward
         self.local = threading.local()  # the groups whose forward runs, innermost last
         backward.guard()
+        backward.saved_only = _settings.backward_uses_saved_only()
 
     def stack(self) -> list:
         found = getattr(self.local, "stack", None)
@@ -251,6 +274,7 @@ def install_hint_hooks(model, group_bytes: int, listeners: WindowedSteps = windo
     """The module hooks of offload(): each group's top hints the group; its members hint
     themselves when called outside the group's forward. Returns the hook handles."""
     backward.guard()
+    backward.saved_only = _settings.backward_uses_saved_only()
     hooks = []
     for group in hint_groups(model, group_bytes, listeners, backward):
         top = group.top()

@@ -51,3 +51,10 @@ def require_offload_engine() -> None:
             "in the environment before the process starts (and zeroalloc as PyTorch's "
             "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
 
+
+
+def backward_uses_saved_only() -> bool:
+    """ZEROALLOC_BACKWARD_USES (default saved): whether the backward's uses cover only the
+    parameters a forward saved (Note [The backward reads what autograd saved] in
+    _backward_uses.py)."""
+    return setting("ZEROALLOC_BACKWARD_USES", "saved") == "saved"
