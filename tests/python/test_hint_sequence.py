@@ -331,6 +331,124 @@ def test_a_copy_of_a_hooked_model_computes_the_same_and_hints_nothing(recorder, 
     assert record.unbalanced() == {}
 
 
+class Detached(torch.nn.Module):
+    """Reads its weight through detach() and .data (views sharing its storage, not the
+    parameter): the backward still reads them for the input's gradient."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = torch.nn.functional.linear(x, self.a.weight.detach(), self.a.bias)
+        return torch.nn.functional.linear(x, self.b.weight.data, self.b.bias)
+
+
+def test_a_weight_read_through_detach_or_data_comes_back_for_the_backward(recorder, hooked):
+    torch.manual_seed(0)
+    model = Detached()
+    reference = copy.deepcopy(model)
+    record = recorder(model)
+    hooked(model, group_bytes=1 << 20)
+    data = torch.randn(3, 16)
+    x = data.clone().requires_grad_()
+    model(x).sum().backward()
+    assert begins(record.take())[-1] == ("a.weight", "b.weight")
+    twin = data.clone().requires_grad_()
+    reference(twin).sum().backward()
+    assert torch.equal(x.grad, twin.grad), "the input's gradient read a parked weight"
+    assert record.unbalanced() == {}
+
+
+class Identity(torch.autograd.graph.saved_tensors_hooks):
+    """Hooks that save each tensor as it is (as activation-offloading tools' no-op
+    managers do)."""
+
+    def __init__(self):
+        super().__init__(lambda tensor: tensor, lambda tensor: tensor)
+
+
+def test_hooks_pushed_inside_a_forward_make_every_parameter_come_back(recorder, hooked):
+    """Hooks that other code pushes inside a module's forward hide what they save from the
+    watch: that module's backward then brings back every parameter, as without the watch."""
+
+    class Inside(Model):
+        def forward(self, x):
+            with Identity():
+                return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Inside()
+    reference = copy.deepcopy(model)
+    record = recorder(model)
+    hooked(model, group_bytes=1 << 30)  # one group: the hooks sit inside its forward
+    data = torch.randn(3, 16)
+    x = data.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().sum()
+    forward = begins(record.take())
+    loss.backward()
+    assert begins(record.take()) == forward  # every parameter, autocast or not
+    twin = data.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference(twin).float().sum().backward()
+    assert same_gradients(model, reference) and torch.equal(x.grad, twin.grad)
+    assert record.unbalanced() == {}
+
+
+@pytest.mark.parametrize("theirs_first", [True, False])
+def test_hooks_pushed_by_module_hooks_in_any_order_leave_the_stack_as_it_was(
+        recorder, hooked, theirs_first):
+    """Activation offloading that pushes its hooks in a forward pre-hook and pops them in a
+    forward hook, registered before or after zeroalloc's: the stack ends empty each step,
+    their hooks see what they would without zeroalloc's, and the gradients are right."""
+    torch.manual_seed(0)
+    model = Model()
+    reference = copy.deepcopy(model)
+    record = recorder(model)
+    counts = Counter()
+
+    class Counting(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            def pack(tensor):
+                counts["pack"] += 1
+                return tensor.detach()
+            super().__init__(pack, lambda tensor: tensor)
+
+    manager = Counting()
+    head = model.head
+    if theirs_first:
+        head.register_forward_pre_hook(lambda *_: manager.__enter__())
+        head.register_forward_hook(lambda *_: manager.__exit__(None, None, None))
+    hooked(model, group_bytes=1)  # head hints itself
+    if not theirs_first:
+        head.register_forward_pre_hook(lambda *_: manager.__enter__())
+        head.register_forward_hook(lambda *_: manager.__exit__(None, None, None))
+    data = torch.randn(3, 16)
+    for _ in range(2):
+        x = data.clone().requires_grad_()
+        model(x).sum().backward()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert counts["pack"] > 0
+    for _ in range(2):
+        twin = data.clone().requires_grad_()
+        reference(twin).sum().backward()
+    assert same_gradients(model, reference) and torch.equal(x.grad, twin.grad)
+    assert record.unbalanced() == {}
+
+
+def test_a_weight_changed_in_place_before_the_backward_is_still_an_error(recorder, hooked):
+    """The watch's pack hook keeps autograd's check of saved tensors' versions."""
+    model = Model()
+    recorder(model)
+    hooked(model)
+    loss = model(torch.randn(3, 16, requires_grad=True)).sum()
+    with torch.no_grad():
+        model.head.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_outputs_in_several_tensors_begin_a_backward_once(recorder, hooked):
     class Split(torch.nn.Module):
         def __init__(self):
@@ -406,7 +524,8 @@ def test_checkpointed_layers_end_every_use(recorder, hooked, reentrant, group_by
     reference = copy.deepcopy(model)
     record = recorder(model)
     hooked(model, group_bytes=group_bytes)
-    x = torch.randn(3, 16, requires_grad=True)
+    data = torch.randn(3, 16)
+    x = data.clone().requires_grad_()
     loss = model(x).sum()
     names = [name for name, _ in model.named_parameters()]
     forward = Counter(name for group in begins(record.take()) for name in group)
@@ -419,8 +538,11 @@ def test_checkpointed_layers_end_every_use(recorder, hooked, reentrant, group_by
     read = {name for name in names if not name.endswith(("q.bias", "o.bias", "head.bias"))}
     assert read <= set(backward), backward
     assert record.unbalanced() == {}
-    Checkpointed.forward(reference, x).sum().backward()
+    twin = data.clone().requires_grad_()
+    Checkpointed.forward(reference, twin).sum().backward()
     assert same_gradients(model, reference), "the backward read a parameter no use covered"
+    assert torch.equal(x.grad, twin.grad), "the input's gradient read a parked weight"
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
 def test_uses_no_gradient_reaches_end_with_the_backward(recorder, hooked):

@@ -29,35 +29,38 @@ class SavedWatch:
     """Note [The backward reads what autograd saved]: a backward kernel reads a parameter
     only through what autograd saved for it, so a module's forward tells which of its
     parameters its backward will read: those the pack hook of saved tensors saw (the
-    parameter, a view of it, or a tensor sharing its storage). Under autocast a Linear
-    saves the bf16 copy of its weight, not the fp32 weight, and an Embedding saves its
-    indices; their backward uses would fetch the fp32 parameters only to leave them unread
-    (the 1.3B bench at 13.3 GiB fetched every weight again for the backward, evicting the
-    activations and gradients the backward needed). A parameter the forward did not save
-    gets no backward use: it stays where it is until the step. A backward that reads a
-    parameter autograd never saved (an autograd.Function keeping it as an attribute of its
-    ctx instead of save_for_backward) would read a parked chunk: the README names the way
-    out (ZEROALLOC_BACKWARD_USES=all).
+    parameter, a view of it, or any tensor sharing its storage: .data, detach()). Under
+    autocast a Linear saves the bf16 copy of its weight, not the fp32 weight, and an
+    Embedding saves its indices; their backward uses fetched the fp32 parameters only to
+    leave them unread (the 1.3B bench at 13.3 GiB moved 15.2 GiB a step, 5.97 without
+    them: bench/RESULTS.md). A parameter the forward did not save gets no backward use: it
+    stays where it is until the step. A backward that reads a parameter autograd never
+    saved (an autograd.Function keeping it as an attribute of its ctx instead of
+    save_for_backward) would read a parked chunk: ZEROALLOC_BACKWARD_USES=all is the way
+    out (the README says when).
 
-    The hooks are pushed as the module's forward begins and popped as it ends, and they
-    chain to the hooks around them (save_on_cpu, a non-reentrant checkpoint): the pack hook
-    hands the tensor to the outer pack hook, or else keeps it detached (the tensor itself
-    would make a reference cycle of an output saved by its own node). Where saved-tensor
-    hooks are disabled, or the stack is not as it was left, every parameter counts as
-    saved. Hooks pushed inside the forward (a checkpoint of a submodule) hide what they
-    save from the watch; a non-reentrant checkpoint saves again as it recomputes inside
-    the backward, and a forward inside a backward begins the uses of what it saved at once
-    (its outputs' gradients may never come: the recomputed outputs are dropped, and the
-    recomputation may stop early by raising from its pack hook)."""
+    Saved-tensor hooks are one stack per thread that other code pushes on too (save_on_cpu,
+    checkpoints, activation offloading pushed from module hooks in any order), so the watch
+    stays out of their way: it is pushed as the module's forward begins only when the
+    stack is empty or holds another watch on top (nested modules), and then it counts
+    every parameter as saved if any other hooks are pushed while it is open (they would
+    hide what they save from it: `watch_pushes` wraps the push). Popped as the forward ends;
+    if something else sits above it then, it is taken out from under it and the rest put
+    back. Under hooks of other code, every parameter counts as saved, as before this note.
+    The pack hook keeps each tensor detached (the tensor itself would make a reference
+    cycle of an output saved by its own node) with its version, and the unpack hook checks
+    the version as autograd does without hooks (modified in place since: an error, not a
+    wrong gradient). A forward inside a backward (a checkpoint's recomputation) begins the
+    uses of what it saved at once: a non-reentrant checkpoint drops its recomputed outputs
+    (their gradients never come) and may stop the recomputation by raising."""
 
-    __slots__ = ("own", "ids", "storages", "saved", "outer", "pushed", "everything")
+    __slots__ = ("own", "ids", "storages", "saved", "pushed", "everything", "__weakref__")
 
     def __init__(self, own: list):
         self.own = own
         self.ids = {id(p) for p in own}
-        self.storages: "set | None" = None  # own's storages, made at the first leaf saved
+        self.storages: "dict | None" = None  # own's storages -> ids, made at first need
         self.saved: set = set()  # ids of the parameters seen saved
-        self.outer = None  # the (pack, unpack) hooks this one pushed over
         self.pushed = False
         self.everything = False
 
@@ -67,9 +70,14 @@ class SavedWatch:
             if not hooks._saved_tensors_hooks_is_enabled():
                 self.everything = True
                 return self
-            self.outer = hooks._top_saved_tensors_default_hooks(True)
-            hooks._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            top = hooks._top_saved_tensors_default_hooks(True)
+            if top is not None and not isinstance(getattr(top[0], "__self__", None),
+                                                  SavedWatch):
+                self.everything = True  # other code's hooks: not ours to stand in for
+                return self
+            original_push(self.pack, self.unpack)
             self.pushed = True
+            open_watches().append(self)
         except Exception:  # noqa: BLE001 (a PyTorch without these: every parameter is read)
             self.everything = True
         return self
@@ -78,41 +86,94 @@ class SavedWatch:
         if not self.pushed:
             return
         self.pushed = False
+        watches = open_watches()
+        if self in watches:
+            watches.remove(self)
         hooks = torch._C._autograd
-        top = hooks._top_saved_tensors_default_hooks(True)
-        if top is None or top[0] != self.pack:  # hooks pushed inside and not yet popped:
-            self.everything = True  # this one stays below them, handing on what it sees
-            return
-        hooks._pop_saved_tensors_default_hooks()
+        above = []
+        while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
+            hooks._pop_saved_tensors_default_hooks()
+            if top[0] == self.pack:
+                break
+            above.append(top)
+        else:
+            self.everything = True  # gone already (popped by someone else's exit)
+        if above:
+            self.everything = True
+        for pack, unpack in reversed(above):
+            original_push(pack, unpack)
 
     def pack(self, tensor):
         try:
             base = tensor._base
-            if base is not None:
-                if id(base) in self.ids:
-                    self.saved.add(id(base))
-            elif id(tensor) in self.ids:
+            if id(tensor) in self.ids:
                 self.saved.add(id(tensor))
-            elif tensor.grad_fn is None:  # a leaf: .data or detach() of a parameter shares it
+            elif base is not None and id(base) in self.ids:
+                self.saved.add(id(base))
+            else:  # .data or detach() of a parameter, or a view of one, shares its storage
                 if self.storages is None:
-                    self.storages = {p.untyped_storage().data_ptr(): id(p) for p in self.own}
+                    self.storages = {}
+                    for p in self.own:
+                        self.storages.setdefault(p.untyped_storage().data_ptr(), []).append(id(p))
                 found = self.storages.get(tensor.untyped_storage().data_ptr())
                 if found is not None:
-                    self.saved.add(found)
+                    self.saved.update(found)
         except Exception:  # noqa: BLE001 (a tensor without storage: assume it is one)
             self.everything = True
-        if self.outer is not None:
-            return self.outer[0](tensor)
-        return tensor.detach()
+        return tensor.detach(), tensor._version
 
-    def unpack(self, packed):
-        return self.outer[1](packed) if self.outer is not None else packed
+    @staticmethod
+    def unpack(packed):
+        tensor, version = packed
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {version} instead")
+        return tensor
 
     def needed(self) -> list:
         """The parameters the backward will read."""
         if self.everything:
             return self.own
         return [p for p in self.own if id(p) in self.saved]
+
+
+#: Per thread: the watches open, innermost last.
+watching = threading.local()
+
+
+def open_watches() -> list:
+    found = getattr(watching, "open", None)
+    if found is None:
+        found = watching.open = []
+    return found
+
+
+def watch_pushes():
+    """Wraps the push of saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks and
+    every context built on it call it by name), once: hooks of other code pushed while
+    watches are open make those watches count every parameter as saved."""
+    global original_push
+    hooks = torch._C._autograd
+    push = getattr(hooks, "_push_saved_tensors_default_hooks", None)
+    if push is None or getattr(push, "_zeroalloc_watching", False):
+        return
+
+    def pushed(pack, unpack):
+        if not isinstance(getattr(pack, "__self__", None), SavedWatch):
+            for watch in getattr(watching, "open", ()):
+                watch.everything = True
+        return push(pack, unpack)
+
+    pushed._zeroalloc_watching = True
+    original_push = push
+    hooks._push_saved_tensors_default_hooks = pushed
+
+
+#: The push watch_pushes wrapped (read then, not at import: the start-up hook imports this
+#: package while torch itself is being imported).
+original_push = None
 
 
 def output_tensors(output, found: list, depth: int = 0) -> list:
@@ -155,6 +216,7 @@ class BackwardUses:
         parameter gets a backward use."""
         if not self.saved_only or not hasattr(torch._C, "_current_graph_task_id"):
             return None  # (without task ids an accumulation ends a use it never began)
+        watch_pushes()
         return SavedWatch(own).push()
 
     def __deepcopy__(self, memo):
@@ -191,8 +253,12 @@ class BackwardUses:
             if not hasattr(torch._C, "_current_graph_task_id"):
                 _use_hints.end((parameter,))  # no task ids: uses were begun untracked
             return
-        begun = self.open.get(task)
-        if begun is not None and begun.pop(id(parameter), None) is not None:
+        # Every backward that began it: a reentrant checkpoint's recomputation begins a use
+        # in the outer backward, and the gradient is accumulated in the inner one.
+        with self.lock:
+            ended = sum(begun.pop(id(parameter), None) is not None
+                        for begun in self.open.values())
+        for _ in range(ended):
             _use_hints.end((parameter,))
 
     def close(self, task) -> None:
