@@ -745,6 +745,34 @@ def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monk
         assert torch.equal(value, state) and value.device.type == "cpu"
 
 
+def test_with_the_disk_tier_state_dict_copies_every_managed_state(engine, monkeypatch):
+    # With ZEROALLOC_NVME_PATH, a state on the host or the device as state_dict() looks may
+    # be on disk by the time torch.save reads it: every state the engine manages comes out
+    # as a CPU copy made under a use in place; memory it does not hold stays as it is.
+    from zeroalloc.torch import _settings
+    model, optimizer = managed(overlap_bytes=0)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    states = [value for per in optimizer.state.values() for value in per.values()
+              if torch.is_tensor(value) and value.numel() > 1]
+    foreign = states[1].untyped_storage().data_ptr()
+    held = {s.untyped_storage().data_ptr() for s in states} - {foreign}
+    monkeypatch.setattr(_settings, "disk_tier", lambda: True)
+    monkeypatch.setattr(zt._offload, "residency_of",
+                        lambda pointer: "host" if pointer in held else "foreign")
+    pinned, ended = recorded_pins(monkeypatch)
+    saved = optimizer.state_dict()
+    managed_states = [s.untyped_storage().data_ptr() for s in states
+                      if s.untyped_storage().data_ptr() != foreign]
+    assert sorted(pinned) == sorted(ended) == sorted(managed_states)
+    values = [value for per in saved["state"].values() for value in per.values()
+              if torch.is_tensor(value) and value.numel() > 1]
+    for value, state in zip(values, states):
+        copied = value.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
+        assert torch.equal(value.cpu(), state.cpu())
+        assert copied == (state.untyped_storage().data_ptr() != foreign)
+
+
 def recorded_pins(monkeypatch):
     """The pointers the library is asked to pin in place and to unpin, in two lists."""
     pinned, ended = [], []
@@ -786,14 +814,18 @@ def test_model_state_dict_copies_parameters_on_disk_out_while_a_use_pins_them(en
     assert pinned == []
 
 
+@pytest.mark.parametrize("park", [True, False])
 def test_with_parking_on_the_model_state_dict_copies_every_managed_parameter(engine,
-                                                                             monkeypatch):
+                                                                             monkeypatch, park):
     # Note [Parameters parked]: any managed parameter may be parked once the copies' uses end
     # (an eviction as a use ends), and torch.save would read unmapped addresses: each one is
     # a CPU copy made under a use in place; memory the engine does not hold stays as it is.
+    # So too with parameters in the NVMe tier (ZEROALLOC_NVME_PARAMETERS) and parking off:
+    # one on the device as state_dict() looks may be on disk when torch.save reads it.
     from zeroalloc.torch import _settings
     monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
-    monkeypatch.setattr(_settings, "parameters_park", lambda: True)
+    monkeypatch.setattr(_settings, "parameters_park", lambda: park)
+    monkeypatch.setattr(_settings, "parameters_on_disk", lambda: not park)
     model, optimizer = build()
     handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
     parameters = dict(model.named_parameters())

@@ -58,3 +58,16 @@ def backward_uses_saved_only() -> bool:
     parameters a forward saved (Note [The backward reads what autograd saved] in
     _backward_uses.py)."""
     return setting("ZEROALLOC_BACKWARD_USES", "saved") == "saved"
+
+
+def disk_tier() -> bool:
+    """Whether ZEROALLOC_NVME_PATH configures the NVMe tier: any state the engine manages
+    may then go to disk whenever pressure sends it (Note [Chunks on disk] in
+    lib/tier/migrator.cpp)."""
+    return setting("ZEROALLOC_NVME_PATH", "") != ""
+
+
+def parameters_on_disk() -> bool:
+    """ZEROALLOC_NVME_PARAMETERS with the NVMe tier: parameters may go to disk too."""
+    return disk_tier() and setting("ZEROALLOC_NVME_PARAMETERS", "0") in ("1", "true", "yes",
+                                                                            "on")

@@ -63,8 +63,10 @@ def copy_parameters_off_disk(module, state_dict, prefix, local_metadata) -> None
     # allocation), and torch.save would then read unmapped addresses: each one comes out as
     # a CPU copy, as torch.save would make anyway. Other tensors (buffers, parameters
     # offload() did not adopt) are never parked and stay the module's own.
+    # So too with parameters in the NVMe tier: one on the host or the device as this looks
+    # may be on disk by the time torch.save reads it.
     adopted = set()
-    if _settings.parameters_park():
+    if _settings.parameters_park() or _settings.parameters_on_disk():
         adopted = {p.untyped_storage().data_ptr() for p in adopted_parameters(module)}
     values = [(key, value) for key, value in state_dict.items()
               if not isinstance(value, torch.nn.Parameter)]  # keep_vars=True: live objects
@@ -185,11 +187,15 @@ def copied_off_disk(optimizer, saved: dict) -> dict:
     [Chunks on disk] in lib/tier/migrator.cpp), and pressure may send a state there again
     at any time after state_dict returns: in the dict it returns (for torch.save), each
     such state is a copy in CPU memory, made while a use pins it where it came back to.
-    The optimizer's own states stay where they are."""
+    With the NVMe tier configured that holds for every state the engine manages, wherever
+    it is as this looks: one on the host now may be on disk by the time torch.save reads
+    it (a CPU copy is what torch.save makes anyway). Without it, states stay the
+    optimizer's own tensors."""
+    wherever = _settings.disk_tier()
     on_disk = {}
     for per_parameter in optimizer.state.values():
         for value in per_parameter.values():
-            copied = cpu_copy_if_on_disk(value)
+            copied = cpu_copy_if_on_disk(value, wherever)
             if copied is not None:
                 on_disk[id(value)] = copied
     if not on_disk:
