@@ -23,7 +23,8 @@ One concept per module:
 
 Design notes: Notes [Stepping states where they are], [Windows and buffers], [Overlapping
 the step] and [Steps that follow param_groups] (_optimizer_step.py), Note [Hint groups]
-(_module_hints.py), Note [Backward uses] (_backward_uses.py), Note [Gradients' class]
+(_module_hints.py), Notes [Backward uses] and [The backward reads what autograd saved]
+(_backward_uses.py), Note [Gradients' class]
 (_adoption.py), Note [No cycles through the optimizer] (_weak_methods.py), Note [Stage 1
 by whole parameters] (_zero.py).
 """
