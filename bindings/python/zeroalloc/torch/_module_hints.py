@@ -51,8 +51,10 @@ def after_forward(module, output, backward: BackwardUses) -> None:
         watch = begun.pop()[1]
         if watch is not None:
             watch.pop()
-    _use_hints.end(own)
-    backward.hint_backward(own, output, watch)
+    try:
+        backward.hint_backward(own, output, watch)  # first: a recomputation's uses go on
+    finally:
+        _use_hints.end(own)
 
 
 class HintGroup:
@@ -116,9 +118,14 @@ class HintGroup:
             watch.pop()
         if not own:
             return
-        _use_hints.end(own)
-        if output is not None or watch is not None:  # (a checkpoint's recomputation stops
-            self.backward.hint_backward(own, output, watch)  # early by raising)
+        # The backward's first: a recomputation inside a backward begins its uses at once,
+        # while the forward's still hold the chunks (ended first, they could be parked and
+        # fetched again in between); a checkpoint's recomputation may stop early by raising.
+        try:
+            if output is not None or watch is not None:
+                self.backward.hint_backward(own, output, watch)
+        finally:
+            _use_hints.end(own)
 
     def member_before(self, module, _inputs) -> None:
         self.listeners.finish_write_backs()
@@ -133,9 +140,10 @@ class HintGroup:
     def reset_all() -> None:
         """Closes what forwards that raised left open (PyTorch before 2.1 does not call a
         forward hook then); the uses themselves the engine closes at the step boundary."""
+        global alone
         for group in list(HintGroup._all):
             group.local = threading.local()
-        alone.open = []
+        alone = threading.local()  # every thread's, as the groups' above
 
 
 def managed_bytes(module) -> int:
