@@ -214,9 +214,29 @@ class Run:
     gradient_class: str = ""
     log_suffix: str = ""
     step_parameters: str = ""
-    park: str = ""
-    host_step: str = ""
-    backward_uses: str = ""
+    #: (variable, value) of each swept setting given a value (SWEPT_SETTINGS)
+    settings: tuple = ()
+
+
+#: Library settings the offload mode sweeps side by side: (argument, flag, variable, the
+#: values accepted, the run name's tag).
+SWEPT_SETTINGS = (
+    ("park", "--park", "ZEROALLOC_PARK_PARAMETERS", ("0", "1"), "park"),
+    ("host_step", "--host-step", "ZEROALLOC_HOST_STEP", ("0", "1"), "host"),
+    ("backward_uses", "--backward-uses", "ZEROALLOC_BACKWARD_USES", ("saved", "all"), "bwd"),
+)
+
+
+def swept_values(args) -> list:
+    """Per swept setting, the values asked for ([""] when none: the library's default)."""
+    values = []
+    for attribute, flag, _, accepted, _ in SWEPT_SETTINGS:
+        given = getattr(args, attribute)
+        asked = given.split(",") if given else [""]
+        if any(each not in ("", *accepted) for each in asked):
+            raise ValueError(f"{flag} {given!r}: accepted: {', '.join(accepted)} or both")
+        values.append(asked)
+    return values
 
 
 def plan_runs(args) -> list[Run]:
@@ -256,18 +276,9 @@ def plan_runs(args) -> list[Run]:
         unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
         if unknown:
             raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
-        parks = args.park.split(",") if args.park else [""]
-        if any(each not in ("", "0", "1") for each in parks):
-            raise ValueError(f"--park {args.park!r}: accepted: 0, 1 or both")
-        hosts = args.host_step.split(",") if args.host_step else [""]
-        if any(each not in ("", "0", "1") for each in hosts):
-            raise ValueError(f"--host-step {args.host_step!r}: accepted: 0, 1 or both")
-        backwards = args.backward_uses.split(",") if args.backward_uses else [""]
-        if any(each not in ("", "saved", "all") for each in backwards):
-            raise ValueError(f"--backward-uses {args.backward_uses!r}: accepted: saved, all "
-                             f"or both")
-        for limit, size, overlap, gradient, reach, park, host, backward in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, parks, hosts, backwards):
+        swept = swept_values(args)
+        for limit, size, overlap, gradient, reach, *chosen in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, *swept):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -279,19 +290,15 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
-            if len(parks) > 1:
-                name += f"_park{park}"
-            if len(hosts) > 1:
-                name += f"_host{host}"
-            if len(backwards) > 1:
-                name += f"_bwd{backward}"
+            tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
+                           in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)
+            name += tags
+            settings = tuple((variable, value) for (_, _, variable, _, _), value
+                             in zip(SWEPT_SETTINGS, chosen) if value)
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
-                            + (f"_{reach}" if len(reaches) > 1 else "")
-                            + (f"_park{park}" if len(parks) > 1 else "")
-                            + (f"_host{host}" if len(hosts) > 1 else "")
-                            + (f"_bwd{backward}" if len(backwards) > 1 else ""),
-                            reach, park, host, backward))
+                            + (f"_{reach}" if len(reaches) > 1 else "") + tags,
+                            reach, settings))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -977,8 +984,7 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", park: str = "", host_step: str = "",
-             backward_uses: str = "") -> dict:
+             step_parameters: str = "", settings: tuple = ()) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -987,12 +993,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         env["ZEROALLOC_OFFLOAD"] = "host"
         env["ZEROALLOC_HOST_LIMIT"] = args.host_limit
         env["ZEROALLOC_MEMORY_LIMIT"] = str(limit_bytes)
-        if park:
-            env["ZEROALLOC_PARK_PARAMETERS"] = park
-        if host_step:
-            env["ZEROALLOC_HOST_STEP"] = host_step
-        if backward_uses:
-            env["ZEROALLOC_BACKWARD_USES"] = backward_uses
+        env.update(settings)  # the swept settings given a value (SWEPT_SETTINGS)
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
@@ -1077,8 +1078,7 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.park, run.host_step,
-                                     run.backward_uses)
+                                     run.step_parameters, run.settings)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

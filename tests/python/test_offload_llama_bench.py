@@ -146,8 +146,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", park="", host_step="",
-                 backward_uses=""):
+                 gradient_class="", log_suffix="", step_parameters="", settings=()):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -260,16 +259,16 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
         names(["--modes", "offload", "--step-parameters", "move"])
 
 
-@pytest.mark.parametrize("flag, keyword, variable, values, names_made, accepted", [
-    ("--park", "park", "ZEROALLOC_PARK_PARAMETERS", "1,0",
+@pytest.mark.parametrize("flag, variable, values, names_made, accepted", [
+    ("--park", "ZEROALLOC_PARK_PARAMETERS", "1,0",
      ["offload_18GiB_park1", "offload_18GiB_park0"], "0, 1"),
-    ("--host-step", "host_step", "ZEROALLOC_HOST_STEP", "0,1",
+    ("--host-step", "ZEROALLOC_HOST_STEP", "0,1",
      ["offload_18GiB_host0", "offload_18GiB_host1"], "0, 1"),
-    ("--backward-uses", "backward_uses", "ZEROALLOC_BACKWARD_USES", "saved,all",
+    ("--backward-uses", "ZEROALLOC_BACKWARD_USES", "saved,all",
      ["offload_18GiB_bwdsaved", "offload_18GiB_bwdall"], "saved, all"),
 ])
 def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
-        monkeypatch, flag, keyword, variable, values, names_made, accepted):
+        monkeypatch, flag, variable, values, names_made, accepted):
     """--park (parked or mapped parameters), --host-step (the step on the host or the
     device) and --backward-uses: each value its own run, with its variable set, or unset
     when not given."""
@@ -287,8 +286,9 @@ def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
         return Finished()
 
     monkeypatch.setattr(bench.subprocess, "run", run)
-    args = bench.parse_args(["--modes", "offload"])
-    given = values.split(",")
-    for value in (*given, ""):
-        bench.run_mode(args, "offload", 1 << 30, **{keyword: value})
-    assert seen == [*given, None]  # not given: the library's default
+    args = bench.parse_args(["--modes", "offload", "--limits-gib", "18", flag, values])
+    for run in bench.plan_runs(args):
+        if run.mode == "offload":
+            bench.run_mode(args, "offload", 1 << 30, settings=run.settings)
+    bench.run_mode(args, "offload", 1 << 30)
+    assert seen == [*values.split(","), None]  # not given: the library's default
