@@ -128,6 +128,17 @@ def begins(calls):
     return [names for kind, names in calls if kind == "begin"]
 
 
+def hooked_with_reference(recorder, hooked, model_class=None, **install):
+    """A model (seeded), an unhooked copy of it for reference, and the recorder of the
+    model's hints with its hooks installed."""
+    torch.manual_seed(0)
+    model = (model_class or Model)()
+    reference = copy.deepcopy(model)
+    record = recorder(model)
+    hooked(model, **install)
+    return model, reference, record
+
+
 def same_gradients(model, reference):
     """Whether the model's gradients are the reference's, bit for bit (a parameter read
     while parked made them NaN)."""
@@ -162,11 +173,7 @@ def hooked(request):
 
 
 def test_a_layer_is_one_call_forward_and_backward_and_every_use_ends(recorder, hooked):
-    torch.manual_seed(0)
-    model = Model()
-    reference = copy.deepcopy(model)
-    record = recorder(model)
-    hooked(model)
+    model, reference, record = hooked_with_reference(recorder, hooked)
     x = torch.randn(3, 16)
     loss = model(x).sum()
     forward = record.take()
@@ -193,11 +200,7 @@ def test_under_autocast_a_linear_weight_gets_no_backward_use(recorder, hooked):
     """Note [The backward reads what autograd saved]: under autocast a Linear saves the
     bf16 copy of its weight, so the fp32 weight stays parked through the backward; the
     LayerNorm (fp32 under autocast) saves its own."""
-    torch.manual_seed(0)
-    model = Model()
-    reference = copy.deepcopy(model)
-    record = recorder(model)
-    hooked(model)
+    model, reference, record = hooked_with_reference(recorder, hooked)
     x = torch.randn(3, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x).float().sum()
@@ -227,13 +230,9 @@ def test_every_parameter_comes_back_for_the_backward_with_backward_uses_all(
 
 
 def test_saved_tensor_hooks_around_the_model_still_see_every_saved_tensor(recorder, hooked):
-    """The watch hands each saved tensor on to the hooks around it (save_on_cpu, a
-    checkpoint): they are packed and unpacked as often as without the module hooks."""
-    torch.manual_seed(0)
-    model = Model()
-    reference = copy.deepcopy(model)
-    record = recorder(model)
-    hooked(model)
+    """Under hooks of other code around the model (save_on_cpu, a checkpoint) the watch
+    stands aside: those hooks pack and unpack as often as without the module hooks."""
+    model, reference, record = hooked_with_reference(recorder, hooked)
     x = torch.randn(3, 16, requires_grad=True)
 
     def run(net):
@@ -345,11 +344,8 @@ class Detached(torch.nn.Module):
 
 
 def test_a_weight_read_through_detach_or_data_comes_back_for_the_backward(recorder, hooked):
-    torch.manual_seed(0)
-    model = Detached()
-    reference = copy.deepcopy(model)
-    record = recorder(model)
-    hooked(model, group_bytes=1 << 20)
+    model, reference, record = hooked_with_reference(recorder, hooked, Detached,
+                                                     group_bytes=1 << 20)
     data = torch.randn(3, 16)
     x = data.clone().requires_grad_()
     model(x).sum().backward()
@@ -519,11 +515,8 @@ def test_checkpointed_layers_end_every_use(recorder, hooked, reentrant, group_by
                                           use_reentrant=reentrant)
             return self.head(x)
 
-    torch.manual_seed(0)
-    model = Checkpointed()
-    reference = copy.deepcopy(model)
-    record = recorder(model)
-    hooked(model, group_bytes=group_bytes)
+    model, reference, record = hooked_with_reference(recorder, hooked, Checkpointed,
+                                                     group_bytes=group_bytes)
     data = torch.randn(3, 16)
     x = data.clone().requires_grad_()
     loss = model(x).sum()

@@ -717,29 +717,33 @@ def test_with_step_marks_each_iteration_marks_one_boundary_windowed_or_not(engin
     assert engine.boundaries == 6  # removed
 
 
+def state_tensors(state: dict) -> list:
+    """The state tensors of an optimizer's state (or a state dict's), step counts left out."""
+    return [value for per in state.values() for value in per.values()
+            if torch.is_tensor(value) and value.numel() > 1]
+
+
+def trained_states():
+    """A managed model's optimizer after one step, and its state tensors."""
+    model, optimizer = managed(overlap_bytes=0)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    return optimizer, state_tensors(optimizer.state)
+
+
 def test_state_dict_copies_states_on_disk_out_while_a_use_pins_them(engine, monkeypatch):
     # States in the NVMe tier sit behind addresses no copy may touch, and may go back there
     # after state_dict() returns: the dict holds CPU copies of them, each made under a use
     # in place (which brings it back and pins it), ended at once; the others are the
     # optimizer's own tensors (zeroalloc/torch/_state_dict.py).
-    model, optimizer = managed(overlap_bytes=0)
-    inputs, labels = data(1)[0]
-    train(model, optimizer, inputs, labels)
-    states = [value for per in optimizer.state.values() for value in per.values()
-              if torch.is_tensor(value) and value.numel() > 1]
+    optimizer, states = trained_states()
     on_disk = {states[0].untyped_storage().data_ptr(), states[3].untyped_storage().data_ptr()}
     monkeypatch.setattr(zt._offload, "residency_of",
                         lambda pointer: "disk" if pointer in on_disk else "host")
-    pinned = []
-    monkeypatch.setattr(zt._offload, "use_in_place_many",
-                        lambda pointers, stream=0: pinned.extend(pointers))
-    ended = []
-    monkeypatch.setattr(zt._offload, "use_ends_many",
-                        lambda pointers, stream=0: ended.extend(pointers))
+    pinned, ended = recorded_pins(monkeypatch)
     saved = optimizer.state_dict()
     assert sorted(pinned) == sorted(on_disk) and sorted(ended) == sorted(on_disk)
-    values = [value for per in saved["state"].values() for value in per.values()
-              if torch.is_tensor(value) and value.numel() > 1]
+    values = state_tensors(saved["state"])
     assert len(values) == len(states)
     for value, state in zip(values, states):
         assert torch.equal(value, state) and value.device.type == "cpu"
@@ -750,11 +754,7 @@ def test_with_the_disk_tier_state_dict_copies_every_managed_state(engine, monkey
     # be on disk by the time torch.save reads it: every state the engine manages comes out
     # as a CPU copy made under a use in place; memory it does not hold stays as it is.
     from zeroalloc.torch import _settings
-    model, optimizer = managed(overlap_bytes=0)
-    inputs, labels = data(1)[0]
-    train(model, optimizer, inputs, labels)
-    states = [value for per in optimizer.state.values() for value in per.values()
-              if torch.is_tensor(value) and value.numel() > 1]
+    optimizer, states = trained_states()
     foreign = states[1].untyped_storage().data_ptr()
     held = {s.untyped_storage().data_ptr() for s in states} - {foreign}
     monkeypatch.setattr(_settings, "disk_tier", lambda: True)
@@ -765,9 +765,7 @@ def test_with_the_disk_tier_state_dict_copies_every_managed_state(engine, monkey
     managed_states = [s.untyped_storage().data_ptr() for s in states
                       if s.untyped_storage().data_ptr() != foreign]
     assert sorted(pinned) == sorted(ended) == sorted(managed_states)
-    values = [value for per in saved["state"].values() for value in per.values()
-              if torch.is_tensor(value) and value.numel() > 1]
-    for value, state in zip(values, states):
+    for value, state in zip(state_tensors(saved["state"]), states):
         copied = value.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
         assert torch.equal(value.cpu(), state.cpu())
         assert copied == (state.untyped_storage().data_ptr() != foreign)

@@ -54,7 +54,7 @@ class SavedWatch:
     uses of what it saved at once: a non-reentrant checkpoint drops its recomputed outputs
     (their gradients never come) and may stop the recomputation by raising."""
 
-    __slots__ = ("own", "ids", "storages", "saved", "pushed", "everything", "__weakref__")
+    __slots__ = ("own", "ids", "storages", "saved", "pushed", "everything")
 
     def __init__(self, own: list):
         self.own = own
@@ -143,11 +143,16 @@ class SavedWatch:
 watching = threading.local()
 
 
-def open_watches() -> list:
-    found = getattr(watching, "open", None)
+def thread_list(local: threading.local) -> list:
+    """The list `local.open` of this thread, made empty at its first use."""
+    found = getattr(local, "open", None)
     if found is None:
-        found = watching.open = []
+        found = local.open = []
     return found
+
+
+def open_watches() -> list:
+    return thread_list(watching)
 
 
 def watch_pushes():

@@ -9,7 +9,7 @@ import weakref
 from typing import NamedTuple
 
 from zeroalloc.torch import _adoption, _settings, _use_hints
-from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
+from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, thread_list
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 
 
@@ -27,10 +27,7 @@ alone = threading.local()
 
 
 def alone_open() -> list:
-    found = getattr(alone, "open", None)
-    if found is None:
-        found = alone.open = []
-    return found
+    return thread_list(alone)
 
 
 def before_forward(module, listeners: WindowedSteps, backward: BackwardUses) -> None:
