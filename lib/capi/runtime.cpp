@@ -109,7 +109,10 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
         counters.host_resident_class_bytes = moved.host_resident_class_bytes;
         counters.bytes_to_host = moved.bytes_to_host;
         counters.bytes_to_device = moved.bytes_to_device;
-        counters.device_waited_ns = engine->figures().device_waited_ns;
+        const offload_figures uses = engine->figures();
+        counters.device_waited_ns = uses.device_waited_ns;
+        counters.waited_for_room_ns = uses.waited_ns;
+        counters.waited_for_moves_ns = moved.waited_ns;
         counters.disk_resident_bytes = moved.disk_resident_bytes;
         counters.bytes_to_disk = moved.bytes_to_disk;
         counters.bytes_from_disk = moved.bytes_from_disk;

@@ -217,6 +217,7 @@ reporter::step_record reporter::step_since_boundary(const std::vector<device_rea
     device_step did;
     did.ordinal = reading.ordinal;
     did.device_class_bytes = reading.device_class_bytes;
+    did.host_class_bytes = reading.tier.host_resident_class_bytes;
     // Never below zero: a report's reading of the step under way may be older than a
     // boundary another thread recorded meanwhile.
     const auto since = [](std::uint64_t now, std::uint64_t then) {
@@ -225,6 +226,8 @@ reporter::step_record reporter::step_since_boundary(const std::vector<device_rea
     did.bytes_to_host = since(reading.tier.bytes_to_host, before.bytes_to_host);
     did.bytes_to_device = since(reading.tier.bytes_to_device, before.bytes_to_device);
     did.device_waited_ns = since(reading.tier.device_waited_ns, before.device_waited_ns);
+    did.waited_for_room_ns = since(reading.tier.waited_for_room_ns, before.waited_for_room_ns);
+    did.waited_for_moves_ns = since(reading.tier.waited_for_moves_ns, before.waited_for_moves_ns);
     did.disk_resident_bytes = reading.tier.disk_resident_bytes;
     did.bytes_to_disk = since(reading.tier.bytes_to_disk, before.bytes_to_disk);
     did.bytes_from_disk = since(reading.tier.bytes_from_disk, before.bytes_from_disk);
@@ -254,9 +257,12 @@ void reporter::step_ended() noexcept {
           continue;
         }
         found->device_class_bytes = did.device_class_bytes;
+        found->host_class_bytes = did.host_class_bytes;
         found->bytes_to_host += did.bytes_to_host;
         found->bytes_to_device += did.bytes_to_device;
         found->device_waited_ns += did.device_waited_ns;
+        found->waited_for_room_ns += did.waited_for_room_ns;
+        found->waited_for_moves_ns += did.waited_for_moves_ns;
         found->disk_resident_bytes = did.disk_resident_bytes;
         found->bytes_to_disk += did.bytes_to_disk;
         found->bytes_from_disk += did.bytes_from_disk;
@@ -372,12 +378,18 @@ std::string reporter::build_json(const std::string& reason) const {
     json of_devices = json::object();
     for (const device_step& did : step.devices) {
       json resident = json::object();
-      for (const allocation_class cls : kAllocationClasses)
+      json on_host = json::object();
+      for (const allocation_class cls : kAllocationClasses) {
         resident[std::string(class_name(cls))] = did.device_class_bytes[class_index(cls)];
+        on_host[std::string(class_name(cls))] = did.host_class_bytes[class_index(cls)];
+      }
       of_devices[std::to_string(did.ordinal)] = {{"device_class_bytes", std::move(resident)},
+                                                 {"host_class_bytes", std::move(on_host)},
                                                  {"bytes_to_host", did.bytes_to_host},
                                                  {"bytes_to_device", did.bytes_to_device},
                                                  {"device_waited_ns", did.device_waited_ns},
+                                                 {"waited_for_room_ns", did.waited_for_room_ns},
+                                                 {"waited_for_moves_ns", did.waited_for_moves_ns},
                                                  {"disk_resident_bytes", did.disk_resident_bytes},
                                                  {"bytes_to_disk", did.bytes_to_disk},
                                                  {"bytes_from_disk", did.bytes_from_disk},

@@ -8,9 +8,11 @@
 // Note [Step records]: a program that trains says where each step ends
 // (zeroalloc_step_boundary, which the optimizer step of zeroalloc.torch.offload() calls, and
 // which teaches the offload engine its order). The reporter then records the moment and, per
-// device, what each allocation class holds on the device and the offload tier's counters, so
-// that a report shows per step what was resident, what moved each way and how long the
-// device waited for it. Steps are where programs repeat
+// device, what each allocation class holds on the device and on the host and the offload
+// tier's counters, so that a report shows per step what was resident, what moved each way,
+// how long the device waited for it and how long the program's threads waited in the
+// engine (for room, and for moves of the chunks they were about to use to settle: where
+// the step's time goes when activations themselves must leave). Steps are where programs repeat
 // themselves: a difference between two steps is what a user looks for. The records are
 // bounded as the timeline is: past kMaxStepRecords, neighbours merge (steps 1-2, 3-4, ...)
 // and later records each cover as many steps.
@@ -48,7 +50,9 @@ class reporter {
     std::array<std::uint64_t, kAllocationClassCount> host_resident_class_bytes{};
     std::uint64_t bytes_to_host = 0;
     std::uint64_t bytes_to_device = 0;
-    std::uint64_t device_waited_ns = 0;  ///< streams waiting for fetched bytes
+    std::uint64_t device_waited_ns = 0;     ///< streams waiting for fetched bytes
+    std::uint64_t waited_for_room_ns = 0;   ///< the program's threads: use hints waiting for room
+    std::uint64_t waited_for_moves_ns = 0;  ///< ... for moves of their chunks to settle
     // The disk tier (zero without one).
     std::uint64_t disk_resident_bytes = 0;  ///< bytes of chunks on disk now
     std::uint64_t bytes_to_disk = 0;
@@ -119,9 +123,12 @@ class reporter {
   struct device_step {
     int ordinal = 0;
     std::array<std::int64_t, kAllocationClassCount> device_class_bytes{};  // at the step's end
+    std::array<std::uint64_t, kAllocationClassCount> host_class_bytes{};   // at the step's end
     std::uint64_t bytes_to_host = 0;
     std::uint64_t bytes_to_device = 0;
     std::uint64_t device_waited_ns = 0;
+    std::uint64_t waited_for_room_ns = 0;
+    std::uint64_t waited_for_moves_ns = 0;
     std::uint64_t disk_resident_bytes = 0;  // at the step's end
     std::uint64_t bytes_to_disk = 0;
     std::uint64_t bytes_from_disk = 0;

@@ -320,6 +320,9 @@ def test_reports_show_per_step_what_was_resident_what_moved_and_the_limit(tmp_pa
     assert [f["bytes_to_host"] for f in figures] == [0, 32 << 20, 0, 0]
     assert [f["bytes_to_device"] for f in figures] == [0, 0, 32 << 20, 0]
     assert all(f["device_waited_ns"] >= 0 for f in figures)
+    # What each class held on the host at each step's end, and the program's waits.
+    assert [f["host_class_bytes"]["parameter"] for f in figures] == [0, 32 << 20, 0, 0]
+    assert all(f["waited_for_room_ns"] >= 0 and f["waited_for_moves_ns"] >= 0 for f in figures)
     limits = report["timeline"]["devices"]["0"]["limit"]
     assert len(limits) == len(report["timeline"]["t_ms"]) and set(limits) == {512 << 20}
     summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
@@ -479,9 +482,14 @@ def test_page_draws_the_limit_and_the_steps_in_a_screenshot(tmp_path):
     assert all(f'class="step-marker" data-step="{step}"' in dom for step in range(2, 7))
     assert "time since zeroalloc started (s)" in dom and "memory (MiB)" in dom
     assert 'data-step-rows="6"' in dom and "6 (under way)" in dom
-    third = re.search(r'<tr><td>3</td>(.*?)</tr>', dom).group(1)
-    cells = re.findall(r"<td>([^<]*)</td>", third)
-    assert cells[-3:-1] == ["48.00 MiB", "0 B"], cells  # step 3 moved the states to the host
+    heads = re.findall(r"<th>([^<]*)</th>", re.search(r"<tr>(<th>step</th>.*?)</tr>", dom).group(1))
+    cells = re.findall(r"<td>([^<]*)</td>", re.search(r"<tr>(<td>3</td>.*?)</tr>", dom).group(1))
+    moved = heads.index("to host")
+    assert cells[moved:moved + 2] == ["48.00 MiB", "0 B"], cells  # step 3 moved the states out
+    waited = heads.index("program waited")  # then what each class holds on the host
+    assert heads[waited + 1:] == heads[3:moved], heads
+    host_states = waited + 1 + heads[3:moved].index("optimizer states")
+    assert cells[host_states] == "48.00 MiB" and cells[waited].endswith(" ms"), cells
 
     screenshot = tmp_path / "run.png"
     shot = subprocess.run([*flags, f"--screenshot={screenshot}", page], capture_output=True,
