@@ -52,7 +52,6 @@ def require_offload_engine() -> None:
             "allocator: zeroalloc.torch.install() or ZEROALLOC_TORCH=zeroalloc)")
 
 
-
 def backward_uses_saved_only() -> bool:
     """ZEROALLOC_BACKWARD_USES (default saved): whether the backward's uses cover only the
     parameters a forward saved (Note [The backward reads what autograd saved] in
