@@ -90,13 +90,6 @@ class Recorder:
                 self.parked[id(tensor)] = tensor.detach().clone()
                 tensor.data.fill_(float("nan"))
 
-    def unpark(self):
-        """Every parameter's values back (for a reference's comparison)."""
-        for key, values in self.parked.items():
-            if (parameter := self.parameters.get(key)) is not None:
-                parameter.data.copy_(values)
-        self.parked.clear()
-
     def take(self):
         calls, self.calls = self.calls, []
         return calls

@@ -19,6 +19,11 @@ def setting(name: str, fallback: str) -> str:
     return fallback
 
 
+def enabled(name: str, fallback: str) -> bool:
+    """A yes-or-no variable, checked as the library checks it."""
+    return setting(name, fallback) in ("1", "true", "yes", "on")
+
+
 def offload_setting() -> str:
     """ZEROALLOC_OFFLOAD, checked as the library checks it."""
     return setting("ZEROALLOC_OFFLOAD", "none")
@@ -28,20 +33,20 @@ def gradient_class_default() -> bool:
     """ZEROALLOC_OFFLOAD_GRADIENTS, checked as the library checks it (the library rejects a
     value that is not a yes or a no at start-up): what offload() and the automatic mode do
     with gradients when `gradient_class` is not given."""
-    return setting("ZEROALLOC_OFFLOAD_GRADIENTS", "0") in ("1", "true", "yes", "on")
+    return enabled("ZEROALLOC_OFFLOAD_GRADIENTS", "0")
 
 
 def parameters_park() -> bool:
     """ZEROALLOC_PARK_PARAMETERS (default 1): whether evicted parameters may be parked
     behind unmapped addresses (Note [Parameters parked] in lib/tier/offload_engine.hpp)."""
-    return setting("ZEROALLOC_PARK_PARAMETERS", "1") in ("1", "true", "yes", "on")
+    return enabled("ZEROALLOC_PARK_PARAMETERS", "1")
 
 
 def host_step() -> bool:
     """ZEROALLOC_HOST_STEP (default 0): whether the windowed step steps AdamW windows whose
     states and parameters are all on the host there, on the CPUs (Note [Stepped on the
     host] in lib/tier/host_step.hpp)."""
-    return setting("ZEROALLOC_HOST_STEP", "0") in ("1", "true", "yes", "on")
+    return enabled("ZEROALLOC_HOST_STEP", "0")
 
 
 def require_offload_engine() -> None:
@@ -68,5 +73,4 @@ def disk_tier() -> bool:
 
 def parameters_on_disk() -> bool:
     """ZEROALLOC_NVME_PARAMETERS with the NVMe tier: parameters may go to disk too."""
-    return disk_tier() and setting("ZEROALLOC_NVME_PARAMETERS", "0") in ("1", "true", "yes",
-                                                                            "on")
+    return disk_tier() and enabled("ZEROALLOC_NVME_PARAMETERS", "0")
