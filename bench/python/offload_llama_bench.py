@@ -101,6 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: ZEROALLOC_BACKWARD_USES (saved: a module's backward "
                         "brings back only the parameters its forward saved, the default; all: "
                         "every one); saved,all runs both side by side")
+    parser.add_argument("--master-weights", default="",
+                        help="offload mode: ZEROALLOC_MASTER_WEIGHTS (none: fp32 weights under "
+                        "autocast, the default; bf16: a bf16 model whose fp32 masters are stepped "
+                        "with the optimizer's states, DeepSpeed's recipe); none,bf16 runs both "
+                        "side by side")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -224,6 +229,7 @@ SWEPT_SETTINGS = (
     ("park", "--park", "ZEROALLOC_PARK_PARAMETERS", ("0", "1"), "park"),
     ("host_step", "--host-step", "ZEROALLOC_HOST_STEP", ("0", "1"), "host"),
     ("backward_uses", "--backward-uses", "ZEROALLOC_BACKWARD_USES", ("saved", "all"), "bwd"),
+    ("master_weights", "--master-weights", "ZEROALLOC_MASTER_WEIGHTS", ("none", "bf16"), "mw"),
 )
 
 

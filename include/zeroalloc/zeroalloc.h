@@ -393,6 +393,19 @@ int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradient
                             zeroalloc_stream_t stream);
 
 /**
+ * zeroalloc_adamw_on_host for fp32 master weights trained in bf16: each gradient is
+ * `counts[i]` bf16 elements of host memory of the caller's (pinned or not), and the updated
+ * master is also written to `copies[i]`, `counts[i]` bf16 elements of host memory of the
+ * caller's, rounded to nearest, ties to even (PyTorch's cast): the working copy the device
+ * computes with. Masters and moments are float32 allocations as above. Same answers.
+ */
+int zeroalloc_adamw_on_host_bf16(void* const* masters, const void* const* gradients,
+                                 void* const* exp_avgs, void* const* exp_avg_sqs,
+                                 void* const* copies, const size_t* counts, size_t count,
+                                 const zeroalloc_adamw_settings* settings,
+                                 zeroalloc_stream_t stream);
+
+/**
  * Groups of ranks (ZeRO across GPUs). Joins this process to the group of the job it runs in,
  * from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0
  * hands the others the group's id over TCP at MASTER_PORT + 1, and every rank checks that all

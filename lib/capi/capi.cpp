@@ -591,17 +591,18 @@ std::uintptr_t host_address_in(const std::vector<zeroalloc::offload_engine::host
   return view.host + (address - view.address);
 }
 
-}  // namespace
-
-ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradients,
-                                      void* const* exp_avgs, void* const* exp_avg_sqs,
-                                      const size_t* counts, size_t count,
-                                      const zeroalloc_adamw_settings* settings,
-                                      zeroalloc_stream_t stream) {
-  return guarded("zeroalloc_adamw_on_host", -1, [&] {
+// zeroalloc_adamw_on_host and, with `master` (Note [Master weights]), its bf16 variant: then
+// every gradient and copy is bf16 host memory of the caller's.
+int adamw_on_host_call(const char* name, bool master, void* const* parameters,
+                       const void* const* gradients, void* const* exp_avgs,
+                       void* const* exp_avg_sqs, void* const* copies, const size_t* counts,
+                       size_t count, const zeroalloc_adamw_settings* settings,
+                       zeroalloc_stream_t stream) {
+  return guarded(name, -1, [&] {
     ZA_REQUIRE(settings != nullptr, "settings is NULL");
-    ZA_REQUIRE(count == 0 || (parameters != nullptr && gradients != nullptr &&
-                              exp_avgs != nullptr && exp_avg_sqs != nullptr && counts != nullptr),
+    ZA_REQUIRE(count == 0 ||
+                   (parameters != nullptr && gradients != nullptr && exp_avgs != nullptr &&
+                    exp_avg_sqs != nullptr && counts != nullptr && (!master || copies != nullptr)),
                "a pointer array is NULL");
     if (count == 0) return 1;
     ZA_REQUIRE(settings->beta1 >= 0 && settings->beta1 < 1 && settings->beta2 >= 0 &&
@@ -631,7 +632,13 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
         holds(each, counts[i]);
         managed.push_back(each);
       }
-      if (started.owner_of(gradients[i]) != nullptr) {
+      if (master) {
+        ZA_REQUIRE(started.owner_of(gradients[i]) == nullptr &&
+                       started.owner_of(copies[i]) == nullptr && gradients[i] != nullptr &&
+                       copies[i] != nullptr,
+                   "a bf16 gradient or working copy (", gradients[i], ", ", copies[i],
+                   ") is not host memory of the caller's");
+      } else if (started.owner_of(gradients[i]) != nullptr) {
         ZA_REQUIRE(started.engine_of(gradients[i]) == &engine, "gradient ", gradients[i],
                    " is on another device than its parameter ", parameters[i]);
         holds(gradients[i], counts[i]);
@@ -666,7 +673,7 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
     // chunks, whose views use_on_host returned, cover every count).
     std::vector<zeroalloc::adamw_span> spans;
     for (std::size_t i = 0; i < count; ++i) {
-      const bool host_gradient = started.owner_of(gradients[i]) == nullptr;
+      const bool host_gradient = master || started.owner_of(gradients[i]) == nullptr;
       const std::size_t total = counts[i] * sizeof(float);
       for (std::size_t done = 0, run = 0; done < total; done += run) {
         run = total - done;
@@ -687,9 +694,17 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
                      " lies in none of the chunks the engine opened to the CPUs");
           run = std::min(run, left);
         }
-        spans.push_back({reinterpret_cast<float*>(host[0]), reinterpret_cast<const float*>(host[1]),
-                         reinterpret_cast<float*>(host[2]), reinterpret_cast<float*>(host[3]),
-                         run / sizeof(float)});
+        zeroalloc::adamw_span span{reinterpret_cast<float*>(host[0]),
+                                   reinterpret_cast<const float*>(host[1]),
+                                   reinterpret_cast<float*>(host[2]),
+                                   reinterpret_cast<float*>(host[3]), run / sizeof(float)};
+        if (master) {
+          // The gradient and copy arrays are bf16: half the fp32 offset.
+          span.gradient = nullptr;
+          span.bf16_gradient = static_cast<const std::uint16_t*>(gradients[i]) + done / 4;
+          span.bf16_copy = static_cast<std::uint16_t*>(copies[i]) + done / 4;
+        }
+        spans.push_back(span);
       }
     }
     const zeroalloc::adamw_settings chosen{
@@ -698,6 +713,26 @@ ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const
     zeroalloc::adamw_on_host(workers, spans, chosen);
     return 1;
   });
+}
+
+}  // namespace
+
+ZA_EXPORT int zeroalloc_adamw_on_host(void* const* parameters, const void* const* gradients,
+                                      void* const* exp_avgs, void* const* exp_avg_sqs,
+                                      const size_t* counts, size_t count,
+                                      const zeroalloc_adamw_settings* settings,
+                                      zeroalloc_stream_t stream) {
+  return adamw_on_host_call("zeroalloc_adamw_on_host", false, parameters, gradients, exp_avgs,
+                            exp_avg_sqs, nullptr, counts, count, settings, stream);
+}
+
+ZA_EXPORT int zeroalloc_adamw_on_host_bf16(void* const* masters, const void* const* gradients,
+                                           void* const* exp_avgs, void* const* exp_avg_sqs,
+                                           void* const* copies, const size_t* counts, size_t count,
+                                           const zeroalloc_adamw_settings* settings,
+                                           zeroalloc_stream_t stream) {
+  return adamw_on_host_call("zeroalloc_adamw_on_host_bf16", true, masters, gradients, exp_avgs,
+                            exp_avg_sqs, copies, counts, count, settings, stream);
 }
 
 ZA_EXPORT void zeroalloc_step_boundary(void) {

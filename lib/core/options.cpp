@@ -207,6 +207,14 @@ const std::vector<option_spec>& table() {
        "all: every parameter of a module is brought back for its backward (for an "
        "autograd.Function that keeps a parameter outside save_for_backward).",
        check<read_choice>},
+      {"ZEROALLOC_MASTER_WEIGHTS", option_kind::choice, "none", "none|bf16",
+       "bf16: with ZEROALLOC_OFFLOAD=host, the Python package trains the model in bf16 as "
+       "DeepSpeed's bf16 mode does: each fp32 parameter of an optimizer becomes a bf16 working "
+       "copy and the optimizer steps an fp32 master copy that the engine keeps with the "
+       "optimizer's states (on the host under pressure, stepped there with "
+       "ZEROALLOC_HOST_STEP=1). none: parameters keep their dtype. zeroalloc.torch.offload's "
+       "master_weights overrides it.",
+       check<read_choice>},
       {"ZEROALLOC_HOST_LIMIT", option_kind::byte_size_or_host_share, "0.5", "",
        "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
        "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "

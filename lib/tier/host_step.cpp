@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -60,6 +61,57 @@ void update_elements(
   }
 }
 
+inline float widened(std::uint16_t bits) {
+  std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16U;
+  float value = 0.0F;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline std::uint16_t rounded(float value) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFU) > 0x7F800000U) return 0x7FC0;  // NaN, as PyTorch writes it
+  bits += ((bits >> 16U) & 1U) + 0x7FFFU;
+  return static_cast<std::uint16_t>(bits >> 16U);
+}
+
+// Master weights: the gradient arrives in bf16 and the updated parameter leaves in bf16 too
+// (`copy` is never null here).
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void update_master_elements(
+    float* __restrict parameter, const std::uint16_t* __restrict gradient,
+    float* __restrict exp_avg, float* __restrict exp_avg_sq, std::uint16_t* __restrict copy,
+    std::size_t count, adamw_factors f) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const float g = widened(gradient[i]) * f.gradient_sign;
+    const float p = parameter[i] * f.decay;
+    const float m = exp_avg[i] + f.one_minus_beta1 * (g - exp_avg[i]);
+    const float v = exp_avg_sq[i] * f.beta2 + f.one_minus_beta2 * g * g;
+    const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    const float updated = p + f.negative_step_size * (m / denominator);
+    parameter[i] = updated;
+    copy[i] = rounded(updated);
+  }
+}
+
+// One span (or piece of one) with whichever gradient it carries.
+void update_span(const adamw_span& span, const adamw_factors& f) {
+  if (span.bf16_gradient != nullptr && span.bf16_copy != nullptr) {
+    update_master_elements(span.parameter, span.bf16_gradient, span.exp_avg, span.exp_avg_sq,
+                           span.bf16_copy, span.count, f);
+    return;
+  }
+  update_elements(span.parameter, span.gradient, span.exp_avg, span.exp_avg_sq, span.count, f);
+  if (span.bf16_copy != nullptr) {
+    for (std::size_t i = 0; i < span.count; ++i) span.bf16_copy[i] = rounded(span.parameter[i]);
+  }
+}
+
 std::vector<int> parse_cpu_list(const std::string& text) {
   std::vector<int> cpus;
   std::stringstream items(text);
@@ -81,9 +133,12 @@ std::vector<int> parse_cpu_list(const std::string& text) {
 }  // namespace
 
 void adamw_update(const adamw_span& span, const adamw_settings& settings) {
-  update_elements(span.parameter, span.gradient, span.exp_avg, span.exp_avg_sq, span.count,
-                  factors_of(settings));
+  update_span(span, factors_of(settings));
 }
+
+float bf16_to_float(std::uint16_t bits) { return widened(bits); }
+
+std::uint16_t float_to_bf16(float value) { return rounded(value); }
 
 std::vector<int> host_step_cpus(int node) {
   cpu_set_t allowed;
@@ -179,16 +234,18 @@ void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
   for (const adamw_span& span : spans) {
     for (std::size_t at = 0; at < span.count; at += kPiece) {
       const std::size_t count = std::min(kPiece, span.count - at);
-      pieces.push_back({span.parameter + at, span.gradient + at, span.exp_avg + at,
-                        span.exp_avg_sq + at, count});
+      adamw_span piece{span.parameter + at,
+                       span.gradient != nullptr ? span.gradient + at : nullptr,
+                       span.exp_avg + at,
+                       span.exp_avg_sq + at,
+                       count,
+                       span.bf16_gradient != nullptr ? span.bf16_gradient + at : nullptr,
+                       span.bf16_copy != nullptr ? span.bf16_copy + at : nullptr};
+      pieces.push_back(piece);
     }
   }
   const adamw_factors factors = factors_of(settings);
-  workers.run(pieces.size(), [&](std::size_t index) {
-    const adamw_span& piece = pieces[index];
-    update_elements(piece.parameter, piece.gradient, piece.exp_avg, piece.exp_avg_sq, piece.count,
-                    factors);
-  });
+  workers.run(pieces.size(), [&](std::size_t index) { update_span(pieces[index], factors); });
 }
 
 }  // namespace zeroalloc

@@ -41,14 +41,25 @@ struct adamw_settings {
   bool maximize = false;
 };
 
-/// Contiguous fp32 runs of one parameter's four tensors, `count` elements each.
+/// Contiguous runs of one parameter's tensors, `count` elements each: fp32 parameter and
+/// moments, and the gradient in fp32 (`gradient`) or, for master weights, in bf16
+/// (`bf16_gradient`, read instead when set together with `bf16_copy`). With `bf16_copy` set, the
+/// updated parameter is also written there rounded to bf16 (to nearest, ties to even: PyTorch's
+/// cast), the working copy the device computes with (Note [Master weights] in
+/// bindings/python/zeroalloc/torch/_master_weights.py).
 struct adamw_span {
   float* parameter = nullptr;
   const float* gradient = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   std::size_t count = 0;
+  const std::uint16_t* bf16_gradient = nullptr;
+  std::uint16_t* bf16_copy = nullptr;
 };
+
+/// bf16 <-> fp32 as PyTorch converts them (NaN stays NaN).
+[[nodiscard]] float bf16_to_float(std::uint16_t bits);
+[[nodiscard]] std::uint16_t float_to_bf16(float value);
 
 /// One AdamW update of `span` on the calling thread (vectorised where the CPU allows).
 void adamw_update(const adamw_span& span, const adamw_settings& settings);

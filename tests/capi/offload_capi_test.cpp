@@ -282,6 +282,80 @@ TEST(OffloadCapi, AdamWStepsStatesOnTheHostWhereTheyAre) {
   }
 }
 
+std::uint16_t bf16_of(float value) {  // PyTorch's cast: to nearest, ties to even
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  bits += ((bits >> 16U) & 1U) + 0x7FFFU;
+  return static_cast<std::uint16_t>(bits >> 16U);
+}
+
+float float_of(std::uint16_t bf16) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(bf16) << 16U;
+  float value = 0.0F;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// Note [Master weights] (bindings/python/zeroalloc/torch/_master_weights.py): fp32 masters
+// and moments the engine holds on the host (three chunks each, so the runs split at chunk
+// edges) step from a bf16 gradient in the program's memory, and each updated master comes
+// back rounded into the program's bf16 copy at the same element.
+TEST(OffloadCapi, MasterWeightsStepOnTheHostFromBf16GradientsIntoBf16Copies) {
+  constexpr std::size_t kCount = 3 * kMiB;  // floats
+  constexpr std::size_t kBytes = kCount * sizeof(float);
+  void* master = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  void* exp_avg = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  void* exp_avg_sq = zeroalloc_malloc_class(kBytes, 0, nullptr, ZEROALLOC_CLASS_OPTIMIZER_STATE);
+  ASSERT_TRUE(master && exp_avg && exp_avg_sq) << zeroalloc_last_error();
+  const std::vector<float> p = random_floats(kCount, 1.0F, 11);
+  const std::vector<float> zeros(kCount, 0.0F);
+  const std::vector<float> g = random_floats(kCount, 0.1F, 12);
+  std::vector<std::uint16_t> gradient(kCount), copies(kCount, 0);
+  for (std::size_t i = 0; i < kCount; ++i) gradient[i] = bf16_of(g[i]);
+  copy_bytes(master, p.data(), kBytes);
+  copy_bytes(exp_avg, zeros.data(), kBytes);
+  copy_bytes(exp_avg_sq, zeros.data(), kBytes);
+  for (void* each : {master, exp_avg, exp_avg_sq}) {
+    ASSERT_EQ(zeroalloc_offload(each, 1), 0) << zeroalloc_last_error();
+  }
+  const zeroalloc_adamw_settings settings{1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 0};
+  void* masters[] = {master};
+  void* exp_avgs[] = {exp_avg};
+  void* exp_avg_sqs[] = {exp_avg_sq};
+  const void* gradients[] = {gradient.data()};
+  void* copy_pointers[] = {copies.data()};
+  const std::size_t counts[] = {kCount};
+  ASSERT_EQ(zeroalloc_adamw_on_host_bf16(masters, gradients, exp_avgs, exp_avg_sqs, copy_pointers,
+                                         counts, 1, &settings, nullptr),
+            1)
+      << zeroalloc_last_error();
+  std::vector<float> stepped(kCount);
+  copy_bytes(stepped.data(), master, kBytes);
+  std::size_t moved = 0;
+  for (std::size_t i = 0; i < kCount; ++i) {
+    double rp = p[i], rm = 0, rv = 0;
+    adamw_reference(rp, float_of(gradient[i]), rm, rv, settings);
+    ASSERT_NEAR(stepped[i], rp, 4e-6 * std::abs(rp) + 1e-7) << "master " << i;
+    ASSERT_EQ(copies[i], bf16_of(stepped[i])) << "copy " << i;
+    if (stepped[i] != p[i]) ++moved;
+  }
+  EXPECT_GT(moved, kCount * 99 / 100) << "the step changed almost nothing";
+  EXPECT_EQ(zeroalloc_residency(master), ZEROALLOC_ON_HOST);
+
+  // A gradient in the library's memory is not the caller's bf16 host memory: refused, named.
+  const void* managed[] = {exp_avg};
+  EXPECT_EQ(zeroalloc_adamw_on_host_bf16(masters, managed, exp_avgs, exp_avg_sqs, copy_pointers,
+                                         counts, 1, &settings, nullptr),
+            -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("not host memory of the caller's"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_adamw_on_host_bf16(masters, gradients, exp_avgs, exp_avg_sqs, nullptr, counts,
+                                         1, &settings, nullptr),
+            -1);
+  for (void* each : {master, exp_avg, exp_avg_sq}) zeroalloc_free(each, kBytes, 0, nullptr);
+}
+
 // Whether this kernel lets the process use io_uring (the NVMe tier needs it).
 bool io_uring_usable() {
   io_uring_params params{};

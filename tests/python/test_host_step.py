@@ -66,3 +66,94 @@ def test_windows_on_the_host_step_there_within_rounding_of_the_device(tmp_path):
           f"{worst:.2e} of the tensor's largest value")
     assert worst_loss < 1e-4, (expected, got)
     assert worst < 1e-4
+
+
+# Note [Master weights] (zeroalloc/torch/_master_weights.py): the same model trained in bf16
+# with fp32 masters, by the recipe in plain PyTorch (RECIPE=plain) or by zt.offload's
+# master_weights.
+MASTERS = r"""
+import os, sys, torch
+import zeroalloc, zeroalloc.torch as zt
+zt.install()
+plain = os.environ["RECIPE"] == "plain"
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)]).cuda()
+if plain:
+    masters = [p.detach().clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
+else:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    zt.offload(model, optimizer, hint_group_bytes=8 << 20, window_bytes=64 << 20,
+               overlap_bytes=0, master_weights=True)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda"))
+        for _ in range(8)]
+losses = []
+for x, y in data:
+    loss = torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+    loss.backward()
+    if plain:
+        for master, working in zip(masters, model.parameters()):
+            master.grad = working.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for master, working in zip(masters, model.parameters()):
+                working.copy_(master)
+                master.grad = None
+        model.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+print("losses", " ".join(f"{value!r}" for value in losses))
+if not plain:
+    print("figures", zt.step_figures(optimizer))
+    saved = optimizer.state_dict()["zeroalloc_master_weights"]
+    masters = [m.detach().to("cpu") for m in saved]
+with torch.no_grad():
+    values = {"masters": [m.detach().to("cpu") for m in masters]}
+    for name, p in model.named_parameters():
+        with zt.using(p):
+            values[name] = p.detach().to("cpu")
+torch.save(values, sys.argv[1])
+"""
+
+
+def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_the_host(
+        tmp_path):
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    # Room for everything: the windows step on the device, bit for bit the plain recipe.
+    device = run_script(MASTERS, str(tmp_path / "device.pt"), RECIPE="offload",
+                        ZEROALLOC_OFFLOAD="host")
+    # 96 MiB of bf16 weights, as much of gradients, 576 MiB of masters and moments under a
+    # limit of 320 MiB: most windows are on the host and step there.
+    hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), RECIPE="offload",
+                        ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
+                        ZEROALLOC_MEMORY_LIMIT="320MiB", ZEROALLOC_HOST_STEP="1")
+    expected = [float(v) for v in field(plain, "losses").split()]
+    assert [float(v) for v in field(device, "losses").split()] == expected
+    reference = torch.load(tmp_path / "plain.pt")
+    on_device = torch.load(tmp_path / "device.pt")
+    for name, value in reference.items():
+        if name == "masters":
+            assert all(torch.equal(a, b) for a, b in zip(value, on_device[name]))
+        else:
+            assert value.dtype == torch.bfloat16 and torch.equal(value, on_device[name]), name
+    figures = ast.literal_eval(field(hosted, "figures"))
+    print("master weights on the host:", figures)
+    assert figures["host_windows"] > 0 and figures["host_copy_bytes"] > 0, hosted
+    got = [float(v) for v in field(hosted, "losses").split()]
+    worst_loss = max(abs(a - b) / abs(a) for a, b in zip(expected, got))
+    stepped = torch.load(tmp_path / "hosted.pt")
+    worst = max(((b - a).abs().max() / a.abs().max()).item()
+                for a, b in zip(reference["masters"], stepped["masters"]))
+    # The working copies are the masters rounded: equal but where rounding on the two
+    # sides of a tie point differs (the masters differ by fp32 rounding).
+    close = min((stepped[name] == value).float().mean().item()
+                for name, value in reference.items() if name != "masters")
+    print(f"worst relative loss difference {worst_loss:.2e}; worst master difference "
+          f"{worst:.2e} of the tensor's largest value; working copies equal: {close:.4f}")
+    assert worst_loss < 1e-3, (expected, got)
+    assert worst < 1e-4
+    assert close > 0.99

@@ -266,11 +266,13 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
      ["offload_18GiB_host0", "offload_18GiB_host1"], "0, 1"),
     ("--backward-uses", "ZEROALLOC_BACKWARD_USES", "saved,all",
      ["offload_18GiB_bwdsaved", "offload_18GiB_bwdall"], "saved, all"),
+    ("--master-weights", "ZEROALLOC_MASTER_WEIGHTS", "none,bf16",
+     ["offload_18GiB_mwnone", "offload_18GiB_mwbf16"], "none, bf16"),
 ])
 def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
         monkeypatch, flag, variable, values, names_made, accepted):
     """--park (parked or mapped parameters), --host-step (the step on the host or the
-    device) and --backward-uses: each value its own run, with its variable set, or unset
+    device), --backward-uses and --master-weights: each value its own run, with its variable set, or unset
     when not given."""
     assert names(["--modes", "offload", "--limits-gib", "18", flag, values]) == [
         "bandwidth", *names_made]

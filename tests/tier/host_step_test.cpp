@@ -121,6 +121,51 @@ TEST(HostStep, WorkersRunEveryTaskOnceAndTheSameStepAsOneThread) {
   }
 }
 
+TEST(HostStep, Bf16RoundsToNearestEvenAsPyTorchCasts) {
+  EXPECT_EQ(float_to_bf16(1.0F), 0x3F80);
+  EXPECT_EQ(bf16_to_float(0x3F80), 1.0F);
+  // 1 + 2^-8 lies halfway between 1 and the next bf16 (1 + 2^-7): ties go to even (1).
+  EXPECT_EQ(float_to_bf16(1.0F + 0x1p-8F), 0x3F80);
+  // Halfway above an odd last bit rounds up to the even one.
+  EXPECT_EQ(float_to_bf16(1.0F + 0x1p-7F + 0x1p-8F), 0x3F82);
+  EXPECT_EQ(float_to_bf16(1.0F + 0x1p-8F + 0x1p-20F), 0x3F81);  // above halfway: up
+  EXPECT_EQ(float_to_bf16(-2.5F), 0xC020);
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+  EXPECT_EQ(bf16_to_float(float_to_bf16(INFINITY)), INFINITY);
+  EXPECT_EQ(float_to_bf16(3.4e38F), 0x7F80);  // past bf16's largest finite: infinity
+}
+
+TEST(HostStep, MasterWeightsStepFromBf16GradientsAndWriteTheirBf16Copies) {
+  // The master path is the fp32 update fed the bf16 gradient widened, and its copy is the
+  // updated master rounded: the same as stepping with fp32 gradients that hold bf16 values.
+  constexpr std::size_t kCount = (std::size_t{1} << 18) + 777;  // several pieces, a ragged end
+  tensors fp32(kCount, 11);
+  tensors master(kCount, 11);
+  std::vector<std::uint16_t> gradient(kCount), copy(kCount, 0);
+  for (std::size_t i = 0; i < kCount; ++i) {
+    gradient[i] = float_to_bf16(fp32.gradient[i]);
+    fp32.gradient[i] = bf16_to_float(gradient[i]);
+  }
+  adamw_span span = master.span();
+  span.gradient = nullptr;
+  span.bf16_gradient = gradient.data();
+  span.bf16_copy = copy.data();
+  const adamw_settings settings{1e-3, 0.9, 0.95, 1e-8, 0.1, 2, false};
+  const std::vector<int> cpus = host_step_cpus(0);
+  host_workers workers({cpus[0], cpus[0], cpus[0]});
+  adamw_on_host(workers, {span}, settings);
+  adamw_update(fp32.span(), settings);
+  EXPECT_EQ(master.parameter, fp32.parameter);
+  EXPECT_EQ(master.exp_avg, fp32.exp_avg);
+  EXPECT_EQ(master.exp_avg_sq, fp32.exp_avg_sq);
+  std::size_t differs = 0;
+  for (std::size_t i = 0; i < kCount; ++i) {
+    ASSERT_EQ(copy[i], float_to_bf16(master.parameter[i])) << i;
+    differs += bf16_to_float(copy[i]) != master.parameter[i] ? 1 : 0;
+  }
+  EXPECT_GT(differs, kCount / 2);  // the copy is rounded, the master keeps its fp32 bits
+}
+
 TEST(HostStep, CpusOfANodeThatDoesNotExistAreEveryAllowedCpu) {
   const std::vector<int> all = host_step_cpus(-1);
   EXPECT_FALSE(all.empty());

@@ -86,6 +86,29 @@ def adamw_on_host(parameters: list, gradients: list, exp_avgs: list, exp_avg_sqs
         _array(parameters), _array(gradients), _array(exp_avgs), _array(exp_avg_sqs),
         (ctypes.c_size_t * len(counts))(*counts), len(parameters), ctypes.byref(settings),
         stream or None)
+    return host_step_answer(answer)
+
+
+def adamw_on_host_bf16(masters: list, gradients: list, exp_avgs: list, exp_avg_sqs: list,
+                       copies: list, counts: list, lr: float, betas: tuple, eps: float,
+                       weight_decay: float, step: int, maximize: bool = False,
+                       stream: int = 0) -> bool:
+    """adamw_on_host for fp32 masters of bf16 working copies (Note [Master weights] in
+    torch/_master_weights.py): each gradient is bf16 host memory of the caller's, and each
+    updated master is also written, rounded to bf16, into `copies` (host memory of the
+    caller's). Same answers as adamw_on_host."""
+    if not masters:
+        return True
+    settings = AdamWSettings(float(lr), float(betas[0]), float(betas[1]), float(eps),
+                             float(weight_decay), int(step), int(bool(maximize)))
+    answer = library().zeroalloc_adamw_on_host_bf16(
+        _array(masters), _array(gradients), _array(exp_avgs), _array(exp_avg_sqs),
+        _array(copies), (ctypes.c_size_t * len(counts))(*counts), len(masters),
+        ctypes.byref(settings), stream or None)
+    return host_step_answer(answer)
+
+
+def host_step_answer(answer: int) -> bool:
     if answer < 0:
         raise ZeroallocError(last_error())
     if answer == 2:

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from zeroalloc import _offload
+from zeroalloc.torch import _use_hints
 from zeroalloc.torch._step_records import residency_or_foreign
 
 ON_HOST = ("host", "host_unmapped")
@@ -56,9 +57,18 @@ def adamw_settings(optimizer, group) -> "dict | None":
 
 def whole_fp32(tensor) -> bool:
     """A float32 tensor that is its storage's whole allocation, from its start."""
-    return (tensor.dtype == torch.float32 and tensor.is_contiguous()
+    return whole(tensor, torch.float32)
+
+
+def whole(tensor, dtype) -> bool:
+    """A `dtype` tensor that is its storage's whole allocation, from its start."""
+    return (tensor.dtype == dtype and tensor.is_contiguous()
             and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * 4)
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
 
 
 class HostStep:
@@ -66,12 +76,16 @@ class HostStep:
 
     def __init__(self):
         self.buffers = [None, None]  # pinned host memory for the gradients, double-buffered
+        # Note [Master weights]: pinned host memory for the bf16 copies of a window's updated
+        # masters, double-buffered, and the event after each one's copies to the device.
+        self.copies = [None, None]
+        self.copied = [None, None]
         self.stream = None
         self.fence = None
         self.unavailable = False  # the library answered that it never steps on this driver
         self.stepped: list = []
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
-                        "host_refused": 0}
+                        "host_refused": 0, "host_copy_bytes": 0}
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
@@ -81,12 +95,19 @@ class HostStep:
         if group is None or adamw_settings(stepper.optimizer, group) is None:
             return False
         state = stepper.optimizer.state.get(parameter, {})
-        grad = parameter.grad
+        grad = stepper.gradient(parameter)
         if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
                 or "step" not in state or not grad.is_cuda):
             return False
         tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
-        if not all(whole_fp32(t) for t in tensors + (grad,)):
+        working = working_of(stepper, parameter)
+        if working is not None:  # a master: a bf16 gradient, written back into bf16
+            if not (whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
+                    and working.is_contiguous() and working.is_cuda):
+                return False
+        elif not whole_fp32(grad):
+            return False
+        if not all(whole_fp32(t) for t in tensors):
             return False
         for tensor in tensors:
             place = places.get(id(tensor))
@@ -96,31 +117,35 @@ class HostStep:
                 return False
         return True
 
-    def copy_gradients(self, window, slot: int, after) -> tuple:
+    def copy_gradients(self, stepper, window, slot: int, after) -> tuple:
         """Starts copying the window's gradients into pinned buffer `slot`, after the event
         `after` (the backward's end); returns (what the CPUs read for each: a view of the
         buffer, or the gradient itself when it is on the host, event after the copies)."""
+        grads = [stepper.gradient(p) for p in window]
         # A gradient the engine moved to the host (zt.offload's gradient_class) is read
-        # there; the others are copied.
-        there = {id(p) for p in window if residency_or_foreign(p.grad) == "host"}
-        total = sum(p.grad.numel() for p in window if id(p) not in there)
+        # there; the others are copied (a master's bf16 gradient always: the CPUs read
+        # those from the caller's memory only).
+        there = {id(p) for p, g in zip(window, grads)
+                 if working_of(stepper, p) is None and residency_or_foreign(g) == "host"}
+        total = sum(aligned(g.numel() * g.element_size()) for p, g in zip(window, grads)
+                    if id(p) not in there)
         buffer = self.buffers[slot]
         if total and (buffer is None or buffer.numel() < total):
-            buffer = self.buffers[slot] = torch.empty(total, dtype=torch.float32,
+            buffer = self.buffers[slot] = torch.empty(total, dtype=torch.uint8,
                                                       pin_memory=True)
         views, offset = [], 0
         self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            for parameter in window:
+            for parameter, grad in zip(window, grads):
                 if id(parameter) in there:
-                    views.append(parameter.grad)
+                    views.append(grad)
                     continue
-                count = parameter.grad.numel()
-                view = buffer[offset:offset + count]
-                parameter.grad.record_stream(self.stream)  # before the copy is queued
-                view.copy_(parameter.grad.view(-1), non_blocking=True)
+                nbytes = grad.numel() * grad.element_size()
+                view = buffer[offset:offset + nbytes].view(grad.dtype)
+                grad.record_stream(self.stream)  # before the copy is queued
+                view.copy_(grad.view(-1), non_blocking=True)
                 views.append(view)
-                offset += count
+                offset += aligned(nbytes)
         copied = torch.cuda.Event()
         copied.record(self.stream)
         return views, copied
@@ -146,13 +171,14 @@ class HostStep:
                     copies: dict = {}
                     for turn, (number, hosted) in enumerate(chosen):
                         if turn == 0:
-                            copies[number] = self.copy_gradients(hosted, 0, after)
+                            copies[number] = self.copy_gradients(stepper, hosted, 0, after)
                         if turn + 1 < len(chosen):  # the next one's, while the CPUs work
                             following, its_hosted = chosen[turn + 1]
-                            copies[following] = self.copy_gradients(its_hosted, (turn + 1) % 2,
-                                                                     after)
+                            copies[following] = self.copy_gradients(
+                                stepper, its_hosted, (turn + 1) % 2, after)
                         run.done = turn
-                        refused = self.step(stepper, hosted, copies.pop(number), groups)
+                        refused = self.step(stepper, hosted, copies.pop(number), groups,
+                                            turn % 2)
                         if refused:
                             run.refused.append(refused)
                         run.done = turn + 1
@@ -175,11 +201,11 @@ class HostStep:
         run.thread.start()
         return run
 
-    def step(self, stepper, window, gradients: tuple, groups: dict) -> list:
+    def step(self, stepper, window, gradients: tuple, groups: dict, slot: int = 0) -> list:
         """Steps the window on the CPUs once its gradients are on the host, one library call
-        per group and step count (the bias corrections differ between counts), each all or
-        nothing; returns the parameters of the calls the library refused (a part on the
-        device: nothing of theirs changed)."""
+        per group, step count (the bias corrections differ between counts) and kind (masters
+        or not), each all or nothing; returns the parameters of the calls the library refused
+        (a part on the device: nothing of theirs changed)."""
         views, copied = gradients
         copied.synchronize()
         started = time.perf_counter()
@@ -189,20 +215,30 @@ class HostStep:
             state = stepper.optimizer.state[parameter]
             count = int(state["step"].item() if torch.is_tensor(state["step"])
                         else state["step"]) + 1
-            batches.setdefault((id(group), count), (group, []))[1].append((parameter, view))
+            master = working_of(stepper, parameter) is not None
+            batches.setdefault((id(group), count, master), (group, []))[1].append(
+                (parameter, view))
         refused = []
         self.stepped = []  # what this window's finished calls stepped
         try:
-            for (_, count), (group, members) in batches.items():
+            for (_, count, master), (group, members) in batches.items():
                 settings = adamw_settings(stepper.optimizer, group)
                 states = [stepper.optimizer.state[p] for p, _ in members]
-                stepped = _offload.adamw_on_host(
-                    [p.untyped_storage().data_ptr() for p, _ in members],
-                    [view.data_ptr() for _, view in members],
-                    [s["exp_avg"].untyped_storage().data_ptr() for s in states],
-                    [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states],
-                    [p.numel() for p, _ in members], step=count, stream=self.fence.cuda_stream,
-                    **settings)
+                arguments = ([p.untyped_storage().data_ptr() for p, _ in members],
+                             [view.data_ptr() for _, view in members],
+                             [s["exp_avg"].untyped_storage().data_ptr() for s in states],
+                             [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
+                counts = [p.numel() for p, _ in members]
+                if master:
+                    outputs = self.copy_buffers(members, slot)
+                    stepped = _offload.adamw_on_host_bf16(
+                        *arguments, [o.data_ptr() for o in outputs], counts, step=count,
+                        stream=self.fence.cuda_stream, **settings)
+                    if stepped:
+                        self.write_working(stepper, members, outputs, slot)
+                else:
+                    stepped = _offload.adamw_on_host(*arguments, counts, step=count,
+                                                     stream=self.fence.cuda_stream, **settings)
                 if not stepped:
                     self.figures["host_refused"] += 1
                     refused.extend(p for p, _ in members)
@@ -219,6 +255,47 @@ class HostStep:
         if len(refused) < len(window):
             self.figures["host_windows"] += 1
         return refused
+
+
+    def copy_buffers(self, members: list, slot: int) -> list:
+        """Views of pinned buffer `slot` for the bf16 copies of `members`' masters, once the
+        buffer's last copies to the device are done."""
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()
+            self.copied[slot] = None
+        total = sum(aligned(p.numel() * 2) for p, _ in members)
+        buffer = self.copies[slot]
+        if buffer is None or buffer.numel() < total:
+            buffer = self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        views, offset = [], 0
+        for parameter, _ in members:
+            nbytes = parameter.numel() * 2
+            views.append(buffer[offset:offset + nbytes].view(torch.bfloat16))
+            offset += aligned(nbytes)
+        return views
+
+    def write_working(self, stepper, members: list, outputs: list, slot: int) -> None:
+        """Queues the copies of the updated masters' bf16 values into their working copies
+        on the copy stream (each a use of the working copy); the step's stream waits for
+        that stream after the host's windows."""
+        workings = [working_of(stepper, p) for p, _ in members]
+        _use_hints.begin(workings, self.stream.cuda_stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                for working, output in zip(workings, outputs):
+                    working.data.view(-1).copy_(output, non_blocking=True)
+        finally:
+            _use_hints.end(workings, self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.copied[slot] = done
+        self.figures["host_copy_bytes"] += sum(o.numel() * 2 for o in outputs)
+
+
+def working_of(stepper, parameter):
+    """The working copy of `parameter` when it is a master (Note [Master weights])."""
+    masters = getattr(stepper, "masters", None)
+    return masters.working(parameter) if masters is not None else None
 
 
 class HostRun:

@@ -7,7 +7,9 @@ import weakref
 
 import torch
 
+from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings
+from zeroalloc.torch._master_weights import MasterWeights, masters_of, working_dtype
 from zeroalloc.torch._optimizer_step import windowed_step
 from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
                                          copy_parameters_off_disk_in_every_model,
@@ -45,6 +47,10 @@ class OffloadHandle:
                     hook.remove()
                 _unmark_hooked(stepper.late_hooked)
                 del optimizer._zeroalloc_stepper
+            masters = masters_of(optimizer)
+            if masters is not None:  # fp32 parameters again, the masters' values
+                masters.remove(optimizer)
+                del optimizer._zeroalloc_masters
             put_back(optimizer, "step", self._original_step)
             for name in ("load_state_dict", "state_dict"):
                 wrapper = optimizer.__dict__.get(name)
@@ -66,7 +72,8 @@ def _unmark_hooked(references: list) -> None:
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
             window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
-            overlap_bytes: int = 2 << 30, gradient_class: "bool | None" = None) -> OffloadHandle:
+            overlap_bytes: int = 2 << 30, gradient_class: "bool | None" = None,
+            master_weights=None) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
     and pinned host memory: two lines in a training script, after ``install()``::
 
@@ -88,13 +95,30 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     ZEROALLOC_OFFLOAD_GRADIENTS (default 0): off, since gradients in their own class no
     longer reuse the memory the backward frees (bench/RESULTS.md: 1.4 x the step at 1.3B
     where the states alone make room), but on lets a run train under a lower limit.
+    With `master_weights` (True, "bf16" or torch.bfloat16; not given, ZEROALLOC_MASTER_WEIGHTS,
+    default none), the model trains as DeepSpeed's bf16 mode does: its fp32 parameters become
+    bf16 working copies and the optimizer steps fp32 masters, which the engine places with
+    the optimizer's states (Note [Master weights] in _master_weights.py); only at the first
+    offload() of a model and optimizer.
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _settings.require_offload_engine()
     if gradient_class is None:
         gradient_class = _settings.gradient_class_default()
-    hooked: list = []
-    hooks = _adoption.adopt(model.parameters(), optimizer, gradient_class, hooked)
+    dtype = working_dtype(master_weights) if optimizer is not None else None
     stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    hooks: list = []
+    if dtype is not None and masters_of(optimizer) is None:
+        if stepper is not None:
+            raise ZeroallocError("master weights must be made at the first offload() of an "
+                                 "optimizer: this one is stepped by zeroalloc already")
+        masters = MasterWeights(dtype)
+        masters.make(optimizer)
+        if len(masters):
+            masters.install(optimizer)
+            optimizer._zeroalloc_masters = masters
+            hooks += masters.install_model_hook(model)
+    hooked: list = []
+    hooks += _adoption.adopt(model.parameters(), optimizer, gradient_class, hooked)
     if not _module_hints.automatic and stepper is None:
         # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
         # earlier offload() of this optimizer.
@@ -145,6 +169,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
     _settings.require_offload_engine()
     if gradient_class is None:
         gradient_class = _settings.gradient_class_default()
+    dtype = working_dtype(None)  # ZEROALLOC_MASTER_WEIGHTS
     hints = _module_hints.AutomaticHints(hint_group_bytes)
     _module_hints.automatic.append(hints)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
@@ -158,7 +183,17 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if getattr(self, "_zeroalloc_adopted", False):
             return
         self._zeroalloc_adopted = True
+        if dtype is not None:  # Note [Master weights]
+            masters = MasterWeights(dtype)
+            masters.make(self)
+            if len(masters):
+                masters.install(self)
+                self._zeroalloc_masters = masters
+        masters = masters_of(self)
         parameters = [p for group in self.param_groups for p in group["params"]]
+        if masters is not None:  # the working copies are the model's parameters
+            parameters = [masters.working(p) if masters.working(p) is not None else p
+                          for p in parameters]
         _adoption.adopt(parameters, self, gradient_class)
         self.step = windowed_step(self, self.step, window_bytes, overlap_bytes,
                                   adopt=lambda late, into: _adoption.adopt(late, None,

@@ -15,6 +15,7 @@ from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
 from zeroalloc.torch._host_step import HostStep
+from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
@@ -202,7 +203,11 @@ class WindowedStep:
         self.in_backward = 0  # in the running backward
         self.task = None
         # Ids of the parameters it steps: only their accumulations count.
-        self.members = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        # Note [Master weights] (_master_weights.py): the fp32 masters it steps for bf16
+        # working copies, or None.
+        self.masters = masters_of(optimizer)
+        self.members = self.member_ids(p for group in optimizer.param_groups
+                                       for p in group["params"])
         self.hinted = False  # a module hint since the last step
         # Held between steps.
         self.staged: list = []  # StagedWindow or None (nothing to copy) of windows 0, 1, ...
@@ -241,6 +246,30 @@ class WindowedStep:
             self.cache[id(parameter)] = found
         return found
 
+    def member_ids(self, parameters) -> set:
+        """Ids of the parameters whose accumulations count: those it steps, and the working
+        copies of those that are masters."""
+        parameters = list(parameters)
+        if self.masters is not None:
+            return self.masters.members(parameters)
+        return {id(p) for p in parameters}
+
+    def gradient(self, parameter):
+        """The gradient the step reads for `parameter` (a master's: its working copy's)."""
+        if self.masters is not None:
+            return self.masters.gradient(parameter)
+        return parameter.grad
+
+    def begin_masters(self, parameters, stream) -> list:
+        """Note [Master weights]: the masters among `parameters` get fp32 gradients."""
+        if self.masters is None:
+            return []
+        return self.masters.begin_step(parameters, stream)
+
+    def end_masters(self, written: list, stream, stepped: bool) -> None:
+        if written:
+            self.masters.end_step(written, stream, stepped)
+
     def forget(self, parameters) -> None:
         for parameter in parameters:
             self.cache.pop(id(parameter), None)
@@ -256,7 +285,7 @@ class WindowedStep:
         found, current, size = [], [], 0
         for params in groups:
             for parameter in params:
-                if parameter.grad is None:
+                if self.gradient(parameter) is None:
                     continue
                 cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
                 if current and size + cost > self.window_bytes:
@@ -600,15 +629,19 @@ class WindowedStep:
         states = [value for p in parameters for _, value in self.items(p)]
         pinned = states + [p for p in parameters if on_gpu(p.device) and p.numel() > 0]
         fresh = [p for p in parameters if not self.items(p)]
+        written, stepped = [], False
         try:
             if pinned:  # inside: a pin that fails half-way is still ended (surplus ends
                 _use_hints.hint(_offload.use_in_place_many, pinned, 0)  # are ignored)
+            written = self.begin_masters(parameters, 0)
             with _stats.allocation_class("other"):
                 if closure is not None and not self.by_groups:
                     loss = self.original_step(closure, **kwargs)
                 else:
                     loss = self.original_step(**kwargs)
+            stepped = True
         finally:
+            self.end_masters(written, 0, stepped)
             if pinned:
                 _use_hints.hint(_offload.use_ends_many, pinned, 0)
         self.forget(fresh)  # the step may have created their states
@@ -755,6 +788,8 @@ class WindowedStep:
             self.step_device_parts(run, scratch, left, main, kwargs)
         finally:
             refused = host_run.join() if host_run is not None else []
+            if host_run is not None:  # Note [Master weights]: the working copies it wrote
+                main.wait_stream(self.host.stream)
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
@@ -810,10 +845,14 @@ class WindowedStep:
             group["params"] = [p for p in params if id(p) in chosen]
         pinned = [value for p in parameters for _, value in self.items(p)] + list(parameters)
         _use_hints.hint(_offload.use_in_place_many, pinned, main.cuda_stream)
+        written, stepped = [], False
         try:
+            written = self.begin_masters(parameters, main.cuda_stream)
             with _stats.allocation_class("other"):
                 self.original_step(**kwargs)
+            stepped = True
         finally:
+            self.end_masters(written, main.cuda_stream, stepped)
             _use_hints.hint(_offload.use_ends_many, pinned, main.cuda_stream)
             self.forget(parameters)
 
@@ -834,12 +873,26 @@ class WindowedStep:
         pinned = {id(entry.parameter) for entry in staged.entries if is_parameter(entry)}
         run.begun = [p for p in window if id(p) not in pinned]
         if run.begun:
-            _use_hints.begin(run.begun, main.cuda_stream)
+            # A master (Note [Master weights]) is read by the step alone: pinned where it
+            # is, not fetched.
+            masters = [p for p in run.begun
+                       if self.masters is not None and self.masters.working(p) is not None]
+            if masters:
+                _use_hints.hint(_offload.use_in_place_many, masters, main.cuda_stream)
+            others = [p for p in run.begun if self.masters is None
+                      or self.masters.working(p) is None]
+            if others:
+                _use_hints.begin(others, main.cuda_stream)
         for group, params in zip(self.optimizer.param_groups, run.saved):
             group["params"] = [p for p in params if id(p) in chosen]
         # Temporaries of the step (foreach intermediates) go with activations.
-        with _stats.allocation_class("other"):
-            self.original_step(**kwargs)
+        written, stepped = self.begin_masters(window, main.cuda_stream), False
+        try:
+            with _stats.allocation_class("other"):
+                self.original_step(**kwargs)
+            stepped = True
+        finally:
+            self.end_masters(written, main.cuda_stream, stepped)
         if run.begun:
             _use_hints.end(run.begun, main.cuda_stream)
         run.begun = None
@@ -946,7 +999,7 @@ class WindowedStep:
         """What the next step and the staging before it learn from this step (Note
         [Overlapping the step])."""
         self.figures["steps"] += 1
-        self.members = {id(p) for params in run.saved for p in params}
+        self.members = self.member_ids(p for params in run.saved for p in params)
         self.plan = run.windows
         self.plan_bytes = self.slot_bytes
         self.per_step, self.last_backward = self.accumulations, self.in_backward

@@ -12,6 +12,7 @@ import torch
 
 from zeroalloc import _offload
 from zeroalloc.torch import _adoption, _settings, _use_hints
+from zeroalloc.torch._master_weights import refresh_every
 from zeroalloc.torch._step_records import residency_or_foreign
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
@@ -174,10 +175,13 @@ def copy_parameters_off_disk_in_every_model() -> None:
         pinned = pin_parameters_for_load(self) if level == 0 else []
         depth.value = level + 1
         try:
-            return original_load(self, *args, **kwargs)
+            result = original_load(self, *args, **kwargs)
         finally:
             depth.value = level
             pins_end(pinned)
+        if level == 0:  # Note [Master weights]: the masters take what was loaded
+            refresh_every(self)
+        return result
 
     torch.nn.Module.load_state_dict = load_state_dict
 

@@ -1,0 +1,325 @@
+"""Master weights: the model computes in bf16 while the optimizer steps fp32 copies that
+the engine keeps wherever there is room (offload(master_weights=...),
+ZEROALLOC_MASTER_WEIGHTS).
+
+Note [Master weights]: with fp32 parameters under autocast, the residual stream, the norms
+and whatever they save stay fp32, and the parameters themselves cost four bytes each on the
+device, plus an autocast copy per step. DeepSpeed's bf16 mode (and ZeRO-Offload's footprint)
+comes from another recipe: the model itself is bf16, and fp32 master copies of its
+parameters, which only the optimizer reads, live with the optimizer's states. This module
+gives offload() that recipe:
+
+- each fp32 parameter of the optimizer's param_groups becomes a bf16 working copy (the
+  same Parameter object, its data cast; the model's hooks, names and modules are untouched),
+  in the parameter class where use hints page it as before;
+- its fp32 master (the original values) takes its place in param_groups and in the
+  optimizer's state, in the optimizer-state class, so the engine places masters as it
+  places the moments: on the device while there is room, on the host (and disk) under
+  pressure;
+- the windowed step steps masters: on the device, a window's working gradients are cast to
+  fp32 for the optimizer's own step and the updated masters rounded back into the working
+  copies, bit for bit what the same recipe in plain PyTorch computes; on the host (Note
+  [Host windows] in _host_step.py), the bf16 gradients cross PCIe at half the bytes, the
+  CPUs step the masters where they are and write the bf16 copies into pinned buffers, and
+  only those cross back;
+- optimizer.zero_grad() clears the working copies' gradients too; the optimizer's
+  state_dict carries the masters (``zeroalloc_master_weights``, in param_groups order) and
+  its load_state_dict puts them back, into the working copies as well; loading a model's
+  state dict (bf16 or fp32) sets the masters from what it loaded, rounded as the working
+  copies hold it, until the optimizer's state dict brings the fp32 values.
+
+Training this way is not bit for bit fp32 training under autocast: activations and
+gradients are bf16, as with DeepSpeed's bf16 mode. Inputs the model reads as floats must be
+bf16 too (or the forward run under autocast). Parameters already bf16, or not floating
+point, are stepped as they are, with no master.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zeroalloc import _offload, _stats
+from zeroalloc._library import ZeroallocError
+from zeroalloc.torch import _settings, _use_hints
+from zeroalloc.torch._weak_methods import BoundWeakly, original_of, put_back
+
+STATE_KEY = "zeroalloc_master_weights"
+NAMES = ("bf16", "bfloat16")  # torch.bfloat16 is read at use: the start-up hook imports this
+                              # module while torch itself is importing
+
+
+def working_dtype(choice) -> "torch.dtype | None":
+    """offload()'s `master_weights` as a dtype: None or False (ZEROALLOC_MASTER_WEIGHTS, when
+    None), True or "bf16" or torch.bfloat16."""
+    if choice is None:
+        choice = _settings.setting("ZEROALLOC_MASTER_WEIGHTS", "none")
+    if choice is False or choice in ("none", "0", "off", "no", "false"):
+        return None
+    if choice is True or choice is torch.bfloat16:
+        return torch.bfloat16
+    if isinstance(choice, str) and choice.lower() in NAMES:
+        return torch.bfloat16
+    raise ZeroallocError(f"master_weights={choice!r} is not a working precision zeroalloc "
+                         "trains in: use True, 'bf16' or torch.bfloat16 (or None/False for "
+                         "none)")
+
+
+def fill(destination, source) -> None:
+    """destination.copy_(source), each managed one's first touch hinted where it is."""
+    pinned = [t for t in (destination, source) if t.is_cuda and t.numel() > 0]
+    if pinned:
+        _use_hints.hint(_offload.use_in_place_many, pinned, 0)
+    try:
+        destination.copy_(source)
+    finally:
+        if pinned:
+            _use_hints.hint(_offload.use_ends_many, pinned, 0)
+
+
+class MasterWeights:
+    """The masters of one optimizer and their working copies (Note [Master weights])."""
+
+    def __init__(self, dtype: "torch.dtype"):
+        self.dtype = dtype
+        self.pairs: dict = {}  # id(master) -> (master, working parameter)
+        self.working_ids: set = set()
+        self.hooks: list = []
+        self.original_zero_grad = None
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def working(self, master):
+        """The working copy of `master`, or None (a parameter stepped as it is)."""
+        pair = self.pairs.get(id(master))
+        return pair[1] if pair is not None else None
+
+    def gradient(self, parameter):
+        """What the step reads as `parameter`'s gradient: a master's is its working copy's."""
+        pair = self.pairs.get(id(parameter))
+        return pair[1].grad if pair is not None else parameter.grad
+
+    # -- set-up ----------------------------------------------------------------------------
+    def make(self, optimizer) -> None:
+        """Masters for the fp32 parameters of optimizer's param_groups, in their places, and
+        the parameters turned into working copies."""
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                params = group["params"]
+                for index, parameter in enumerate(params):
+                    if parameter.dtype != torch.float32 or id(parameter) in self.working_ids:
+                        continue
+                    if getattr(parameter, "_zeroalloc_adopted", False):
+                        raise ZeroallocError(
+                            "master weights must be made before zeroalloc manages the "
+                            "parameters: pass master_weights to the first offload() of this "
+                            "model, or set ZEROALLOC_MASTER_WEIGHTS for the automatic mode")
+                    master = self.master_of(parameter)
+                    params[index] = master
+                    if parameter in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(parameter)
+                    self.pairs[id(master)] = (master, parameter)
+                    self.working_ids.add(id(parameter))
+
+    def master_of(self, parameter):
+        """The fp32 master of `parameter` (its values, in the optimizer-state class), with
+        the parameter cast to the working dtype in place."""
+        if parameter.is_cuda:
+            with _stats.allocation_class("optimizer_state"):
+                master = torch.empty_like(parameter, memory_format=torch.preserve_format)
+            fill(master, parameter.data)
+        else:
+            master = parameter.detach().clone()
+        # Marked as offload() marks what it manages: never adopted as a parameter, never
+        # hooked (the working copy is).
+        master._zeroalloc_adopted = True
+        master._zeroalloc_hooked = True
+        master._zeroalloc_master = True
+        parameter.data = parameter.data.to(self.dtype)
+        if parameter.grad is not None:
+            parameter.grad = parameter.grad.to(self.dtype)
+        return master
+
+    def install(self, optimizer) -> None:
+        """zero_grad clears the working gradients too; the optimizer's state dicts carry
+        the masters."""
+        self.original_zero_grad = original_of(optimizer, "zero_grad")
+        masters = self
+
+        def zero_grad(self, set_to_none: bool = True):
+            if masters.original_zero_grad is not None:
+                masters.original_zero_grad(set_to_none)
+            else:
+                type(self).zero_grad(self, set_to_none)
+            masters.zero_working(set_to_none)
+
+        optimizer.zero_grad = BoundWeakly(zero_grad, optimizer)
+        self.hooks.append(optimizer.register_state_dict_post_hook(self.save))
+        self.hooks.append(optimizer.register_load_state_dict_pre_hook(self.load))
+        every.add(self)
+
+    def install_model_hook(self, model) -> list:
+        """Loading the model's state dict sets the masters from the working copies."""
+        hook = model.register_load_state_dict_post_hook(
+            lambda module, incompatible: self.refresh(module))
+        return [hook]
+
+    # -- the step --------------------------------------------------------------------------
+    def members(self, masters) -> set:
+        """The ids whose accumulations count for a step of `masters`: theirs and their working
+        copies'."""
+        found = set()
+        for master in masters:
+            found.add(id(master))
+            working = self.working(master)
+            if working is not None:
+                found.add(id(working))
+        return found
+
+    def begin_step(self, window, stream) -> list:
+        """Before the optimizer's own step of `window` on the device: each master's gradient is
+        its working gradient cast to fp32 (with the step's temporaries). Returns the working
+        copies to write after."""
+        written = []
+        for master in window:
+            pair = self.pairs.get(id(master))
+            if pair is None:
+                continue
+            working = pair[1]
+            if working.grad is not None:
+                with _stats.allocation_class("other"):
+                    master.grad = working.grad.to(torch.float32)
+            written.append((master, working))
+        if written and written[0][1].is_cuda:
+            _use_hints.begin([w for _, w in written], stream)
+        return written
+
+    def end_step(self, written: list, stream, stepped: bool = True) -> None:
+        """After it: the updated masters rounded into their working copies (when `stepped`),
+        and the fp32 gradients dropped."""
+        try:
+            if stepped:
+                with torch.no_grad():
+                    for master, working in written:
+                        working.copy_(master)
+        finally:
+            for master, _ in written:
+                master.grad = None
+            if written and written[0][1].is_cuda:
+                _use_hints.end([w for _, w in written], stream)
+
+    def zero_working(self, set_to_none: bool) -> None:
+        for _, working in self.pairs.values():
+            if working.grad is None:
+                continue
+            if set_to_none:
+                working.grad = None
+            else:
+                if working.grad.grad_fn is not None:
+                    working.grad.detach_()
+                else:
+                    working.grad.requires_grad_(False)
+                working.grad.zero_()
+
+    # -- state dicts -----------------------------------------------------------------------
+    def save(self, optimizer, state_dict: dict) -> dict:
+        """The masters, in the order of the state dict's parameter indices (None for a
+        parameter with no master)."""
+        on_disk = _settings.disk_tier()
+        saved = []
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if id(parameter) not in self.pairs:
+                    saved.append(None)
+                elif on_disk:  # a copy, as copied_off_disk copies states on disk
+                    copy = torch.empty_like(parameter, device="cpu")
+                    fill(copy, parameter.detach())
+                    saved.append(copy)
+                else:
+                    saved.append(parameter.detach())
+        state_dict[STATE_KEY] = saved
+        return state_dict
+
+    def load(self, optimizer, state_dict: dict):
+        """Before the optimizer loads its states: the masters (and working copies) take the
+        saved masters' values. A state dict without them (saved without master weights)
+        leaves the masters as the working copies last set them."""
+        saved = state_dict.get(STATE_KEY)
+        if saved is None:
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if len(saved) != len(params):
+            raise ZeroallocError(f"the state dict's master weights cover {len(saved)} "
+                                 f"parameters, the optimizer has {len(params)}: it was saved "
+                                 "from another model or optimizer")
+        with torch.no_grad():
+            for parameter, value in zip(params, saved):
+                if value is None or id(parameter) not in self.pairs:
+                    continue
+                if value.shape != parameter.shape:
+                    raise ZeroallocError(f"a saved master weight has shape "
+                                         f"{tuple(value.shape)}, its parameter "
+                                         f"{tuple(parameter.shape)}")
+                fill(parameter, value.to(parameter.dtype))
+                working = self.pairs[id(parameter)][1]
+                fill(working, parameter)
+        state_dict = dict(state_dict)
+        del state_dict[STATE_KEY]
+        return state_dict
+
+    def refresh(self, module) -> None:
+        """After a model's load_state_dict: its masters take the working copies' values."""
+        with torch.no_grad():
+            loaded = {id(p) for p in module.parameters()}
+            for master, working in self.pairs.values():
+                if id(working) in loaded:
+                    fill(master, working.detach())
+
+    # -- undone ----------------------------------------------------------------------------
+    def remove(self, optimizer) -> None:
+        """Back to fp32 parameters (the masters' values) in param_groups and the state; the
+        working gradients cast back."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        every.discard(self)
+        put_back(optimizer, "zero_grad", self.original_zero_grad)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                params = group["params"]
+                for index, master in enumerate(params):
+                    pair = self.pairs.get(id(master))
+                    if pair is None:
+                        continue
+                    working = pair[1]
+                    if master in optimizer.state:
+                        optimizer.state[working] = optimizer.state.pop(master)
+                    if working.is_cuda:
+                        with _stats.allocation_class("parameter"):
+                            fp32 = torch.empty_like(master)
+                        fill(fp32, master.detach())
+                    else:
+                        fp32 = master.detach().clone()
+                    grad = working.grad
+                    working.grad = None
+                    working.data = fp32
+                    if grad is not None:
+                        working.grad = grad.to(torch.float32)
+                    params[index] = working
+        self.pairs, self.working_ids = {}, set()
+
+
+def masters_of(optimizer) -> "MasterWeights | None":
+    return getattr(optimizer, "_zeroalloc_masters", None)
+
+
+#: Every installed MasterWeights, for the automatic mode, which knows no model: its
+#: load_state_dict wrapper refreshes the masters of whatever module was loaded.
+every: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def refresh_every(module) -> None:
+    for masters in tuple(every):
+        masters.refresh(module)

@@ -1,0 +1,185 @@
+"""Master weights (Note [Master weights] in zeroalloc/torch/_master_weights.py) on CPU
+tensors, with the engine replaced by the stand-ins of test_windowed_step_logic: the windowed
+step of fp32 masters for a bf16 model gives, bit for bit, what the same recipe computes in
+plain PyTorch (with gradient accumulation and states staged and kept), zero_grad clears the
+working gradients, the optimizer's state dict carries the masters and loading it brings
+them back, a model's load_state_dict sets the masters, and remove() gives fp32 parameters
+back. The host's windows are tested on the GPU (test_host_step.py).
+
+    python3 -m pytest tests/python/test_master_weights_logic.py
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+import zeroalloc.torch as zt  # noqa: E402
+from zeroalloc._library import ZeroallocError  # noqa: E402
+from zeroalloc.torch import _master_weights  # noqa: E402
+from test_windowed_step_logic import LAYER_BYTES, build, data, engine  # noqa: E402,F401
+
+BF16 = torch.bfloat16
+
+
+def managed(overlap_bytes=9 * LAYER_BYTES):
+    """What zt.offload(model, optimizer, master_weights=True) installs, without the library."""
+    model, optimizer = build()
+    masters = _master_weights.MasterWeights(BF16)
+    masters.make(optimizer)
+    masters.install(optimizer)
+    optimizer._zeroalloc_masters = masters
+    masters.install_model_hook(model)
+    for parameter in model.parameters():
+        parameter._zeroalloc_adopted = True
+        parameter.register_post_accumulate_grad_hook(zt._end_backward)
+    zt._install_hint_hooks(model, LAYER_BYTES + 1024)
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
+                                       overlap_bytes)
+    zt._readopt_after_load(optimizer)
+    return model, optimizer
+
+
+class Reference:
+    """The recipe in plain PyTorch: a bf16 model, fp32 masters stepped by AdamW from the
+    gradients cast to fp32, rounded back into the model after each step."""
+
+    def __init__(self):
+        self.model, _ = build()
+        self.masters = [p.detach().clone() for p in self.model.parameters()]
+        self.model.to(BF16)
+        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-2, foreach=True)
+
+    def step(self):
+        for master, working in zip(self.masters, self.model.parameters()):
+            master.grad = working.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, working in zip(self.masters, self.model.parameters()):
+                working.copy_(master)
+                master.grad = None
+        self.model.zero_grad(set_to_none=True)
+
+
+def backward(model, inputs, labels, micro):
+    for m in range(micro):
+        logits = model(inputs[m].to(BF16)).float()
+        (torch.nn.functional.cross_entropy(logits, labels[m]) / micro).backward()
+
+
+def same(reference, model, optimizer):
+    masters = optimizer._zeroalloc_masters
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for ref_master, ref_working, master, working in zip(
+            reference.masters, reference.model.parameters(), params, model.parameters()):
+        assert working.dtype == BF16 and master.dtype == torch.float32
+        assert masters.working(master) is working
+        assert torch.equal(ref_working, working)
+        assert torch.equal(ref_master, master)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(reference.optimizer.state[ref_master][key],
+                               optimizer.state[master][key]), key
+
+
+def test_masters_train_bit_for_bit_as_the_recipe_in_plain_pytorch(engine):
+    reference = Reference()
+    model, optimizer = managed()
+    stepper = optimizer._zeroalloc_stepper
+    # The working copies' accumulations count for the staging of the masters' step.
+    assert {id(p) for p in model.parameters()} <= stepper.members
+    for number, (inputs, labels) in enumerate(data(8)):
+        micro = 2 if 3 <= number < 5 else 1
+        backward(reference.model, inputs, labels, micro)
+        reference.step()
+        backward(model, inputs, labels, micro)
+        optimizer.step()
+        assert all(p.grad is not None for p in model.parameters())  # the step keeps them
+        optimizer.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(m.grad is None for m in masters)
+        same(reference, model, optimizer)
+    figures = zt.step_figures(optimizer)
+    assert figures["staged_windows"] > 0 and figures["kept_windows"] > 0, figures
+    assert engine.stray_ends == []
+
+
+def test_zero_grad_without_set_to_none_zeroes_the_working_gradients(engine):
+    model, optimizer = managed()
+    inputs, labels = data(1)[0]
+    backward(model, inputs, labels, 1)
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_the_state_dict_carries_the_masters_and_loading_it_brings_them_back(engine):
+    model, optimizer = managed()
+    for inputs, labels in data(3):
+        backward(model, inputs, labels, 1)
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = copy.deepcopy(optimizer.state_dict())
+    masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    assert len(saved["zeroalloc_master_weights"]) == len(masters)
+    assert all(torch.equal(a, b) for a, b in zip(saved["zeroalloc_master_weights"], masters))
+    # The masters carry bits the bf16 working copies do not.
+    assert any(not torch.equal(m, w.float()) for m, w in zip(masters, model.parameters()))
+    fresh, fresh_optimizer = managed()
+    fresh.load_state_dict(model.state_dict())  # bf16 values: the masters take them, rounded
+    fresh_masters = [p for g in fresh_optimizer.param_groups for p in g["params"]]
+    assert all(torch.equal(m, w.float()) for m, w in zip(fresh_masters, fresh.parameters()))
+    fresh_optimizer.load_state_dict(saved)  # and the optimizer's brings the fp32 values
+    assert all(torch.equal(a, b) for a, b in zip(fresh_masters, masters))
+    assert all(torch.equal(w, m.to(BF16)) for w, m in zip(fresh.parameters(), masters))
+    # Both go on training alike.
+    for inputs, labels in data(2):
+        for each, its_optimizer in ((model, optimizer), (fresh, fresh_optimizer)):
+            backward(each, inputs, labels, 1)
+            its_optimizer.step()
+            its_optimizer.zero_grad()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    wrong = dict(saved, zeroalloc_master_weights=saved["zeroalloc_master_weights"][:-1])
+    with pytest.raises(ZeroallocError, match="cover .* parameters, the optimizer has"):
+        fresh_optimizer.load_state_dict(wrong)
+
+
+def test_remove_gives_fp32_parameters_with_the_masters_values_back(engine, monkeypatch):
+    model, optimizer = managed()
+    for inputs, labels in data(2):
+        backward(model, inputs, labels, 1)
+        optimizer.step()
+    masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    states = [optimizer.state[p]["exp_avg"].clone() for g in optimizer.param_groups
+              for p in g["params"]]
+    handle = zt.OffloadHandle([], optimizer, None)
+    handle.remove()
+    params = list(model.parameters())
+    assert [p for g in optimizer.param_groups for p in g["params"]] == params
+    for parameter, master, state in zip(params, masters, states):
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, master)
+        assert parameter.grad.dtype == torch.float32
+        assert torch.equal(optimizer.state[parameter]["exp_avg"], state)
+    assert "zero_grad" not in optimizer.__dict__
+    optimizer.step()  # plain AdamW again, over fp32 parameters
+
+
+def test_master_weights_are_made_only_before_zeroalloc_manages_the_parameters():
+    model, optimizer = build()
+    next(model.parameters())._zeroalloc_adopted = True
+    with pytest.raises(ZeroallocError, match="first offload"):
+        _master_weights.MasterWeights(BF16).make(optimizer)
+
+
+def test_master_weights_choices_and_their_errors(monkeypatch):
+    assert _master_weights.working_dtype(True) is BF16
+    assert _master_weights.working_dtype("bf16") is BF16
+    assert _master_weights.working_dtype(torch.bfloat16) is BF16
+    assert _master_weights.working_dtype(False) is None
+    with pytest.raises(ZeroallocError, match="master_weights='fp8'"):
+        _master_weights.working_dtype("fp8")
+    monkeypatch.setattr(_master_weights._settings, "setting", lambda name, fallback: "bf16")
+    assert _master_weights.working_dtype(None) is BF16
