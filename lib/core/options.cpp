@@ -123,20 +123,6 @@ bool read_boolean(const option_spec& spec, std::string_view value) {
   reject(spec.name, value, accepted_form(spec));
 }
 
-// A choice whose words include 1 and 0, which also takes any other form of a yes or a no.
-std::string read_boolean_or_choice(const option_spec& spec, std::string_view value) {
-  const std::string word = lowercase(trim(value));
-  for (std::string_view rest = spec.choices; !rest.empty();) {
-    const std::size_t bar = rest.find('|');
-    if (rest.substr(0, bar) == word) return word;
-    rest = bar == std::string_view::npos ? std::string_view() : rest.substr(bar + 1);
-  }
-  if (word == "true" || word == "yes" || word == "on") return "1";
-  if (word == "false" || word == "no" || word == "off") return "0";
-  reject(spec.name, value,
-         std::string("one of ") + std::string(accepted_form(spec)) + " (or a yes or a no)");
-}
-
 std::string read_text(const option_spec&, std::string_view value) { return std::string(value); }
 
 // A row's `read`: parses with `read_value` and stores the result in `field`.
@@ -208,14 +194,13 @@ const std::vector<option_spec>& table() {
        "speed where the states alone could make room. 0: gradients stay with the activations "
        "and never move.",
        store<&options::offload_gradients, read_boolean>},
-      {"ZEROALLOC_HOST_STEP", option_kind::choice, "auto", "auto|1|0",
+      {"ZEROALLOC_HOST_STEP", option_kind::boolean, "0", "",
        "1: with ZEROALLOC_OFFLOAD=host, the Python package's windowed optimizer step runs AdamW "
        "on the CPUs of the GPU's NUMA node for each window whose parameters and states are all "
        "on the host, copying only the gradients there (not bit for bit the device's AdamW: "
-       "rounding differs). 0: every window steps on the device. auto: 1 for an optimizer with "
-       "master weights (ZEROALLOC_MASTER_WEIGHTS), 0 for the rest. A yes or no is read as 1 "
-       "or 0.",
-       check<read_boolean_or_choice>},
+       "rounding differs), the device stepping the last of them at the same time. 0: every "
+       "window steps on the device.",
+       check<read_boolean>},
       {"ZEROALLOC_BACKWARD_USES", option_kind::choice, "saved", "saved|all",
        "saved: the Python package's module hooks begin a parameter's use in the backward only "
        "when its module's forward saved it for the backward (under autocast a Linear saves "

@@ -159,17 +159,3 @@ def test_the_split_gives_the_device_the_last_windows_and_follows_who_finished_fi
     host.balance(False, len(windows))  # then the CPUs did: one back
     assert host.split(windows) == windows[:2]
     assert host.split(windows[:1]) == windows[:1]  # fewer windows: the CPUs keep one
-
-
-@pytest.mark.parametrize("value, plain, with_masters", [
-    ("", False, True), ("auto", False, True), ("1", True, True), ("yes", True, True),
-    ("0", False, False), ("off", False, False)])
-def test_the_host_step_by_default_steps_only_optimizers_with_master_weights(value, plain,
-                                                                            with_masters):
-    environment = {"ZEROALLOC_HOST_STEP": value} if value else {}
-    result = run_python("""
-        from zeroalloc.torch import _settings
-        print("host step", _settings.host_step(False), _settings.host_step(True))
-    """, **environment)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"host step {plain} {with_masters}" in result.stdout, result.stdout

@@ -180,8 +180,7 @@ class WindowedStep:
         self.bounce_parameters = True
         # Note [Host windows] (_host_step.py): with ZEROALLOC_HOST_STEP, windows all on the
         # host step there, on the CPUs.
-        with_masters = masters_of(optimizer) is not None
-        self.host = HostStep() if _settings.host_step(with_masters) else None
+        self.host = HostStep() if _settings.host_step() else None
         self.streams: dict = {}  # device index -> CopyStreams
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step

@@ -42,16 +42,11 @@ def parameters_park() -> bool:
     return enabled("ZEROALLOC_PARK_PARAMETERS", "1")
 
 
-def host_step(master_weights: bool = False) -> bool:
-    """ZEROALLOC_HOST_STEP (default auto): whether the windowed step steps AdamW windows whose
+def host_step() -> bool:
+    """ZEROALLOC_HOST_STEP (default 0): whether the windowed step steps AdamW windows whose
     states and parameters are all on the host there, on the CPUs (Note [Stepped on the
-    host] in lib/tier/host_step.hpp). auto: for an optimizer with master weights (its
-    numbers are the bf16 recipe's already, and the host halves the bytes each way), not for
-    the rest (their numbers stay the device's, bit for bit)."""
-    value = setting("ZEROALLOC_HOST_STEP", "auto")
-    if value == "auto":
-        return master_weights
-    return value in ("1", "true", "yes", "on")
+    host] in lib/tier/host_step.hpp)."""
+    return enabled("ZEROALLOC_HOST_STEP", "0")
 
 
 def require_offload_engine() -> None:
