@@ -12,6 +12,7 @@ One concept per module:
 - ``_tensors``: one tensor's storage moved, or asked where it is;
 - ``_model_offload``: offload(), the automatic mode and OffloadHandle, which put together
   ``_adoption`` (parameters, gradients and states moved into their allocation classes),
+  ``_master_weights`` (bf16 working copies and their fp32 masters),
   ``_module_hints`` and ``_backward_uses`` (the hooks that send use hints through
   ``_use_hints`` and tell the windowed steps, ``_step_listeners``, how the loop goes),
   ``_optimizer_step`` (the optimizer's step in windows, over ``_step_records``) and
@@ -22,11 +23,12 @@ One concept per module:
   group (``zeroalloc._group``).
 
 Design notes: Notes [Stepping states where they are], [Windows and buffers], [Overlapping
-the step] and [Steps that follow param_groups] (_optimizer_step.py), Note [Hint groups]
-(_module_hints.py), Notes [Backward uses] and [The backward reads what autograd saved]
-(_backward_uses.py), Note [Gradients' class]
-(_adoption.py), Note [No cycles through the optimizer] (_weak_methods.py), Note [Stage 1
-by whole parameters] (_zero.py).
+the step] and [Steps that follow param_groups] (_optimizer_step.py), Notes [Host windows]
+and [Host and device split] (_host_step.py), Note [Master weights] (_master_weights.py),
+Note [Hint groups] (_module_hints.py), Notes [Backward uses] and [The backward reads what
+autograd saved] (_backward_uses.py), Note [Gradients' class] (_adoption.py), Note [No
+cycles through the optimizer] (_weak_methods.py), Note [Stage 1 by whole parameters]
+(_zero.py).
 """
 
 from __future__ import annotations
