@@ -183,3 +183,64 @@ def test_master_weights_choices_and_their_errors(monkeypatch):
         _master_weights.working_dtype("fp8")
     monkeypatch.setattr(_master_weights._settings, "setting", lambda name, fallback: "bf16")
     assert _master_weights.working_dtype(None) is BF16
+
+
+AUTOMATIC = r"""
+import torch
+import zeroalloc.torch as zt
+zt.enable_automatic_offload()  # what the start-up hook does with ZEROALLOC_OFFLOAD=host
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+model = build()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # made as the script makes it
+print("dtypes", sorted({str(p.dtype) for p in model.parameters()}))
+reference = build()
+masters = [p.detach().clone() for p in reference.parameters()]
+reference.to(torch.bfloat16)
+plain = torch.optim.AdamW.__new__(torch.optim.AdamW)
+plain._zeroalloc_adopted = True  # the reference's optimizer stays plain
+plain.__init__(masters, lr=1e-2)
+torch.manual_seed(1)
+for _ in range(4):
+    x, y = torch.randn(8, 16).to(torch.bfloat16), torch.randint(0, 4, (8,))
+    for each in (model, reference):
+        torch.nn.functional.cross_entropy(each(x).float(), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    for master, working in zip(masters, reference.parameters()):
+        master.grad = working.grad.float()
+    plain.step()
+    with torch.no_grad():
+        for master, working in zip(masters, reference.parameters()):
+            working.copy_(master)
+            master.grad = None
+    reference.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+kept = [p for g in optimizer.param_groups for p in g["params"]]
+print("same", same, "masters", all(torch.equal(a, b) for a, b in zip(kept, masters)))
+"""
+
+
+def test_the_automatic_mode_makes_master_weights_from_the_environment(tmp_path):
+    """ZEROALLOC_MASTER_WEIGHTS=bf16 with the no-code-change mode: every optimizer made
+    afterwards steps fp32 masters of its parameters, now bf16, as the recipe does."""
+    import os
+    import subprocess
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
+    env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_OFFLOAD": "host",
+                "ZEROALLOC_MASTER_WEIGHTS": "bf16",
+                "ZEROALLOC_LIBRARY": os.environ.get(
+                    "ZEROALLOC_LIBRARY",
+                    str(Path(__file__).resolve().parents[2] / "build" / "libzeroalloc.so")),
+                "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "bindings" / "python")})
+    result = subprocess.run([sys.executable, "-c", AUTOMATIC], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "dtypes ['torch.bfloat16']" in result.stdout, result.stdout
+    assert "same True masters True" in result.stdout, result.stdout
