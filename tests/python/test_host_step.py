@@ -164,3 +164,8 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
           "value")
     assert second < 1e-5
     assert worst_loss < 1e-3, (expected, got)
+    # Whatever the drift, every working copy the host wrote is its master rounded.
+    working = [value for name, value in stepped.items() if name not in ("masters", "second")]
+    assert len(working) == len(stepped["masters"]) == 24
+    for value, master in zip(working, stepped["masters"]):
+        assert torch.equal(value, master.to(torch.bfloat16))

@@ -244,3 +244,53 @@ def test_the_automatic_mode_makes_master_weights_from_the_environment(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "dtypes ['torch.bfloat16']" in result.stdout, result.stdout
     assert "same True masters True" in result.stdout, result.stdout
+
+
+def test_a_partial_or_submodule_load_sets_only_the_masters_it_changed(engine):
+    model, optimizer = managed()
+    for inputs, labels in data(2):
+        backward(model, inputs, labels, 1)
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
+    before = [m.clone() for m in masters]
+    layer = model[3][0]  # a Linear inside the model
+    new_weight = torch.full_like(layer.weight, 0.5)
+    layer.load_state_dict({"weight": new_weight}, strict=False)  # its bias not loaded
+    working = list(model.parameters())
+    for master, old, each in zip(masters, before, working):
+        if each is layer.weight:
+            assert torch.equal(master, new_weight.float())  # the load reached the master
+        else:  # untouched, fp32 bits kept (not rounded to the working copy's bf16)
+            assert torch.equal(master, old)
+    assert any(not torch.equal(m, w.float()) for m, w in zip(masters, working))
+
+
+def test_an_optimizer_made_again_over_working_copies_gets_masters_with_their_values(engine):
+    model, optimizer = managed()
+    for inputs, labels in data(2):
+        backward(model, inputs, labels, 1)
+        optimizer.step()
+        optimizer.zero_grad()
+    first = [p for g in optimizer.param_groups for p in g["params"]]
+    again = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    masters = _master_weights.MasterWeights(BF16)
+    masters.make(again)
+    second = [p for g in again.param_groups for p in g["params"]]
+    assert all(b.dtype == torch.float32 and b is not a and torch.equal(a, b)
+               for a, b in zip(first, second))
+    assert all(masters.working(m) is w for m, w in zip(second, model.parameters()))
+
+
+def test_master_weights_refuse_optimizers_that_do_not_step_their_param_groups():
+    model, _ = build()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ZeroallocError, match="LBFGS"):
+        _master_weights.MasterWeights(BF16).make(lbfgs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+
+
+def test_zero_stages_refuse_an_optimizer_with_master_weights(engine):
+    _, optimizer = managed()
+    with pytest.raises(ZeroallocError, match="do not combine with master weights"):
+        zt.partition(optimizer, stage=2)

@@ -258,13 +258,11 @@ class HostStep:
                              [s["exp_avg"].untyped_storage().data_ptr() for s in states],
                              [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
                 counts = [p.numel() for p, _ in members]
+                outputs = self.copy_buffers(members, slot) if master else None
                 if master:
-                    outputs = self.copy_buffers(members, slot)
                     stepped = _offload.adamw_on_host_bf16(
                         *arguments, [o.data_ptr() for o in outputs], counts, step=count,
                         stream=self.fence.cuda_stream, **settings)
-                    if stepped:
-                        self.write_working(stepper, members, outputs, slot)
                 else:
                     stepped = _offload.adamw_on_host(*arguments, counts, step=count,
                                                      stream=self.fence.cuda_stream, **settings)
@@ -277,8 +275,12 @@ class HostStep:
                         state["step"] += 1
                     else:
                         state["step"] = state["step"] + 1
+                # Stepped, whatever follows: a failure below must not hand them to the device
+                # to be stepped again.
                 self.stepped.extend(p for p, _ in members)
                 self.figures["host_bytes"] += sum(p.numel() * 4 for p, _ in members)
+                if master:
+                    self.write_working(stepper, members, outputs, slot)
         finally:
             self.figures["host_s"] += time.perf_counter() - started
         if len(refused) < len(window):

@@ -104,24 +104,43 @@ class MasterWeights:
     # -- set-up ----------------------------------------------------------------------------
     def make(self, optimizer) -> None:
         """Masters for the fp32 parameters of optimizer's param_groups, in their places, and
-        the parameters turned into working copies."""
+        the parameters turned into working copies. A parameter that is the working copy of
+        another optimizer's master (the optimizer made again, say) gets a master of its own
+        with that master's values. Checks every parameter before it changes any."""
+        from zeroalloc.torch._optimizer_step import steps_by_param_groups
+        if not steps_by_param_groups(optimizer):
+            # Its step would not read the masters' gradients where the windowed step puts
+            # them (a closure's backward, an inner optimizer's own parameters).
+            raise ZeroallocError(f"master weights need an optimizer that steps its "
+                                 f"param_groups as torch.optim's do; "
+                                 f"{type(optimizer).__name__} does not (LBFGS, a "
+                                 "ZeroRedundancyOptimizer or a step of its own)")
+        chosen = []  # (group's params, index, parameter, an existing master or None)
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for index, parameter in enumerate(params):
+                if id(parameter) in self.working_ids:
+                    continue
+                existing = existing_master(parameter)
+                if existing is None and parameter.dtype != torch.float32:
+                    continue
+                if existing is None and getattr(parameter, "_zeroalloc_adopted", False):
+                    raise ZeroallocError(
+                        "master weights must be made before zeroalloc manages the "
+                        "parameters: pass master_weights to the first offload() of this "
+                        "model, or set ZEROALLOC_MASTER_WEIGHTS for the automatic mode")
+                chosen.append((params, index, parameter, existing))
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                params = group["params"]
-                for index, parameter in enumerate(params):
-                    if parameter.dtype != torch.float32 or id(parameter) in self.working_ids:
-                        continue
-                    if getattr(parameter, "_zeroalloc_adopted", False):
-                        raise ZeroallocError(
-                            "master weights must be made before zeroalloc manages the "
-                            "parameters: pass master_weights to the first offload() of this "
-                            "model, or set ZEROALLOC_MASTER_WEIGHTS for the automatic mode")
+            for params, index, parameter, existing in chosen:
+                if existing is not None:
+                    master = self.copy_of(existing)
+                else:
                     master = self.master_of(parameter)
-                    params[index] = master
-                    if parameter in optimizer.state:
-                        optimizer.state[master] = optimizer.state.pop(parameter)
-                    self.pairs[id(master)] = (master, parameter)
-                    self.working_ids.add(id(parameter))
+                params[index] = master
+                if parameter in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(parameter)
+                self.pairs[id(master)] = (master, parameter)
+                self.working_ids.add(id(parameter))
 
     def master_of(self, parameter):
         """The fp32 master of `parameter` (its values, in the optimizer-state class), with
@@ -132,14 +151,21 @@ class MasterWeights:
             fill(master, parameter.data)
         else:
             master = parameter.detach().clone()
-        # Marked as offload() marks what it manages: never adopted as a parameter, never
-        # hooked (the working copy is).
-        master._zeroalloc_adopted = True
-        master._zeroalloc_hooked = True
-        master._zeroalloc_master = True
+        mark(master)
         parameter.data = parameter.data.to(self.dtype)
         if parameter.grad is not None:
             parameter.grad = parameter.grad.to(self.dtype)
+        return master
+
+    def copy_of(self, existing):
+        """A master of this optimizer's for a working copy that has one already: its values."""
+        if existing.is_cuda:
+            with _stats.allocation_class("optimizer_state"):
+                master = torch.empty_like(existing, memory_format=torch.preserve_format)
+            fill(master, existing.detach())
+        else:
+            master = existing.detach().clone()
+        mark(master)
         return master
 
     def install(self, optimizer) -> None:
@@ -161,10 +187,18 @@ class MasterWeights:
         every.add(self)
 
     def install_model_hook(self, model) -> list:
-        """Loading the model's state dict sets the masters from the working copies."""
-        hook = model.register_load_state_dict_post_hook(
-            lambda module, incompatible: self.refresh(module))
-        return [hook]
+        """Loading a state dict into the model, or into any module of it (torch runs the
+        post-hooks of every module a load reaches), sets the masters whose working copies it
+        changed. Holds this weakly: the optimizer holds it."""
+        owner = weakref.ref(self)
+
+        def loaded(module, incompatible):
+            masters = owner()
+            if masters is not None:
+                masters.refresh(module, recurse=False)
+
+        return [each.register_load_state_dict_post_hook(loaded) for each in model.modules()
+                if any(True for _ in each.parameters(recurse=False))]
 
     # -- the step --------------------------------------------------------------------------
     def members(self, masters) -> set:
@@ -226,19 +260,18 @@ class MasterWeights:
     # -- state dicts -----------------------------------------------------------------------
     def save(self, optimizer, state_dict: dict) -> dict:
         """The masters, in the order of the state dict's parameter indices (None for a
-        parameter with no master)."""
-        on_disk = _settings.disk_tier()
+        parameter with no master); copied to the CPU where copied_off_disk copies states
+        (on disk now, or anywhere with the disk tier configured)."""
+        from zeroalloc.torch._state_dict import cpu_copy_if_on_disk
+        wherever = _settings.disk_tier()
         saved = []
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 if id(parameter) not in self.pairs:
                     saved.append(None)
-                elif on_disk:  # a copy, as copied_off_disk copies states on disk
-                    copy = torch.empty_like(parameter, device="cpu")
-                    fill(copy, parameter.detach())
-                    saved.append(copy)
-                else:
-                    saved.append(parameter.detach())
+                    continue
+                copied = cpu_copy_if_on_disk(parameter, wherever) if parameter.is_cuda else None
+                saved.append(copied if copied is not None else parameter.detach())
         state_dict[STATE_KEY] = saved
         return state_dict
 
@@ -254,14 +287,15 @@ class MasterWeights:
             raise ZeroallocError(f"the state dict's master weights cover {len(saved)} "
                                  f"parameters, the optimizer has {len(params)}: it was saved "
                                  "from another model or optimizer")
+        for parameter, value in zip(params, saved):  # all checked before any is written
+            if value is not None and id(parameter) in self.pairs and value.shape != parameter.shape:
+                raise ZeroallocError(f"a saved master weight has shape {tuple(value.shape)}, "
+                                     f"its parameter {tuple(parameter.shape)}: the state dict "
+                                     "was saved from another model or optimizer")
         with torch.no_grad():
             for parameter, value in zip(params, saved):
                 if value is None or id(parameter) not in self.pairs:
                     continue
-                if value.shape != parameter.shape:
-                    raise ZeroallocError(f"a saved master weight has shape "
-                                         f"{tuple(value.shape)}, its parameter "
-                                         f"{tuple(parameter.shape)}")
                 fill(parameter, value.to(parameter.dtype))
                 working = self.pairs[id(parameter)][1]
                 fill(working, parameter)
@@ -269,13 +303,24 @@ class MasterWeights:
         del state_dict[STATE_KEY]
         return state_dict
 
-    def refresh(self, module) -> None:
-        """After a model's load_state_dict: its masters take the working copies' values."""
+    def refresh(self, module, recurse: bool = True) -> None:
+        """After a load_state_dict into `module`: each master whose working copy the load
+        changed (it no longer holds the master rounded) takes the working copy's value. The
+        others keep their fp32 bits (a partial load, strict=False)."""
+        loaded = {id(p) for p in module.parameters(recurse=recurse)}
         with torch.no_grad():
-            loaded = {id(p) for p in module.parameters()}
             for master, working in self.pairs.values():
-                if id(working) in loaded:
-                    fill(master, working.detach())
+                if id(working) not in loaded:
+                    continue
+                pinned = [t for t in (master, working) if t.is_cuda and t.numel() > 0]
+                if pinned:
+                    _use_hints.hint(_offload.use_in_place_many, pinned, 0)
+                try:
+                    if not torch.equal(master.to(working.dtype), working):
+                        master.copy_(working)
+                finally:
+                    if pinned:
+                        _use_hints.hint(_offload.use_ends_many, pinned, 0)
 
     # -- undone ----------------------------------------------------------------------------
     def remove(self, optimizer) -> None:
@@ -309,6 +354,24 @@ class MasterWeights:
                         working.grad = grad.to(torch.float32)
                     params[index] = working
         self.pairs, self.working_ids = {}, set()
+
+
+def mark(master) -> None:
+    """Marked as offload() marks what it manages: never adopted as a parameter, never hooked
+    (its working copy is)."""
+    master._zeroalloc_adopted = True
+    master._zeroalloc_hooked = True
+    master._zeroalloc_master = True
+
+
+def existing_master(working):
+    """The master another live optimizer keeps for `working`, or None."""
+    for masters in tuple(every):
+        if id(working) in masters.working_ids:
+            for master, each in masters.pairs.values():
+                if each is working:
+                    return master
+    return None
 
 
 def masters_of(optimizer) -> "MasterWeights | None":

@@ -3,6 +3,7 @@ windowed step put together, and the handle that takes them out again."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings
 from zeroalloc.torch._master_weights import MasterWeights, masters_of, working_dtype
-from zeroalloc.torch._optimizer_step import windowed_step
+from zeroalloc.torch._optimizer_step import steps_by_param_groups, windowed_step
 from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
                                          copy_parameters_off_disk_in_every_model,
                                          pin_during_load, readopt_after_load)
@@ -183,7 +184,11 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if getattr(self, "_zeroalloc_adopted", False):
             return
         self._zeroalloc_adopted = True
-        if dtype is not None:  # Note [Master weights]
+        if dtype is not None and not steps_by_param_groups(self):
+            warnings.warn(f"zeroalloc: {type(self).__name__} does not step its param_groups "
+                          "as torch.optim's optimizers do: its parameters keep their dtype "
+                          "(ZEROALLOC_MASTER_WEIGHTS applies to the others)")
+        elif dtype is not None:  # Note [Master weights]
             masters = MasterWeights(dtype)
             masters.make(self)
             if len(masters):

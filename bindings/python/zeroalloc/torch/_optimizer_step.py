@@ -703,7 +703,11 @@ class WindowedStep:
         """Hooks for the parameters that need them since offload() (see `adopt`)."""
         if self.adopt is None:
             return
-        late = [p for group in self.optimizer.param_groups for p in group["params"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.masters is not None:  # a master's hooks are its working copy's
+            params = [self.masters.working(p) if self.masters.working(p) is not None else p
+                      for p in params]
+        late = [p for p in params
                 if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
         if late:
             hooked: list = []
@@ -894,8 +898,9 @@ class WindowedStep:
         for group, params in zip(self.optimizer.param_groups, run.saved):
             group["params"] = [p for p in params if id(p) in chosen]
         # Temporaries of the step (foreach intermediates) go with activations.
-        written, stepped = self.begin_masters(window, main.cuda_stream), False
+        written, stepped = [], False
         try:
+            written = self.begin_masters(window, main.cuda_stream)
             with _stats.allocation_class("other"):
                 self.original_step(**kwargs)
             stepped = True

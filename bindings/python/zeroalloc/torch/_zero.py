@@ -490,6 +490,11 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
     if stage == 3 and model is None:
         raise ValueError("ZeRO stage 3 partitions the model's parameters: pass the model "
                          "(zt.partition(optimizer, stage=3, model=model))")
+    if getattr(optimizer, "_zeroalloc_masters", None) is not None:
+        # Its param_groups hold the fp32 masters, whose gradients are the working copies'.
+        raise ZeroallocError("ZeRO stages do not combine with master weights (offload's "
+                             "master_weights, ZEROALLOC_MASTER_WEIGHTS) yet: partition an "
+                             "optimizer without them")
     parameters, seen = [], set()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
