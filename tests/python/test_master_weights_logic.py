@@ -84,9 +84,27 @@ def same(reference, model, optimizer):
                                optimizer.state[master][key]), key
 
 
-def test_masters_train_bit_for_bit_as_the_recipe_in_plain_pytorch(engine):
+def test_masters_train_bit_for_bit_as_the_recipe_in_plain_pytorch(engine, monkeypatch):
     reference = Reference()
     model, optimizer = managed()
+    # Every use a step begins (the working copies written after each window) ends in it.
+    open_at_boundaries = []
+    boundary = engine.step_boundary
+
+    def step_boundary():
+        open_at_boundaries.append(sum(engine.uses.values()))
+        boundary()
+
+    monkeypatch.setattr(zt._offload, "step_boundary", step_boundary)
+    begun = set()
+    begins = engine.use_begins_many
+
+    def use_begins_many(pointers, stream=0):
+        begun.update(pointers)
+        begins(pointers, stream)
+
+    monkeypatch.setattr(zt._offload, "use_begins_many", use_begins_many)
+    working_pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stepper = optimizer._zeroalloc_stepper
     # The working copies' accumulations count for the staging of the masters' step.
     assert {id(p) for p in model.parameters()} <= stepper.members
@@ -105,6 +123,9 @@ def test_masters_train_bit_for_bit_as_the_recipe_in_plain_pytorch(engine):
     figures = zt.step_figures(optimizer)
     assert figures["staged_windows"] > 0 and figures["kept_windows"] > 0, figures
     assert engine.stray_ends == []
+    assert open_at_boundaries == [0] * 8
+    # The step's uses reached the working copies (the engine fetches them to be written).
+    assert working_pointers <= begun
 
 
 def test_zero_grad_without_set_to_none_zeroes_the_working_gradients(engine):

@@ -226,7 +226,7 @@ class MasterWeights:
                 with _stats.allocation_class("other"):
                     master.grad = working.grad.to(torch.float32)
             written.append((master, working))
-        if written and written[0][1].is_cuda:
+        if written and hinted(written[0][1]):
             _use_hints.begin([w for _, w in written], stream)
         return written
 
@@ -241,7 +241,7 @@ class MasterWeights:
         finally:
             for master, _ in written:
                 master.grad = None
-            if written and written[0][1].is_cuda:
+            if written and hinted(written[0][1]):
                 _use_hints.end([w for _, w in written], stream)
 
     def zero_working(self, set_to_none: bool) -> None:
@@ -354,6 +354,12 @@ class MasterWeights:
                         working.grad = grad.to(torch.float32)
                     params[index] = working
         self.pairs, self.working_ids = {}, set()
+
+
+def hinted(tensor) -> bool:
+    """Whether uses of `tensor` are hinted: the windowed step's rule (a GPU's)."""
+    from zeroalloc.torch import _optimizer_step
+    return _optimizer_step.on_gpu(tensor.device)
 
 
 def mark(master) -> None:
