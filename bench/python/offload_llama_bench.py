@@ -111,8 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
-    # 0: the CPUs take every host-resident window (Note [Host and device split] off).
-    parser.add_argument("--host-split", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
                         "copied into their own allocation class once a step); 0,1 runs the "
@@ -596,9 +594,6 @@ def worker(args) -> int:
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
-        stepper = optimizer._zeroalloc_stepper
-        if not args.host_split and stepper.host is not None:
-            stepper.host.balance = lambda device_first, could_take: None
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1020,8 +1015,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
             env.update(libaio_environment(env))
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
-                 "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after",
-                 "host_split"):
+                 "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]

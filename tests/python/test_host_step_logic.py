@@ -140,22 +140,3 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert not whole_fp32(whole[2:])  # a view: not the allocation's start
     assert not whole_fp32(whole[:4])  # a view: not the whole allocation
     assert not whole_fp32(whole.to(torch.bfloat16))
-
-
-def test_the_split_gives_the_device_the_last_windows_and_follows_who_finished_first():
-    """Note [Host and device split]: the CPUs take all but the last `device_windows` of the
-    windows they could take, one at least; the split moves by one window a step toward the
-    side that finished first."""
-    sys.path.insert(0, str(PACKAGE))
-    from zeroalloc.torch._host_step import HostStep
-
-    host = HostStep()
-    windows = [(n, [f"p{n}"]) for n in range(5)]
-    assert host.split(windows) == windows  # at first the CPUs take every window
-    for given in (1, 2, 3, 4, 4):  # the device keeps finishing first: one more each step
-        host.balance(True, len(windows))
-        assert host.split(windows) == windows[:5 - given]
-        assert host.figures["device_windows"] == given
-    host.balance(False, len(windows))  # then the CPUs did: one back
-    assert host.split(windows) == windows[:2]
-    assert host.split(windows[:1]) == windows[:1]  # fewer windows: the CPUs keep one

@@ -23,8 +23,8 @@ One concept per module:
   group (``zeroalloc._group``).
 
 Design notes: Notes [Stepping states where they are], [Windows and buffers], [Overlapping
-the step] and [Steps that follow param_groups] (_optimizer_step.py), Notes [Host windows]
-and [Host and device split] (_host_step.py), Note [Master weights] (_master_weights.py),
+the step] and [Steps that follow param_groups] (_optimizer_step.py), Note [Host windows]
+(_host_step.py), Note [Master weights] (_master_weights.py),
 Note [Hint groups] (_module_hints.py), Notes [Backward uses] and [The backward reads what
 autograd saved] (_backward_uses.py), Note [Gradients' class] (_adoption.py), Note [No
 cycles through the optimizer] (_weak_methods.py), Note [Stage 1 by whole parameters]

@@ -1,17 +1,6 @@
 """AdamW windows stepped on the host's CPUs where their states are (ZEROALLOC_HOST_STEP; Note
 [Stepped on the host] in lib/tier/host_step.hpp).
 
-Note [Host and device split]: the CPUs step a window at their memory's rate (28 bytes a
-parameter with AdamW, with master weights too), the device steps a host-resident window at
-the link's (its states through scratch, in and out at once): rates of the same order on an
-H200's host, so a step that gives every host-resident window to the CPUs leaves the link
-and the device idle while the CPUs work. So the last `device_windows` of the windows the CPUs
-could take are left to the device, which steps them as any other, at the same time. After
-each step the split moves one window toward the side that finished first (the device's work
-is asked, through an event, once the CPUs are done): a few steps settle it within a window
-of balance, and it follows the machine as its load changes. zt.step_figures(optimizer) says
-where it stands (`device_windows`).
-
 Note [Host windows]: the windowed step asks, before it stages anything, which of its
 windows have every parameter and state on the host (the residency it asks anyway). Those
 windows are not bounced: their gradients are copied into pinned host buffers on a copy
@@ -21,7 +10,10 @@ parameters stay on the host; the next forward fetches them as it fetches any evi
 parameter. A window the engine moved meanwhile (the library answers that a chunk is on the
 device) is staged and stepped on the device as any other. Only torch.optim.AdamW (and Adam
 without weight decay, the same update), fp32, without amsgrad, capturable or differentiable
-runs here; the rest steps on the device.
+runs here; the rest steps on the device. With master weights (Note [Master weights] in
+_master_weights.py) the gradients copied are the working copies' bf16 ones, and the CPUs
+write each updated master rounded to bf16 into pinned buffers, copied into the working
+copies on the same stream, which the step's stream waits for.
 """
 
 from __future__ import annotations
@@ -96,25 +88,7 @@ class HostStep:
         self.unavailable = False  # the library answered that it never steps on this driver
         self.stepped: list = []
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
-                        "host_refused": 0, "host_copy_bytes": 0, "device_windows": 0}
-        # Note [Host and device split]: the last windows the CPUs could take that are left
-        # to the device.
-        self.device_windows = 0
-
-    def split(self, chosen: list) -> list:
-        """Of `chosen` (the windows the CPUs could take, in order), those they take: all but
-        the last `device_windows` (always one at least)."""
-        given = min(self.device_windows, max(0, len(chosen) - 1))
-        self.figures["device_windows"] = given
-        return chosen[:len(chosen) - given]
-
-    def balance(self, device_first: bool, could_take: int) -> None:
-        """After a step: one window more to the device when it finished before the CPUs,
-        one fewer when it did not."""
-        if device_first:
-            self.device_windows = min(self.device_windows + 1, max(0, could_take - 1))
-        else:
-            self.device_windows = max(0, self.device_windows - 1)
+                        "host_refused": 0, "host_copy_bytes": 0}
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32

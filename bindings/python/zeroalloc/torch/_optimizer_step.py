@@ -781,27 +781,19 @@ class WindowedStep:
         if self.host is not None and self.host.unavailable:
             self.host = None  # the library never steps on the host on this driver
         # A step with arguments (a GradScaler's, say) is the optimizer's own business.
-        could_take = 0
         if self.host is not None and not kwargs:
             chosen = self.host_parts(run, scratch)
-            could_take = len(chosen)
-            chosen = self.host.split(chosen)  # Note [Host and device split]
             if chosen:
                 host_run = self.host.start(self, chosen, self.groups_of(run), main)
             for number, hosted in chosen:
                 ids = {id(p) for p in hosted}
                 left[number] = [p for p in run.windows[number] if id(p) not in ids]
-        device_done = None
         try:
             self.step_device_parts(run, scratch, left, main, kwargs)
-            device_done = torch.cuda.Event()
-            device_done.record(main)
         finally:
             refused = host_run.join() if host_run is not None else []
             if host_run is not None:  # Note [Master weights]: the working copies it wrote
                 main.wait_stream(self.host.stream)
-        if host_run is not None and device_done is not None and not refused:
-            self.host.balance(device_done.query(), could_take)
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
