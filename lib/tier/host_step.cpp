@@ -39,26 +39,19 @@ adamw_factors factors_of(const adamw_settings& s) {
   return f;
 }
 
-// Built for three x86-64 levels, the best one chosen at load time; the loop has no
-// dependence between elements, so each build vectorises it at its width. Not under
-// ThreadSanitizer: the loader runs the choice (an ifunc resolver) before TSan's runtime is
-// ready, and the program crashes at load.
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-void update_elements(
-    float* __restrict parameter, const float* __restrict gradient, float* __restrict exp_avg,
-    float* __restrict exp_avg_sq, std::size_t count, adamw_factors f) {
-  for (std::size_t i = 0; i < count; ++i) {
-    const float g = gradient[i] * f.gradient_sign;
-    const float p = parameter[i] * f.decay;
-    const float m = exp_avg[i] + f.one_minus_beta1 * (g - exp_avg[i]);
-    const float v = exp_avg_sq[i] * f.beta2 + f.one_minus_beta2 * g * g;
-    const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    parameter[i] = p + f.negative_step_size * (m / denominator);
-  }
+// One element's update, in place; returns the updated parameter. Inlined into each build of
+// the loops below, so that each vectorises at its width.
+[[gnu::always_inline]] inline float update_element(float gradient, float& parameter, float& exp_avg,
+                                                   float& exp_avg_sq, const adamw_factors& f) {
+  const float g = gradient * f.gradient_sign;
+  const float p = parameter * f.decay;
+  const float m = exp_avg + f.one_minus_beta1 * (g - exp_avg);
+  const float v = exp_avg_sq * f.beta2 + f.one_minus_beta2 * g * g;
+  const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
+  exp_avg = m;
+  exp_avg_sq = v;
+  parameter = p + f.negative_step_size * (m / denominator);
+  return parameter;
 }
 
 inline float widened(std::uint16_t bits) {
@@ -76,6 +69,21 @@ inline std::uint16_t rounded(float value) {
   return static_cast<std::uint16_t>(bits >> 16U);
 }
 
+// Built for three x86-64 levels, the best one chosen at load time; the loop has no
+// dependence between elements, so each build vectorises it at its width. Not under
+// ThreadSanitizer: the loader runs the choice (an ifunc resolver) before TSan's runtime is
+// ready, and the program crashes at load.
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void update_elements(
+    float* __restrict parameter, const float* __restrict gradient, float* __restrict exp_avg,
+    float* __restrict exp_avg_sq, std::size_t count, adamw_factors f) {
+  for (std::size_t i = 0; i < count; ++i) {
+    update_element(gradient[i], parameter[i], exp_avg[i], exp_avg_sq[i], f);
+  }
+}
+
 // Master weights: the gradient arrives in bf16 and the updated parameter leaves in bf16 too
 // (`copy` is never null here).
 #if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
@@ -86,16 +94,8 @@ void update_master_elements(
     float* __restrict exp_avg, float* __restrict exp_avg_sq, std::uint16_t* __restrict copy,
     std::size_t count, adamw_factors f) {
   for (std::size_t i = 0; i < count; ++i) {
-    const float g = widened(gradient[i]) * f.gradient_sign;
-    const float p = parameter[i] * f.decay;
-    const float m = exp_avg[i] + f.one_minus_beta1 * (g - exp_avg[i]);
-    const float v = exp_avg_sq[i] * f.beta2 + f.one_minus_beta2 * g * g;
-    const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    const float updated = p + f.negative_step_size * (m / denominator);
-    parameter[i] = updated;
-    copy[i] = rounded(updated);
+    copy[i] =
+        rounded(update_element(widened(gradient[i]), parameter[i], exp_avg[i], exp_avg_sq[i], f));
   }
 }
 
