@@ -70,6 +70,13 @@ def backward(model, inputs, labels, micro):
         (torch.nn.functional.cross_entropy(logits, labels[m]) / micro).backward()
 
 
+def train(model, optimizer, steps):
+    for inputs, labels in data(steps):
+        backward(model, inputs, labels, 1)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def same(reference, model, optimizer):
     masters = optimizer._zeroalloc_masters
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -138,10 +145,7 @@ def test_zero_grad_without_set_to_none_zeroes_the_working_gradients(engine):
 
 def test_the_state_dict_carries_the_masters_and_loading_it_brings_them_back(engine):
     model, optimizer = managed()
-    for inputs, labels in data(3):
-        backward(model, inputs, labels, 1)
-        optimizer.step()
-        optimizer.zero_grad()
+    train(model, optimizer, 3)
     saved = copy.deepcopy(optimizer.state_dict())
     masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
     assert len(saved["zeroalloc_master_weights"]) == len(masters)
@@ -269,10 +273,7 @@ def test_the_automatic_mode_makes_master_weights_from_the_environment(tmp_path):
 
 def test_a_partial_or_submodule_load_sets_only_the_masters_it_changed(engine):
     model, optimizer = managed()
-    for inputs, labels in data(2):
-        backward(model, inputs, labels, 1)
-        optimizer.step()
-        optimizer.zero_grad()
+    train(model, optimizer, 2)
     masters = [p for g in optimizer.param_groups for p in g["params"]]
     before = [m.clone() for m in masters]
     layer = model[3][0]  # a Linear inside the model
@@ -289,10 +290,7 @@ def test_a_partial_or_submodule_load_sets_only_the_masters_it_changed(engine):
 
 def test_an_optimizer_made_again_over_working_copies_gets_masters_with_their_values(engine):
     model, optimizer = managed()
-    for inputs, labels in data(2):
-        backward(model, inputs, labels, 1)
-        optimizer.step()
-        optimizer.zero_grad()
+    train(model, optimizer, 2)
     first = [p for g in optimizer.param_groups for p in g["params"]]
     again = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     masters = _master_weights.MasterWeights(BF16)
