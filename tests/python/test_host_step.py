@@ -13,12 +13,37 @@ from gpu_script import field, require_gpu, run_script
 
 torch = require_gpu()
 
+# With REFUSE set, every other call of the host step finds a chunk of its first parameter and
+# of its first state moved to the device just before it (as a prefetch or another use would
+# move it): the library refuses the call, changing nothing, and the windowed step steps those
+# parameters on the device where they are (step_pinned). Printed: the calls so refused.
+REFUSALS = r"""
+if os.environ.get("REFUSE"):
+    from zeroalloc import _offload
+    refusals = [0, 0]
+
+    def moved_first(real):
+        def call(parameters, gradients, exp_avgs, *rest, **settings):
+            refusals[0] += 1
+            if refusals[0] % 2:
+                _offload.fetch_pointer(parameters[0])
+                _offload.fetch_pointer(exp_avgs[0])
+            stepped = real(parameters, gradients, exp_avgs, *rest, **settings)
+            refusals[1] += not stepped
+            return stepped
+        return call
+
+    _offload.adamw_on_host = moved_first(_offload.adamw_on_host)
+    _offload.adamw_on_host_bf16 = moved_first(_offload.adamw_on_host_bf16)
+"""
+
 # Twelve layers of 16 MiB: 192 MiB of parameters, as much of gradients, twice as much of
 # AdamW states: 768 MiB, under a limit of 448 MiB.
 TRAIN = r"""
 import os, sys, torch
 import zeroalloc, zeroalloc.torch as zt
 zt.install()
+""" + REFUSALS + r"""
 offload = os.environ.get("ZEROALLOC_OFFLOAD") == "host"
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)]).cuda()
@@ -38,6 +63,8 @@ for x, y in data:
 print("losses", " ".join(f"{value!r}" for value in losses))
 if offload:
     print("figures", zt.step_figures(optimizer))
+if os.environ.get("REFUSE"):
+    print("refused", refusals[1], "of", refusals[0])
 with torch.no_grad():
     values = {}
     for name, p in model.named_parameters():
@@ -47,11 +74,14 @@ torch.save(values, sys.argv[1])
 """
 
 
-def test_windows_on_the_host_step_there_within_rounding_of_the_device(tmp_path):
+def host_step_against_the_device(tmp_path, **settings) -> tuple:
+    """Trains TRAIN on the device without a limit and with the host step under one (plus
+    `settings`); asserts losses and final parameters within fp32 rounding of each other and
+    returns the host run's output and figures."""
     plain = run_script(TRAIN, str(tmp_path / "plain.pt"))
     hosted = run_script(TRAIN, str(tmp_path / "hosted.pt"), ZEROALLOC_OFFLOAD="host",
                         ZEROALLOC_HOST_LIMIT="4GiB", ZEROALLOC_MEMORY_LIMIT="448MiB",
-                        ZEROALLOC_HOST_STEP="1")
+                        ZEROALLOC_HOST_STEP="1", **settings)
     figures = ast.literal_eval(field(hosted, "figures"))  # a dict printed by the run
     print("host step figures:", figures)
     assert figures["host_windows"] > 0, hosted
@@ -66,6 +96,18 @@ def test_windows_on_the_host_step_there_within_rounding_of_the_device(tmp_path):
           f"{worst:.2e} of the tensor's largest value")
     assert worst_loss < 1e-4, (expected, got)
     assert worst < 1e-4
+    return hosted, figures
+
+
+def test_windows_on_the_host_step_there_within_rounding_of_the_device(tmp_path):
+    host_step_against_the_device(tmp_path)
+
+
+def test_host_calls_refused_for_chunks_moved_meanwhile_step_on_the_device(tmp_path):
+    hosted, figures = host_step_against_the_device(tmp_path, REFUSE="1")
+    refused, calls = (int(v) for v in field(hosted, "refused").split(" of "))
+    print(f"{refused} of {calls} host calls refused")
+    assert refused > 0 and figures["host_refused"] == refused, hosted
 
 
 # Note [Master weights] (zeroalloc/torch/_master_weights.py): the same model trained in bf16
@@ -75,6 +117,7 @@ MASTERS = r"""
 import os, sys, torch
 import zeroalloc, zeroalloc.torch as zt
 zt.install()
+""" + REFUSALS + r"""
 plain = os.environ["RECIPE"] == "plain"
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)]).cuda()
@@ -115,6 +158,8 @@ for number, (x, y) in enumerate(data):
 print("losses", " ".join(f"{value!r}" for value in losses))
 if not plain:
     print("figures", zt.step_figures(optimizer))
+if os.environ.get("REFUSE"):
+    print("refused", refusals[1], "of", refusals[0])
     saved = optimizer.state_dict()["zeroalloc_master_weights"]
     masters = [m.detach().to("cpu") for m in saved]
 with torch.no_grad():
@@ -132,11 +177,6 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
     # Room for everything: the windows step on the device, bit for bit the plain recipe.
     device = run_script(MASTERS, str(tmp_path / "device.pt"), RECIPE="offload",
                         ZEROALLOC_OFFLOAD="host")
-    # 96 MiB of bf16 weights, as much of gradients, 576 MiB of masters and moments under a
-    # limit of 320 MiB: most windows are on the host and step there.
-    hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), RECIPE="offload",
-                        ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
-                        ZEROALLOC_MEMORY_LIMIT="320MiB", ZEROALLOC_HOST_STEP="1")
     expected = [float(v) for v in field(plain, "losses").split()]
     assert [float(v) for v in field(device, "losses").split()] == expected
     reference = torch.load(tmp_path / "plain.pt")
@@ -146,6 +186,28 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
             assert all(torch.equal(a, b) for a, b in zip(value, on_device[name]))
         else:
             assert value.dtype == torch.bfloat16 and torch.equal(value, on_device[name]), name
+    masters_on_the_host_against(plain, tmp_path)
+
+
+def test_master_weights_refused_on_the_host_step_on_the_device(tmp_path):
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    hosted = masters_on_the_host_against(plain, tmp_path, REFUSE="1")
+    refused, calls = (int(v) for v in field(hosted, "refused").split(" of "))
+    print(f"{refused} of {calls} host calls refused")
+    figures = ast.literal_eval(field(hosted, "figures"))
+    assert refused > 0 and figures["host_refused"] == refused, hosted
+
+
+def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:
+    """Trains MASTERS with the host step under a limit (plus `settings`) and checks it
+    against the plain recipe's run `plain` (saved at tmp_path/plain.pt); returns its output."""
+    # 96 MiB of bf16 weights, as much of gradients, 576 MiB of masters and moments under a
+    # limit of 320 MiB: most windows are on the host and step there.
+    hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), RECIPE="offload",
+                        ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
+                        ZEROALLOC_MEMORY_LIMIT="320MiB", ZEROALLOC_HOST_STEP="1", **settings)
+    expected = [float(v) for v in field(plain, "losses").split()]
+    reference = torch.load(tmp_path / "plain.pt")
     figures = ast.literal_eval(field(hosted, "figures"))
     print("master weights on the host:", figures)
     assert figures["host_windows"] > 0 and figures["host_copy_bytes"] > 0, hosted
@@ -169,3 +231,4 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
     assert len(working) == len(stepped["masters"]) == 24
     for value, master in zip(working, stepped["masters"]):
         assert torch.equal(value, master.to(torch.bfloat16))
+    return hosted
