@@ -97,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: ZEROALLOC_HOST_STEP (1: AdamW windows whose states "
                         "and parameters are all on the host step there, on the CPUs; 0: on the "
                         "device, the default); 0,1 runs both side by side")
+    parser.add_argument("--host-step-overlap", default="",
+                        help="offload mode: ZEROALLOC_HOST_STEP_OVERLAP (1: with the host step "
+                        "and master weights, the CPUs finish their windows while the next "
+                        "forward runs, the default; 0: within optimizer.step()); 0,1 runs both "
+                        "side by side")
     parser.add_argument("--backward-uses", default="",
                         help="offload mode: ZEROALLOC_BACKWARD_USES (saved: a module's backward "
                         "brings back only the parameters its forward saved, the default; all: "
@@ -228,6 +233,8 @@ class Run:
 SWEPT_SETTINGS = (
     ("park", "--park", "ZEROALLOC_PARK_PARAMETERS", ("0", "1"), "park"),
     ("host_step", "--host-step", "ZEROALLOC_HOST_STEP", ("0", "1"), "host"),
+    ("host_step_overlap", "--host-step-overlap", "ZEROALLOC_HOST_STEP_OVERLAP", ("0", "1"),
+     "behind"),
     ("backward_uses", "--backward-uses", "ZEROALLOC_BACKWARD_USES", ("saved", "all"), "bwd"),
     ("master_weights", "--master-weights", "ZEROALLOC_MASTER_WEIGHTS", ("none", "bf16"), "mw"),
 )
@@ -490,6 +497,10 @@ def format_main_table(results: dict) -> str:
                               f"windows/step ({overlap['host_bytes'] / overlap['steps'] / GIB:.2f}"
                               f" GiB of parameters, CPUs {overlap['host_s'] / overlap['steps']:.3f}"
                               f" s/step), {overlap['host_refused']} refused")
+                    if overlap.get("host_behind_steps"):  # Note [The host step finishes
+                        notes += (f"; finished behind the forward in "  # behind the forward]
+                                  f"{overlap['host_behind_steps']} steps, uses waited "
+                                  f"{overlap['host_behind_s'] / overlap['steps']:.3f} s/step")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "

@@ -661,7 +661,7 @@ int adamw_on_host_call(const char* name, bool master, void* const* parameters,
       zeroalloc::stream_handle on;
       ~uses_end() {
         try {
-          engine.use_ends(managed, on);
+          engine.use_on_host_ends(managed, on);
         } catch (const std::exception& failure) {
           zeroalloc::log().error("ending the host step's uses failed: {}", failure.what());
         }

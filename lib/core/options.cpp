@@ -198,8 +198,14 @@ const std::vector<option_spec>& table() {
        "1: with ZEROALLOC_OFFLOAD=host, the Python package's windowed optimizer step runs AdamW "
        "on the CPUs of the GPU's NUMA node for each window whose parameters and states are all "
        "on the host, copying only the gradients there (not bit for bit the device's AdamW: "
-       "rounding differs), the device stepping the last of them at the same time. 0: every "
-       "window steps on the device.",
+       "rounding differs). 0: every window steps on the device.",
+       check<read_boolean>},
+      {"ZEROALLOC_HOST_STEP_OVERLAP", option_kind::boolean, "1", "",
+       "1: with ZEROALLOC_HOST_STEP=1 and master weights, optimizer.step() returns once the "
+       "device's windows are done, and the CPUs finish theirs while the next forward runs: each "
+       "module's hinted use of a working copy waits for that copy's update (reads outside the "
+       "model go through zeroalloc.torch.using). 0: the step returns once every window is "
+       "done.",
        check<read_boolean>},
       {"ZEROALLOC_BACKWARD_USES", option_kind::choice, "saved", "saved|all",
        "saved: the Python package's module hooks begin a parameter's use in the backward only "

@@ -499,6 +499,7 @@ bool offload_engine::use_on_host(std::span<const void* const> pointers, stream_h
   {
     std::lock_guard lock(mutex_);
     open_and_record(chunks, /*in_place=*/true);
+    for (const chunk_info& chunk : chunks) ++chunks_[chunk.address].cpu_uses;
     figures_.in_place_uses += chunks.size();
   }
   bool on_host = true;
@@ -554,10 +555,22 @@ bool offload_engine::use_on_host(std::span<const void* const> pointers, stream_h
     for (const chunk_info& chunk : chunks) {
       chunk_state& state = chunks_[chunk.address];
       if (state.open_uses > 0) --state.open_uses;
+      if (state.cpu_uses > 0) --state.cpu_uses;
     }
   }
   if (failure) std::rethrow_exception(failure);
   return on_host;
+}
+
+void offload_engine::use_on_host_ends(std::span<const void* const> pointers, stream_handle stream) {
+  {
+    std::lock_guard lock(mutex_);
+    for (const chunk_info& chunk : chunks_of(pointers)) {
+      chunk_state& state = chunks_[chunk.address];
+      if (state.cpu_uses > 0) --state.cpu_uses;
+    }
+  }
+  use_ends(pointers, stream);
 }
 
 event_handle offload_engine::timing_event() {
@@ -690,10 +703,13 @@ void offload_engine::step_boundary() {
   // A step ends with nothing in use: hints that never closed (a caller that ends no
   // backward use) must not pin their chunks on the device for good. But no use-ends fence
   // covers the work such a use queued: until a use of the chunk ends again, its moves wait
-  // for its streams, and evictions ahead of need pass it over.
+  // for its streams, and evictions ahead of need pass it over. The CPUs' uses stay open:
+  // they end when the CPUs are done, whatever the step (use_on_host_ends).
   for (auto& [address, state] : chunks_) {
-    if (state.open_uses > 0) state.released_generation = std::numeric_limits<std::uint64_t>::max();
-    state.open_uses = 0;
+    if (state.open_uses > state.cpu_uses) {
+      state.released_generation = std::numeric_limits<std::uint64_t>::max();
+    }
+    state.open_uses = state.cpu_uses;
   }
   ++figures_.steps;
   figures_.learned_order_chunks = device_order_.size();

@@ -198,11 +198,16 @@ class offload_engine : public paging_listener {
   /// ends the uses with use_ends once the CPUs are done.
   bool use_on_host(std::span<const void* const> pointers, stream_handle stream,
                    std::vector<host_view>& views);
+  /// Ends the uses use_on_host opened, once the CPUs are done with the chunks.
+  void use_on_host_ends(std::span<const void* const> pointers, stream_handle stream);
   /// The work enqueued on `stream` so far is the allocation's last use for now: its chunks
   /// may be evicted once that work has run (an event marks the point; no host waits).
   void use_ends(std::span<const void* const> pointers, stream_handle stream);
   void use_ends(const void* pointer, stream_handle stream) { use_ends({&pointer, 1}, stream); }
-  /// A training step ended: the order recorded during it becomes the learned order.
+  /// A training step ended: the order recorded during it becomes the learned order. Every
+  /// use still open ends, but those of the host's CPUs (use_on_host): a host step may go on
+  /// past the boundary (Note [The host step finishes behind the forward] in
+  /// bindings/python/zeroalloc/torch/_host_step.py), and its chunks must not move meanwhile.
   void step_boundary();
 
   // What the allocator tells and asks (paging_listener).
@@ -246,6 +251,7 @@ class offload_engine : public paging_listener {
  private:
   struct chunk_state {
     int open_uses = 0;           // use-begins minus use-ends
+    int cpu_uses = 0;            // of those, use_on_host's (a step boundary keeps them)
     std::uint64_t last_use = 0;  // tick of the last use-begins
     std::size_t bytes = 0;
     int allocation_class = 0;

@@ -9,14 +9,17 @@ its losses and final parameters stay within fp32 rounding of plain training on t
 
 import ast
 
+import pytest
+
 from gpu_script import field, require_gpu, run_script
 
 torch = require_gpu()
 
 # With REFUSE set, every other call of the host step finds a chunk of its first parameter and
 # of its first state moved to the device just before it (as a prefetch or another use would
-# move it): the library refuses the call, changing nothing, and the windowed step steps those
-# parameters on the device where they are (step_pinned). Printed: the calls so refused.
+# move it; with master weights the working copies go to the host first, to make room): the
+# library refuses the call, changing nothing, and the windowed step steps those parameters on
+# the device (step_pinned; behind the forward, step_behind). Printed: the calls so refused.
 REFUSALS = r"""
 if os.environ.get("REFUSE"):
     from zeroalloc import _offload
@@ -26,6 +29,9 @@ if os.environ.get("REFUSE"):
         def call(parameters, gradients, exp_avgs, *rest, **settings):
             refusals[0] += 1
             if refusals[0] % 2:
+                for working in model.parameters():  # bf16 working copies: room for the fetch
+                    if working.dtype == torch.bfloat16:
+                        _offload.offload_pointer(working.untyped_storage().data_ptr())
                 _offload.fetch_pointer(parameters[0])
                 _offload.fetch_pointer(exp_avgs[0])
             stepped = real(parameters, gradients, exp_avgs, *rest, **settings)
@@ -186,16 +192,25 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
             assert all(torch.equal(a, b) for a, b in zip(value, on_device[name]))
         else:
             assert value.dtype == torch.bfloat16 and torch.equal(value, on_device[name]), name
-    masters_on_the_host_against(plain, tmp_path)
+    hosted = masters_on_the_host_against(plain, tmp_path)
+    # Note [The host step finishes behind the forward]: on by default.
+    figures = ast.literal_eval(field(hosted, "figures"))
+    assert figures["host_behind_steps"] > 0, figures
 
 
-def test_master_weights_refused_on_the_host_step_on_the_device(tmp_path):
+@pytest.mark.parametrize("behind", ["1", "0"])
+def test_master_weights_refused_on_the_host_step_on_the_device(tmp_path, behind):
+    """Refused calls step on the device: within the step (ZEROALLOC_HOST_STEP_OVERLAP=0), or
+    behind the forward, from the gradients kept on the host (Note [The host step finishes
+    behind the forward])."""
     plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
-    hosted = masters_on_the_host_against(plain, tmp_path, REFUSE="1")
+    hosted = masters_on_the_host_against(plain, tmp_path, REFUSE="1",
+                                         ZEROALLOC_HOST_STEP_OVERLAP=behind)
     refused, calls = (int(v) for v in field(hosted, "refused").split(" of "))
     print(f"{refused} of {calls} host calls refused")
     figures = ast.literal_eval(field(hosted, "figures"))
     assert refused > 0 and figures["host_refused"] == refused, hosted
+    assert (figures["host_behind_steps"] > 0) == (behind == "1"), figures
 
 
 def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:

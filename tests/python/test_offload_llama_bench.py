@@ -264,6 +264,8 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
      ["offload_18GiB_park1", "offload_18GiB_park0"], "0, 1"),
     ("--host-step", "ZEROALLOC_HOST_STEP", "0,1",
      ["offload_18GiB_host0", "offload_18GiB_host1"], "0, 1"),
+    ("--host-step-overlap", "ZEROALLOC_HOST_STEP_OVERLAP", "0,1",
+     ["offload_18GiB_behind0", "offload_18GiB_behind1"], "0, 1"),
     ("--backward-uses", "ZEROALLOC_BACKWARD_USES", "saved,all",
      ["offload_18GiB_bwdsaved", "offload_18GiB_bwdall"], "saved, all"),
     ("--master-weights", "ZEROALLOC_MASTER_WEIGHTS", "none,bf16",

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <future>
@@ -1995,6 +1996,40 @@ TEST_F(OffloadEngineTest, TheBackwardsUsesAreInTheOrderAndItsLayersAreFetchedAhe
   for (event_handle event : done) device_->destroy_event(event);
   allocator_->forget_stream(compute);
   device_->destroy_stream(compute);
+}
+
+// Note [The host step finishes behind the forward] (bindings/python/zeroalloc/torch/
+// _host_step.py): the CPUs may still step states after the step boundary. The boundary ends
+// every use left open but theirs: a fetch until then leaves the chunk on the host, where the
+// CPUs write it, and the next one after their use ends brings it back with their writes.
+TEST_F(OffloadEngineTest, TheCpusUsesOutliveTheStepBoundaryAndKeepTheirChunksOnTheHost) {
+  start(256 * MiB, 0);
+  offload_engine& engine = *engine_;
+  void* state = allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  device_->fill_async(state, 0x11, kChunkBytes, nullptr);
+  ASSERT_TRUE(engine.evict(state, /*wait=*/true));
+  const void* pointers[] = {state};
+  std::vector<offload_engine::host_view> views;
+  ASSERT_TRUE(engine.use_on_host(pointers, nullptr, views));
+  ASSERT_EQ(views.size(), 1u);
+  engine.step_boundary();
+  EXPECT_EQ(engine.figures().chunks_in_use, 1u) << "the boundary ended the CPUs' use";
+  ASSERT_TRUE(engine.fetch(state, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(state), residency::host) << "moved from under the CPUs";
+  // The CPUs' write, at the chunk's host copy.
+  std::memset(reinterpret_cast<void*>(views[0].host +
+                                      (reinterpret_cast<std::uintptr_t>(state) - views[0].address)),
+              0x5a, kChunkBytes);
+  engine.use_on_host_ends(pointers, nullptr);
+  EXPECT_EQ(engine.figures().chunks_in_use, 0u);
+  ASSERT_TRUE(engine.fetch(state, /*wait=*/true));
+  EXPECT_EQ(where_first_chunk(state), residency::device);
+  EXPECT_TRUE(holds(state, 0x5a, kChunkBytes));
+  // A use of the device's left open at a boundary still ends there.
+  engine.use_begins(state, nullptr);
+  engine.step_boundary();
+  EXPECT_EQ(engine.figures().chunks_in_use, 0u);
+  allocator_->deallocate(state);
 }
 
 }  // namespace

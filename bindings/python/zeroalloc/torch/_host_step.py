@@ -14,10 +14,30 @@ runs here; the rest steps on the device. With master weights (Note [Master weigh
 _master_weights.py) the gradients copied are the working copies' bf16 ones, and the CPUs
 write each updated master rounded to bf16 into pinned buffers, copied into the working
 copies on the same stream, which the step's stream waits for.
+
+Note [The host step finishes behind the forward]: with master weights the CPUs' windows
+are the step's long pole (28 bytes of host memory a parameter), and the device idles
+meanwhile. So optimizer.step() returns once the device's windows are done
+(ZEROALLOC_HOST_STEP_OVERLAP, default 1), and the CPUs finish theirs while the next forward
+runs. The forward reads only the working copies, each written on the copy stream after its
+window: a hinted use of one (a module's forward, zt.using) first waits for the CPUs to finish
+its window, then orders its stream after that window's copies. The CPUs step the windows in
+the order of the parameters, which is about the order of the forward, so the forward runs
+right behind them. Everything else that reads or writes what the CPUs hold waits for all of
+it: the next step, zero_grad(set_to_none=False), the model's or the optimizer's state_dict and
+load_state_dict, OffloadHandle.remove(), and the process's exit. Every gradient is copied to
+the host when the step returns (one pinned buffer), so zero_grad frees the device's
+gradients as before. The CPUs' uses of the chunks outlive the step boundary (the engine keeps
+them), so nothing moves under them. A call the library refuses (a chunk moved to the device
+meanwhile) keeps its bf16 gradients on the host; the parameters are stepped on the device
+when a use waits for their window, from those gradients. Only with module hints (a read the
+hints do not see could find a working copy not yet written), and only when every window on
+the host is of masters.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import warnings
@@ -87,8 +107,14 @@ class HostStep:
         self.fence = None
         self.unavailable = False  # the library answered that it never steps on this driver
         self.stepped: list = []
+        self.written = None  # the event after the last copies into working copies
+        # Note [The host step finishes behind the forward]: the run still on the CPUs, and the
+        # pinned memory that holds every gradient of such a run.
+        self.behind: "Behind | None" = None
+        self.gradients = None
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
-                        "host_refused": 0, "host_copy_bytes": 0}
+                        "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
+                        "host_behind_s": 0.0}
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
@@ -153,10 +179,40 @@ class HostStep:
         copied.record(self.stream)
         return views, copied
 
-    def start(self, stepper, chosen: list, groups: dict, main) -> "HostRun":
+    def copy_every_gradient(self, stepper, chosen: list, after) -> dict:
+        """Note [The host step finishes behind the forward]: queues the copies of every
+        window's gradients into one pinned buffer, after the event `after`; returns, per
+        window number, (views of the buffer, event after its copies)."""
+        grads = {number: [stepper.gradient(p) for p in hosted] for number, hosted in chosen}
+        total = sum(aligned(g.numel() * g.element_size()) for each in grads.values()
+                    for g in each)
+        if self.gradients is None or self.gradients.numel() < total:
+            self.gradients = None  # the old one goes first
+            self.gradients = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        copies, offset = {}, 0
+        self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            for number, _ in chosen:
+                views = []
+                for grad in grads[number]:
+                    nbytes = grad.numel() * grad.element_size()
+                    view = self.gradients[offset:offset + nbytes].view(grad.dtype)
+                    grad.record_stream(self.stream)  # before the copy is queued
+                    view.copy_(grad.view(-1), non_blocking=True)
+                    views.append(view)
+                    offset += aligned(nbytes)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+                copies[number] = (views, copied)
+        return copies
+
+    def start(self, stepper, chosen: list, groups: dict, main,
+              behind: bool = False) -> "HostRun":
         """Steps `chosen` ((window number, its parameters on the host), in order) on a thread
         of its own, while the caller steps the rest of the windows on the device: each
-        window's gradients are copied while the CPUs step the window before."""
+        window's gradients are copied while the CPUs step the window before (all at once
+        when the run may finish `behind` the forward: Note [The host step finishes behind
+        the forward])."""
         device = main.device
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
@@ -167,24 +223,49 @@ class HostStep:
         after.record(main)  # the backward's end: the copies need nothing main queues later
         self.fence.wait_event(after)
         run = HostRun()
+        # The settings as they are now: a scheduler may change them before the CPUs are done.
+        settings = {id(group): adamw_settings(stepper.optimizer, group)
+                    for group in {id(g): g for g in groups.values()}.values()}
+        every = self.copy_every_gradient(stepper, chosen, after) if behind else None
+        # Behind the forward, each master's gradient on the host, for a call refused or never
+        # made (stepped on the device later from it).
+        kept = {}
+        for number, hosted in chosen if behind else ():
+            views, copied = every[number]
+            kept.update((id(p), (view, copied)) for p, view in zip(hosted, views))
+
+        def keep(parameters) -> None:
+            for parameter in parameters:
+                view, copied = kept[id(parameter)]
+                copied.synchronize()
+                run.saved[id(parameter)] = view.clone()
 
         def work() -> None:
             try:
                 with torch.cuda.device(device):
                     copies: dict = {}
                     for turn, (number, hosted) in enumerate(chosen):
-                        if turn == 0:
-                            copies[number] = self.copy_gradients(stepper, hosted, 0, after)
-                        if turn + 1 < len(chosen):  # the next one's, while the CPUs work
-                            following, its_hosted = chosen[turn + 1]
-                            copies[following] = self.copy_gradients(
-                                stepper, its_hosted, (turn + 1) % 2, after)
+                        if every is not None:
+                            copies[number] = every.pop(number)
+                        else:
+                            if turn == 0:
+                                copies[number] = self.copy_gradients(stepper, hosted, 0, after)
+                            if turn + 1 < len(chosen):  # the next one's, while the CPUs work
+                                following, its_hosted = chosen[turn + 1]
+                                copies[following] = self.copy_gradients(
+                                    stepper, its_hosted, (turn + 1) % 2, after)
                         run.done = turn
-                        refused = self.step(stepper, hosted, copies.pop(number), groups,
+                        views = copies.pop(number)
+                        refused = self.step(stepper, hosted, views, groups, settings,
                                             turn % 2)
-                        if refused:
-                            run.refused.append(refused)
-                        run.done = turn + 1
+                        with run.changed:
+                            if refused:
+                                if behind:
+                                    keep(refused)
+                                run.refused.append(refused)
+                            run.written.append(self.written)
+                            run.done = turn + 1
+                            run.changed.notify_all()
             except BaseException as error:  # noqa: BLE001  raised by the caller after
                 if isinstance(error, _offload.HostStepUnavailable):
                     # Never on this driver: the rest steps on the device, now and after.
@@ -194,17 +275,29 @@ class HostStep:
                     run.error = error
                 # What no call stepped goes to the device: the window being stepped less
                 # what its finished calls stepped, and the windows after it.
-                if run.done < len(chosen):
-                    stepped = {id(p) for p in self.stepped}
-                    current = [p for p in chosen[run.done][1] if id(p) not in stepped]
-                    run.refused.extend(part for part in
-                                       [current] + [h for _, h in chosen[run.done + 1:]] if part)
+                with run.changed:
+                    if run.done < len(chosen):
+                        stepped = {id(p) for p in self.stepped}
+                        current = [p for p in chosen[run.done][1] if id(p) not in stepped]
+                        left = [part for part in [current] + [h for _, h in chosen[run.done + 1:]]
+                                if part]
+                        try:
+                            for part in left if behind else ():
+                                keep(part)
+                        except BaseException as failure:  # noqa: BLE001
+                            run.error = run.error or failure
+                        run.refused.extend(left)
+            finally:
+                with run.changed:
+                    run.finished = True
+                    run.changed.notify_all()
 
         run.thread = threading.Thread(target=work, name="zeroalloc-host-step", daemon=True)
         run.thread.start()
         return run
 
-    def step(self, stepper, window, gradients: tuple, groups: dict, slot: int = 0) -> list:
+    def step(self, stepper, window, gradients: tuple, groups: dict, settings: dict,
+             slot: int = 0) -> list:
         """Steps the window on the CPUs once its gradients are on the host, one library call
         per group, step count (the bias corrections differ between counts) and kind (masters
         or not), each all or nothing; returns the parameters of the calls the library refused
@@ -225,7 +318,7 @@ class HostStep:
         self.stepped = []  # what this window's finished calls stepped
         try:
             for (_, count, master), (group, members) in batches.items():
-                settings = adamw_settings(stepper.optimizer, group)
+                chosen = settings[id(group)]
                 states = [stepper.optimizer.state[p] for p, _ in members]
                 arguments = ([p.untyped_storage().data_ptr() for p, _ in members],
                              [view.data_ptr() for _, view in members],
@@ -236,10 +329,10 @@ class HostStep:
                 if master:
                     stepped = _offload.adamw_on_host_bf16(
                         *arguments, [o.data_ptr() for o in outputs], counts, step=count,
-                        stream=self.fence.cuda_stream, **settings)
+                        stream=self.fence.cuda_stream, **chosen)
                 else:
                     stepped = _offload.adamw_on_host(*arguments, counts, step=count,
-                                                     stream=self.fence.cuda_stream, **settings)
+                                                     stream=self.fence.cuda_stream, **chosen)
                 if not stepped:
                     self.figures["host_refused"] += 1
                     refused.extend(p for p, _ in members)
@@ -261,6 +354,77 @@ class HostStep:
             self.figures["host_windows"] += 1
         return refused
 
+    def defer(self, behind: "Behind") -> None:
+        """Note [The host step finishes behind the forward]: `behind` finishes after the step."""
+        self.behind = behind
+        self.figures["host_behind_steps"] += 1
+        if self not in behind_steps:
+            behind_steps.append(self)
+        if wait_behind not in _use_hints.before_use:
+            _use_hints.before_use.append(wait_behind)
+
+    def forget_behind(self) -> None:
+        self.behind = None
+        if self in behind_steps:
+            behind_steps.remove(self)
+        if not behind_steps and wait_behind in _use_hints.before_use:
+            _use_hints.before_use.remove(wait_behind)
+
+    def before_use(self, tensors: list, stream: int) -> None:
+        """A hinted use of `tensors` on `stream` (0: the current one) waits for the windows of
+        the run behind that write them."""
+        behind = self.behind
+        if behind is None or threading.current_thread() is behind.run.thread:
+            return  # the CPUs' own writes into the working copies
+        needed = -1
+        for tensor in tensors:
+            turn = behind.window_of.get(tensor.untyped_storage().data_ptr())
+            if turn is not None and turn > needed:
+                needed = turn
+        if needed < 0:
+            return
+        stream = stream or torch.cuda.current_stream(behind.device).cuda_stream
+        if behind.ordered.get(stream, -1) >= needed:
+            return
+        run = behind.run
+        started = time.perf_counter()
+        with run.changed:
+            run.changed.wait_for(lambda: run.done > needed or run.finished)
+            failed = run.error is not None or run.done <= needed
+            event = run.written[needed] if not failed else None
+            refused = bool(run.refused)
+        self.figures["host_behind_s"] += time.perf_counter() - started
+        if failed:  # what the thread left steps on the device now; its error is raised
+            self.finish_behind()
+            return
+        if event is not None:
+            torch.cuda.ExternalStream(stream, device=behind.device).wait_event(event)
+        behind.ordered[stream] = needed
+        if refused:
+            self.step_refused(behind)
+
+    def finish_behind(self) -> None:
+        """Waits for the run behind the forward, orders the current stream after its copies,
+        steps what the library refused on the device, and raises the thread's error."""
+        behind = self.behind
+        if behind is None:
+            return
+        self.forget_behind()  # first: the steps below hint uses of the same working copies
+        started = time.perf_counter()
+        behind.run.join()
+        self.figures["host_behind_s"] += time.perf_counter() - started
+        torch.cuda.current_stream(behind.device).wait_stream(self.stream)
+        self.step_refused(behind)
+        if behind.run.error is not None:
+            raise behind.run.error
+
+    def step_refused(self, behind: "Behind") -> None:
+        """The parameters of refused calls (or left by a failure) so far, stepped on the device
+        from the gradients the run kept on the host."""
+        with behind.run.changed:
+            refused, behind.run.refused = behind.run.refused, []
+        for parameters in refused:
+            behind.stepper.step_behind(behind.step_run, parameters, behind.run.saved)
 
     def copy_buffers(self, members: list, slot: int) -> list:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters, once the
@@ -294,6 +458,7 @@ class HostStep:
         done = torch.cuda.Event()
         done.record(self.stream)
         self.copied[slot] = done
+        self.written = done
         self.figures["host_copy_bytes"] += sum(o.numel() * 2 for o in outputs)
 
 
@@ -313,6 +478,14 @@ class HostRun:
         self.refused: list = []
         self.done = 0  # windows finished
         self.error: "BaseException | None" = None
+        # Note [The host step finishes behind the forward]: what waits for windows reads
+        # these under `changed`: per window finished, the event after the copies into the
+        # working copies up to it (None: none yet); the bf16 gradients of refused masters;
+        # whether the thread has ended.
+        self.changed = threading.Condition()
+        self.written: list = []
+        self.saved: dict = {}
+        self.finished = False
 
     def join(self) -> list:
         """Waits for the thread; returns what is left to step on the device (the caller
@@ -320,3 +493,52 @@ class HostRun:
         if self.thread is not None:
             self.thread.join()
         return self.refused
+
+
+class Behind:
+    """Note [The host step finishes behind the forward]: a run the CPUs finish after the
+    step returned, and what its waits need."""
+
+    def __init__(self, stepper, step_run, run: HostRun, chosen: list, device):
+        self.stepper = stepper
+        self.step_run = step_run  # the windowed step's StepRun (its saved param_groups)
+        self.run = run
+        self.device = device
+        self.turns = len(chosen)
+        # The storage of each working copy of the run, and its window's turn.
+        self.window_of = {}
+        for turn, (_, hosted) in enumerate(chosen):
+            for master in hosted:
+                working = working_of(stepper, master)
+                if working is not None:
+                    self.window_of[working.untyped_storage().data_ptr()] = turn
+        self.ordered: dict = {}  # stream -> the last turn it was ordered after
+
+
+#: Note [The host step finishes behind the forward]: the host steps with a run behind.
+behind_steps: list = []
+
+
+def wait_behind(tensors: list, stream: int) -> None:
+    """Before a hinted use (_use_hints.before_use): a use of working copies that a run still
+    on the CPUs writes waits for their windows."""
+    for host in list(behind_steps):
+        host.before_use(tensors, stream)
+
+
+def finish_every_behind() -> None:
+    """Every run still on the CPUs finishes (refused parameters stepped on the device)."""
+    for host in list(behind_steps):
+        host.finish_behind()
+
+
+def finish_at_exit() -> None:
+    try:
+        finish_every_behind()
+    except Exception as error:  # noqa: BLE001  the process is ending: say so, go on
+        warnings.warn(f"zeroalloc: the host step's last windows failed at exit: {error}")
+
+
+atexit.register(finish_at_exit)
+
+

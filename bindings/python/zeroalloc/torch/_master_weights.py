@@ -50,6 +50,13 @@ NAMES = ("bf16", "bfloat16")  # torch.bfloat16 is read at use: the start-up hook
                               # module while torch itself is importing
 
 
+def finish_every_behind() -> None:
+    """Note [The host step finishes behind the forward] (_host_step.py): what reads or
+    writes masters, working copies or their gradients first lets the CPUs finish."""
+    from zeroalloc.torch._host_step import finish_every_behind as finish  # torch imported
+    finish()
+
+
 def working_dtype(choice) -> "torch.dtype | None":
     """offload()'s `master_weights` as a dtype: None or False (ZEROALLOC_MASTER_WEIGHTS, when
     None), True or "bf16" or torch.bfloat16."""
@@ -175,6 +182,8 @@ class MasterWeights:
         masters = self
 
         def zero_grad(self, set_to_none: bool = True):
+            if not set_to_none:  # zeroed in place: after the host's copies of them
+                finish_every_behind()
             if masters.original_zero_grad is not None:
                 masters.original_zero_grad(set_to_none)
             else:
@@ -197,8 +206,13 @@ class MasterWeights:
             if masters is not None:
                 masters.refresh(module, recurse=False)
 
-        return [each.register_load_state_dict_post_hook(loaded) for each in model.modules()
-                if any(True for _ in each.parameters(recurse=False))]
+        def reading(module, prefix, keep_vars):  # the working copies, once written
+            finish_every_behind()
+
+        holders = [each for each in model.modules()
+                   if any(True for _ in each.parameters(recurse=False))]
+        return ([each.register_load_state_dict_post_hook(loaded) for each in holders]
+                + [each.register_state_dict_pre_hook(reading) for each in holders])
 
     # -- the step --------------------------------------------------------------------------
     def members(self, masters) -> set:
@@ -263,6 +277,7 @@ class MasterWeights:
         parameter with no master); copied to the CPU where copied_off_disk copies states
         (on disk now, or anywhere with the disk tier configured)."""
         from zeroalloc.torch._state_dict import cpu_copy_if_on_disk
+        finish_every_behind()  # Note [The host step finishes behind the forward]
         wherever = _settings.disk_tier()
         saved = []
         for group in optimizer.param_groups:
@@ -279,6 +294,7 @@ class MasterWeights:
         """Before the optimizer loads its states: the masters (and working copies) take the
         saved masters' values. A state dict without them (saved without master weights)
         leaves the masters as the working copies last set them."""
+        finish_every_behind()  # Note [The host step finishes behind the forward]
         saved = state_dict.get(STATE_KEY)
         if saved is None:
             return None
@@ -308,6 +324,7 @@ class MasterWeights:
         changed (it no longer holds the master rounded) takes the working copy's value. The
         others keep their fp32 bits (a partial load, strict=False)."""
         loaded = {id(p) for p in module.parameters(recurse=recurse)}
+        finish_every_behind()  # Note [The host step finishes behind the forward]
         with torch.no_grad():
             for master, working in self.pairs.values():
                 if id(working) not in loaded:
@@ -329,6 +346,7 @@ class MasterWeights:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        finish_every_behind()  # Note [The host step finishes behind the forward]
         every.discard(self)
         put_back(optimizer, "zero_grad", self.original_zero_grad)
         with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
-from zeroalloc.torch._host_step import HostStep
+from zeroalloc.torch._host_step import Behind, HostStep
 from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
@@ -181,6 +181,9 @@ class WindowedStep:
         # Note [Host windows] (_host_step.py): with ZEROALLOC_HOST_STEP, windows all on the
         # host step there, on the CPUs.
         self.host = HostStep() if _settings.host_step() else None
+        # Note [The host step finishes behind the forward] (_host_step.py)
+        self.behind_allowed = self.host is not None and _settings.host_step_overlap()
+        self.hints_seen = 0  # listeners.hints at the end of the last step
         self.streams: dict = {}  # device index -> CopyStreams
         self.warned = False
         self.cache = None  # parameter id -> its states, during a step
@@ -414,6 +417,8 @@ class WindowedStep:
             return
         if self.accumulations < self.per_step - (1 - self.stage_after) * self.last_backward:
             return
+        if self.host is not None:  # staging reads masters: the CPUs must be done with them
+            self.host.finish_behind()
         started = time.perf_counter()
         try:
             self.stage_next()
@@ -589,7 +594,10 @@ class WindowedStep:
             _use_hints.hint(_offload.use_in_place_many, [entry.home for entry in held], 0)
 
     def settle(self) -> None:
-        """Writes back what was kept and drops what was staged (load_state_dict, remove())."""
+        """Writes back what was kept and drops what was staged (load_state_dict, remove()),
+        once the CPUs are done."""
+        if self.host is not None:
+            self.host.finish_behind()
         self.write_back_kept(wait=True)
         self.drop_staged()
 
@@ -675,6 +683,8 @@ class WindowedStep:
     def step(self, closure=None, **kwargs):
         """The optimizer's step: in windows (plan_windows, prepare_scratch, step_windows), or
         in one piece; then the step boundary, and what the next step learns from this one."""
+        if self.host is not None:  # Note [The host step finishes behind the forward]
+            self.host.finish_behind()
         self.adopt_late_parameters()
         loss = None
         if closure is not None and self.by_groups:  # evaluated once, then the windows step
@@ -781,24 +791,63 @@ class WindowedStep:
         if self.host is not None and self.host.unavailable:
             self.host = None  # the library never steps on the host on this driver
         # A step with arguments (a GradScaler's, say) is the optimizer's own business.
+        behind = False
         if self.host is not None and not kwargs:
             chosen = self.host_parts(run, scratch)
+            behind = bool(chosen) and self.may_finish_behind(chosen)
             if chosen:
-                host_run = self.host.start(self, chosen, self.groups_of(run), main)
+                host_run = self.host.start(self, chosen, self.groups_of(run), main, behind)
             for number, hosted in chosen:
                 ids = {id(p) for p in hosted}
                 left[number] = [p for p in run.windows[number] if id(p) not in ids]
         try:
             self.step_device_parts(run, scratch, left, main, kwargs)
+        except BaseException:
+            behind = False  # the step raises: the CPUs' part ends within it
+            raise
         finally:
-            refused = host_run.join() if host_run is not None else []
-            if host_run is not None:  # Note [Master weights]: the working copies it wrote
-                main.wait_stream(self.host.stream)
+            if behind:  # Note [The host step finishes behind the forward]
+                self.host.defer(Behind(self, run, host_run, chosen, main.device))
+                refused = []
+            else:
+                refused = host_run.join() if host_run is not None else []
+                if host_run is not None:  # Note [Master weights]: the working copies it wrote
+                    main.wait_stream(self.host.stream)
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
-        if host_run is not None and host_run.error is not None:
+        if host_run is not None and not behind and host_run.error is not None:
             raise host_run.error
+
+    def may_finish_behind(self, chosen: list) -> bool:
+        """Note [The host step finishes behind the forward]: whether the CPUs' windows may
+        finish after the step returns: asked for, module hints ran since the last step (they
+        are what waits), and every parameter the CPUs step is a master."""
+        return (self.behind_allowed and self.listeners.hints != self.hints_seen
+                and self.masters is not None
+                and all(self.masters.working(p) is not None
+                        for _, hosted in chosen for p in hosted))
+
+    def step_behind(self, run: "StepRun", parameters: list, gradients: dict) -> None:
+        """Note [The host step finishes behind the forward]: masters whose host call was
+        refused, stepped on the device after the step returned, from their bf16 gradients
+        kept on the host (the working copies' own may be gone: zero_grad)."""
+        main = torch.cuda.current_stream(parameters[0].device)
+        workings = [self.masters.working(p) for p in parameters]
+        before = [w.grad for w in workings]
+        self.cache = {}
+        try:
+            for master, working in zip(parameters, workings):
+                kept = gradients.pop(id(master), None)
+                working.grad = (kept.view(working.shape).to(working.device)
+                                if kept is not None else None)
+            self.step_pinned(run, parameters, main, {})
+        finally:
+            for working, grad in zip(workings, before):
+                working.grad = grad
+            for group, params in zip(self.optimizer.param_groups, run.saved):
+                group["params"] = params
+            self.cache = None
 
     def step_device_parts(self, run: "StepRun", scratch: "StepScratch", left: dict, main,
                           kwargs) -> None:
@@ -1011,6 +1060,7 @@ class WindowedStep:
         self.accumulations = self.in_backward = 0
         self.task = None
         self.hinted = False
+        self.hints_seen = self.listeners.hints
         self.staging_done = False
         self.next_attempt = 0
         self.next_window = None

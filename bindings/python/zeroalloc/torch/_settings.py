@@ -49,6 +49,13 @@ def host_step() -> bool:
     return enabled("ZEROALLOC_HOST_STEP", "0")
 
 
+def host_step_overlap() -> bool:
+    """ZEROALLOC_HOST_STEP_OVERLAP (default 1): whether the CPUs finish the host step's
+    windows of master weights while the next forward runs (Note [The host step finishes
+    behind the forward] in _host_step.py)."""
+    return enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
+
+
 def require_offload_engine() -> None:
     if offload_setting() != "host":
         raise ZeroallocError(

@@ -12,7 +12,7 @@ class WindowedSteps:
     """The windowed steps the hooks reach, held weakly: a dropped optimizer takes its step,
     its states and their scratch along."""
 
-    __slots__ = ("overlapping", "writing_back", "kept_states")
+    __slots__ = ("overlapping", "writing_back", "kept_states", "hints")
 
     def __init__(self):
         #: Steps that move states between steps: module hints and accumulations reach them.
@@ -22,6 +22,9 @@ class WindowedSteps:
         self.writing_back: "weakref.WeakSet" = weakref.WeakSet()
         #: id(tensor in a state dict) -> the step that kept it in scratch after a step.
         self.kept_states: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+        #: Module hints so far (Note [The host step finishes behind the forward]: a step may
+        #: leave work behind only where hints ran since the last one).
+        self.hints = 0
 
     def __deepcopy__(self, memo):
         return self  # one per process: a copy of a hook holding it (a model's) shares it
@@ -31,6 +34,7 @@ class WindowedSteps:
         that a training loop runs, and write back what the last step kept on the device; a
         forward of their own model outside any backward (not a checkpointed layer's
         recomputation) drops what was staged for a step that did not come."""
+        self.hints += 1
         if not self.overlapping:  # asked on every hinted module: no iteration when empty
             return
         for stepper in tuple(self.overlapping):

@@ -20,6 +20,11 @@ def current_stream(device_index: "int | None" = None) -> int:
     return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
 
 
+#: Called as f(tensors, stream) before every hint while not empty: a use may have to wait
+#: for work behind it (Note [The host step finishes behind the forward] in _host_step.py).
+before_use: list = []
+
+
 def pointers(tensors: Iterable["torch.Tensor"]) -> list:
     return [tensor.untyped_storage().data_ptr() for tensor in tensors]
 
@@ -30,6 +35,8 @@ def hint(call, tensors: Iterable["torch.Tensor"], stream: int) -> None:
     each part on its own device's stream, and a fence on another device's stream would let
     the engine move a chunk that the part's kernels still read."""
     tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    for wait in list(before_use) if before_use else ():
+        wait(tensors, stream)
     if stream or not tensors:
         call(pointers(tensors), stream or current_stream())
         return
