@@ -563,14 +563,17 @@ bool offload_engine::use_on_host(std::span<const void* const> pointers, stream_h
 }
 
 void offload_engine::use_on_host_ends(std::span<const void* const> pointers, stream_handle stream) {
+  const std::vector<chunk_info> chunks = chunks_of(pointers);
+  std::vector<planned_eviction> planned;
   {
     std::lock_guard lock(mutex_);
-    for (const chunk_info& chunk : chunks_of(pointers)) {
-      chunk_state& state = chunks_[chunk.address];
-      if (state.cpu_uses > 0) --state.cpu_uses;
-    }
+    end_uses(chunks, stream, /*cpu=*/true);
+    if (!device_order_.empty()) planned = plan_headroom();
   }
-  use_ends(pointers, stream);
+  if (planned.empty()) return;
+  const std::size_t started = launch_evictions(planned).size();
+  std::lock_guard lock(mutex_);
+  figures_.evictions += started;
 }
 
 event_handle offload_engine::timing_event() {
@@ -646,12 +649,14 @@ void offload_engine::use_ends(std::span<const void* const> pointers, stream_hand
   figures_.evictions += started;
 }
 
-void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_handle stream) {
+void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_handle stream,
+                              bool cpu) {
   std::uintptr_t previous = 0;
   std::exception_ptr first_failure;  // every use still ends; the first failure is reported
   for (const chunk_info& chunk : chunks) {
     chunk_state& state = chunks_[chunk.address];
-    if (state.open_uses > 0) --state.open_uses;
+    if (cpu && state.cpu_uses > 0) --state.cpu_uses;
+    if (state.open_uses > (cpu ? 0 : state.cpu_uses)) --state.open_uses;
     if (chunk.address == std::exchange(previous, chunk.address)) continue;  // one record does
     try {
       // Note [Released on every stream]: one event per stream the chunk's uses ended on,

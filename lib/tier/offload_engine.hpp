@@ -195,7 +195,7 @@ class offload_engine : public paging_listener {
   /// streams and `stream`), and returns true with `views`, one per chunk, when every chunk
   /// is on the host and open to the CPUs. Else (a chunk on the device or on disk) returns
   /// false with the uses ended and nothing waited for beyond the moves in flight. The caller
-  /// ends the uses with use_ends once the CPUs are done.
+  /// ends the uses with use_on_host_ends once the CPUs are done.
   bool use_on_host(std::span<const void* const> pointers, stream_handle stream,
                    std::vector<host_view>& views);
   /// Ends the uses use_on_host opened, once the CPUs are done with the chunks.
@@ -334,7 +334,9 @@ class offload_engine : public paging_listener {
                                                std::string* full = nullptr);
   /// Closes a use of each chunk and records its use-ends fence on `stream`. Caller holds
   /// mutex_.
-  void end_uses(const std::vector<chunk_info>& chunks, stream_handle stream);
+  /// `cpu`: the uses are use_on_host's. Any other end leaves the CPUs' uses open (one that
+  /// began before a step boundary, which ended it already, ends nothing more).
+  void end_uses(const std::vector<chunk_info>& chunks, stream_handle stream, bool cpu = false);
   /// Plans evictions of idle chunks needed after the prefetch window until the device has
   /// room for that window (Note [Prefetch]); never waits. Caller holds mutex_.
   std::vector<planned_eviction> plan_headroom();

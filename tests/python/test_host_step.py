@@ -136,6 +136,9 @@ else:
     zt.offload(model, optimizer, hint_group_bytes=8 << 20, window_bytes=64 << 20,
                overlap_bytes=0, master_weights=True)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+# A learning rate that changes every step: the CPUs and any parameter refused to them step
+# with the rate of their step, whenever they finish.
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: (done + 1) / 4)
 data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda"))
         for _ in range(8)]
 losses, second = [], None
@@ -160,14 +163,15 @@ for number, (x, y) in enumerate(data):
     else:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
     losses.append(loss.item())
 print("losses", " ".join(f"{value!r}" for value in losses))
 if not plain:
+    saved = optimizer.state_dict()["zeroalloc_master_weights"]  # the CPUs finish first
+    masters = [m.detach().to("cpu") for m in saved]
     print("figures", zt.step_figures(optimizer))
 if os.environ.get("REFUSE"):
     print("refused", refusals[1], "of", refusals[0])
-    saved = optimizer.state_dict()["zeroalloc_master_weights"]
-    masters = [m.detach().to("cpu") for m in saved]
 with torch.no_grad():
     values = {"masters": [m.detach().to("cpu") for m in masters], "second": second}
     for name, p in model.named_parameters():

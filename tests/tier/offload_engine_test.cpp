@@ -2010,10 +2010,13 @@ TEST_F(OffloadEngineTest, TheCpusUsesOutliveTheStepBoundaryAndKeepTheirChunksOnT
   ASSERT_TRUE(engine.evict(state, /*wait=*/true));
   const void* pointers[] = {state};
   std::vector<offload_engine::host_view> views;
+  engine.use_in_place(state, nullptr);  // a use of the device's that straddles the boundary
   ASSERT_TRUE(engine.use_on_host(pointers, nullptr, views));
   ASSERT_EQ(views.size(), 1u);
   engine.step_boundary();
   EXPECT_EQ(engine.figures().chunks_in_use, 1u) << "the boundary ended the CPUs' use";
+  engine.use_ends(state, nullptr);  // ended by the boundary already: ends nothing more
+  EXPECT_EQ(engine.figures().chunks_in_use, 1u) << "a stale end ended the CPUs' use";
   ASSERT_TRUE(engine.fetch(state, /*wait=*/true));
   EXPECT_EQ(where_first_chunk(state), residency::host) << "moved from under the CPUs";
   // The CPUs' write, at the chunk's host copy.

@@ -227,6 +227,8 @@ class HostStep:
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
         every = self.copy_every_gradient(stepper, chosen, after) if behind else None
+        if every:
+            run.gradients_copied = every[chosen[-1][0]][1]  # the last window's, on one stream
         # Behind the forward, each master's gradient on the host, for a call refused or never
         # made (stepped on the device later from it).
         kept = {}
@@ -402,6 +404,10 @@ class HostStep:
         behind.ordered[stream] = needed
         if refused:
             self.step_refused(behind)
+        with run.changed:
+            done = run.finished and not run.refused and run.error is None
+        if done and needed == behind.turns - 1 and not behind.stepping:
+            self.forget_behind()  # every window waited for: nothing left to hold
 
     def finish_behind(self) -> None:
         """Waits for the run behind the forward, orders the current stream after its copies,
@@ -421,10 +427,23 @@ class HostStep:
     def step_refused(self, behind: "Behind") -> None:
         """The parameters of refused calls (or left by a failure) so far, stepped on the device
         from the gradients the run kept on the host."""
-        with behind.run.changed:
-            refused, behind.run.refused = behind.run.refused, []
-        for parameters in refused:
-            behind.stepper.step_behind(behind.step_run, parameters, behind.run.saved)
+        if behind.stepping:  # a use the steps below hint: the outer call goes on
+            return
+        behind.stepping = True
+        try:
+            while True:
+                with behind.run.changed:
+                    if not behind.run.refused:
+                        return
+                    parameters = behind.run.refused.pop(0)
+                try:
+                    behind.stepper.step_behind(behind, parameters)
+                except BaseException:
+                    with behind.run.changed:  # not stepped: still to do
+                        behind.run.refused.insert(0, parameters)
+                    raise
+        finally:
+            behind.stepping = False
 
     def copy_buffers(self, members: list, slot: int) -> list:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters, once the
@@ -486,6 +505,7 @@ class HostRun:
         self.written: list = []
         self.saved: dict = {}
         self.finished = False
+        self.gradients_copied = None  # behind the forward: the event after every copy
 
     def join(self) -> list:
         """Waits for the thread; returns what is left to step on the device (the caller
@@ -513,6 +533,11 @@ class Behind:
                 if working is not None:
                     self.window_of[working.untyped_storage().data_ptr()] = turn
         self.ordered: dict = {}  # stream -> the last turn it was ordered after
+        self.stepping = False  # refused parameters are being stepped on the device
+        # Each group's settings as the step saw them (a scheduler changes them after it):
+        # refused parameters step on the device with these.
+        self.settings = [{key: value for key, value in group.items() if key != "params"}
+                         for group in stepper.optimizer.param_groups]
 
 
 #: Note [The host step finishes behind the forward]: the host steps with a run behind.

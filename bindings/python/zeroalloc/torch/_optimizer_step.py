@@ -808,6 +808,9 @@ class WindowedStep:
         finally:
             if behind:  # Note [The host step finishes behind the forward]
                 self.host.defer(Behind(self, run, host_run, chosen, main.device))
+                # The gradients' copies are queued: what comes after the step (zeroed in
+                # place, an accumulation into them) waits for them.
+                main.wait_event(host_run.gradients_copied)
                 refused = []
             else:
                 refused = host_run.join() if host_run is not None else []
@@ -828,25 +831,35 @@ class WindowedStep:
                 and all(self.masters.working(p) is not None
                         for _, hosted in chosen for p in hosted))
 
-    def step_behind(self, run: "StepRun", parameters: list, gradients: dict) -> None:
+    def step_behind(self, behind: "Behind", parameters: list) -> None:
         """Note [The host step finishes behind the forward]: masters whose host call was
         refused, stepped on the device after the step returned, from their bf16 gradients
-        kept on the host (the working copies' own may be gone: zero_grad)."""
+        kept on the host (the working copies' own may be gone: zero_grad), with the groups'
+        settings of that step (a scheduler may have changed them since)."""
+        run, gradients = behind.step_run, behind.run.saved
         main = torch.cuda.current_stream(parameters[0].device)
         workings = [self.masters.working(p) for p in parameters]
         before = [w.grad for w in workings]
+        groups = self.optimizer.param_groups
+        now = [{key: group[key] for key in settings} for group, settings
+               in zip(groups, behind.settings)]
         self.cache = {}
         try:
+            for group, settings in zip(groups, behind.settings):
+                group.update(settings)
             for master, working in zip(parameters, workings):
-                kept = gradients.pop(id(master), None)
+                kept = gradients.get(id(master))
                 working.grad = (kept.view(working.shape).to(working.device)
                                 if kept is not None else None)
             self.step_pinned(run, parameters, main, {})
+            for master in parameters:
+                gradients.pop(id(master), None)
         finally:
             for working, grad in zip(workings, before):
                 working.grad = grad
-            for group, params in zip(self.optimizer.param_groups, run.saved):
+            for group, params, settings in zip(groups, run.saved, now):
                 group["params"] = params
+                group.update(settings)
             self.cache = None
 
     def step_device_parts(self, run: "StepRun", scratch: "StepScratch", left: dict, main,

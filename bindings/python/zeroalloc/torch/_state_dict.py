@@ -12,7 +12,7 @@ import torch
 
 from zeroalloc import _offload
 from zeroalloc.torch import _adoption, _settings, _use_hints
-from zeroalloc.torch._master_weights import refresh_every
+from zeroalloc.torch._master_weights import finish_every_behind, refresh_every
 from zeroalloc.torch._step_records import residency_or_foreign
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
@@ -129,6 +129,7 @@ def pin_during_load(model) -> list:
 
     def before(module, *args, **kwargs):
         if module is model and not pinned:
+            finish_every_behind()  # the load's copies after the CPUs' writes
             pinned.extend(pin_parameters_for_load(model))
 
     def after(module, incompatible_keys):
@@ -154,6 +155,8 @@ def copy_parameters_off_disk_in_every_model() -> None:
     @functools.wraps(original)
     def state_dict(self, *args, **kwargs):
         level = getattr(depth, "value", 0)
+        if level == 0:  # the working copies, once the CPUs wrote them
+            finish_every_behind()
         depth.value = level + 1
         try:
             result = original(self, *args, **kwargs)
@@ -172,6 +175,8 @@ def copy_parameters_off_disk_in_every_model() -> None:
     @functools.wraps(original_load)
     def load_state_dict(self, *args, **kwargs):  # Note [Parameters parked]
         level = getattr(depth, "value", 0)
+        if level == 0:  # the load's copies after the CPUs' writes
+            finish_every_behind()
         pinned = pin_parameters_for_load(self) if level == 0 else []
         depth.value = level + 1
         try:
