@@ -4,7 +4,9 @@ step of fp32 masters for a bf16 model gives, bit for bit, what the same recipe c
 plain PyTorch (with gradient accumulation and states staged and kept), zero_grad clears the
 working gradients, the optimizer's state dict carries the masters and loading it brings
 them back, a model's load_state_dict sets the masters, and remove() gives fp32 parameters
-back. The host's windows are tested on the GPU (test_host_step.py).
+back; what must wait for windows still on the CPUs after a step (Note [The host step
+finishes behind the forward]) asks for them. The host's windows are tested on the GPU
+(test_host_step.py).
 
     python3 -m pytest tests/python/test_master_weights_logic.py
 """
@@ -313,3 +315,57 @@ def test_zero_stages_refuse_an_optimizer_with_master_weights(engine):
     _, optimizer = managed()
     with pytest.raises(ZeroallocError, match="do not combine with master weights"):
         zt.partition(optimizer, stage=2)
+
+
+class Pending:
+    """A host step with windows still on the CPUs (Note [The host step finishes behind the
+    forward] in zeroalloc/torch/_host_step.py), as the waits see it."""
+
+    def __init__(self, monkeypatch):
+        from zeroalloc.torch import _host_step, _use_hints
+        self.finished = 0
+        self.used: list = []
+        self.steps, self.hooks = [], []
+        monkeypatch.setattr(_host_step, "behind_steps", self.steps)
+        monkeypatch.setattr(_use_hints, "before_use", self.hooks)
+        self.again()
+
+    def again(self):
+        self.steps.append(self)
+        self.hooks.append(self.before_use)
+
+    def before_use(self, tensors, stream):
+        self.used.extend(id(t) for t in tensors)
+
+    def finish_behind(self):
+        self.finished += 1
+        self.steps.remove(self)
+        self.hooks.remove(self.before_use)
+
+
+def test_what_reads_or_writes_working_copies_or_masters_waits_for_the_cpus(
+        engine, monkeypatch):
+    """Between a step that left windows on the CPUs and the next forward: the forward's
+    hinted uses of the working copies ask first; the model's and the optimizer's state
+    dicts, their loads and zero_grad(set_to_none=False) wait for every window."""
+    from zeroalloc.torch import _state_dict
+    model, optimizer = managed()
+    _state_dict.pin_during_load(model)  # as zt.offload installs it
+    train(model, optimizer, 2)
+    saved_model, saved_optimizer = model.state_dict(), optimizer.state_dict()
+    pending = Pending(monkeypatch)
+    inputs, _ = data(1)[0]
+    model(inputs[0].to(BF16))  # a forward: each module's use of its working copies asks
+    assert {id(p) for p in model.parameters()} <= set(pending.used)
+    optimizer.zero_grad(set_to_none=True)  # the gradients' copies are queued: no wait
+    assert pending.finished == 0
+    for number, action in enumerate((
+            lambda: model.state_dict(),
+            lambda: optimizer.state_dict(),
+            lambda: model.load_state_dict(saved_model),
+            lambda: optimizer.load_state_dict(saved_optimizer),
+            lambda: optimizer.zero_grad(set_to_none=False))):
+        if number:
+            pending.again()
+        action()
+        assert pending.finished == number + 1, number
