@@ -116,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
+    # 0: masters partly on the host stay so (bounced), as before Note [Whole masters on the
+    # host]; for measuring it side by side.
+    parser.add_argument("--whole-masters", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
                         "copied into their own allocation class once a step); 0,1 runs the "
@@ -501,6 +504,9 @@ def format_main_table(results: dict) -> str:
                         notes += (f"; finished behind the forward in "  # behind the forward]
                                   f"{overlap['host_behind_steps']} steps, uses waited "
                                   f"{overlap['host_behind_s'] / overlap['steps']:.3f} s/step")
+                    if overlap.get("host_completed_bytes"):  # Note [Whole masters on the host]
+                        notes += (f"; rest of partial masters moved to the host: "
+                                  f"{overlap['host_completed_bytes'] / GIB:.2f} GiB in all")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "
@@ -605,6 +611,8 @@ def worker(args) -> int:
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
+        if not args.whole_masters and optimizer._zeroalloc_stepper.host is not None:
+            optimizer._zeroalloc_stepper.host.completing = False
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1026,7 +1034,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
             env.update(libaio_environment(env))
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
-                 "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after"):
+                 "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after",
+                 "whole_masters"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]

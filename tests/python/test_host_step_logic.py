@@ -140,3 +140,77 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert not whole_fp32(whole[2:])  # a view: not the allocation's start
     assert not whole_fp32(whole[:4])  # a view: not the whole allocation
     assert not whole_fp32(whole.to(torch.bfloat16))
+
+
+def test_masters_partly_on_the_host_have_the_rest_moved_there(monkeypatch):
+    """Note [Whole masters on the host]: a master with a chunk of it or of a moment on the
+    host has its device tensors moved there, all queued before any is waited for; a master
+    all on the device or all on the host, a model's own weight, and one with a chunk on disk
+    or moving are left. When the host tier refuses, it warns once and moves nothing more."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc._library import ZeroallocError
+    from zeroalloc.torch import _host_step
+
+    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(7)]
+    optimizer = torch.optim.AdamW(masters)
+    for master in masters:
+        optimizer.state[master] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+    own_weight = masters[6]
+
+    class Stepper:
+        pass
+
+    stepper = Stepper()
+    stepper.optimizer = optimizer
+    stepper.masters = object()
+    monkeypatch.setattr(_host_step, "working_of",
+                        lambda _, parameter: None if parameter is own_weight else object())
+    host = _host_step.HostStep()
+    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: (
+        parameter, optimizer.state[parameter]["exp_avg"], optimizer.state[parameter]["exp_avg_sq"]))
+    placed = [("device", "host", "device"),  # one moment on the host: two tensors follow
+              ("split", "host", "host"),  # a chunk of the master on the host: it follows
+              ("device", "device", "device"), ("host", "host_unmapped", "host"),
+              ("device", "disk", "split"), ("moving", "host", "device"),
+              ("device", "host", "device")]  # the model's own weight: never moved
+    where = {}
+    for master, places in zip(masters, placed):
+        state = optimizer.state[master]
+        for tensor, place in zip((master, state["exp_avg"], state["exp_avg_sq"]), places):
+            where[tensor.untyped_storage().data_ptr()] = place
+    calls = []
+
+    def offload_pointer(pointer, wait=True):
+        calls.append((pointer, wait))
+        if wait:
+            where[pointer] = "host"
+
+    monkeypatch.setattr(_host_step, "residency_or_foreign",
+                        lambda tensor: where[tensor.untyped_storage().data_ptr()])
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", offload_pointer)
+    places = {}
+    host.whole_on_host(stepper, [masters[:4], masters[4:]], places, {})
+
+    def pointer(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    first, second = masters[0], masters[1]
+    moved = [pointer(first), pointer(optimizer.state[first]["exp_avg_sq"]), pointer(second)]
+    assert calls == [(p, False) for p in moved] + [(p, True) for p in moved]
+    assert all(places[id(t)] == "host" for t in (first, optimizer.state[first]["exp_avg_sq"],
+                                                  second))
+    assert host.figures["host_completed_bytes"] == 3 * 16
+    assert host.completing
+
+    def refused(pointer, wait=True):
+        raise ZeroallocError("the host tier is full (ZEROALLOC_HOST_LIMIT)")
+
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", refused)
+    where[pointer(masters[2])] = "host"
+    with pytest.warns(UserWarning, match="the host tier is full"):
+        host.whole_on_host(stepper, [masters], {}, {})
+    assert not host.completing
+    calls.clear()
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", offload_pointer)
+    host.whole_on_host(stepper, [masters], {}, {})
+    assert calls == []

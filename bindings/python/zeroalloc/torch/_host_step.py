@@ -33,6 +33,21 @@ meanwhile) keeps its bf16 gradients on the host; the parameters are stepped on t
 when a use waits for their window, from those gradients. Only with module hints (a read the
 hints do not see could find a working copy not yet written), and only when every window on
 the host is of masters.
+
+Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
+make room during the forward and backward, so under a limit the host ends up holding parts
+of masters: a moment here, a master's chunk there. The CPUs step only a master whose every
+byte is on the host; any other is bounced through device scratch, all its host bytes in and
+out over PCIe every step, and the step waits for that (at 24.8 GiB of the 1.3B bench model,
+3 GB a step while the CPUs stepped one window). So with master weights, the step first moves
+the rest of every master that is partly on the host there (the master, its moments; queued
+together, then waited for), and the CPUs step it from then on. Nothing fetches it back (the
+step reaches states where they are), so the moves happen once, while the host set grows to
+what the limit needs, and the device keeps whole masters and room for the activations. For
+the same reason, staging during the backward (Note [Overlapping the step] in
+_optimizer_step.py) leaves windows with states on the host to the step. Only masters move:
+the model's own fp32 weights are what the next forward uses. When the host tier refuses a
+move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before.
 """
 
 from __future__ import annotations
@@ -45,10 +60,12 @@ import warnings
 import torch
 
 from zeroalloc import _offload
+from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _use_hints
 from zeroalloc.torch._step_records import residency_or_foreign
 
 ON_HOST = ("host", "host_unmapped")
+PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
 
 
 def adamw_settings(optimizer, group) -> "dict | None":
@@ -114,29 +131,16 @@ class HostStep:
         self.gradients = None
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
-                        "host_behind_s": 0.0}
+                        "host_behind_s": 0.0, "host_completed_bytes": 0}
+        # Note [Whole masters on the host]: off once the host tier refused a move.
+        self.completing = True
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
         whole tensors, states created, and the parameter and its states on the host (as
         `places` says, or asked now)."""
-        group = groups.get(id(parameter))
-        if group is None or adamw_settings(stepper.optimizer, group) is None:
-            return False
-        state = stepper.optimizer.state.get(parameter, {})
-        grad = stepper.gradient(parameter)
-        if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
-                or "step" not in state or not grad.is_cuda):
-            return False
-        tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
-        working = working_of(stepper, parameter)
-        if working is not None:  # a master: a bf16 gradient, written back into bf16
-            if not (whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
-                    and working.is_contiguous() and working.is_cuda):
-                return False
-        elif not whole_fp32(grad):
-            return False
-        if not all(whole_fp32(t) for t in tensors):
+        tensors = self.steppable(stepper, parameter, groups)
+        if tensors is None:
             return False
         for tensor in tensors:
             place = places.get(id(tensor))
@@ -145,6 +149,69 @@ class HostStep:
             if place not in ON_HOST:
                 return False
         return True
+
+    def steppable(self, stepper, parameter, groups: dict) -> "tuple | None":
+        """The parameter and its two moments when the CPUs can step them (AdamW settings
+        they run, fp32 whole tensors, states created), wherever they are; else None."""
+        group = groups.get(id(parameter))
+        if group is None or adamw_settings(stepper.optimizer, group) is None:
+            return None
+        state = stepper.optimizer.state.get(parameter, {})
+        grad = stepper.gradient(parameter)
+        if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
+                or "step" not in state or not grad.is_cuda):
+            return None
+        tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
+        working = working_of(stepper, parameter)
+        if working is not None:  # a master: a bf16 gradient, written back into bf16
+            if not (whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
+                    and working.is_contiguous() and working.is_cuda):
+                return None
+        elif not whole_fp32(grad):
+            return None
+        if not all(whole_fp32(t) for t in tensors):
+            return None
+        return tensors
+
+    def whole_on_host(self, stepper, windows: list, places: dict, groups: dict) -> None:
+        """Note [Whole masters on the host]: a master partly on the host (it, a moment, or a
+        chunk of one) has the rest of it moved there, so the CPUs step it next. `places`
+        holds the residency asked of the windows' masters and states; it is updated."""
+        if not self.completing or stepper.masters is None:
+            return
+        moving = []
+        for window in windows:
+            for parameter in window:
+                if working_of(stepper, parameter) is None:
+                    continue  # not a master: the model's own weight, which the forward uses
+                tensors = self.steppable(stepper, parameter, groups)
+                if tensors is None:
+                    continue
+                found = []
+                for tensor in tensors:
+                    place = places.get(id(tensor))
+                    if place is None:
+                        place = places[id(tensor)] = residency_or_foreign(tensor)
+                    found.append(place)
+                if (any(place in PARTLY_ON_HOST for place in found)
+                        and all(place in PARTLY_ON_HOST or place == "device" for place in found)):
+                    moving += [tensor for tensor, place in zip(tensors, found)
+                               if place not in ON_HOST]
+        if not moving:
+            return
+        pointers = [tensor.untyped_storage().data_ptr() for tensor in moving]
+        try:
+            for pointer in pointers:  # all queued first, then waited for: they overlap
+                _offload.offload_pointer(pointer, wait=False)
+            for pointer in pointers:
+                _offload.offload_pointer(pointer, wait=True)
+        except ZeroallocError as error:  # the host tier is full, say: bounced as before
+            self.completing = False
+            warnings.warn(f"zeroalloc: moving the rest of masters that are partly on the host "
+                          f"there failed ({error}); they step on the device from now on")
+        for tensor in moving:
+            places[id(tensor)] = residency_or_foreign(tensor)
+        self.figures["host_completed_bytes"] += sum(t.untyped_storage().nbytes() for t in moving)
 
     def copy_gradients(self, stepper, window, slot: int, after) -> tuple:
         """Starts copying the window's gradients into pinned buffer `slot`, after the event

@@ -14,7 +14,7 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
-from zeroalloc.torch._host_step import Behind, HostStep
+from zeroalloc.torch._host_step import PARTLY_ON_HOST, Behind, HostStep
 from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
@@ -460,6 +460,8 @@ class WindowedStep:
                       for _, value in self.items(parameter)}
             self.next_window = WindowPlaces(number, places, self.scratch_bytes(window, places))
         places, need = self.next_window.places, self.next_window.scratch_bytes
+        if need and self.hosts_states(places):
+            need = 0  # Note [Whole masters on the host]: the CPUs step them, not scratch
         if not need:  # nothing to copy: the step pins it, no earlier
             self.staged.append(None)
             self.next_window = None
@@ -489,6 +491,14 @@ class WindowedStep:
         self.next_window = None
         self.figures["staged_windows"] += 1
         self.figures["staged_bytes"] += need
+
+    def hosts_states(self, places: dict) -> bool:
+        """Note [Whole masters on the host] (_host_step.py): whether a window's states, of
+        which `places` holds the residency, are the CPUs' to step (the host step with master
+        weights, a state on the host)."""
+        return (self.host is not None and not self.host.unavailable and self.host.completing
+                and self.masters is not None
+                and any(place in PARTLY_ON_HOST for place in places.values()))
 
     def end_uses(self, entries, stream) -> None:
         pinned = [entry for entry in entries if entry.pinned]
@@ -760,6 +770,9 @@ class WindowedStep:
         if self.bounce_parameters:
             places.update({id(parameter): residency_or_foreign(parameter)
                            for window in unstaged for parameter in window})
+        if self.host is not None and not self.host.unavailable:
+            # Note [Whole masters on the host] (_host_step.py)
+            self.host.whole_on_host(self, unstaged, places, self.groups_of(run))
         sizes = [copied_bytes(each.entries) for each in staged if each is not None]
         sizes += [self.scratch_bytes(window, places) for window in unstaged]
         self.slot_bytes = max(sizes)
