@@ -116,9 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward and backward run; 0: none); several, comma-separated, run "
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
-    # 0: masters partly on the host stay so (bounced), as before Note [Whole masters on the
-    # host]; for measuring it side by side.
-    parser.add_argument("--whole-masters", type=int, default=1, help=argparse.SUPPRESS)
+    # Note [Whole masters on the host], for measuring it side by side: 0: masters partly on
+    # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
+    # whole, the others come back (the default).
+    parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
                         "copied into their own allocation class once a step); 0,1 runs the "
@@ -505,8 +506,9 @@ def format_main_table(results: dict) -> str:
                                   f"{overlap['host_behind_steps']} steps, uses waited "
                                   f"{overlap['host_behind_s'] / overlap['steps']:.3f} s/step")
                     if overlap.get("host_completed_bytes"):  # Note [Whole masters on the host]
-                        notes += (f"; rest of partial masters moved to the host: "
-                                  f"{overlap['host_completed_bytes'] / GIB:.2f} GiB in all")
+                        notes += (f"; masters made whole: "
+                                  f"{overlap['host_completed_bytes'] / GIB:.2f} GiB to the host,"
+                                  f" {overlap.get('host_returned_bytes', 0) / GIB:.2f} back, in all")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "
@@ -611,8 +613,9 @@ def worker(args) -> int:
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
-        if not args.whole_masters and optimizer._zeroalloc_stepper.host is not None:
-            optimizer._zeroalloc_stepper.host.completing = False
+        if optimizer._zeroalloc_stepper.host is not None:
+            optimizer._zeroalloc_stepper.host.completing = args.whole_masters > 0
+            optimizer._zeroalloc_stepper.host.last_on_host = args.whole_masters == 2
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)

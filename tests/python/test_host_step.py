@@ -71,10 +71,12 @@ if offload:
     print("figures", zt.step_figures(optimizer))
     if os.environ.get("PARTLY"):
         from zeroalloc import _offload
-        first = optimizer.param_groups[0]["params"][0]
-        state = optimizer.state[first]
-        print("first master", " ".join(_offload.residency_of(t.untyped_storage().data_ptr())
-                                         for t in (first, state["exp_avg"], state["exp_avg_sq"])))
+        params = optimizer.param_groups[0]["params"]
+        for name, master in (("first", params[0]), ("last", params[-2])):  # weights
+            state = optimizer.state[master]
+            print(name, "master", " ".join(
+                _offload.residency_of(t.untyped_storage().data_ptr())
+                for t in (master, state["exp_avg"], state["exp_avg_sq"])))
 if os.environ.get("REFUSE"):
     print("refused", refusals[1], "of", refusals[0])
 with torch.no_grad():
@@ -185,10 +187,12 @@ if not plain:
     print("figures", zt.step_figures(optimizer))
     if os.environ.get("PARTLY"):
         from zeroalloc import _offload
-        first = optimizer.param_groups[0]["params"][0]
-        state = optimizer.state[first]
-        print("first master", " ".join(_offload.residency_of(t.untyped_storage().data_ptr())
-                                         for t in (first, state["exp_avg"], state["exp_avg_sq"])))
+        params = optimizer.param_groups[0]["params"]
+        for name, master in (("first", params[0]), ("last", params[-2])):  # weights
+            state = optimizer.state[master]
+            print(name, "master", " ".join(
+                _offload.residency_of(t.untyped_storage().data_ptr())
+                for t in (master, state["exp_avg"], state["exp_avg_sq"])))
 if os.environ.get("REFUSE"):
     print("refused", refusals[1], "of", refusals[0])
 with torch.no_grad():
@@ -236,19 +240,24 @@ def test_master_weights_refused_on_the_host_step_on_the_device(tmp_path, behind)
     assert (figures["host_behind_steps"] > 0) == (behind == "1"), figures
 
 
-def test_a_master_partly_on_the_host_goes_there_whole_and_steps_on_the_cpus(tmp_path):
+def test_a_master_partly_on_the_host_is_traded_for_the_last_one_whole_on_the_cpus(tmp_path):
     """Note [Whole masters on the host]: with room for everything, one moment of the first
-    master is moved to the host after three steps. The next step moves the master and its
-    other moment there too, and the CPUs step it from then on (bounced through scratch
-    instead, it would keep costing its host bytes over PCIe every step)."""
+    master is moved to the host after three steps. The next step brings it back and moves
+    the last masters (the last layer's weight and bias: as many bytes) to the host whole,
+    and the CPUs step those from then on, while the forward runs the first layers (bounced
+    through scratch instead, the first master would cost its host bytes over PCIe every
+    step)."""
     plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
     hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), RECIPE="offload",
                         ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_STEP="1", PARTLY="1")
     figures = ast.literal_eval(field(hosted, "figures"))
-    print("a master partly on the host:", figures, field(hosted, "first master"))
-    assert field(hosted, "first master").split() == ["host"] * 3, hosted
+    print("a master partly on the host:", figures, field(hosted, "first master"),
+          field(hosted, "last master"))
+    assert field(hosted, "first master").split() == ["device"] * 3, hosted
+    assert field(hosted, "last master").split() == ["host"] * 3, hosted
     tensor_bytes = 2048 * 2048 * 4
-    assert figures["host_completed_bytes"] >= 2 * tensor_bytes, figures
+    assert figures["host_completed_bytes"] >= 3 * tensor_bytes, figures
+    assert figures["host_returned_bytes"] >= tensor_bytes, figures
     # Steps 4 to 8 on the CPUs, each at least that master.
     assert figures["host_windows"] >= 5 and figures["host_bytes"] >= 5 * tensor_bytes, figures
     expected = [float(v) for v in field(plain, "losses").split()]

@@ -142,20 +142,21 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert not whole_fp32(whole.to(torch.bfloat16))
 
 
-def test_masters_partly_on_the_host_have_the_rest_moved_there(monkeypatch):
-    """Note [Whole masters on the host]: a master with a chunk of it or of a moment on the
-    host has its device tensors moved there, all queued before any is waited for; a master
-    all on the device or all on the host, a model's own weight, and one with a chunk on disk
-    or moving are left. When the host tier refuses, it warns once and moves nothing more."""
+def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkeypatch):
+    """Note [Whole masters on the host]: the masters the host holds a part of are traded for
+    as many bytes of the last masters, whole (moved out first, all queued before any is
+    waited for), and the others come back whole; in the order as planned nothing moves. A
+    model's own weight, and a master with a chunk on disk or moving, are left where they
+    are. When the host tier refuses, it warns once and moves nothing more."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc._library import ZeroallocError
     from zeroalloc.torch import _host_step
 
-    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(7)]
+    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(9)]
     optimizer = torch.optim.AdamW(masters)
     for master in masters:
         optimizer.state[master] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
-    own_weight = masters[6]
+    own_weight = masters[5]
 
     class Stepper:
         pass
@@ -166,51 +167,77 @@ def test_masters_partly_on_the_host_have_the_rest_moved_there(monkeypatch):
     monkeypatch.setattr(_host_step, "working_of",
                         lambda _, parameter: None if parameter is own_weight else object())
     host = _host_step.HostStep()
-    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: (
-        parameter, optimizer.state[parameter]["exp_avg"], optimizer.state[parameter]["exp_avg_sq"]))
-    placed = [("device", "host", "device"),  # one moment on the host: two tensors follow
-              ("split", "host", "host"),  # a chunk of the master on the host: it follows
-              ("device", "device", "device"), ("host", "host_unmapped", "host"),
-              ("device", "disk", "split"), ("moving", "host", "device"),
-              ("device", "host", "device")]  # the model's own weight: never moved
+
+    def tensors(master):
+        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+
+    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
+    placed = [("device", "host", "device"),  # one moment on the host: comes back
+              ("split", "device", "device"),  # a chunk of the master on the host: back
+              ("device", "device", "device"),
+              ("device", "disk", "split"),  # a chunk on disk: left
+              ("moving", "host", "device"),  # left
+              ("device", "host", "device"),  # the model's own weight: left
+              ("device", "device", "device"),  # the last three: to the host, whole
+              ("device", "device", "device"),
+              ("host", "device", "host_unmapped")]
     where = {}
-    for master, places in zip(masters, placed):
-        state = optimizer.state[master]
-        for tensor, place in zip((master, state["exp_avg"], state["exp_avg_sq"]), places):
-            where[tensor.untyped_storage().data_ptr()] = place
-    calls = []
-
-    def offload_pointer(pointer, wait=True):
-        calls.append((pointer, wait))
-        if wait:
-            where[pointer] = "host"
-
-    monkeypatch.setattr(_host_step, "residency_or_foreign",
-                        lambda tensor: where[tensor.untyped_storage().data_ptr()])
-    monkeypatch.setattr(_host_step._offload, "offload_pointer", offload_pointer)
-    places = {}
-    host.whole_on_host(stepper, [masters[:4], masters[4:]], places, {})
 
     def pointer(tensor):
         return tensor.untyped_storage().data_ptr()
 
-    first, second = masters[0], masters[1]
-    moved = [pointer(first), pointer(optimizer.state[first]["exp_avg_sq"]), pointer(second)]
-    assert calls == [(p, False) for p in moved] + [(p, True) for p in moved]
-    assert all(places[id(t)] == "host" for t in (first, optimizer.state[first]["exp_avg_sq"],
-                                                  second))
-    assert host.figures["host_completed_bytes"] == 3 * 16
+    for master, places in zip(masters, placed):
+        for tensor, place in zip(tensors(master), places):
+            where[pointer(tensor)] = place
+    calls = []
+
+    def mover(kind, landing):
+        def move(address, wait=True):
+            calls.append((kind, address, wait))
+            if wait:
+                where[address] = landing
+        return move
+
+    monkeypatch.setattr(_host_step, "residency_or_foreign",
+                        lambda tensor: where[pointer(tensor)])
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("out", "host"))
+    monkeypatch.setattr(_host_step._offload, "fetch_pointer", mover("in", "device"))
+    places = {}
+    host.whole_on_host(stepper, [masters[:4], masters[4:]], places, {})
+    out = ([pointer(t) for t in tensors(masters[6]) + tensors(masters[7])]
+           + [pointer(tensors(masters[8])[1])])
+    back = [pointer(tensors(masters[0])[1]), pointer(masters[1])]
+    assert calls == ([("out", a, False) for a in out] + [("out", a, True) for a in out]
+                     + [("in", a, False) for a in back] + [("in", a, True) for a in back])
+    for master in masters[6:]:
+        assert all(places[id(t)] in ("host", "host_unmapped") for t in tensors(master))
+    assert places[id(tensors(masters[3])[1])] == "disk"
+    for master in masters[:3]:
+        assert all(places[id(t)] == "device" for t in tensors(master))
+    assert host.figures["host_completed_bytes"] == 7 * 16
+    assert host.figures["host_returned_bytes"] == 2 * 16
+    calls.clear()
+    host.whole_on_host(stepper, [masters], {}, {})  # as planned: nothing moves
+    assert calls == []
     assert host.completing
 
-    def refused(pointer, wait=True):
+    # Without the trade, each master the host holds a part of goes there whole.
+    host.last_on_host = False
+    where[pointer(tensors(masters[2])[2])] = "host"
+    host.whole_on_host(stepper, [masters], {}, {})
+    assert [(kind, address) for kind, address, _ in calls] == [
+        ("out", pointer(masters[2])), ("out", pointer(tensors(masters[2])[1]))] * 2
+
+    def refused(address, wait=True):
         raise ZeroallocError("the host tier is full (ZEROALLOC_HOST_LIMIT)")
 
     monkeypatch.setattr(_host_step._offload, "offload_pointer", refused)
-    where[pointer(masters[2])] = "host"
+    where[pointer(masters[3])] = "host"
+    where[pointer(masters[0])] = "host"
     with pytest.warns(UserWarning, match="the host tier is full"):
         host.whole_on_host(stepper, [masters], {}, {})
     assert not host.completing
     calls.clear()
-    monkeypatch.setattr(_host_step._offload, "offload_pointer", offload_pointer)
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("out", "host"))
     host.whole_on_host(stepper, [masters], {}, {})
     assert calls == []

@@ -36,18 +36,22 @@ the host is of masters.
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
 make room during the forward and backward, so under a limit the host ends up holding parts
-of masters: a moment here, a master's chunk there. The CPUs step only a master whose every
-byte is on the host; any other is bounced through device scratch, all its host bytes in and
-out over PCIe every step, and the step waits for that (at 24.8 GiB of the 1.3B bench model,
-3 GB a step while the CPUs stepped one window). So with master weights, the step first moves
-the rest of every master that is partly on the host there (the master, its moments; queued
-together, then waited for), and the CPUs step it from then on. Nothing fetches it back (the
-step reaches states where they are), so the moves happen once, while the host set grows to
-what the limit needs, and the device keeps whole masters and room for the activations. For
-the same reason, staging during the backward (Note [Overlapping the step] in
-_optimizer_step.py) leaves windows with states on the host to the step. Only masters move:
-the model's own fp32 weights are what the next forward uses. When the host tier refuses a
-move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before.
+of masters: a moment here, a master's chunk there, of the first windows (stepped longest
+ago). The CPUs step only a master whose every byte is on the host; any other is bounced
+through device scratch, all its host bytes in and out over PCIe every step, and the step
+waits for that (at 24.8 GiB of the 1.3B bench model, 3 GB a step while the CPUs stepped one
+window). And the forward waits for the CPUs at the first window they hold. So with master
+weights, the step first trades what the host holds for whole masters at the end of the
+order: the last masters, at least as many bytes as those the host holds a part of, go to
+the host whole, and the others come back whole (out first, which makes the room; each
+direction queued together, then waited for). The CPUs then step the last windows, which the
+forward reaches last, while it runs the first ones. Nothing fetches states between steps
+(the step reaches them where they are), so in a steady loop the trade happens once, and again
+only when the engine had to move more. For the same reason, staging during the backward (Note
+[Overlapping the step] in _optimizer_step.py) leaves windows with states on the host to the
+step. Only masters move: the model's own fp32 weights are what the next forward uses. When
+the host tier refuses a move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are
+bounced as before.
 """
 
 from __future__ import annotations
@@ -131,9 +135,12 @@ class HostStep:
         self.gradients = None
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
-                        "host_behind_s": 0.0, "host_completed_bytes": 0}
-        # Note [Whole masters on the host]: off once the host tier refused a move.
+                        "host_behind_s": 0.0, "host_completed_bytes": 0,
+                        "host_returned_bytes": 0}
+        # Note [Whole masters on the host]: off once the host tier refused a move; the last
+        # masters go to the host (else each partial one goes there whole, where it is).
         self.completing = True
+        self.last_on_host = True
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
@@ -174,12 +181,13 @@ class HostStep:
         return tensors
 
     def whole_on_host(self, stepper, windows: list, places: dict, groups: dict) -> None:
-        """Note [Whole masters on the host]: a master partly on the host (it, a moment, or a
-        chunk of one) has the rest of it moved there, so the CPUs step it next. `places`
-        holds the residency asked of the windows' masters and states; it is updated."""
+        """Note [Whole masters on the host]: the masters the host holds a part of are traded
+        for as many bytes of the last masters, whole, so the CPUs step those; the others
+        come back whole to the device. `places` holds the residency asked of the windows'
+        masters and states; it is updated."""
         if not self.completing or stepper.masters is None:
             return
-        moving = []
+        masters = []  # (tensors, their places), in the order the CPUs step them
         for window in windows:
             for parameter in window:
                 if working_of(stepper, parameter) is None:
@@ -193,25 +201,60 @@ class HostStep:
                     if place is None:
                         place = places[id(tensor)] = residency_or_foreign(tensor)
                     found.append(place)
-                if (any(place in PARTLY_ON_HOST for place in found)
-                        and all(place in PARTLY_ON_HOST or place == "device" for place in found)):
-                    moving += [tensor for tensor, place in zip(tensors, found)
-                               if place not in ON_HOST]
-        if not moving:
+                # One on disk or moving is left where it is, as is a foreign tensor.
+                if all(place in PARTLY_ON_HOST or place == "device" for place in found):
+                    masters.append((tensors, found))
+        to_host, to_device = self.trade(masters)
+        if not to_host and not to_device:
             return
-        pointers = [tensor.untyped_storage().data_ptr() for tensor in moving]
         try:
-            for pointer in pointers:  # all queued first, then waited for: they overlap
-                _offload.offload_pointer(pointer, wait=False)
-            for pointer in pointers:
-                _offload.offload_pointer(pointer, wait=True)
+            # Out first: what leaves makes the room for what comes back.
+            for move, tensors in ((_offload.offload_pointer, to_host),
+                                  (_offload.fetch_pointer, to_device)):
+                pointers = [tensor.untyped_storage().data_ptr() for tensor in tensors]
+                for pointer in pointers:  # all queued first, then waited for: they overlap
+                    move(pointer, wait=False)
+                for pointer in pointers:
+                    move(pointer, wait=True)
         except ZeroallocError as error:  # the host tier is full, say: bounced as before
             self.completing = False
-            warnings.warn(f"zeroalloc: moving the rest of masters that are partly on the host "
-                          f"there failed ({error}); they step on the device from now on")
-        for tensor in moving:
+            warnings.warn(f"zeroalloc: moving masters whole to the host or back failed "
+                          f"({error}); masters partly on the host step on the device from "
+                          "now on")
+        for tensor in to_host + to_device:
             places[id(tensor)] = residency_or_foreign(tensor)
-        self.figures["host_completed_bytes"] += sum(t.untyped_storage().nbytes() for t in moving)
+        self.figures["host_completed_bytes"] += sum(t.untyped_storage().nbytes()
+                                                    for t in to_host)
+        self.figures["host_returned_bytes"] += sum(t.untyped_storage().nbytes()
+                                                   for t in to_device)
+
+    def trade(self, masters: list) -> tuple:
+        """Note [Whole masters on the host]: (tensors to move to the host, tensors to bring
+        back) so that the last of `masters` ((tensors, places) each, in order) are on the
+        host whole, at least as many bytes as those the host holds a part of, and the others
+        on the device. With `last_on_host` off, each master the host holds a part of goes
+        there whole instead, and none comes back."""
+        def size(tensors) -> int:
+            return sum(t.untyped_storage().nbytes() for t in tensors)
+
+        partly = [any(place in PARTLY_ON_HOST for place in found) for _, found in masters]
+        if self.last_on_host:
+            target = sum(size(tensors) for (tensors, _), part in zip(masters, partly) if part)
+            chosen, total = [False] * len(masters), 0
+            for number in reversed(range(len(masters))):
+                if total >= target:
+                    break
+                chosen[number] = True
+                total += size(masters[number][0])
+        else:
+            chosen = partly
+        to_host, to_device = [], []
+        for (tensors, found), there, part in zip(masters, chosen, partly):
+            if there:
+                to_host += [t for t, place in zip(tensors, found) if place not in ON_HOST]
+            elif part:
+                to_device += [t for t, place in zip(tensors, found) if place != "device"]
+        return to_host, to_device
 
     def copy_gradients(self, stepper, window, slot: int, after) -> tuple:
         """Starts copying the window's gradients into pinned buffer `slot`, after the event
