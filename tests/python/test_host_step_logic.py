@@ -220,6 +220,12 @@ def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkey
     host.whole_on_host(stepper, [masters], {}, {})  # as planned: nothing moves
     assert calls == []
     assert host.completing
+    # A master brought back, partly on the host again (a chunk it shares with one moved
+    # out): left so, and not counted (the line stays where it is).
+    where[pointer(masters[1])] = "split"
+    host.whole_on_host(stepper, [masters], {}, {})
+    assert calls == []
+    where[pointer(masters[1])] = "device"
 
     # Without the trade, each master the host holds a part of goes there whole.
     host.last_on_host = False

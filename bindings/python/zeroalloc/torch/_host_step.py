@@ -141,6 +141,7 @@ class HostStep:
         # masters go to the host (else each partial one goes there whole, where it is).
         self.completing = True
         self.last_on_host = True
+        self.returned: set = set()  # ids of the masters the trade brought back
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
@@ -221,8 +222,11 @@ class HostStep:
             warnings.warn(f"zeroalloc: moving masters whole to the host or back failed "
                           f"({error}); masters partly on the host step on the device from "
                           "now on")
-        for tensor in to_host + to_device:
-            places[id(tensor)] = residency_or_foreign(tensor)
+        # A chunk may hold bytes of two masters: a move can take a part of one it did not
+        # name along (asked again, such a master steps on the device, bounced, not refused).
+        for tensors, _ in masters:
+            for tensor in tensors:
+                places[id(tensor)] = residency_or_foreign(tensor)
         self.figures["host_completed_bytes"] += sum(t.untyped_storage().nbytes()
                                                     for t in to_host)
         self.figures["host_returned_bytes"] += sum(t.untyped_storage().nbytes()
@@ -239,7 +243,13 @@ class HostStep:
 
         partly = [any(place in PARTLY_ON_HOST for place in found) for _, found in masters]
         if self.last_on_host:
-            target = sum(size(tensors) for (tensors, _), part in zip(masters, partly) if part)
+            # A master brought back once and partly on the host again (a chunk it shares
+            # with a master moved out) stays so, bounced: trading it again would move the
+            # line one master down every step.
+            again = [part and id(tensors[0]) in self.returned
+                     for (tensors, _), part in zip(masters, partly)]
+            target = sum(size(tensors) for (tensors, _), part, old in zip(masters, partly, again)
+                         if part and not old)
             chosen, total = [False] * len(masters), 0
             for number in reversed(range(len(masters))):
                 if total >= target:
@@ -247,13 +257,14 @@ class HostStep:
                 chosen[number] = True
                 total += size(masters[number][0])
         else:
-            chosen = partly
+            chosen, again = partly, [False] * len(masters)
         to_host, to_device = [], []
-        for (tensors, found), there, part in zip(masters, chosen, partly):
+        for (tensors, found), there, part, old in zip(masters, chosen, partly, again):
             if there:
                 to_host += [t for t, place in zip(tensors, found) if place not in ON_HOST]
-            elif part:
+            elif part and not old:
                 to_device += [t for t, place in zip(tensors, found) if place != "device"]
+                self.returned.add(id(tensors[0]))
         return to_host, to_device
 
     def copy_gradients(self, stepper, window, slot: int, after) -> tuple:
