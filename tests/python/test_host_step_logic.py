@@ -167,6 +167,7 @@ def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkey
     monkeypatch.setattr(_host_step, "working_of",
                         lambda _, parameter: None if parameter is own_weight else object())
     host = _host_step.HostStep()
+    host.last_on_host = True
 
     def tensors(master):
         return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])

@@ -36,22 +36,24 @@ the host is of masters.
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
 make room during the forward and backward, so under a limit the host ends up holding parts
-of masters: a moment here, a master's chunk there, of the first windows (stepped longest
-ago). The CPUs step only a master whose every byte is on the host; any other is bounced
-through device scratch, all its host bytes in and out over PCIe every step, and the step
-waits for that (at 24.8 GiB of the 1.3B bench model, 3 GB a step while the CPUs stepped one
-window). And the forward waits for the CPUs at the first window they hold. So with master
-weights, the step first trades what the host holds for whole masters at the end of the
-order: the last masters, at least as many bytes as those the host holds a part of, go to
-the host whole, and the others come back whole (out first, which makes the room; each
-direction queued together, then waited for). The CPUs then step the last windows, which the
-forward reaches last, while it runs the first ones. Nothing fetches states between steps
-(the step reaches them where they are), so in a steady loop the trade happens once, and again
-only when the engine had to move more. For the same reason, staging during the backward (Note
-[Overlapping the step] in _optimizer_step.py) leaves windows with states on the host to the
-step. Only masters move: the model's own fp32 weights are what the next forward uses. When
-the host tier refuses a move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are
-bounced as before.
+of masters: a moment here, a master's chunk there. The CPUs step only a master whose every
+byte is on the host; any other is bounced through device scratch, all its host bytes in and
+out over PCIe every step, and the step waits for that (at 24.8 GiB of the 1.3B bench model,
+2.3 GiB a step while the CPUs stepped one window). So with master weights, the step first
+moves the rest of every master the host holds a part of there (the master, its moments;
+queued together, then waited for), and the CPUs step it from then on (1.14 x at 24.8 GiB,
+bench/RESULTS.md). Nothing fetches states between steps (the step reaches them where they
+are), so in a steady loop the moves happen once, and again only when the engine had to move
+more. For the same reason, staging during the backward (Note [Overlapping the step] in
+_optimizer_step.py) leaves windows with states on the host to the step. Only masters move:
+the model's own fp32 weights are what the next forward uses. When the host tier refuses a
+move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before. The
+masters evicted are the first windows' (stepped longest ago), so the forward waits for the
+CPUs at its first layer. `last_on_host` trades them instead for as many bytes of the last
+masters, whole, and brings the others back (out first, which makes the room), so that the
+CPUs step the last layers while the forward runs the first: one step measured 0.180 s
+against 0.26 s, but a chunk holds bytes of two masters, a move takes a part of a neighbour
+along, and the line must not move a master a step; off until measured right.
 """
 
 from __future__ import annotations
@@ -137,10 +139,11 @@ class HostStep:
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
-        # Note [Whole masters on the host]: off once the host tier refused a move; the last
-        # masters go to the host (else each partial one goes there whole, where it is).
+        # Note [Whole masters on the host]: off once the host tier refused a move; with
+        # last_on_host the last masters go to the host (else each partial one goes there
+        # whole, where it is).
         self.completing = True
-        self.last_on_host = True
+        self.last_on_host = False
         self.returned: set = set()  # ids of the masters the trade brought back
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
