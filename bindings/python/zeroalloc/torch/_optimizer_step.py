@@ -750,7 +750,7 @@ class WindowedStep:
             return []
         return found
 
-    def prepare_scratch(self, run: "StepRun", main) -> "StepScratch":
+    def prepare_scratch(self, run: "StepRun", main, hosting: bool) -> "StepScratch":
         """Takes what the backward staged, asks the other states where they are, sizes the
         scratch slots, and chooses the last windows that stay in scratch after the step."""
         found = run.windows
@@ -770,8 +770,7 @@ class WindowedStep:
         if self.bounce_parameters:
             places.update({id(parameter): residency_or_foreign(parameter)
                            for window in unstaged for parameter in window})
-        if self.host is not None and not self.host.unavailable:
-            # Note [Whole masters on the host] (_host_step.py)
+        if hosting:  # Note [Whole masters on the host] (_host_step.py)
             self.host.whole_on_host(self, unstaged, places, self.groups_of(run))
         sizes = [copied_bytes(each.entries) for each in staged if each is not None]
         sizes += [self.scratch_bytes(window, places) for window in unstaged]
@@ -796,14 +795,15 @@ class WindowedStep:
         device = run.windows[0][0].device
         run.copies = self.streams_of(device)
         main = torch.cuda.current_stream(device)
-        scratch = self.prepare_scratch(run, main)
+        # A step with arguments (a GradScaler's, say) is the optimizer's own business.
+        hosting = self.host is not None and not self.host.unavailable and not kwargs
+        scratch = self.prepare_scratch(run, main, hosting)
         # Note [Host windows]: the parameters on the host step there, on a thread, while
         # the device steps the rest of each window (run.windows stays as planned: the next
         # step's staging compares with it).
         left, host_run = {}, None
         if self.host is not None and self.host.unavailable:
             self.host = None  # the library never steps on the host on this driver
-        # A step with arguments (a GradScaler's, say) is the optimizer's own business.
         behind = False
         if self.host is not None and not kwargs:
             chosen = self.host_parts(run, scratch)
