@@ -101,6 +101,14 @@ def adamw_settings(optimizer, group) -> "dict | None":
             "maximize": bool(group.get("maximize", False))}
 
 
+def place_of(tensor, places: dict) -> str:
+    """The tensor's residency as `places` holds it, asked now (and kept there) when absent."""
+    place = places.get(id(tensor))
+    if place is None:
+        place = places[id(tensor)] = residency_or_foreign(tensor)
+    return place
+
+
 def whole_fp32(tensor) -> bool:
     """A float32 tensor that is its storage's whole allocation, from its start."""
     return whole(tensor, torch.float32)
@@ -151,15 +159,7 @@ class HostStep:
         whole tensors, states created, and the parameter and its states on the host (as
         `places` says, or asked now)."""
         tensors = self.steppable(stepper, parameter, groups)
-        if tensors is None:
-            return False
-        for tensor in tensors:
-            place = places.get(id(tensor))
-            if place is None:
-                place = places[id(tensor)] = residency_or_foreign(tensor)
-            if place not in ON_HOST:
-                return False
-        return True
+        return tensors is not None and all(place_of(t, places) in ON_HOST for t in tensors)
 
     def steppable(self, stepper, parameter, groups: dict) -> "tuple | None":
         """The parameter and its two moments when the CPUs can step them (AdamW settings
@@ -185,10 +185,10 @@ class HostStep:
         return tensors
 
     def whole_on_host(self, stepper, windows: list, places: dict, groups: dict) -> None:
-        """Note [Whole masters on the host]: the masters the host holds a part of are traded
-        for as many bytes of the last masters, whole, so the CPUs step those; the others
-        come back whole to the device. `places` holds the residency asked of the windows'
-        masters and states; it is updated."""
+        """Note [Whole masters on the host]: each master the host holds a part of goes there
+        whole, so the CPUs step it (with `last_on_host`, they are traded for the last
+        masters, whole, and come back: trade()). `places` holds the residency asked of the
+        windows' masters and states; it is updated."""
         if not self.completing or stepper.masters is None:
             return
         masters = []  # (tensors, their places), in the order the CPUs step them
@@ -199,12 +199,7 @@ class HostStep:
                 tensors = self.steppable(stepper, parameter, groups)
                 if tensors is None:
                     continue
-                found = []
-                for tensor in tensors:
-                    place = places.get(id(tensor))
-                    if place is None:
-                        place = places[id(tensor)] = residency_or_foreign(tensor)
-                    found.append(place)
+                found = [place_of(tensor, places) for tensor in tensors]
                 # One on disk or moving is left where it is, as is a foreign tensor.
                 if all(place in PARTLY_ON_HOST or place == "device" for place in found):
                     masters.append((tensors, found))
