@@ -160,6 +160,12 @@ for number, (x, y) in enumerate(data):
         from zeroalloc import _offload
         first = optimizer.param_groups[0]["params"][0]
         _offload.offload_pointer(optimizer.state[first]["exp_avg"].untyped_storage().data_ptr())
+    if os.environ.get("DROP") and number == len(data) - 1:  # the weights before the last step
+        with torch.no_grad():
+            before = {}
+            for name, p in model.named_parameters():
+                with zt.using(p):
+                    before[name] = p.detach().to("cpu")
     if number == 2:  # after the second step, the first the host can take (states exist)
         if plain:
             second = [m.detach().to("cpu") for m in masters]
@@ -183,6 +189,19 @@ for number, (x, y) in enumerate(data):
     scheduler.step()
     losses.append(loss.item())
 print("losses", " ".join(f"{value!r}" for value in losses))
+if os.environ.get("DROP"):
+    # Dropped right after its last step, with the CPUs still on that step's windows.
+    import gc, weakref
+    dropped = weakref.ref(optimizer)
+    del optimizer, scheduler
+    gc.collect()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            with zt.using(p):
+                print("stepped", name, not torch.equal(p.detach().to("cpu"), before[name]))
+    gc.collect()
+    print("collected", dropped() is None)
+    sys.exit(0)
 if not plain:
     saved = optimizer.state_dict()["zeroalloc_master_weights"]  # the CPUs finish first
     masters = [m.detach().to("cpu") for m in saved]
@@ -272,6 +291,19 @@ def test_a_master_partly_on_the_host_goes_there_whole_and_steps_on_the_cpus(tmp_
     got = [float(v) for v in field(hosted, "losses").split()]
     assert got[:4] == expected[:4]  # the device's steps: bit for bit the recipe
     assert max(abs(a - b) / abs(a) for a, b in zip(expected, got)) < 1e-3, (expected, got)
+
+
+def test_a_script_that_drops_its_optimizer_after_the_last_step_keeps_that_step(tmp_path):
+    """Note [The host step finishes behind the forward]: a script that drops its optimizer
+    right after its last step, while the CPUs still step that step's masters, finds that
+    step in every weight of its model (it used to fail at its next read, or at exit, with
+    "'NoneType' object has no attribute ..."); the optimizer is freed once they are done."""
+    out = run_script(MASTERS, str(tmp_path / "dropped.pt"), RECIPE="offload",
+                     ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
+                     ZEROALLOC_MEMORY_LIMIT="320MiB", ZEROALLOC_HOST_STEP="1", DROP="1")
+    stepped = [line.split() for line in out.splitlines() if line.startswith("stepped ")]
+    assert len(stepped) == 24 and all(flag == "True" for _, _, flag in stepped), out
+    assert field(out, "collected") == "True", out
 
 
 def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:

@@ -143,7 +143,7 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
 
 
 def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkeypatch):
-    """Note [Whole masters on the host]: the masters the host holds a part of are traded for
+    """Note [Whole masters on the host]: the parts of masters the host holds are traded for
     as many bytes of the last masters, whole (moved out first, all queued before any is
     waited for), and the others come back whole; in the order as planned nothing moves. A
     model's own weight, and a master with a chunk on disk or moving, are left where they
@@ -205,17 +205,18 @@ def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkey
     monkeypatch.setattr(_host_step._offload, "fetch_pointer", mover("in", "device"))
     places = {}
     host.whole_on_host(stepper, [masters[:4], masters[4:]], places, {})
-    out = ([pointer(t) for t in tensors(masters[6]) + tensors(masters[7])]
-           + [pointer(tensors(masters[8])[1])])
+    # The host held 56 bytes of masters (16 of the first, half of the second's 16, 32 of the
+    # last): the last two masters, 96 bytes whole, are the fewest that hold as many.
+    out = [pointer(t) for t in tensors(masters[7])] + [pointer(tensors(masters[8])[1])]
     back = [pointer(tensors(masters[0])[1]), pointer(masters[1])]
     assert calls == ([("out", a, False) for a in out] + [("out", a, True) for a in out]
                      + [("in", a, False) for a in back] + [("in", a, True) for a in back])
-    for master in masters[6:]:
+    for master in masters[7:]:
         assert all(places[id(t)] in ("host", "host_unmapped") for t in tensors(master))
     assert places[id(tensors(masters[3])[1])] == "disk"
-    for master in masters[:3]:
+    for master in masters[:3] + [masters[6]]:
         assert all(places[id(t)] == "device" for t in tensors(master))
-    assert host.figures["host_completed_bytes"] == 7 * 16
+    assert host.figures["host_completed_bytes"] == 4 * 16
     assert host.figures["host_returned_bytes"] == 2 * 16
     calls.clear()
     host.whole_on_host(stepper, [masters], {}, {})  # as planned: nothing moves

@@ -233,11 +233,15 @@ class HostStep:
     def trade(self, masters: list) -> tuple:
         """Note [Whole masters on the host]: (tensors to move to the host, tensors to bring
         back) so that the last of `masters` ((tensors, places) each, in order) are on the
-        host whole, at least as many bytes as those the host holds a part of, and the others
-        on the device. With `last_on_host` off, each master the host holds a part of goes
+        host whole, the fewest that hold as many bytes as the host holds of masters, and the
+        others on the device. With `last_on_host` off, each master the host holds a part of goes
         there whole instead, and none comes back."""
         def size(tensors) -> int:
             return sum(t.untyped_storage().nbytes() for t in tensors)
+
+        def held(tensors, found) -> int:  # what the host holds of them: half of a split one
+            return sum(t.untyped_storage().nbytes() // (1 if place in ON_HOST else 2)
+                       for t, place in zip(tensors, found) if place in PARTLY_ON_HOST)
 
         partly = [any(place in PARTLY_ON_HOST for place in found) for _, found in masters]
         if self.last_on_host:
@@ -246,7 +250,11 @@ class HostStep:
             # line one master down every step.
             again = [part and id(tensors[0]) in self.returned
                      for (tensors, _), part in zip(masters, partly)]
-            target = sum(size(tensors) for (tensors, _), part, old in zip(masters, partly, again)
+            # As many bytes as the engine left on the host, not the whole masters they are
+            # parts of: the CPUs' time grows with every byte there (Note [Whole masters on
+            # the host]).
+            target = sum(held(tensors, found)
+                         for (tensors, found), part, old in zip(masters, partly, again)
                          if part and not old)
             chosen, total = [False] * len(masters), 0
             for number in reversed(range(len(masters))):
@@ -342,6 +350,10 @@ class HostStep:
         after.record(main)  # the backward's end: the copies need nothing main queues later
         self.fence.wait_event(after)
         run = HostRun()
+        # The optimizer lives while its windows are on the CPUs: the step holds it only weakly,
+        # and a script that drops it right after its last step (or ends) still gets that
+        # step's values in its model (finish_every_behind, at exit too).
+        run.optimizer = stepper.optimizer
         # The settings as they are now: a scheduler may change them before the CPUs are done.
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
@@ -411,6 +423,8 @@ class HostStep:
             finally:
                 with run.changed:
                     run.finished = True
+                    if not run.refused and run.error is None:
+                        run.optimizer = None  # nothing left that steps with it
                     run.changed.notify_all()
 
         run.thread = threading.Thread(target=work, name="zeroalloc-host-step", daemon=True)
@@ -625,6 +639,7 @@ class HostRun:
         self.saved: dict = {}
         self.finished = False
         self.gradients_copied = None  # behind the forward: the event after every copy
+        self.optimizer = None  # held while the run may still step with it (HostStep.start)
 
     def join(self) -> list:
         """Waits for the thread; returns what is left to step on the device (the caller
