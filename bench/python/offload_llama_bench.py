@@ -117,9 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the offload mode once for each")
     parser.add_argument("--stage-after", type=float, default=-1.0, help=argparse.SUPPRESS)
     # Note [Whole masters on the host], for measuring it side by side: 0: masters partly on
-    # the host stay so (bounced); 1: each goes there whole (the default); 2: the last
-    # masters go there whole, the others come back (last_on_host).
-    parser.add_argument("--whole-masters", type=int, default=1, help=argparse.SUPPRESS)
+    # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
+    # whole, the others come back (last_on_host, the default).
+    parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
                         "copied into their own allocation class once a step); 0,1 runs the "

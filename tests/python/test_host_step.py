@@ -152,8 +152,8 @@ data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="c
         for _ in range(8)]
 losses, second = [], None
 for number, (x, y) in enumerate(data):
-    if os.environ.get("PARTLY") == "last" and number == 0:
-        optimizer._zeroalloc_stepper.host.last_on_host = True
+    if os.environ.get("PARTLY") and number == 0:
+        optimizer._zeroalloc_stepper.host.last_on_host = os.environ["PARTLY"] == "last"
     if os.environ.get("PARTLY") and number == 3:
         # One moment of the first master to the host, the master and its other moment left
         # on the device: the CPUs can step it only once the rest follows.
@@ -265,14 +265,14 @@ def test_master_weights_refused_on_the_host_step_on_the_device(tmp_path, behind)
 def test_a_master_partly_on_the_host_goes_there_whole_and_steps_on_the_cpus(tmp_path, how):
     """Note [Whole masters on the host]: with room for everything, one moment of the first
     master is moved to the host after three steps. The next step moves the master and its
-    other moment there too ("whole", the default), or brings the moment back and moves the
-    last masters (the last layer's weight and bias: as many bytes) there whole ("last",
-    last_on_host); the CPUs step the master on the host from then on (bounced through scratch
-    instead, it would cost its host bytes over PCIe every step)."""
+    other moment there too ("whole"), or brings the moment back and moves the last masters
+    (the last layer's weight and bias: the fewest that hold as many bytes) there whole
+    ("last", last_on_host, the default); the CPUs step the master on the host from then on
+    (bounced through scratch instead, it would cost its host bytes over PCIe every step)."""
     plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
     hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), RECIPE="offload",
                         ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_STEP="1",
-                        PARTLY="1" if how == "whole" else how)
+                        PARTLY=how)
     figures = ast.literal_eval(field(hosted, "figures"))
     first, last = field(hosted, "first master").split(), field(hosted, "last master").split()
     print("a master partly on the host:", figures, first, last)

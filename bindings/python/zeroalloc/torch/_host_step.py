@@ -47,13 +47,21 @@ are), so in a steady loop the moves happen once, and again only when the engine 
 more. For the same reason, staging during the backward (Note [Overlapping the step] in
 _optimizer_step.py) leaves windows with states on the host to the step. Only masters move:
 the model's own fp32 weights are what the next forward uses. When the host tier refuses a
-move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before. The
-masters evicted are the first windows' (stepped longest ago), so the forward waits for the
-CPUs at its first layer. `last_on_host` trades them instead for as many bytes of the last
-masters, whole, and brings the others back (out first, which makes the room), so that the
-CPUs step the last layers while the forward runs the first: one step measured 0.180 s
-against 0.26 s, but a chunk holds bytes of two masters, a move takes a part of a neighbour
-along, and the line must not move a master a step; off until measured right.
+move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before.
+
+Which masters, and how many bytes: the masters evicted are the first windows' (stepped
+longest ago), and they are parts of more masters than their bytes make (at 24.8 GiB, 4.2
+GB evicted made 6.2 GB of whole masters). Made whole where they are, the CPUs step 50%
+more than the engine needed, and the forward waits for them at its first layer. So by
+default (`last_on_host`) the step trades them: the fewest last masters, whole, that hold as
+many bytes as the host held of masters go there, and the others come back (out first,
+which makes the room; a net move of nothing, so the next forward needs no more room than
+the last). The CPUs then step the last layers while the forward runs the first, and step
+only what the limit takes. At 24.8 GiB of the 1.3B bench model: 26.4k tokens/s against
+20.9k for completion where they are, side by side, host 4.1 GiB against 5.8 (bench/
+RESULTS.md). A chunk holds bytes of two masters, so a move can take part of a neighbour
+along: residency is asked again after the moves, and a master brought back once and found
+partly on the host again stays so (bounced), else the line would move one master a step.
 """
 
 from __future__ import annotations
@@ -148,10 +156,10 @@ class HostStep:
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
-        # last_on_host the last masters go to the host (else each partial one goes there
-        # whole, where it is).
+        # last_on_host (the default) the last masters go to the host (else each partial one
+        # goes there whole, where it is).
         self.completing = True
-        self.last_on_host = False
+        self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
