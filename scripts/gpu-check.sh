@@ -42,6 +42,14 @@ echo "commit $git_commit" | tee "$out/commit.txt"
 
 skip=" ${GPU_CHECK_SKIP:-} "
 skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
+# A name that is no step's would leave that step in, minutes of device time: refused first.
+steps=" ctest wheel baseline alloc_bench hint migration remap torch_empty preload_overhead trace pytest demo optimizer_step llama host_step disk big sweep zero "
+for name in ${GPU_CHECK_SKIP:-}; do
+  if [[ $steps != *" $name "* ]]; then
+    echo "GPU_CHECK_SKIP names '$name', which is no step of this script; the steps:$steps" >&2
+    exit 2
+  fi
+done
 # Each step packs the logs so far: a run stopped midway still returns them.
 step() { tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null; echo; echo "== $*"; }
 failed=()  # the gates that failed, named in the last line
