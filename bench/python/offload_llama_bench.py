@@ -61,6 +61,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "bindings" / "python"
 
 
+def _load_step_model():
+    """bench/python/step_model.py, beside this file (run as a script or loaded by path)."""
+    spec = importlib.util.spec_from_file_location(
+        "step_model", Path(__file__).resolve().with_name("step_model.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("step_model", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return sys.modules["step_model"]
+
+
+step_model = _load_step_model()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--library", default=str(ROOT / "build" / "libzeroalloc.so"))
@@ -365,8 +378,44 @@ def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_byt
     return max(native_step_s, to_host_s, to_device_s, both_s)
 
 
+STEP_MODEL_NOTE = ("model s: the step time of Note [The step's time model] (bench/python/"
+                   "step_model.py) from the native run's phases, the pinned bandwidth and the "
+                   "CPUs' AdamW rate in the run, with the masters the trade puts on the host; "
+                   "only for master weights with the host step (else nan)")
+
+
+def prefetch_headroom_bytes() -> int:
+    """ZEROALLOC_PREFETCH_BYTES as the library reads it for the common forms (a count of
+    bytes, KiB, MiB or GiB), else its default."""
+    text = os.environ.get("ZEROALLOC_PREFETCH_BYTES", "").strip()
+    found = re.fullmatch(r"(\d+)\s*(KiB|MiB|GiB)?", text)
+    if not found:
+        return 512 << 20
+    return int(found.group(1)) << {None: 0, "KiB": 10, "MiB": 20, "GiB": 30}[found.group(2)]
+
+
+def modelled_step(result: dict, native: dict, bandwidth: Optional[Bandwidth],
+                  shape: Optional[dict]) -> dict:
+    """Note [The step's time model] for one offload run, {} where it does not apply: a run
+    with master weights and the host step (the trade), a native run's phases, the bandwidth
+    and the model's shape (hidden, intermediate, layers, vocab) known."""
+    timed = result.get("timed") or {}
+    phases = native.get("phases_s")
+    if not (result.get("masters_traded") and timed.get("host_params") and timed.get("host_cpu_s")
+            and phases and bandwidth is not None and shape and "peak_reserved" in result):
+        return {}
+    costs = step_model.Costs(phases["forward"], phases["backward"], phases["step"],
+                             bandwidth.host_to_device_gbps * 1e9,
+                             bandwidth.device_to_host_gbps * 1e9,
+                             timed["host_params"] / timed["host_cpu_s"])
+    parameters = step_model.llama_parameters(**shape)
+    on_host = step_model.plan_host(parameters, result["peak_reserved"], result["limit_bytes"],
+                                   prefetch_headroom_bytes())
+    return step_model.predict_step(parameters, on_host, costs)
+
+
 def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
-                  deepspeed: dict) -> dict:
+                  deepspeed: dict, shape: Optional[dict] = None) -> dict:
     """One offload run's row of the sweep: figures per timed step (the worker's `timed`
     deltas, warmup left out), the PCIe bound where the native run and the bandwidth are
     known (else nan), and tokens/s over each DeepSpeed mode's."""
@@ -397,7 +446,13 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
         "unparked_per_step": timed.get("chunks_unparked", nan) / steps if steps else nan,
         "pcie_bound_s": nan,
         "step_over_bound": nan,
+        "model_s": nan,
+        "step_over_model": nan,
     }
+    modelled = modelled_step(result, native, bandwidth, shape)
+    if modelled:
+        figures["model_s"] = modelled["step_s"]
+        figures["step_over_model"] = result["step_s"] / modelled["step_s"]
     if bandwidth is not None and "step_s" in native and "peak_reserved" in native:
         bound = pcie_bound_step_s(native["step_s"], native["peak_reserved"],
                                   result["limit_bytes"], bandwidth)
@@ -408,7 +463,8 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
     return figures
 
 
-def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Bandwidth]) -> str:
+def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Bandwidth],
+                       shape: Optional[dict] = None) -> str:
     """The budget sweep's table: one row per offload run of `sweep` (Runs), then each
     DeepSpeed mode's own footprint and speed for reference, then how the bound was made."""
     deepspeed = {mode: results[mode] for mode in DEEPSPEED_MODES
@@ -418,7 +474,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
               f"{'GiB/step':>8} {'params':>6} {'remap s':>7} {'parked':>6} {'mapped':>6} "
               f"{'host GiB':>8} {'wait s/step':>11} "
-              f"{'PCIe bound s':>12} {'step/bound':>10}")
+              f"{'PCIe bound s':>12} {'step/bound':>10} {'model s':>7} {'step/model':>10}")
     header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
     lines = [header]
     for run in sweep:
@@ -427,7 +483,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
             last_words = (result.get("error") or "").strip().splitlines()[-1:]
             lines.append(f"{run.name:{width}} failed" + "".join(f": {w}" for w in last_words))
             continue
-        f = sweep_figures(result, native, bandwidth, deepspeed)
+        f = sweep_figures(result, native, bandwidth, deepspeed, shape)
         limit = f"{f['limit_gib']:.1f}"
         if run.limit.footprint_of:
             limit += f" ({run.limit.label})"
@@ -436,7 +492,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                 f"{f['parameter_gib_per_step']:6.2f} {f['remap_s_per_step']:7.3f} "
                 f"{f['parked_per_step']:6.0f} {f['unparked_per_step']:6.0f} {f['host_gib']:8.2f} "
                 f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
-                f"{f['step_over_bound']:10.2f}")
+                f"{f['step_over_bound']:10.2f} {f['model_s']:7.3f} {f['step_over_model']:10.2f}")
         line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
         lines.append(line)
     for mode, result in deepspeed.items():  # the reference: its footprint, its speed
@@ -453,6 +509,7 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                  "(ZEROALLOC_PARK_PARAMETERS), mapped: parked chunks mapped on the host for a "
                  "use after all")
     lines.append(PCIE_BOUND_FORMULA)
+    lines.append(STEP_MODEL_NOTE)
     if bandwidth is None:
         lines.append("pinned bandwidth: not measured (the bandwidth run failed)")
     else:
@@ -647,9 +704,11 @@ def worker(args) -> int:
     times, phases = [], []
     loss = None
     timed_from = None
+    host_from = {}
     for index in range(warmup + steps):
         if index == warmup and mode == "offload":
             timed_from = offload_counters(zeroalloc)
+            host_from = zt.step_figures(optimizer)
         torch.cuda.synchronize()
         started = time.perf_counter()
         loss = step()
@@ -685,6 +744,12 @@ def worker(args) -> int:
         timed_to = offload_counters(zeroalloc)
         timed = {name: timed_to[name] - timed_from[name] for name in TIMED_COUNTERS}
         timed["steps"] = steps
+        # Note [Host windows]: what the CPUs stepped in the timed steps, and their time (the
+        # kernel's alone: the step's time model reads their rate from it).
+        host_to = zt.step_figures(optimizer)
+        if "host_bytes" in host_to:
+            timed["host_params"] = (host_to["host_bytes"] - host_from.get("host_bytes", 0)) // 4
+            timed["host_cpu_s"] = host_to["host_s"] - host_from.get("host_s", 0.0)
     if args.profile_dir and mode == "offload":
         # Host time inside the engine's hint calls during one step, by call.
         from zeroalloc import _offload
@@ -741,6 +806,10 @@ def worker(args) -> int:
         if mode == "offload":
             result["overlap"] = zt.step_figures(optimizer)
             result["timed"] = timed
+            # Which rule placed the masters on the host (Note [The step's time model] models
+            # the trade, 2, with master weights).
+            result["masters_traded"] = (getattr(optimizer, "_zeroalloc_masters", None)
+                                        is not None and args.whole_masters == 2)
     print("result " + json.dumps(result), flush=True)
     if mode == "fsdp2":
         torch.distributed.destroy_process_group()
@@ -1111,7 +1180,9 @@ def main() -> int:
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None
-        print("\nbudget sweep\n" + format_sweep_table(sweep, results, bandwidth))
+        shape = {"hidden": args.hidden, "intermediate": args.intermediate,
+                 "layers": args.layers, "vocab": args.vocab}
+        print("\nbudget sweep\n" + format_sweep_table(sweep, results, bandwidth, shape))
     output = {"bench": "offload_llama", "results": results}
     if bandwidth_result is not None:
         output["bandwidth"] = bandwidth_result

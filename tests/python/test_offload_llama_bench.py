@@ -137,6 +137,31 @@ def test_a_sweep_row_counts_the_timed_steps_alone():
     assert figures["vs_ds2"] == pytest.approx(4.0)  # 1.0 s against 0.25 s
 
 
+def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
+    """Note [The step's time model]: a run with master weights and the host step (the
+    trade) gets the model's step beside its own, from the native run's phases, the
+    bandwidth and the CPUs' rate in the run; any other run gets nan."""
+    native = {**made_up_result("native"),
+              "phases_s": {"forward": 0.045, "backward": 0.072, "step": 0.029}}
+    shape = {"hidden": 2048, "intermediate": 5504, "layers": 24, "vocab": 32000}
+    traded = made_up_result("offload", int(24.8 * GIB))
+    traded.update(masters_traded=True, peak_reserved=int(28.3 * GIB))
+    traded["timed"].update(host_params=4 * 365_000_000, host_cpu_s=4 * 0.09125)  # 4 G/s
+    figures = bench.sweep_figures(traded, native, BANDWIDTH, {}, shape)
+    parameters = bench.step_model.llama_parameters(**shape)
+    expected = bench.step_model.predict_step(
+        parameters, bench.step_model.plan_host(parameters, int(28.3 * GIB),
+                                               int(24.8 * GIB), 512 << 20),
+        bench.step_model.Costs(0.045, 0.072, 0.029, 50e9, 50e9, 4e9))["step_s"]
+    assert figures["model_s"] == pytest.approx(expected)
+    assert 0.146 < figures["model_s"] < 0.2  # the native step and the CPUs' 0.09 s after it
+    assert figures["step_over_model"] == pytest.approx(0.25 / expected)
+    for unmodelled in ({**traded, "masters_traded": False}, made_up_result("offload", 24 * GIB)):
+        figures = bench.sweep_figures(unmodelled, native, BANDWIDTH, {}, shape)
+        assert math.isnan(figures["model_s"]) and math.isnan(figures["step_over_model"])
+    assert math.isnan(bench.sweep_figures(traded, native, BANDWIDTH, {})["model_s"])  # no shape
+
+
 def test_a_sweep_row_without_native_run_has_no_bound():
     figures = bench.sweep_figures(made_up_result("offload", 24 * GIB), {}, BANDWIDTH, {})
     assert math.isnan(figures["pcie_bound_s"]) and math.isnan(figures["step_over_bound"])
