@@ -123,7 +123,6 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   stats_.apply(
       cls, [](live_gauges& figures) { figures.retries.fetch_add(1, std::memory_order_relaxed); });
   const std::size_t needed = heap_for(cls, rounded_bytes).segment_bytes_for(rounded_bytes);
-  // The smallest segment that holds the request (Note [Segments at the limit]).
   // The smallest segment that holds the request (Note [Segments at the limit] in heap.cpp).
   const std::size_t least = heap_for(cls, rounded_bytes).least_segment_bytes(rounded_bytes);
   paging_listener* listener = listener_.load(std::memory_order_acquire);
