@@ -63,12 +63,13 @@ PACKAGE = ROOT / "bindings" / "python"
 
 def _load_step_model():
     """bench/python/step_model.py, beside this file (run as a script or loaded by path)."""
+    name = "zeroalloc_bench_step_model"
     spec = importlib.util.spec_from_file_location(
-        "step_model", Path(__file__).resolve().with_name("step_model.py"))
+        name, Path(__file__).resolve().with_name("step_model.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("step_model", module)  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return sys.modules["step_model"]
+    return module
 
 
 step_model = _load_step_model()
@@ -385,13 +386,19 @@ STEP_MODEL_NOTE = ("model s: the step time of Note [The step's time model] (benc
 
 
 def prefetch_headroom_bytes() -> int:
-    """ZEROALLOC_PREFETCH_BYTES as the library reads it for the common forms (a count of
-    bytes, KiB, MiB or GiB), else its default."""
-    text = os.environ.get("ZEROALLOC_PREFETCH_BYTES", "").strip()
-    found = re.fullmatch(r"(\d+)\s*(KiB|MiB|GiB)?", text)
-    if not found:
+    """ZEROALLOC_PREFETCH_BYTES as the library reads it (zeroalloc doctor's reading), else
+    its default, 512 MiB."""
+    text = os.environ.get("ZEROALLOC_PREFETCH_BYTES", "")
+    if not text.strip():
         return 512 << 20
-    return int(found.group(1)) << {None: 0, "KiB": 10, "MiB": 20, "GiB": 30}[found.group(2)]
+    if str(PACKAGE) not in sys.path:
+        sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.doctor import _byte_size
+    size = _byte_size(text)
+    if not size:
+        raise ValueError(f"ZEROALLOC_PREFETCH_BYTES={text!r} is not a byte size the library "
+                         "reads (for example 512MiB or 1GiB)")
+    return size
 
 
 def modelled_step(result: dict, native: dict, bandwidth: Optional[Bandwidth],
@@ -401,8 +408,10 @@ def modelled_step(result: dict, native: dict, bandwidth: Optional[Bandwidth],
     and the model's shape (hidden, intermediate, layers, vocab) known."""
     timed = result.get("timed") or {}
     phases = native.get("phases_s")
-    if not (result.get("masters_traded") and timed.get("host_params") and timed.get("host_cpu_s")
-            and phases and bandwidth is not None and shape and "peak_reserved" in result):
+    behind = (result.get("overlap") or {}).get("host_behind_steps", 0) > 0
+    if not (result.get("masters_traded") and behind and timed.get("host_params")
+            and timed.get("host_cpu_s") and phases and bandwidth is not None and shape
+            and "peak_reserved" in result):
         return {}
     costs = step_model.Costs(phases["forward"], phases["backward"], phases["step"],
                              bandwidth.host_to_device_gbps * 1e9,
@@ -744,8 +753,10 @@ def worker(args) -> int:
         timed_to = offload_counters(zeroalloc)
         timed = {name: timed_to[name] - timed_from[name] for name in TIMED_COUNTERS}
         timed["steps"] = steps
-        # Note [Host windows]: what the CPUs stepped in the timed steps, and their time (the
-        # kernel's alone: the step's time model reads their rate from it).
+        # Note [Host windows]: what the CPUs stepped in the timed steps, and their time (each
+        # window's calls, bf16 write-backs included, without the waits for its gradients:
+        # the step's time model reads their rate from it). A run behind the forward may be
+        # midway at either snapshot; over several steps that is a small part.
         host_to = zt.step_figures(optimizer)
         if "host_bytes" in host_to:
             timed["host_params"] = (host_to["host_bytes"] - host_from.get("host_bytes", 0)) // 4

@@ -17,7 +17,8 @@ the CPUs finishing behind the forward), the step's time follows from a few figur
 - the timeline: the backward; then the device steps its masters while the gradients of
   the host's are copied, and the CPUs step theirs in the order of the parameters as their
   gradients arrive; the step returns when the device's windows are done, and the next
-  forward runs each parameter's layer once the CPUs have written its working copy back.
+  forward runs each parameter's layer once the CPUs have written its working copy back
+  (on the copy stream, after every gradient's copy).
 
 `predict_step` replays that timeline parameter by parameter. It leaves out what the step
 adds around the kernels (the hooks' host time, the windowed step's bookkeeping) and any
@@ -74,9 +75,10 @@ def llama_parameters(hidden: int, intermediate: int, layers: int, vocab: int) ->
 def plan_host(parameters: list, reserved_bytes: int, limit_bytes: int,
               headroom_bytes: int) -> list:
     """Note [The step's time model]: whether each parameter's master and moments are on the
-    host. The engine evicts what the step reserves (`reserved_bytes`, its peak with nothing
-    on the host) above the limit less the headroom it keeps free; the trade makes as many
-    bytes of the last masters whole there, the fewest that hold them."""
+    host. The engine evicts what the step reserves (`reserved_bytes`: the peak the run
+    reserved, its host-resident chunks included, about the same at every limit) above the
+    limit less the headroom it keeps free; the trade makes as many bytes of the last masters
+    whole there, the fewest that hold them."""
     needed = max(0, reserved_bytes + headroom_bytes - limit_bytes)
     on_host = [False] * len(parameters)
     held = 0
@@ -90,14 +92,18 @@ def plan_host(parameters: list, reserved_bytes: int, limit_bytes: int,
 
 def predict_step(parameters: list, on_host: list, costs: Costs) -> dict:
     """Note [The step's time model]: the step time the timeline gives, with its parts:
-    `step_s`, `cpu_s` (the CPUs' AdamW), `forward_wait_s` (the forward waiting for them),
-    `host_params`."""
+    `step_s`, `cpu_s` (when the CPUs are done, from the step's start, their waits for the
+    gradients included), `forward_wait_s` (the forward waiting for the working copies),
+    `host_params`, `device_step_s`."""
     total = sum(p.count for p in parameters)
     host_params = sum(p.count for p, there in zip(parameters, on_host) if there)
     # The device steps its masters (the native step scaled to their share) while the copy
     # stream takes the host masters' gradients, one after the other, in the parameters'
     # order; the CPUs step each once its gradient has arrived.
     device_step_s = costs.step_s * (total - host_params) / total if total else 0.0
+    # One copy stream takes every gradient first, then the working copies the CPUs wrote,
+    # in their order.
+    written = host_params * WORKING_BYTES / costs.device_to_host_bps
     copied = 0.0
     cpu = 0.0
     ready = []  # per parameter: when its working copy is back on the device (0: never left)
@@ -107,7 +113,8 @@ def predict_step(parameters: list, on_host: list, costs: Costs) -> dict:
             continue
         copied += parameter.count * WORKING_BYTES / costs.device_to_host_bps
         cpu = max(cpu, copied) + parameter.count / costs.cpu_params_per_s
-        ready.append(cpu + parameter.count * WORKING_BYTES / costs.host_to_device_bps)
+        written = max(written, cpu) + parameter.count * WORKING_BYTES / costs.host_to_device_bps
+        ready.append(written)
     # The forward starts when the step returns and runs each parameter's compute once its
     # working copy is back.
     clock = device_step_s

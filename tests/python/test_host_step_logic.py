@@ -142,6 +142,64 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert not whole_fp32(whole.to(torch.bfloat16))
 
 
+def test_a_master_a_trade_drags_partly_to_the_host_stays_so(monkeypatch):
+    """Note [Whole masters on the host]: a chunk holds bytes of two masters, so moving the
+    last master out can take part of the one before it along. That one stays where it is
+    (bounced) and is not counted again: traded for one more master whole, its move would
+    drag the next one along, and the line would creep down a master a step."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+
+    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(5)]
+    optimizer = torch.optim.AdamW(masters)
+    for master in masters:
+        optimizer.state[master] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+
+    class Stepper:
+        pass
+
+    stepper = Stepper()
+    stepper.optimizer = optimizer
+    stepper.masters = object()
+    monkeypatch.setattr(_host_step, "working_of", lambda _, parameter: object())
+    host = _host_step.HostStep()
+    assert host.last_on_host  # the default
+
+    def tensors(master):
+        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+
+    def pointer(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
+    where = {pointer(t): "device" for master in masters for t in tensors(master)}
+    where[pointer(tensors(masters[0])[1])] = "host"  # the engine evicted one moment
+    shared = pointer(tensors(masters[3])[2])  # shares a chunk with the last master
+    calls = []
+
+    def mover(kind, landing):
+        def move(address, wait=True):
+            calls.append((kind, address))
+            if wait:
+                where[address] = landing
+                if address == pointer(masters[4]):
+                    where[shared] = "split"  # dragged along
+        return move
+
+    monkeypatch.setattr(_host_step, "residency_or_foreign",
+                        lambda tensor: where[pointer(tensor)])
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("out", "host"))
+    monkeypatch.setattr(_host_step._offload, "fetch_pointer", mover("in", "device"))
+    host.whole_on_host(stepper, [masters], {}, {})
+    assert {address for kind, address in calls if kind == "out"} == {
+        pointer(t) for t in tensors(masters[4])}
+    assert where[shared] == "split"
+    for _ in range(3):  # the steps after: the line stays where it is
+        calls.clear()
+        host.whole_on_host(stepper, [masters], {}, {})
+        assert calls == []
+
+
 def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkeypatch):
     """Note [Whole masters on the host]: the parts of masters the host holds are traded for
     as many bytes of the last masters, whole (moved out first, all queued before any is

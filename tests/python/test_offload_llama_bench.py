@@ -145,7 +145,8 @@ def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
               "phases_s": {"forward": 0.045, "backward": 0.072, "step": 0.029}}
     shape = {"hidden": 2048, "intermediate": 5504, "layers": 24, "vocab": 32000}
     traded = made_up_result("offload", int(24.8 * GIB))
-    traded.update(masters_traded=True, peak_reserved=int(28.3 * GIB))
+    traded.update(masters_traded=True, peak_reserved=int(28.3 * GIB),
+                  overlap={"host_behind_steps": 7})
     traded["timed"].update(host_params=4 * 365_000_000, host_cpu_s=4 * 0.09125)  # 4 G/s
     figures = bench.sweep_figures(traded, native, BANDWIDTH, {}, shape)
     parameters = bench.step_model.llama_parameters(**shape)
@@ -156,7 +157,8 @@ def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
     assert figures["model_s"] == pytest.approx(expected)
     assert 0.146 < figures["model_s"] < 0.2  # the native step and the CPUs' 0.09 s after it
     assert figures["step_over_model"] == pytest.approx(0.25 / expected)
-    for unmodelled in ({**traded, "masters_traded": False}, made_up_result("offload", 24 * GIB)):
+    for unmodelled in ({**traded, "masters_traded": False}, made_up_result("offload", 24 * GIB),
+                       {**traded, "overlap": {"host_behind_steps": 0}}):
         figures = bench.sweep_figures(unmodelled, native, BANDWIDTH, {}, shape)
         assert math.isnan(figures["model_s"]) and math.isnan(figures["step_over_model"])
     assert math.isnan(bench.sweep_figures(traded, native, BANDWIDTH, {})["model_s"])  # no shape

@@ -230,9 +230,18 @@ class HostStep:
                           "now on")
         # A chunk may hold bytes of two masters: a move can take a part of one it did not
         # name along (asked again, such a master steps on the device, bounced, not refused).
-        for tensors, _ in masters:
+        # With the trade, such a master stays so, as one brought back does: counted in the
+        # next step's bytes, it would be traded for one more last master whole, whose move
+        # drags the next neighbour along, and the line would creep a master a step.
+        moved = {id(tensor) for tensor in to_host}
+        for tensors, found in masters:
             for tensor in tensors:
                 places[id(tensor)] = residency_or_foreign(tensor)
+            dragged = (self.last_on_host and not any(id(t) in moved for t in tensors)
+                       and not any(place in PARTLY_ON_HOST for place in found)
+                       and any(places[id(t)] in PARTLY_ON_HOST for t in tensors))
+            if dragged:
+                self.returned.add(id(tensors[0]))
         self.figures["host_completed_bytes"] += sum(t.untyped_storage().nbytes()
                                                     for t in to_host)
         self.figures["host_returned_bytes"] += sum(t.untyped_storage().nbytes()
@@ -429,11 +438,15 @@ class HostStep:
                             run.error = run.error or failure
                         run.refused.extend(left)
             finally:
+                held = None
                 with run.changed:
                     run.finished = True
                     if not run.refused and run.error is None:
-                        run.optimizer = None  # nothing left that steps with it
+                        held, run.optimizer = run.optimizer, None  # nothing steps with it now
                     run.changed.notify_all()
+                # Outside the lock: the last reference may free the optimizer's states here,
+                # which no waiter should wait for.
+                del held
 
         run.thread = threading.Thread(target=work, name="zeroalloc-host-step", daemon=True)
         run.thread.start()
@@ -562,6 +575,7 @@ class HostStep:
         self.figures["host_behind_s"] += time.perf_counter() - started
         torch.cuda.current_stream(behind.device).wait_stream(self.stream)
         self.step_refused(behind)
+        behind.run.optimizer = None  # what the run left is stepped: it needs it no more
         if behind.run.error is not None:
             raise behind.run.error
 

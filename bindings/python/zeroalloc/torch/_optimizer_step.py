@@ -832,8 +832,10 @@ class WindowedStep:
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
-        if host_run is not None and not behind and host_run.error is not None:
-            raise host_run.error
+        if host_run is not None and not behind:
+            host_run.optimizer = None  # what the run left is stepped: it needs it no more
+            if host_run.error is not None:
+                raise host_run.error
 
     def may_finish_behind(self, chosen: list) -> bool:
         """Note [The host step finishes behind the forward]: whether the CPUs' windows may
