@@ -60,8 +60,9 @@ the last). The CPUs then step the last layers while the forward runs the first, 
 only what the limit takes. At 24.8 GiB of the 1.3B bench model: 26.4k tokens/s against
 20.9k for completion where they are, side by side, host 4.1 GiB against 5.8 (bench/
 RESULTS.md). A chunk holds bytes of two masters, so a move can take part of a neighbour
-along: residency is asked again after the moves, and a master brought back once and found
-partly on the host again stays so (bounced), else the line would move one master a step.
+along: residency is asked again after the moves, and a master brought back once, or
+dragged partly to the host by a neighbour's move, stays so (bounced: a chunk's bytes over
+PCIe), else the line would move one master a step.
 """
 
 from __future__ import annotations
