@@ -307,3 +307,85 @@ def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkey
     monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("out", "host"))
     host.whole_on_host(stepper, [masters], {}, {})
     assert calls == []
+
+
+@pytest.mark.parametrize("chunk_floats, evicted_chunks", [(64, 5), (48, 9), (100, 3)])
+def test_the_trade_settles_on_chunks_shared_by_masters(monkeypatch, chunk_floats,
+                                                       evicted_chunks):
+    """Note [Whole masters on the host], on a layout like the engine's: masters of mixed sizes
+    back to back, then their moments, in chunks that straddle tensors; a fetch or an
+    eviction moves whole chunks, dragging the neighbours' bytes along. The engine evicted
+    the first chunks of the moments (stepped longest ago). Step after step the trade moves
+    the last masters out, brings the rest back, and settles: no move after the third step,
+    the masters whole on the host are the last ones, and the host holds no more than the
+    engine evicted plus one master and the two chunks the line straddles (a creep, or each
+    partial master made whole, holds far more)."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+
+    sizes = [24, 40, 8, 56, 16, 32, 8, 48, 24, 40, 8, 64, 16, 32]  # floats per master
+    masters = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
+    optimizer = torch.optim.AdamW(masters)
+    for master in masters:
+        optimizer.state[master] = {"exp_avg": torch.zeros_like(master),
+                                   "exp_avg_sq": torch.zeros_like(master)}
+
+    def tensors(master):
+        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+
+    # The engine's address space, in floats: the masters, then each master's two moments.
+    span = {}
+    offset = 0
+    for master in masters:
+        span[tensors(master)[0].untyped_storage().data_ptr()] = (offset, master.numel())
+        offset += master.numel()
+    for master in masters:
+        for moment in tensors(master)[1:]:
+            span[moment.untyped_storage().data_ptr()] = (offset, moment.numel())
+            offset += moment.numel()
+    chunks = ["device"] * -(-offset // chunk_floats)
+    for number in range(len(chunks) // 2, len(chunks) // 2 + evicted_chunks):
+        chunks[number] = "host"  # the first moments' chunks
+    evicted = evicted_chunks * chunk_floats * 4
+
+    def chunks_of(pointer):
+        start, count = span[pointer]
+        return range(start // chunk_floats, (start + count - 1) // chunk_floats + 1)
+
+    def residency(tensor):
+        places = {chunks[number] for number in chunks_of(tensor.untyped_storage().data_ptr())}
+        return places.pop() if len(places) == 1 else "split"
+
+    moves = []
+
+    def mover(landing):
+        def move(address, wait=True):
+            if wait:
+                moves.append(address)
+                for number in chunks_of(address):
+                    chunks[number] = landing
+        return move
+
+    class Stepper:
+        pass
+
+    stepper = Stepper()
+    stepper.optimizer = optimizer
+    stepper.masters = object()
+    monkeypatch.setattr(_host_step, "working_of", lambda _, parameter: object())
+    monkeypatch.setattr(_host_step, "residency_or_foreign", residency)
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("host"))
+    monkeypatch.setattr(_host_step._offload, "fetch_pointer", mover("device"))
+    host = _host_step.HostStep()
+    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
+    windows = [masters[:5], masters[5:9], masters[9:]]
+    for step in range(8):
+        moves.clear()
+        host.whole_on_host(stepper, windows, {}, {})
+        if step >= 3:
+            assert moves == [], f"step {step} still moves"
+    whole = [all(residency(t) == "host" for t in tensors(m)) for m in masters]
+    first = whole.index(True)
+    assert all(whole[first:]), whole  # the last masters, whole
+    host_bytes = chunks.count("host") * chunk_floats * 4
+    assert host_bytes <= evicted + max(sizes) * 12 + 2 * chunk_floats * 4, (host_bytes, evicted)
