@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -142,36 +143,52 @@ def test_adamw_settings_chooses_only_the_updates_the_host_step_runs():
     assert not whole_fp32(whole.to(torch.bfloat16))
 
 
+def masters_of_an_adamw(sizes: list) -> tuple:
+    """fp32 masters of `sizes` elements, and an AdamW over them whose moments exist."""
+    masters = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
+    optimizer = torch.optim.AdamW(masters)
+    for master in masters:
+        optimizer.state[master] = {"exp_avg": torch.zeros_like(master),
+                                   "exp_avg_sq": torch.zeros_like(master)}
+    return masters, optimizer
+
+
+def tensors_of(optimizer, master) -> tuple:
+    """A master and its two moments."""
+    return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+
+
+def host_step_with_masters(monkeypatch, optimizer, own_weight=None) -> tuple:
+    """A HostStep, and a stand-in for the windowed step over `optimizer` under master
+    weights: every parameter a master but `own_weight`, each steppable with its moments."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+
+    stepper = types.SimpleNamespace(optimizer=optimizer, masters=object())
+    monkeypatch.setattr(_host_step, "working_of",
+                        lambda _, parameter: None if parameter is own_weight else object())
+    host = _host_step.HostStep()
+    monkeypatch.setattr(host, "steppable",
+                        lambda _, parameter, groups: tensors_of(optimizer, parameter))
+    return host, stepper
+
+
 def test_a_master_a_trade_drags_partly_to_the_host_stays_so(monkeypatch):
     """Note [Whole masters on the host]: a chunk holds bytes of two masters, so moving the
     last master out can take part of the one before it along. That one stays where it is
     (bounced) and is not counted again: traded for one more master whole, its move would
     drag the next one along, and the line would creep down a master a step."""
-    sys.path.insert(0, str(PACKAGE))
+    masters, optimizer = masters_of_an_adamw([4] * 5)
+    host, stepper = host_step_with_masters(monkeypatch, optimizer)
     from zeroalloc.torch import _host_step
-
-    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(5)]
-    optimizer = torch.optim.AdamW(masters)
-    for master in masters:
-        optimizer.state[master] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
-
-    class Stepper:
-        pass
-
-    stepper = Stepper()
-    stepper.optimizer = optimizer
-    stepper.masters = object()
-    monkeypatch.setattr(_host_step, "working_of", lambda _, parameter: object())
-    host = _host_step.HostStep()
     assert host.last_on_host  # the default
 
     def tensors(master):
-        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+        return tensors_of(optimizer, master)
 
     def pointer(tensor):
         return tensor.untyped_storage().data_ptr()
 
-    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
     where = {pointer(t): "device" for master in masters for t in tensors(master)}
     where[pointer(tensors(masters[0])[1])] = "host"  # the engine evicted one moment
     shared = pointer(tensors(masters[3])[2])  # shares a chunk with the last master
@@ -206,31 +223,15 @@ def test_masters_partly_on_the_host_are_traded_for_the_last_masters_whole(monkey
     waited for), and the others come back whole; in the order as planned nothing moves. A
     model's own weight, and a master with a chunk on disk or moving, are left where they
     are. When the host tier refuses, it warns once and moves nothing more."""
-    sys.path.insert(0, str(PACKAGE))
+    masters, optimizer = masters_of_an_adamw([4] * 9)
+    host, stepper = host_step_with_masters(monkeypatch, optimizer, own_weight=masters[5])
     from zeroalloc._library import ZeroallocError
     from zeroalloc.torch import _host_step
-
-    masters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(9)]
-    optimizer = torch.optim.AdamW(masters)
-    for master in masters:
-        optimizer.state[master] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
-    own_weight = masters[5]
-
-    class Stepper:
-        pass
-
-    stepper = Stepper()
-    stepper.optimizer = optimizer
-    stepper.masters = object()
-    monkeypatch.setattr(_host_step, "working_of",
-                        lambda _, parameter: None if parameter is own_weight else object())
-    host = _host_step.HostStep()
     host.last_on_host = True
 
     def tensors(master):
-        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+        return tensors_of(optimizer, master)
 
-    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
     placed = [("device", "host", "device"),  # one moment on the host: comes back
               ("split", "device", "device"),  # a chunk of the master on the host: back
               ("device", "device", "device"),
@@ -320,18 +321,13 @@ def test_the_trade_settles_on_chunks_shared_by_masters(monkeypatch, chunk_floats
     the masters whole on the host are the last ones, and the host holds no more than the
     engine evicted plus one master and the two chunks the line straddles (a creep, or each
     partial master made whole, holds far more)."""
-    sys.path.insert(0, str(PACKAGE))
+    sizes = [24, 40, 8, 56, 16, 32, 8, 48, 24, 40, 8, 64, 16, 32]  # floats per master
+    masters, optimizer = masters_of_an_adamw(sizes)
+    host, stepper = host_step_with_masters(monkeypatch, optimizer)
     from zeroalloc.torch import _host_step
 
-    sizes = [24, 40, 8, 56, 16, 32, 8, 48, 24, 40, 8, 64, 16, 32]  # floats per master
-    masters = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
-    optimizer = torch.optim.AdamW(masters)
-    for master in masters:
-        optimizer.state[master] = {"exp_avg": torch.zeros_like(master),
-                                   "exp_avg_sq": torch.zeros_like(master)}
-
     def tensors(master):
-        return (master, optimizer.state[master]["exp_avg"], optimizer.state[master]["exp_avg_sq"])
+        return tensors_of(optimizer, master)
 
     # The engine's address space, in floats: the masters, then each master's two moments.
     span = {}
@@ -366,18 +362,9 @@ def test_the_trade_settles_on_chunks_shared_by_masters(monkeypatch, chunk_floats
                     chunks[number] = landing
         return move
 
-    class Stepper:
-        pass
-
-    stepper = Stepper()
-    stepper.optimizer = optimizer
-    stepper.masters = object()
-    monkeypatch.setattr(_host_step, "working_of", lambda _, parameter: object())
     monkeypatch.setattr(_host_step, "residency_or_foreign", residency)
     monkeypatch.setattr(_host_step._offload, "offload_pointer", mover("host"))
     monkeypatch.setattr(_host_step._offload, "fetch_pointer", mover("device"))
-    host = _host_step.HostStep()
-    monkeypatch.setattr(host, "steppable", lambda _, parameter, groups: tensors(parameter))
     windows = [masters[:5], masters[5:9], masters[9:]]
     for step in range(8):
         moves.clear()
