@@ -69,14 +69,6 @@ for x, y in data:
 print("losses", " ".join(f"{value!r}" for value in losses))
 if offload:
     print("figures", zt.step_figures(optimizer))
-    if os.environ.get("PARTLY"):
-        from zeroalloc import _offload
-        params = optimizer.param_groups[0]["params"]
-        for name, master in (("first", params[0]), ("last", params[-2])):  # weights
-            state = optimizer.state[master]
-            print(name, "master", " ".join(
-                _offload.residency_of(t.untyped_storage().data_ptr())
-                for t in (master, state["exp_avg"], state["exp_avg_sq"])))
 if os.environ.get("REFUSE"):
     print("refused", refusals[1], "of", refusals[0])
 with torch.no_grad():
