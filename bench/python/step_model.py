@@ -57,15 +57,13 @@ class Costs:
 
 def llama_parameters(hidden: int, intermediate: int, layers: int, vocab: int) -> list:
     """The parameters of the bench's Llama (heads as many as key-value heads, no biases,
-    untied embedding) in the order of the forward, each with its compute share: a layer's
-    matrices in proportion to their size, the embedding none (a lookup), the head its size."""
-    matrices = ([hidden * hidden] * 4 + [hidden * intermediate] * 3)
+    untied embedding) in the order of `model.parameters()`, which is the optimizer's and
+    about the forward's, each with its compute share: a layer's matrices in proportion to
+    their size, the embedding none (a lookup), the head its size."""
+    matrices = [hidden * hidden] * 4 + [hidden * intermediate] * 3  # attention, then MLP
     order = [("embedding", vocab * hidden)]
-    for _ in range(layers):
-        order.append(("norm", hidden))
-        order += [("matrix", size) for size in matrices[:4]]
-        order.append(("norm", hidden))
-        order += [("matrix", size) for size in matrices[4:]]
+    for _ in range(layers):  # transformers registers a layer's two norms after its matrices
+        order += [("matrix", size) for size in matrices] + [("norm", hidden)] * 2
     order += [("norm", hidden), ("matrix", vocab * hidden)]
     computing = sum(size for kind, size in order if kind == "matrix")
     return [Parameter(size, size / computing if kind == "matrix" else 0.0)
