@@ -819,8 +819,9 @@ def worker(args) -> int:
             result["timed"] = timed
             # Which rule placed the masters on the host (Note [The step's time model] models
             # the trade, 2, with master weights).
-            result["masters_traded"] = (getattr(optimizer, "_zeroalloc_masters", None)
-                                        is not None and args.whole_masters == 2)
+            from zeroalloc.torch._master_weights import masters_of
+            result["masters_traded"] = (masters_of(optimizer) is not None
+                                        and args.whole_masters == 2)
     print("result " + json.dumps(result), flush=True)
     if mode == "fsdp2":
         torch.distributed.destroy_process_group()

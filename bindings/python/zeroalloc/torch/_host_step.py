@@ -40,14 +40,15 @@ of masters: a moment here, a master's chunk there. The CPUs step only a master w
 byte is on the host; any other is bounced through device scratch, all its host bytes in and
 out over PCIe every step, and the step waits for that (at 24.8 GiB of the 1.3B bench model,
 2.3 GiB a step while the CPUs stepped one window). So with master weights, the step first
-moves the rest of every master the host holds a part of there (the master, its moments;
-queued together, then waited for), and the CPUs step it from then on (1.14 x at 24.8 GiB,
-bench/RESULTS.md). Nothing fetches states between steps (the step reaches them where they
-are), so in a steady loop the moves happen once, and again only when the engine had to move
-more. For the same reason, staging during the backward (Note [Overlapping the step] in
-_optimizer_step.py) leaves windows with states on the host to the step. Only masters move:
-the model's own fp32 weights are what the next forward uses. When the host tier refuses a
-move (ZEROALLOC_HOST_LIMIT), it warns once, and partial masters are bounced as before.
+makes masters whole on one side (which ones: below; each direction's moves queued
+together, then waited for), and the CPUs step those on the host from then on (1.14 x at
+24.8 GiB for the first rule alone, bench/RESULTS.md). Nothing fetches states between
+steps (the step reaches them where they are), so in a steady loop the moves happen once,
+and again only when the engine had to move more. For the same reason, staging during the
+backward (Note [Overlapping the step] in _optimizer_step.py) leaves windows with states on
+the host to the step. Only masters move: the model's own fp32 weights are what the next
+forward uses. When the host tier refuses a move (ZEROALLOC_HOST_LIMIT), it warns once, and
+partial masters are bounced as before.
 
 Which masters, and how many bytes: the masters evicted are the first windows' (stepped
 longest ago), and they are parts of more masters than their bytes make (at 24.8 GiB, 4.2
@@ -194,10 +195,10 @@ class HostStep:
         return tensors
 
     def whole_on_host(self, stepper, windows: list, places: dict, groups: dict) -> None:
-        """Note [Whole masters on the host]: each master the host holds a part of goes there
-        whole, so the CPUs step it (with `last_on_host`, they are traded for the last
-        masters, whole, and come back: trade()). `places` holds the residency asked of the
-        windows' masters and states; it is updated."""
+        """Note [Whole masters on the host]: what the host holds of masters is traded for the
+        last masters, whole, and the rest comes back (without `last_on_host`, each master
+        the host holds a part of goes there whole instead): trade(). `places` holds the
+        residency asked of the windows' masters and states; it is updated."""
         if not self.completing or stepper.masters is None:
             return
         masters = []  # (tensors, their places), in the order the CPUs step them
