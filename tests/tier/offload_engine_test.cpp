@@ -1998,6 +1998,208 @@ TEST_F(OffloadEngineTest, TheBackwardsUsesAreInTheOrderAndItsLayersAreFetchedAhe
   device_->destroy_stream(compute);
 }
 
+// Belady's MIN (the fewest fetches any policy can make) on `order`, repeated step after
+// step, with room for `room` chunks: a use needs every chunk of its group on the device, and
+// a miss evicts the chunk, not of that group, whose next use is farthest. Returns the
+// fetches of one step once they repeat (the third of five steps; the first fills the room).
+std::uint64_t fewest_fetches_per_step(const std::vector<std::vector<int>>& order,
+                                      std::size_t room) {
+  constexpr int kSteps = 5;
+  std::vector<int> uses;    // every chunk's use, step after step
+  std::vector<int> groups;  // the group of each use
+  for (int step = 0; step < kSteps; ++step) {
+    for (std::size_t group = 0; group < order.size(); ++group) {
+      for (int chunk : order[group]) {
+        uses.push_back(chunk);
+        groups.push_back(step * static_cast<int>(order.size()) + static_cast<int>(group));
+      }
+    }
+  }
+  auto next_use = [&](int chunk, std::size_t from) {
+    for (std::size_t at = from; at < uses.size(); ++at) {
+      if (uses[at] == chunk) return at;
+    }
+    return uses.size();
+  };
+  std::vector<int> resident;
+  std::uint64_t counted = 0;
+  const std::size_t per_step = uses.size() / kSteps;
+  for (std::size_t at = 0; at < uses.size(); ++at) {
+    const int chunk = uses[at];
+    if (std::find(resident.begin(), resident.end(), chunk) != resident.end()) continue;
+    if (at / per_step == 2) ++counted;
+    if (resident.size() == room) {
+      std::size_t farthest = 0;
+      std::size_t victim = resident.size();
+      for (std::size_t i = 0; i < resident.size(); ++i) {
+        std::size_t first_of_group = at;
+        while (first_of_group > 0 && groups[first_of_group - 1] == groups[at]) --first_of_group;
+        bool in_group = false;
+        for (std::size_t g = first_of_group; g < uses.size() && groups[g] == groups[at]; ++g) {
+          in_group = in_group || uses[g] == resident[i];
+        }
+        if (in_group) continue;
+        const std::size_t next = next_use(resident[i], at);
+        if (victim == resident.size() || next > farthest) {
+          farthest = next;
+          victim = i;
+        }
+      }
+      resident.erase(resident.begin() + static_cast<std::ptrdiff_t>(victim));
+    }
+    resident.push_back(chunk);
+  }
+  return counted;
+}
+
+// Planned placement on a recorded order: the step of a small decoder (an embedding, then
+// eight layers of attention and MLP parameters, one chunk per tensor; the forward in order,
+// the backward in reverse, then AdamW's windows stepping each layer's parameters and two
+// states a parameter where they are) under a limit of 64 MiB, with 88 MiB of parameters
+// and 176 MiB of states. What the learned order should make of it: the states stay on the
+// host for the whole step (used in place, never fetched), the parameters stream, and they
+// cost no more fetches than Belady's MIN, the fewest any policy could make on that order,
+// with the room the engine leaves: it keeps the prefetch distance free for fetches ahead
+// (plan_headroom), so MIN is counted with that much less room. A fetch that evicted a chunk
+// needed before it would have to fetch that chunk again, and go past it. Every use finds
+// its chunk on the device, and every byte written is kept.
+TEST_F(OffloadEngineTest, AStepUnderALimitStreamsItsParametersWithTheFewestFetches) {
+  constexpr std::size_t kChunk = 2 * MiB;
+  allocator_settings settings;
+  settings.chunk_bytes = kChunk;
+  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  constexpr std::size_t kRoom = 32;     // chunks under the limit
+  constexpr std::size_t kHeadroom = 6;  // the prefetch distance, kept free
+  start(kRoom * kChunk, kHeadroom * kChunk);
+  offload_engine& engine = *engine_;
+  stream_handle compute = device_->create_stream();
+  // Tensors, one chunk each: the embedding's 4, then per layer attention's 2 and the MLP's 3.
+  constexpr int kLayers = 8;
+  std::vector<void*> parameters;
+  std::vector<std::vector<int>> layer_tensors;  // [0]: the embedding, then the layers
+  auto add_group = [&](int tensors) {
+    layer_tensors.emplace_back();
+    for (int i = 0; i < tensors; ++i) {
+      layer_tensors.back().push_back(static_cast<int>(parameters.size()));
+      parameters.push_back(allocator_->allocate(kChunk, compute, allocation_class::parameter));
+    }
+  };
+  add_group(4);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    add_group(2);
+    add_group(3);
+  }
+  std::vector<void*> states;  // two a parameter (AdamW's moments)
+  for (std::size_t i = 0; i < 2 * parameters.size(); ++i) {
+    states.push_back(allocator_->allocate(kChunk, compute, allocation_class::optimizer_state));
+  }
+  std::vector<std::uint8_t> value(parameters.size() + states.size(), 0);
+  auto write = [&](int tensor, void* pointer) {
+    value[tensor] = static_cast<std::uint8_t>(value[tensor] % 250 + 1);
+    device_->fill_async(pointer, value[tensor], kChunk, compute);
+  };
+  for (std::size_t i = 0; i < parameters.size(); ++i) write(static_cast<int>(i), parameters[i]);
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    write(static_cast<int>(parameters.size() + i), states[i]);
+  }
+  // The device's order: the forward's groups, then the backward's.
+  std::vector<std::vector<int>> order;
+  for (std::size_t group = 0; group < layer_tensors.size(); ++group) {
+    order.push_back(layer_tensors[group]);
+  }
+  for (std::size_t group = layer_tensors.size(); group-- > 0;)
+    order.push_back(layer_tensors[group]);
+  // The host runs ahead of the device by two uses at most, as a training loop does.
+  std::vector<event_handle> done = {device_->create_event(), device_->create_event()};
+  int launched = 0;
+  auto use = [&](const std::vector<int>& group) {
+    if (launched >= 2) device_->synchronize_event(done[launched % 2]);
+    std::vector<const void*> pointers;
+    for (int tensor : group) pointers.push_back(parameters[tensor]);
+    engine.use_begins(pointers, compute);
+    device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); },
+                                 compute);
+    for (int tensor : group) write(tensor, parameters[tensor]);
+    engine.use_ends(pointers, compute);
+    device_->record_event(done[launched++ % 2], compute);
+  };
+  auto step_windows = [&] {  // a layer's window: its parameters and states, where they are
+    for (const std::vector<int>& group : layer_tensors) {
+      std::vector<const void*> pointers;
+      for (int tensor : group) {
+        pointers.push_back(parameters[tensor]);
+        pointers.push_back(states[2 * tensor]);
+        pointers.push_back(states[2 * tensor + 1]);
+      }
+      engine.use_in_place(pointers, compute);
+      for (int tensor : group) {
+        write(tensor, parameters[tensor]);
+        for (int moment = 0; moment < 2; ++moment) {
+          write(static_cast<int>(parameters.size()) + 2 * tensor + moment,
+                states[2 * tensor + moment]);
+        }
+      }
+      engine.use_ends(pointers, compute);
+    }
+  };
+  constexpr int kSteps = 7;
+  constexpr int kSteady = 3;  // the order is learned in step 0; the last steps are counted
+  migration_figures before{};
+  offload_figures uses_before{};
+  for (int step = 0; step < kSteps; ++step) {
+    if (step == kSteps - kSteady) {
+      device_->synchronize_stream(compute);
+      engine.mover().drain();
+      before = engine.mover().figures();
+      uses_before = engine.figures(/*wait_for_device=*/true);
+    }
+    for (const std::vector<int>& group : order) use(group);
+    step_windows();
+    engine.step_boundary();
+  }
+  device_->synchronize_stream(compute);
+  engine.mover().drain();
+  const migration_figures after = engine.mover().figures();
+  const offload_figures uses_after = engine.figures(/*wait_for_device=*/true);
+  const std::uint64_t fetched =
+      (after.to_device_class_bytes[class_index(allocation_class::parameter)] -
+       before.to_device_class_bytes[class_index(allocation_class::parameter)]) /
+      kChunk / kSteady;
+  const std::uint64_t fewest = fewest_fetches_per_step(order, kRoom - kHeadroom);
+  std::printf(
+      "parameters fetched a step: %llu chunks (Belady's MIN: %llu with the headroom kept free, "
+      "%llu with none); states fetched: %llu bytes; uses %llu, left on the host %llu, device "
+      "waited %.1f ms\n",
+      static_cast<unsigned long long>(fetched), static_cast<unsigned long long>(fewest),
+      static_cast<unsigned long long>(fewest_fetches_per_step(order, kRoom)),
+      static_cast<unsigned long long>(
+          after.to_device_class_bytes[class_index(allocation_class::optimizer_state)] -
+          before.to_device_class_bytes[class_index(allocation_class::optimizer_state)]),
+      static_cast<unsigned long long>(uses_after.uses - uses_before.uses),
+      static_cast<unsigned long long>(uses_after.used_on_host - uses_before.used_on_host),
+      static_cast<double>(uses_after.device_waited_ns - uses_before.device_waited_ns) / 1e6);
+  ASSERT_GT(fewest, 0u) << "the parameters fit: nothing to plan";
+  EXPECT_LE(fetched, fewest) << "fetches a step beyond the fewest the order allows";
+  EXPECT_EQ(after.to_device_class_bytes[class_index(allocation_class::optimizer_state)],
+            before.to_device_class_bytes[class_index(allocation_class::optimizer_state)])
+      << "a state used in place was fetched";
+  EXPECT_EQ(uses_after.used_on_host, uses_before.used_on_host)
+      << "a use found its parameters on the host";
+  for (void* state : states) EXPECT_EQ(where_first_chunk(state), residency::host);
+  EXPECT_LE(allocator_->held_bytes(), kRoom * kChunk);
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    EXPECT_TRUE(holds(parameters[i], value[i], kChunk)) << "parameter " << i;
+  }
+  for (std::size_t i = 0; i < states.size(); ++i) {
+    EXPECT_TRUE(holds(states[i], value[parameters.size() + i], kChunk)) << "state " << i;
+  }
+  for (void* pointer : parameters) allocator_->deallocate(pointer);
+  for (void* pointer : states) allocator_->deallocate(pointer);
+  for (event_handle event : done) device_->destroy_event(event);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
 // Note [The host step finishes behind the forward] (bindings/python/zeroalloc/torch/
 // _host_step.py): the CPUs may still step states after the step boundary. The boundary ends
 // every use left open but theirs: a fetch until then leaves the chunk on the host, where the
