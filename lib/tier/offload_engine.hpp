@@ -57,6 +57,17 @@
 // (training) thread never waits for that: it waits only when the chunk it is about to use
 // is still on the host or moving (a miss), and that time is reported as compute waiting on
 // fetches. Without hints the engine still works, from the pressure path alone.
+// At the end of each use the engine also keeps that much device memory free (plan_headroom:
+// released chunks whose next use lies beyond the window go to the host ahead of need), so a
+// fetch ahead finds room without waiting for an eviction, and the step's own allocations
+// (activations) find it without an eviction on the allocation path. That room is taken from
+// the learned order's: with the window free, a policy can do no better than Belady's MIN
+// with the limit less the window, and the engine does as well as that
+// (OffloadEngineTest.AStepUnderALimitStreamsItsParametersWithTheFewestFetches: 36 fetches
+// of 2 MiB chunks a step where MIN with the whole 64 MiB would make 24). On the 1.3B bench
+// the window is 512 MiB of an 18 GiB limit. Keeping free only what the window's fetches
+// still need reached 24-26 in that test, but leaves activations no room kept for them:
+// not measured on a GPU, not done.
 //
 // Note [Parameters parked]: an evicted parameter may leave its addresses unmapped (Note
 // [Parked chunks] in migrator.hpp: a host remap costs 15-30 times a device one, and under
