@@ -837,13 +837,20 @@ ZA_EXPORT int zeroalloc_group_join(const char* agreement, int timeout_ms) {
     const int ordinal =
         started.simulated() || started.device_count() == 1 ? 0 : settings.local_rank;
     zeroalloc::device& backing = started.allocator(ordinal).backing();
-    // Ranks on GPUs and ranks on the simulated device cannot form one group: it is part of
-    // what they must agree on.
+    // Ranks on GPUs and ranks on the simulated device cannot form one group, nor ranks that
+    // exchange bytes differently: it is part of what they must agree on.
+    const bool over_tcp = backing.is_simulated() || started.collectives_over_tcp();
     settings.agreement += std::string(settings.agreement.empty() ? "" : ";") +
-                          "device=" + (backing.is_simulated() ? "sim" : "cuda");
-    if (backing.is_simulated()) {
+                          "device=" + (backing.is_simulated() ? "sim" : "cuda") +
+                          ";collectives=" + (over_tcp ? "tcp" : "nccl");
+    ZA_REQUIRE(over_tcp || started.device_count() != 1 || settings.local_rank == 0,
+               "LOCAL_RANK=", settings.local_rank,
+               " on a machine with one GPU: NCCL takes one GPU per rank, so this rank would "
+               "share LOCAL_RANK 0's. Start one rank per GPU, or set ZEROALLOC_COLLECTIVES=tcp "
+               "on every rank to run several on one GPU (slow: for tests)");
+    if (over_tcp) {
       ZA_REQUIRE(settings.port + 1 <= 65535, "MASTER_PORT=", settings.port - 1,
-                 ": the simulated device's collectives use MASTER_PORT + 2, not a TCP port");
+                 ": collectives over TCP use MASTER_PORT + 2, not a TCP port");
       zeroalloc::bootstrap_exchange(settings, [] { return std::string(); });  // the agreement
       zeroalloc::bootstrap_settings transport_settings = settings;
       transport_settings.port = settings.port + 1;  // not the bootstrap's, closing meanwhile

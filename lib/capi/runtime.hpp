@@ -56,6 +56,8 @@ class runtime {
   void stop_background_work();
   /// True when ZEROALLOC_OFFLOAD asks for a host tier.
   [[nodiscard]] bool offload_enabled() const { return options_.offload == "host"; }
+  /// True when ranks on GPUs exchange bytes through rank 0 over TCP (ZEROALLOC_COLLECTIVES).
+  [[nodiscard]] bool collectives_over_tcp() const { return options_.collectives == "tcp"; }
   /// The NVMe tier behind the host tier (ZEROALLOC_NVME_PATH and ZEROALLOC_NVME_SIZE).
   [[nodiscard]] bool disk_tier_enabled() const {
     return offload_enabled() && !options_.nvme_path.empty() && options_.nvme_bytes != 0;

@@ -243,6 +243,13 @@ const std::vector<option_spec>& table() {
        "allocator on top of zeroalloc; zeroalloc makes zeroalloc PyTorch's allocator the moment "
        "torch is imported, as zeroalloc.torch.install() does.",
        check<read_choice>},
+      {"ZEROALLOC_COLLECTIVES", option_kind::choice, "nccl", "nccl|tcp",
+       "How the ranks of a group on GPUs exchange bytes (the ZeRO stages' collectives). nccl: "
+       "NCCL, one GPU per rank. tcp: through rank 0 over TCP, each rank's bytes copied to "
+       "the host and back: slow, but ranks may share a GPU (NCCL refuses two ranks on one), "
+       "so a job of several ranks runs on one GPU, as tests do. Every rank must set the same "
+       "value. Ranks on the simulated device always use tcp.",
+       store<&options::collectives, read_choice>},
       {"ZEROALLOC_ZERO_STAGE", option_kind::choice, "0", "0|1|2|3",
        "With the Python package's start-up hook under torchrun: partitions every optimizer "
        "across the ranks (ZeRO). 1: each rank steps its share of the parameters, holds only "

@@ -82,6 +82,7 @@ struct options {
   std::uint64_t nvme_bytes = 0;        ///< ZEROALLOC_NVME_SIZE (0: unset)
   bool nvme_parameters = false;        ///< ZEROALLOC_NVME_PARAMETERS
   bool park_parameters = true;         ///< ZEROALLOC_PARK_PARAMETERS
+  std::string collectives = "nccl";    ///< ZEROALLOC_COLLECTIVES (ranks on GPUs)
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

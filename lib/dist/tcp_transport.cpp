@@ -280,33 +280,45 @@ std::string tcp_transport::serve(const call& mine, std::string input) {
   return std::move(outputs[0]);
 }
 
+// Note [Collectives through rank 0]: a rank's bytes are device memory (simulated, or a GPU's
+// with ZEROALLOC_COLLECTIVES=tcp). They reach the socket through a copy to the host in the
+// order of the caller's stream, after the work that wrote them, and come back the same way,
+// before the stream's next work. On the simulated device those copies are memcpys.
+std::string tcp_transport::read_on(stream_handle stream, const void* source, std::size_t bytes) {
+  std::string copied(bytes, '\0');
+  if (bytes != 0) device_.copy_async(copied.data(), source, bytes, stream);
+  device_.synchronize_stream(stream);
+  return copied;
+}
+
+void tcp_transport::write_on(stream_handle stream, void* destination, const std::string& bytes) {
+  if (bytes.empty()) return;
+  device_.copy_async(destination, bytes.data(), bytes.size(), stream);
+  device_.synchronize_stream(stream);  // `bytes` is the caller's until the copy is done
+}
+
 void tcp_transport::all_gather(const void* send, void* receive, std::size_t bytes,
                                stream_handle stream) {
-  device_.synchronize_stream(stream);  // the bytes to send are written
-  std::string input(static_cast<const char*>(send), bytes);
-  const std::string output = round({kind::all_gather, bytes}, std::move(input));
-  std::memcpy(receive, output.data(), output.size());
+  std::string input = read_on(stream, send, bytes);
+  write_on(stream, receive, round({kind::all_gather, bytes}, std::move(input)));
 }
 
 void tcp_transport::reduce_scatter(const void* send, void* receive, std::size_t count,
                                    element_type type, stream_handle stream) {
-  device_.synchronize_stream(stream);
   const std::size_t all = count * static_cast<std::size_t>(world_size()) * element_bytes(type);
-  std::string input(static_cast<const char*>(send), all);
-  const std::string output = round({kind::reduce_scatter, count, type}, std::move(input));
-  std::memcpy(receive, output.data(), output.size());
+  std::string input = read_on(stream, send, all);
+  write_on(stream, receive, round({kind::reduce_scatter, count, type}, std::move(input)));
 }
 
 void tcp_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_handle stream) {
   if (root < 0 || root >= world_size()) {
     ZA_THROW(invalid_argument, "broadcast from rank ", root, " in a group of ", world_size());
   }
-  device_.synchronize_stream(stream);
-  // Only the root's bytes matter; the others send none.
-  std::string input = rank() == root ? std::string(static_cast<const char*>(buffer), bytes) : "";
-  const std::string output =
-      round({kind::broadcast, bytes, element_type::float32, root}, std::move(input));
-  std::memcpy(buffer, output.data(), output.size());
+  // Only the root's bytes matter; the others send none (but wait for their stream: the
+  // buffer's earlier work must be done before the answer lands in it).
+  std::string input = read_on(stream, buffer, rank() == root ? bytes : 0);
+  write_on(stream, buffer,
+           round({kind::broadcast, bytes, element_type::float32, root}, std::move(input)));
 }
 
 void tcp_transport::reduce(const void* send, void* receive, std::size_t count, element_type type,
@@ -314,10 +326,9 @@ void tcp_transport::reduce(const void* send, void* receive, std::size_t count, e
   if (root < 0 || root >= world_size()) {
     ZA_THROW(invalid_argument, "reduce to rank ", root, " in a group of ", world_size());
   }
-  device_.synchronize_stream(stream);
-  std::string input(static_cast<const char*>(send), count * element_bytes(type));
-  const std::string output = round({kind::reduce, count, type, root}, std::move(input));
-  if (rank() == root) std::memcpy(receive, output.data(), output.size());
+  std::string input = read_on(stream, send, count * element_bytes(type));
+  std::string output = round({kind::reduce, count, type, root}, std::move(input));
+  if (rank() == root) write_on(stream, receive, output);
 }
 
 void tcp_transport::abort(const std::string& why) {

@@ -1,6 +1,7 @@
-// The collectives between processes on the simulated device (where device memory is host
-// memory): what CI runs a job of several processes with, as torchrun starts them, where a
-// GPU job uses NCCL.
+// The collectives between processes through rank 0 over TCP: what CI runs a job of several
+// processes on the simulated device with, as torchrun starts them, and what ranks sharing
+// one GPU use (ZEROALLOC_COLLECTIVES=tcp; NCCL takes one GPU per rank), where a GPU job
+// otherwise uses NCCL.
 //
 // Note [Collectives through rank 0]: every rank keeps one TCP connection to rank 0 (made as
 // the bootstrap's, Note [Bootstrap]). A collective is a round through rank 0: each rank
@@ -28,9 +29,10 @@ namespace zeroalloc {
 class tcp_transport : public transport {
  public:
   /// Joins the group of `settings` (rank 0 listens at settings.port, the others connect) on
-  /// `backing`, a simulated device. Blocks until every rank joined, within settings.timeout;
-  /// throws collective_error naming the cause otherwise (as bootstrap_exchange does). Each
-  /// collective waits `collective_timeout` (default: settings.timeout) for the others.
+  /// `backing`, the device whose memory the collectives read and write. Blocks until every rank
+  /// joined, within settings.timeout; throws collective_error naming the cause otherwise (as
+  /// bootstrap_exchange does). Each collective waits `collective_timeout` (default:
+  /// settings.timeout) for the others.
   tcp_transport(device& backing, const bootstrap_settings& settings,
                 std::optional<std::chrono::milliseconds> collective_timeout = std::nullopt);
   ~tcp_transport() override = default;
@@ -56,6 +58,10 @@ class tcp_transport : public transport {
     [[nodiscard]] std::string describe() const;
     bool operator==(const call&) const = default;
   };
+  /// `bytes` of device memory at `source`, copied to the host after `stream`'s work so far.
+  std::string read_on(stream_handle stream, const void* source, std::size_t bytes);
+  /// `bytes` copied to device memory at `destination` in `stream`'s order; returns when done.
+  void write_on(stream_handle stream, void* destination, const std::string& bytes);
   /// One round: this rank's call and input; returns this rank's output. Throws
   /// collective_error with the group's cause.
   std::string round(const call& mine, std::string input);

@@ -106,8 +106,9 @@ def test_a_rank_with_other_settings_ends_every_rank_naming_it(tmp_path):
     assert result.returncode != 0
     for rank in range(3):
         assert (f"rank {rank} join failed: " in result.stdout and
-                "rank 2 has settings 'ZEROALLOC_ZERO_STAGE=3;device=sim' where rank 0 has "
-                "'ZEROALLOC_ZERO_STAGE=2;device=sim'" in result.stdout), result.stdout + result.stderr
+                "rank 2 has settings 'ZEROALLOC_ZERO_STAGE=3;device=sim;collectives=tcp' where "
+                "rank 0 has 'ZEROALLOC_ZERO_STAGE=2;device=sim;collectives=tcp'" in result.stdout),\
+            result.stdout + result.stderr
 
 
 def test_a_rank_gone_after_joining_ends_the_others_collectives_naming_it(tmp_path):

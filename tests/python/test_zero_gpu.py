@@ -1,9 +1,12 @@
-"""ZeRO stages 1-3 on a GPU (zt.partition): the collectives go through NCCL on the CUDA
-tensors' streams. One rank under torchrun (one GPU): every parameter is the rank's own, so
-the reduces and broadcasts run in place, and the model must train bit for bit as the same
-model without partitioning does. Stages 1 and 2 also with offload (zt.offload before
-zt.partition): every parameter and state of the partitioned model sent to the host after
-each step, so the next backward, step and broadcast meet them there."""
+"""ZeRO stages 1-3 on a GPU (zt.partition). One rank under torchrun: the collectives go through
+NCCL on the CUDA tensors' streams, every parameter is the rank's own, so the reduces and
+broadcasts run in place, and the model must train bit for bit as the same model without
+partitioning does. Two ranks on the one GPU: the collectives go through rank 0 over TCP
+(ZEROALLOC_COLLECTIVES=tcp), each rank owns half, and the model must train bit for bit as
+the unpartitioned one stepped with both ranks' gradients combined as the reduce combines
+them. Every stage also with offload (zt.offload before zt.partition): every parameter and
+state of the partitioned model sent to the host after each step, so the next forward,
+backward, step and gathers meet them there."""
 
 import os
 import subprocess
@@ -27,12 +30,14 @@ sys.path.insert(0, str(ROOT / "tests" / "python"))
 from test_group import free_port  # noqa: E402
 
 PROGRAM = """
+import os
 import sys
 import torch
 import zeroalloc.torch as zt
 
 stage = int(sys.argv[1])
 offload = sys.argv[2] == "offload"
+rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 if offload:
     zt.install()
 
@@ -53,19 +58,34 @@ handle = zt.partition(parted_optimizer, stage=stage, timeout_s=60,
                       model=parted if stage == 3 else None)
 data = torch.Generator(device="cuda").manual_seed(1)
 for step in range(4):
-    x = torch.randn(64, 256, device="cuda", generator=data)
-    y = torch.randn(64, 16, device="cuda", generator=data)
-    losses = []
-    for model, optimizer in ((plain, plain_optimizer), (parted, parted_optimizer)):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+    # Every rank draws every rank's batch; each trains the partitioned model on its own.
+    batches = [(torch.randn(64, 256, device="cuda", generator=data),
+                torch.randn(64, 16, device="cuda", generator=data)) for _ in range(ranks)]
+    # The unpartitioned model from every rank's gradients, combined as the partition's
+    # reduce combines them: each divided by the number of ranks, summed in rank order.
+    plain_losses, combined = [], None
+    for x, y in batches:
+        plain_optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(plain(x), y)
         loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), parted.parameters()))
-    print(f"stage {stage} step {step} loss {losses[0] == losses[1]} same {same}", flush=True)
+        plain_losses.append(loss.item())
+        part = [p.grad * (1.0 / ranks) for p in plain.parameters()]
+        combined = part if combined is None else [a + b for a, b in zip(combined, part)]
+    for parameter, gradient in zip(plain.parameters(), combined):
+        parameter.grad = gradient
+    plain_optimizer.step()
+    parted_optimizer.zero_grad()
+    x, y = batches[rank]
+    loss = torch.nn.functional.mse_loss(parted(x), y)
+    loss.backward()
+    parted_optimizer.step()
+    # state_dict(): at stage 3 every parameter gathered from its owner (every rank calls it)
+    mine = parted.state_dict()
+    same = all(torch.equal(a.cpu(), mine[name].cpu()) for name, a in plain.state_dict().items())
+    print(f"rank {rank} stage {stage} step {step} loss {loss.item() == plain_losses[rank]} "
+          f"same {same}", flush=True)
     if offload:
-        tensors = list(parted.parameters()) + [
+        tensors = [p for p in parted.parameters() if p.numel() > 0] + [
             value for state in parted_optimizer.state.values() for value in state.values()
             if torch.is_tensor(value) and value.dim() > 0]
         for tensor in tensors:
@@ -75,21 +95,52 @@ torch.cuda.synchronize()
 """
 
 
-@pytest.mark.parametrize("stage,offload", [(1, "plain"), (2, "plain"), (3, "plain"),
-                                           (1, "offload"), (2, "offload")])
+@pytest.mark.parametrize("stage,offload,ranks", [
+    (1, "plain", 1), (2, "plain", 1), (3, "plain", 1), (1, "offload", 1), (2, "offload", 1),
+    (3, "offload", 1), (2, "plain", 2), (3, "plain", 2), (2, "offload", 2), (3, "offload", 2)])
 def test_a_partitioned_model_on_the_gpu_trains_as_the_unpartitioned_one(tmp_path, stage,
-                                                                      offload):
+                                                                      offload, ranks):
+    """Two ranks share the one GPU through collectives over TCP (ZEROALLOC_COLLECTIVES=tcp;
+    NCCL takes a GPU per rank): each trains on its own batch, and the partitioned model must
+    be bit for bit the unpartitioned one stepped with every rank's gradients combined as the
+    reduce combines them. At stage 3 under offload a rank's engine pages its own parameters
+    alone (Note [Stage 3 under offload])."""
     script = tmp_path / "zero_gpu.py"
     script.write_text(textwrap.dedent(PROGRAM))
     env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_LIBRARY": str(LIBRARY)}
     env.pop("ZEROALLOC_DEVICE", None)
     if offload == "offload":
         env["ZEROALLOC_OFFLOAD"] = "host"
+        env["ZEROALLOC_HOST_LIMIT"] = "2GiB"  # each rank's pinned pool
+    if ranks > 1:
+        env["ZEROALLOC_COLLECTIVES"] = "tcp"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(script), str(stage), offload],
+                          str(ranks), "--master-addr", "127.0.0.1", "--master-port",
+                          str(free_port()), str(script), str(stage), offload],
                          env=env, capture_output=True, text=True, timeout=240)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
-    for step in range(4):
-        assert f"stage {stage} step {step} loss True same True" in output, output[-3000:]
+    for rank in range(ranks):
+        for step in range(4):
+            assert f"rank {rank} stage {stage} step {step} loss True same True" in output, \
+                output[-3000:]
+
+
+def test_a_second_rank_on_a_machine_with_one_gpu_names_the_setting_that_allows_it(tmp_path):
+    """NCCL takes one GPU per rank: with one GPU, LOCAL_RANK 1 is refused at the join with a
+    message naming ZEROALLOC_COLLECTIVES=tcp, and the job ends."""
+    if torch.cuda.device_count() != 1:
+        pytest.skip("skipped: the machine has more than one GPU")
+    script = tmp_path / "zero_gpu.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE), "ZEROALLOC_LIBRARY": str(LIBRARY)}
+    env.pop("ZEROALLOC_DEVICE", None)
+    env.pop("ZEROALLOC_COLLECTIVES", None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-addr", "127.0.0.1", "--master-port",
+                          str(free_port()), str(script), "1", "plain"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-3000:]
+    assert "LOCAL_RANK=1 on a machine with one GPU" in output, output[-3000:]
+    assert "ZEROALLOC_COLLECTIVES=tcp" in output, output[-3000:]

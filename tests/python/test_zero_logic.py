@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
 
 from zeroalloc._library import ZeroallocError  # noqa: E402
-from zeroalloc.torch import _zero  # noqa: E402
+from zeroalloc.torch import _module_hints, _zero, _zero_parameters  # noqa: E402
 
 
 def test_owners_are_contiguous_runs_of_about_equal_bytes():
@@ -63,13 +63,42 @@ def test_stage_3_needs_the_model_and_a_stage_beyond_it_is_named():
         _zero.partition(optimizer, stage=4)
 
 
-def test_stage_3_refuses_an_offloaded_optimizer_naming_what_combines():
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model.weight._zeroalloc_adopted = True  # what zt.offload's adoption marks
-    with pytest.raises(ZeroallocError, match=r"stage 3 does not combine with offload.*stage 1 "
-                       r"or 2 with offload"):
-        _zero.partition(optimizer, stage=3, model=model)
+def test_stage_3_under_offload_leaves_the_others_parameters_to_their_owners(monkeypatch):
+    """Note [Stage 3 under offload]: a rank's own parameters stay offload's (their mark, which
+    the module hints read); the others' leave its management, so no hint names the copies a
+    gather makes of them; the owner pins its own for the gather's broadcast, the others pin
+    nothing; and when the partition ends, the others' are put back in the parameter class."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    parameters = list(model.parameters())  # rank 0 owns the first layer, rank 1 the second
+    for parameter in parameters:
+        parameter._zeroalloc_adopted = True  # what zt.offload's adoption marks
+    owner_of = {id(p): 0 if index < 2 else 1 for index, p in enumerate(parameters)}
+    pinned, broadcasts, moved = [], [], []
+
+    @contextlib.contextmanager
+    def pinned_where_they_are(tensors):
+        pinned.append([id(t) for t in tensors])
+        yield
+
+    monkeypatch.setattr(_zero_parameters, "pinned_where_they_are", pinned_where_they_are)
+    monkeypatch.setattr(_zero_parameters._group, "broadcast",
+                        lambda pointer, size, root, stream: broadcasts.append(root))
+    monkeypatch.setattr(_zero_parameters, "move_into_class",
+                        lambda tensor, name: (moved.append(name), tensor.clone())[1])
+    shards = _zero_parameters.ParameterShards(model, owner_of, 0,
+                                              {"gathers": 0, "gathered_bytes": 0})
+    assert [p._zeroalloc_adopted for p in parameters] == [True, True, False, False]
+    assert [p.numel() for p in parameters] == [16, 4, 0, 0]
+    assert _module_hints.managed(model[0]) == parameters[:2]
+    assert _module_hints.managed(model[1]) == []  # no hint for the gathered copies
+    model(torch.ones(1, 4))
+    assert broadcasts == [0, 1]  # each layer's parameters from their owner, one run each
+    assert pinned == [[id(parameters[0]), id(parameters[1])]]  # the owner's, for its run
+    assert [p.numel() for p in parameters] == [16, 4, 0, 0]  # the others' let go again
+    shards.remove()
+    assert [p.numel() for p in parameters] == [16, 4, 8, 2]
+    assert moved == ["parameter", "parameter"]
+    assert [p._zeroalloc_adopted for p in parameters] == [True] * 4
 
 
 def test_stage_2_divides_each_gradient_as_it_arrives_into_offloads_gradient_class(monkeypatch):
@@ -100,7 +129,7 @@ def test_a_broadcast_of_parameters_pins_those_on_gpus_for_its_collectives(monkey
     """Note [Collectives on paged parameters]: the pins open before the first collective and
     end after the last, on the parameters' streams; tensors off the GPUs are left alone."""
     calls = []
-    monkeypatch.setattr(_zero._use_hints, "hint",
+    monkeypatch.setattr(_zero_parameters._use_hints, "hint",
                         lambda call, tensors, stream: calls.append((call.__name__, len(tensors))))
     cpu = [torch.nn.Parameter(torch.ones(4))]
     with _zero.pinned_where_they_are(cpu):

@@ -49,7 +49,8 @@ does not); and fp16 with a GradScaler is not supported
 (each rank would find its own infinities). With offload (zt.offload before partition) the
 windowed step steps the rank's own parameters, their states wherever the engine put them;
 a gradient that offload keeps in its class is divided into that class (predivision), and
-the broadcasts pin the parameters (Note [Collectives on paged parameters]).
+the broadcasts pin the parameters (Note [Collectives on paged parameters]); at stage 3 only
+the rank's own parameters stay offload's (Note [Stage 3 under offload]).
 
 Note [Checkpoints of a partition]: state_dict() of a partitioned optimizer returns what the
 unpartitioned one would: every rank's own states gathered (pickled, through the default
@@ -71,11 +72,11 @@ import weakref
 
 import torch
 
-from zeroalloc import _group, _offload, _stats
+from zeroalloc import _group, _stats
 from zeroalloc._library import ZeroallocError, last_error, library
 from zeroalloc.torch._use_hints import current_stream
-from zeroalloc.torch import _use_hints, _zero_ddp
-from zeroalloc.torch._zero_parameters import ParameterShards
+from zeroalloc.torch import _zero_ddp
+from zeroalloc.torch._zero_parameters import ParameterShards, pinned_where_they_are
 
 
 def owners_by_bytes(sizes: list, ranks: int) -> list:
@@ -155,25 +156,6 @@ def predivision(parameter, scale: float):
         return gradient * scale
 
     return hook
-
-
-@contextlib.contextmanager
-def pinned_where_they_are(parameters):
-    """Note [Collectives on paged parameters]: under offload, a collective that writes a
-    parameter (a broadcast from its owner) is not a use the engine was told of, so a move
-    of its chunk (an eviction ahead of need takes a chunk whose last hinted use has ended)
-    could copy the bytes before the collective's writes land and keep the stale copy. So the
-    parameters on GPUs are pinned where they are (use_in_place) for the collectives, and the
-    pins end on the streams they ran on; a parameter on the host is written there over
-    PCIe. Memory the engine does not manage is left alone (the library ignores it)."""
-    on_gpus = [p for p in parameters if p.is_cuda]
-    if on_gpus:
-        _use_hints.hint(_offload.use_in_place_many, on_gpus, 0)
-    try:
-        yield
-    finally:
-        if on_gpus:
-            _use_hints.hint(_offload.use_ends_many, on_gpus, 0)
 
 
 #: The most bytes of parameters one broadcast carries (a larger parameter goes alone).
@@ -502,12 +484,6 @@ def partition(optimizer, stage: int = 1, timeout_s: float = 300.0, model=None) -
                 seen.add(id(parameter))
                 parameters.append(parameter)
     sizes = [_nbytes(p) for p in parameters]
-    if stage == 3 and (getattr(optimizer, "_zeroalloc_stepper", None) is not None or
-                       any(getattr(p, "_zeroalloc_adopted", False) for p in parameters)):
-        raise ZeroallocError("ZeRO stage 3 does not combine with offload (zt.offload or "
-                             "ZEROALLOC_OFFLOAD) yet: it replaces the parameters' storage, "
-                             "which the offload engine pages and its hints name; use stage 1 "
-                             "or 2 with offload, or stage 3 without it")
     if stage >= 2:
         for parameter in parameters:
             if parameter.requires_grad and parameter.dtype not in (torch.float32,

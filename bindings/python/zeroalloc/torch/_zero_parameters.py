@@ -22,16 +22,50 @@ rank first) and returns CPU copies. The step lets go of any copy still gathered 
 that accumulated nothing, a forward that raised), since the owners' step makes it stale.
 Limits: a parameter must be used inside the forward of a module that registers it (one
 read by another module's forward, as F.linear(h, self.embedding.weight) in a parent, is
-empty on the ranks that do not own it); and stage 3 does not combine with
-ZEROALLOC_NVME_PARAMETERS (the gathers read the owner's parameter without a use hint).
+empty on the ranks that do not own it).
+
+Note [Stage 3 under offload]: with zt.offload (or ZEROALLOC_OFFLOAD=host) before the
+partition, the engine pages each rank's own parameters, as it pages any parameter, and the
+others are no longer its to manage: their storage goes at the partition, and what a gather
+makes of them lives with the activations for one use, so no hint may name it (the engine
+would take that memory for a paged parameter's and move it without waiting for the kernels
+that use it). So a parameter a rank does not own is taken out of offload's management (its
+mark, which the module hints and the windowed step read, is cleared) and, when the
+partition ends, put back in the parameter class. An owner's gather reads its parameters
+where they are, parked or on the host included, pinned there for the broadcast (Note
+[Collectives on paged parameters]); the module's own use hint then brings them back for its
+kernels as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from zeroalloc import _group
+from zeroalloc import _group, _offload
+from zeroalloc.torch import _use_hints
+from zeroalloc.torch._adoption import move_into_class
 from zeroalloc.torch._use_hints import current_stream
+
+
+@contextlib.contextmanager
+def pinned_where_they_are(parameters):
+    """Note [Collectives on paged parameters]: under offload, a collective that writes a
+    parameter (a broadcast from its owner) is not a use the engine was told of, so a move
+    of its chunk (an eviction ahead of need takes a chunk whose last hinted use has ended)
+    could copy the bytes before the collective's writes land and keep the stale copy. So the
+    parameters on GPUs are pinned where they are (use_in_place) for the collectives, and the
+    pins end on the streams they ran on; a parameter on the host is written there over
+    PCIe. Memory the engine does not manage is left alone (the library ignores it)."""
+    on_gpus = [p for p in parameters if p.is_cuda]
+    if on_gpus:
+        _use_hints.hint(_offload.use_in_place_many, on_gpus, 0)
+    try:
+        yield
+    finally:
+        if on_gpus:
+            _use_hints.hint(_offload.use_ends_many, on_gpus, 0)
 
 
 class ParameterShards:
@@ -61,6 +95,11 @@ class ParameterShards:
         # (A function: PyTorch marks the hook with an attribute, which a method cannot take.)
         self.hooks.append(model.register_state_dict_post_hook(
             lambda *arguments: self._gathered_state_dict(*arguments)))
+        # Note [Stage 3 under offload]: the others' parameters leave offload's management.
+        self.unmanaged = [p for p in model.parameters()
+                          if not self.owned(p) and getattr(p, "_zeroalloc_adopted", False)]
+        for parameter in self.unmanaged:
+            parameter._zeroalloc_adopted = False
         for parameter in model.parameters():
             self.release(parameter)
 
@@ -93,17 +132,22 @@ class ParameterShards:
         stream = current_stream(device.index) if device.type == "cuda" else None
         sizes = [self.shape_of(p).numel() * p.element_size() for p in members]
         mine = owner == self.rank
+        # Note [Stage 3 under offload]: the owner's parameters where the engine keeps them.
+        paged = [p for p in members if mine and getattr(p, "_zeroalloc_adopted", False)]
         if len(members) == 1:  # in place on the owner, into a new tensor elsewhere
             parameter = members[0]
             data = parameter.data if mine else torch.empty(
                 self.shape_of(parameter), dtype=parameter.dtype, device=device)
-            _group.broadcast(data.data_ptr(), sizes[0], owner, stream)
+            with pinned_where_they_are(paged):
+                _group.broadcast(data.data_ptr(), sizes[0], owner, stream)
             if not mine:
                 parameter.data = data
         else:
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             if mine:
-                torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in members], out=flat)
+                with pinned_where_they_are(paged):
+                    torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in members],
+                              out=flat)
             _group.broadcast(flat.data_ptr(), flat.numel(), owner, stream)
             if not mine:  # views of the one buffer, which goes when the last is let go
                 offset = 0
@@ -167,6 +211,12 @@ class ParameterShards:
             hook.remove()
         self.hooks = []
         self.gather(list(self.model.parameters()))
+        # Note [Stage 3 under offload]: whole again, they are offload's again.
+        with torch.no_grad():
+            for parameter in self.unmanaged:
+                parameter.data = move_into_class(parameter.data, "parameter")
+                parameter._zeroalloc_adopted = True
+        self.unmanaged = []
 
 
 def _tensors_in(value):
