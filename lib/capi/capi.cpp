@@ -833,21 +833,23 @@ ZA_EXPORT int zeroalloc_group_join(const char* agreement, int timeout_ms) {
         zeroalloc::bootstrap_settings::from_environment(agreement != nullptr ? agreement : "");
     if (timeout_ms > 0) settings.timeout = std::chrono::milliseconds(timeout_ms);
     runtime& started = runtime::get();
-    // One GPU per rank, LOCAL_RANK's; a simulated device is each process's own.
-    const int ordinal =
-        started.simulated() || started.device_count() == 1 ? 0 : settings.local_rank;
+    // One GPU per rank under NCCL, LOCAL_RANK's; over TCP ranks may share them; a simulated
+    // device is each process's own.
+    const bool over_tcp = started.simulated() || started.collectives_over_tcp();
+    const int devices = started.simulated() ? 1 : started.device_count();
+    ZA_REQUIRE(over_tcp || settings.local_rank < devices, "LOCAL_RANK=", settings.local_rank,
+               " on a machine with ",
+               devices == 1 ? std::string("one GPU") : std::to_string(devices) + " GPUs",
+               ": NCCL takes one GPU per rank, so this rank would have none of its own. Start "
+               "at most one rank per GPU, or set ZEROALLOC_COLLECTIVES=tcp on every rank to run "
+               "several on one GPU (slow: for tests)");
+    const int ordinal = devices == 1 ? 0 : settings.local_rank % devices;
     zeroalloc::device& backing = started.allocator(ordinal).backing();
     // Ranks on GPUs and ranks on the simulated device cannot form one group, nor ranks that
     // exchange bytes differently: it is part of what they must agree on.
-    const bool over_tcp = backing.is_simulated() || started.collectives_over_tcp();
     settings.agreement += std::string(settings.agreement.empty() ? "" : ";") +
                           "device=" + (backing.is_simulated() ? "sim" : "cuda") +
                           ";collectives=" + (over_tcp ? "tcp" : "nccl");
-    ZA_REQUIRE(over_tcp || started.device_count() != 1 || settings.local_rank == 0,
-               "LOCAL_RANK=", settings.local_rank,
-               " on a machine with one GPU: NCCL takes one GPU per rank, so this rank would "
-               "share LOCAL_RANK 0's. Start one rank per GPU, or set ZEROALLOC_COLLECTIVES=tcp "
-               "on every rank to run several on one GPU (slow: for tests)");
     if (over_tcp) {
       ZA_REQUIRE(settings.port + 1 <= 65535, "MASTER_PORT=", settings.port - 1,
                  ": collectives over TCP use MASTER_PORT + 2, not a TCP port");

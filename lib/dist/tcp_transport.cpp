@@ -54,10 +54,6 @@ tcp_transport::tcp_transport(device& backing, const bootstrap_settings& settings
     : device_(backing),
       settings_(settings),
       collective_timeout_(collective_timeout.value_or(settings.timeout)) {
-  if (!backing.is_simulated()) {
-    ZA_THROW(invalid_argument, "the TCP transport serves the simulated device, not ",
-             backing.name(), " (GPUs use NCCL)");
-  }
   if (settings.world_size < 1 || settings.rank < 0 || settings.rank >= settings.world_size) {
     ZA_THROW(invalid_argument, "rank ", settings.rank, " of a group of ", settings.world_size);
   }
@@ -317,8 +313,9 @@ void tcp_transport::broadcast(void* buffer, std::size_t bytes, int root, stream_
   // Only the root's bytes matter; the others send none (but wait for their stream: the
   // buffer's earlier work must be done before the answer lands in it).
   std::string input = read_on(stream, buffer, rank() == root ? bytes : 0);
-  write_on(stream, buffer,
-           round({kind::broadcast, bytes, element_type::float32, root}, std::move(input)));
+  std::string output =
+      round({kind::broadcast, bytes, element_type::float32, root}, std::move(input));
+  if (rank() != root) write_on(stream, buffer, output);  // the root's bytes are there
 }
 
 void tcp_transport::reduce(const void* send, void* receive, std::size_t count, element_type type,

@@ -231,8 +231,7 @@ TEST_P(TcpTransportTest, ASenderThatRankZeroStoppedReadingEndsWithinItsTimeout) 
 INSTANTIATE_TEST_SUITE_P(Ranks, TcpTransportTest, ::testing::Values(2, 4),
                          [](const auto& info) { return std::to_string(info.param) + "Ranks"; });
 
-TEST(TcpTransport, ServesOnlyTheSimulatedDevice) {
-  // A GPU group is NCCL's; the check needs no GPU: the simulated device says it is one.
+TEST(TcpTransport, OneRankGathersItsOwnBytesWithoutAConnection) {
   sim_device device(0, 64 * MiB);
   bootstrap_settings alone;
   tcp_transport transport(device, alone);  // one rank: no connection at all

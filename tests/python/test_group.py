@@ -21,7 +21,7 @@ if not LIBRARY.exists():
 pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
 
 PROGRAM = """
-import ctypes, os, struct, sys
+import ctypes, os, struct, sys, time
 import zeroalloc
 lib = zeroalloc.library()
 rank = int(os.environ["RANK"])
@@ -31,6 +31,8 @@ if {dies_after_join} and rank == 1:
     os._exit(0)  # gone after joining: the others' next collective says so
 if lib.zeroalloc_group_join(agreement.encode(), 30000) != 0:
     print(f"rank {{rank}} join failed: {{zeroalloc._library.last_error()}}", flush=True)
+    # torchrun ends the other ranks as soon as one exits: give them the time to say theirs.
+    time.sleep(3)
     sys.exit(3)
 size = lib.zeroalloc_group_size()
 assert lib.zeroalloc_group_rank() == rank

@@ -91,6 +91,9 @@ for step in range(4):
         for tensor in tensors:
             zt.offload_tensor(tensor)
         assert all(zt.residency(t) == "host" for t in tensors), [zt.residency(t) for t in tensors]
+        # Read where they lie (parked parameters included): the gathers pin them.
+        again = parted.state_dict()
+        assert all(torch.equal(again[name].cpu(), a.cpu()) for name, a in mine.items())
 torch.cuda.synchronize()
 """
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
 
 from zeroalloc._library import ZeroallocError  # noqa: E402
-from zeroalloc.torch import _module_hints, _zero, _zero_parameters  # noqa: E402
+from zeroalloc.torch import _adoption, _module_hints, _zero, _zero_parameters  # noqa: E402
 
 
 def test_owners_are_contiguous_runs_of_about_equal_bytes():
@@ -65,40 +65,61 @@ def test_stage_3_needs_the_model_and_a_stage_beyond_it_is_named():
 
 def test_stage_3_under_offload_leaves_the_others_parameters_to_their_owners(monkeypatch):
     """Note [Stage 3 under offload]: a rank's own parameters stay offload's (their mark, which
-    the module hints read); the others' leave its management, so no hint names the copies a
-    gather makes of them; the owner pins its own for the gather's broadcast, the others pin
-    nothing; and when the partition ends, the others' are put back in the parameter class."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    parameters = list(model.parameters())  # rank 0 owns the first layer, rank 1 the second
+    the module hints read); the others' leave its management and adoption passes them over;
+    the owner's parameters are pinned where they are around whatever reads them for a gather
+    (the packing of a run, or the broadcast of a single one) and for model.state_dict()'s
+    copy, the others' never; and when the partition ends, the others' are put back in the
+    parameter class."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2),
+                                torch.nn.Linear(2, 2, bias=False))
+    parameters = list(model.parameters())  # w0 b0 (rank 0), w1 b1 (rank 1), w2 (rank 0)
     for parameter in parameters:
         parameter._zeroalloc_adopted = True  # what zt.offload's adoption marks
-    owner_of = {id(p): 0 if index < 2 else 1 for index, p in enumerate(parameters)}
-    pinned, broadcasts, moved = [], [], []
+    owners = [0, 0, 1, 1, 0]
+    owner_of = {id(p): owner for p, owner in zip(parameters, owners)}
+    name = {id(p): key for key, p in zip(["w0", "b0", "w1", "b1", "w2"], parameters)}
+    events = []
 
     @contextlib.contextmanager
     def pinned_where_they_are(tensors):
-        pinned.append([id(t) for t in tensors])
+        if tensors:
+            events.append(("pin", [name[id(t)] for t in tensors]))
         yield
+        if tensors:
+            events.append(("unpin", [name[id(t)] for t in tensors]))
 
     monkeypatch.setattr(_zero_parameters, "pinned_where_they_are", pinned_where_they_are)
     monkeypatch.setattr(_zero_parameters._group, "broadcast",
-                        lambda pointer, size, root, stream: broadcasts.append(root))
+                        lambda pointer, size, root, stream: events.append(("broadcast", root)))
+    moved = []
     monkeypatch.setattr(_zero_parameters, "move_into_class",
                         lambda tensor, name: (moved.append(name), tensor.clone())[1])
     shards = _zero_parameters.ParameterShards(model, owner_of, 0,
                                               {"gathers": 0, "gathered_bytes": 0})
-    assert [p._zeroalloc_adopted for p in parameters] == [True, True, False, False]
-    assert [p.numel() for p in parameters] == [16, 4, 0, 0]
+    assert [p._zeroalloc_adopted for p in parameters] == [True, True, False, False, True]
+    assert [p.numel() for p in parameters] == [16, 4, 0, 0, 4]
     assert _module_hints.managed(model[0]) == parameters[:2]
-    assert _module_hints.managed(model[1]) == []  # no hint for the gathered copies
-    model(torch.ones(1, 4))
-    assert broadcasts == [0, 1]  # each layer's parameters from their owner, one run each
-    assert pinned == [[id(parameters[0]), id(parameters[1])]]  # the owner's, for its run
-    assert [p.numel() for p in parameters] == [16, 4, 0, 0]  # the others' let go again
+    assert _module_hints.managed(model[1]) == []  # no hint names the gathered copies
+    # A later adoption (an offload() after the partition) passes the others' over.
+    assert _adoption.adopt(parameters[2:4]) == [] and not parameters[2]._zeroalloc_adopted
+
+    model(torch.ones(1, 4, requires_grad=True)).sum().backward()
+    forward = [("pin", ["w0", "b0"]), ("unpin", ["w0", "b0"]), ("broadcast", 0),
+               ("broadcast", 1), ("pin", ["w2"]), ("broadcast", 0), ("unpin", ["w2"])]
+    # The backward gathers each module again, last first.
+    backward = [("pin", ["w2"]), ("broadcast", 0), ("unpin", ["w2"]), ("broadcast", 1),
+                ("pin", ["w0", "b0"]), ("unpin", ["w0", "b0"]), ("broadcast", 0)]
+    assert events == forward + backward
+    shards.release_all()  # as the end of a partition's backward does
+    events.clear()
+    model.state_dict()
+    assert ("pin", ["w1"]) not in events and ("pin", ["w0"]) in events  # the copy, pinned
+    assert [p.numel() for p in parameters] == [16, 4, 0, 0, 4]  # the others' let go again
     shards.remove()
-    assert [p.numel() for p in parameters] == [16, 4, 8, 2]
+    assert [p.numel() for p in parameters] == [16, 4, 8, 2, 4]
     assert moved == ["parameter", "parameter"]
-    assert [p._zeroalloc_adopted for p in parameters] == [True] * 4
+    assert [p._zeroalloc_adopted for p in parameters] == [True] * 5
+    assert not any(hasattr(p, "_zeroalloc_not_owned") for p in parameters)
 
 
 def test_stage_2_divides_each_gradient_as_it_arrives_into_offloads_gradient_class(monkeypatch):

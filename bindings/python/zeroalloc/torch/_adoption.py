@@ -52,7 +52,8 @@ def adopt(parameters, optimizer=None, gradient_class: bool = False,
     hooks = []
     with torch.no_grad():
         for parameter in parameters:
-            if not parameter.is_cuda:
+            # Another rank's at ZeRO stage 3 (Note [Stage 3 under offload]): never managed.
+            if not parameter.is_cuda or getattr(parameter, "_zeroalloc_not_owned", False):
                 continue
             if not getattr(parameter, "_zeroalloc_adopted", False):
                 parameter.data = move_into_class(parameter.data, "parameter")

@@ -255,8 +255,10 @@ class BackwardUses:
         task = graph_task()
         self.listeners.accumulated(parameter, task)
         if task is None:
-            if not hasattr(torch._C, "_current_graph_task_id"):
-                _use_hints.end((parameter,))  # no task ids: uses were begun untracked
+            # No task ids: uses were begun untracked, for managed parameters only.
+            if (not hasattr(torch._C, "_current_graph_task_id")
+                    and getattr(parameter, "_zeroalloc_adopted", False)):
+                _use_hints.end((parameter,))
             return
         # Every backward that began it: a reentrant checkpoint's recomputation begins a use
         # in the outer backward, and the gradient is accumulated in the inner one.

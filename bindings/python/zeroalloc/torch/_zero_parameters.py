@@ -30,11 +30,11 @@ others are no longer its to manage: their storage goes at the partition, and wha
 makes of them lives with the activations for one use, so no hint may name it (the engine
 would take that memory for a paged parameter's and move it without waiting for the kernels
 that use it). So a parameter a rank does not own is taken out of offload's management (its
-mark, which the module hints and the windowed step read, is cleared) and, when the
-partition ends, put back in the parameter class. An owner's gather reads its parameters
+mark, which the module hints and the windowed step read, is cleared, and adoption passes it
+over) and, when the partition ends, put back in the parameter class. An owner's gather reads its parameters
 where they are, parked or on the host included, pinned there for the broadcast (Note
-[Collectives on paged parameters]); the module's own use hint then brings them back for its
-kernels as before.
+[Collectives on paged parameters]), and so does the copy model.state_dict() makes of
+them; the module's own use hint then brings them back for its kernels as before.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import contextlib
 import torch
 
 from zeroalloc import _group, _offload
-from zeroalloc.torch import _use_hints
+from zeroalloc.torch import _adoption, _use_hints
 from zeroalloc.torch._adoption import move_into_class
 from zeroalloc.torch._use_hints import current_stream
 
@@ -95,11 +95,17 @@ class ParameterShards:
         # (A function: PyTorch marks the hook with an attribute, which a method cannot take.)
         self.hooks.append(model.register_state_dict_post_hook(
             lambda *arguments: self._gathered_state_dict(*arguments)))
-        # Note [Stage 3 under offload]: the others' parameters leave offload's management.
+        # Note [Stage 3 under offload]: the others' parameters leave offload's management,
+        # and no later adoption (a parameter unfrozen later, an offload() after this) takes
+        # them; the automatic mode's hint groups are made again.
         self.unmanaged = [p for p in model.parameters()
                           if not self.owned(p) and getattr(p, "_zeroalloc_adopted", False)]
+        for parameter in model.parameters():
+            if not self.owned(parameter):
+                parameter._zeroalloc_not_owned = True
         for parameter in self.unmanaged:
             parameter._zeroalloc_adopted = False
+        _adoption.adoptions[0] += 1
         for parameter in model.parameters():
             self.release(parameter)
 
@@ -201,7 +207,11 @@ class ParameterShards:
                 continue
             was_gathered = id(parameter) in self.gathered
             self.gather([parameter])
-            state_dict[key] = parameter.detach().to("cpu", copy=True)
+            # Note [Stage 3 under offload]: an owner's own, wherever the engine put it.
+            paged = [parameter] if self.owned(parameter) and getattr(
+                parameter, "_zeroalloc_adopted", False) else []
+            with pinned_where_they_are(paged):
+                state_dict[key] = parameter.detach().to("cpu", copy=True)
             if not was_gathered:
                 self.release(parameter)
 
@@ -212,10 +222,13 @@ class ParameterShards:
         self.hooks = []
         self.gather(list(self.model.parameters()))
         # Note [Stage 3 under offload]: whole again, they are offload's again.
+        for parameter in self.model.parameters():
+            parameter.__dict__.pop("_zeroalloc_not_owned", None)
         with torch.no_grad():
             for parameter in self.unmanaged:
                 parameter.data = move_into_class(parameter.data, "parameter")
                 parameter._zeroalloc_adopted = True
+        _adoption.adoptions[0] += 1
         self.unmanaged = []
 
 
