@@ -31,10 +31,10 @@ makes of them lives with the activations for one use, so no hint may name it (th
 would take that memory for a paged parameter's and move it without waiting for the kernels
 that use it). So a parameter a rank does not own is taken out of offload's management (its
 mark, which the module hints and the windowed step read, is cleared, and adoption passes it
-over) and, when the partition ends, put back in the parameter class. An owner's gather reads its parameters
-where they are, parked or on the host included, pinned there for the broadcast (Note
-[Collectives on paged parameters]), and so does the copy model.state_dict() makes of
-them; the module's own use hint then brings them back for its kernels as before.
+over) and, when the partition ends, put back in the parameter class. An owner's gather
+reads its parameters where they are, parked or on the host included, pinned there for the
+broadcast (Note [Collectives on paged parameters]), and so does the copy model.state_dict()
+makes of them; the module's own use hint then brings them back for its kernels as before.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ class ParameterShards:
     def owned(self, parameter) -> bool:
         return self.owner_of[id(parameter)] == self.rank
 
+    def paged(self, parameters) -> list:
+        """Those of `parameters` this rank owns and offload pages, which a read must pin
+        where they are (Note [Stage 3 under offload])."""
+        return [p for p in parameters
+                if self.owned(p) and getattr(p, "_zeroalloc_adopted", False)]
+
     def gather(self, parameters) -> None:
         """Every rank gets each parameter not gathered yet from its owner: one broadcast per
         run of one owner's parameters of one device and dtype (packed into one buffer when
@@ -138,8 +144,7 @@ class ParameterShards:
         stream = current_stream(device.index) if device.type == "cuda" else None
         sizes = [self.shape_of(p).numel() * p.element_size() for p in members]
         mine = owner == self.rank
-        # Note [Stage 3 under offload]: the owner's parameters where the engine keeps them.
-        paged = [p for p in members if mine and getattr(p, "_zeroalloc_adopted", False)]
+        paged = self.paged(members)
         if len(members) == 1:  # in place on the owner, into a new tensor elsewhere
             parameter = members[0]
             data = parameter.data if mine else torch.empty(
@@ -207,10 +212,7 @@ class ParameterShards:
                 continue
             was_gathered = id(parameter) in self.gathered
             self.gather([parameter])
-            # Note [Stage 3 under offload]: an owner's own, wherever the engine put it.
-            paged = [parameter] if self.owned(parameter) and getattr(
-                parameter, "_zeroalloc_adopted", False) else []
-            with pinned_where_they_are(paged):
+            with pinned_where_they_are(self.paged([parameter])):
                 state_dict[key] = parameter.detach().to("cpu", copy=True)
             if not was_gathered:
                 self.release(parameter)
