@@ -1,7 +1,6 @@
 #include "dist/tcp_transport.hpp"
 
 #include <algorithm>
-#include <cstring>
 
 #include "core/errors.hpp"
 #include "dist/reduction.hpp"

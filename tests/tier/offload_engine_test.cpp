@@ -2029,16 +2029,11 @@ std::uint64_t fewest_fetches_per_step(const std::vector<std::vector<int>>& order
     if (std::find(resident.begin(), resident.end(), chunk) != resident.end()) continue;
     if (at / per_step == 2) ++counted;
     if (resident.size() == room) {
+      const auto& group = order[static_cast<std::size_t>(groups[at]) % order.size()];
       std::size_t farthest = 0;
       std::size_t victim = resident.size();
       for (std::size_t i = 0; i < resident.size(); ++i) {
-        std::size_t first_of_group = at;
-        while (first_of_group > 0 && groups[first_of_group - 1] == groups[at]) --first_of_group;
-        bool in_group = false;
-        for (std::size_t g = first_of_group; g < uses.size() && groups[g] == groups[at]; ++g) {
-          in_group = in_group || uses[g] == resident[i];
-        }
-        if (in_group) continue;
+        if (std::find(group.begin(), group.end(), resident[i]) != group.end()) continue;
         const std::size_t next = next_use(resident[i], at);
         if (victim == resident.size() || next > farthest) {
           farthest = next;
