@@ -135,8 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
-                        help="offload mode: zt.offload's gradient_class, 0 or 1 (1: gradients "
-                        "copied into their own allocation class once a step); 0,1 runs the "
+                        help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "
+                        "gradients copied into their own allocation class once a step; auto: "
+                        "tried once activations had to move, the default); 0,1,auto runs the "
                         "offload mode once for each")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches (forward and backward) per optimizer step")
@@ -562,6 +563,11 @@ def format_main_table(results: dict) -> str:
                           f"kept {overlap['kept_bytes'] / overlap['steps'] / GIB:.2f}, parameters "
                           f"bounced {overlap.get('bounced_parameter_bytes', 0) / overlap['steps'] / GIB:.2f}"
                           " GiB/step")
+                if "gradient_class" in overlap:  # Note [Gradients' class, decided]
+                    notes += f"; gradient class {overlap['gradient_class']}"
+                    if overlap.get("gradient_class_on_s"):
+                        notes += (f" (trial {overlap['gradient_class_on_s']:.3f} s/step against "
+                                  f"{overlap['gradient_class_off_s']:.3f} without)")
                 if "host_windows" in overlap:  # Note [Host windows]: which path ran
                     notes += (f"; host step: {overlap['host_windows'] / overlap['steps']:.1f} "
                               f"windows/step ({overlap['host_bytes'] / overlap['steps'] / GIB:.2f}"
@@ -675,7 +681,8 @@ def worker(args) -> int:
         if args.overlap_bytes:
             options["overlap_bytes"] = int(args.overlap_bytes)
         if args.gradient_class:
-            options["gradient_class"] = args.gradient_class == "1"
+            options["gradient_class"] = ("auto" if args.gradient_class == "auto"
+                                         else args.gradient_class == "1")
         zt.offload(model, optimizer, **options)
         if args.stage_after >= 0:  # the windowed step's, for this optimizer
             optimizer._zeroalloc_stepper.stage_after = args.stage_after
@@ -1154,8 +1161,9 @@ def main() -> int:
     args = parse_args()
     if args.worker:
         return worker(args)
-    if any(value not in ("0", "1") for value in args.gradient_class.split(",") if value):
-        print(f"--gradient-class {args.gradient_class!r}: use 0, 1 or 0,1", file=sys.stderr)
+    if any(value not in ("0", "1", "auto") for value in args.gradient_class.split(",") if value):
+        print(f"--gradient-class {args.gradient_class!r}: use 0, 1, auto or several of them, "
+              "comma-separated", file=sys.stderr)
         return 2
     if {"ds3nvme", "ds3nvmeopt"} & set(args.modes.split(",")) and not args.nvme_path:
         print("--modes ds3nvme and ds3nvmeopt (DeepSpeed ZeRO-Infinity) need --nvme-path: the directory "

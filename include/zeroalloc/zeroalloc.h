@@ -139,6 +139,17 @@ int zeroalloc_room(int device, zeroalloc_class allocation_class, uint64_t* large
                    uint64_t* unallocated);
 
 /**
+ * The bytes of `allocation_class` the offload engine of `device` has moved to the host (or
+ * disk) and back since the process started: a cheap read, unlike zeroalloc_stats_json, for
+ * a caller that asks once a step (the Python package reads class "other" to learn whether a
+ * step ran at the limit, Note [Gradients' class, decided]). Both are 0 when offload is off.
+ * Returns 0, or -1 with zeroalloc_last_error() set when `device` or the class is not valid
+ * or a pointer is NULL.
+ */
+int zeroalloc_moved_bytes(int device, zeroalloc_class allocation_class, uint64_t* to_host,
+                          uint64_t* to_device);
+
+/**
  * Writes the statistics of `device` as a JSON object into `buffer` (at most `length`
  * bytes, NUL-terminated when length > 0) and returns the length of the full text without
  * its NUL, so a caller can size the buffer with a first call of length 0.

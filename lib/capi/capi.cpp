@@ -268,6 +268,29 @@ ZA_EXPORT int zeroalloc_room(int device, zeroalloc_class cls, uint64_t* largest_
   });
 }
 
+ZA_EXPORT int zeroalloc_moved_bytes(int device, zeroalloc_class cls, uint64_t* to_host,
+                                    uint64_t* to_device) {
+  return guarded("zeroalloc_moved_bytes", -1, [&] {
+    if (!valid_class(cls)) {
+      throw std::invalid_argument("no such allocation class: pass a zeroalloc_class value");
+    }
+    if (to_host == nullptr || to_device == nullptr) {
+      throw std::invalid_argument("to_host and to_device must not be NULL");
+    }
+    runtime& owner = runtime::get();
+    owner.allocator(device);  // checks the ordinal
+    *to_host = 0;
+    *to_device = 0;
+    if (zeroalloc::offload_engine* engine = owner.engine(device); engine != nullptr) {
+      const zeroalloc::migration_figures moved = engine->mover().figures();
+      const std::size_t slot = zeroalloc::class_index(static_cast<allocation_class>(cls));
+      *to_host = moved.to_host_class_bytes[slot];
+      *to_device = moved.to_device_class_bytes[slot];
+    }
+    return 0;
+  });
+}
+
 ZA_EXPORT void zeroalloc_reset_peak_stats(int device) {
   guarded_void("zeroalloc_reset_peak_stats",
                [&] { runtime::get().allocator(device).reset_peak_stats(); });

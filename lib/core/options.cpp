@@ -64,6 +64,14 @@ std::string read_choice(const option_spec& spec, std::string_view value) {
   reject(spec.name, value, std::string("one of ") + std::string(accepted_form(spec)));
 }
 
+// A choice whose 0 and 1 may also be written as any yes or no read_boolean accepts.
+std::string read_choice_or_boolean(const option_spec& spec, std::string_view value) {
+  const std::string word = lowercase(trim(value));
+  if (word == "1" || word == "true" || word == "yes" || word == "on") return "1";
+  if (word == "0" || word == "false" || word == "no" || word == "off") return "0";
+  return read_choice(spec, value);
+}
+
 std::uint64_t read_byte_size(const option_spec& spec, std::string_view value) {
   const std::optional<std::uint64_t> bytes = parse_byte_size(value);
   if (!bytes || *bytes == 0) reject(spec.name, value, accepted_form(spec));
@@ -187,13 +195,14 @@ const std::vector<option_spec>& table() {
        "back before they are needed; the host pool is created in the background at start-up. "
        "none: everything stays on the device.",
        store<&options::offload, read_choice>},
-      {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::boolean, "0", "",
-       "1: with ZEROALLOC_OFFLOAD=host, the Python package copies each parameter's gradient into "
-       "the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it can "
-       "move to the host as a last resort: training fits under a lower limit, at a cost in "
-       "speed where the states alone could make room. 0: gradients stay with the activations "
-       "and never move.",
-       store<&options::offload_gradients, read_boolean>},
+      {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::choice, "auto", "auto|0|1",
+       "With ZEROALLOC_OFFLOAD=host, whether the Python package copies each parameter's gradient "
+       "into the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it "
+       "can move to the host before the activations do. auto: off until a step had to move "
+       "class other (activations) to the host, then on for a trial of a few steps, kept only "
+       "where it was not slower. 1 (or yes, on): always; training fits under a lower limit, at "
+       "a cost in speed where the states alone could make room. 0 (or no, off): never.",
+       store<&options::offload_gradients, read_choice_or_boolean>},
       {"ZEROALLOC_HOST_STEP", option_kind::boolean, "0", "",
        "1: with ZEROALLOC_OFFLOAD=host, the Python package's windowed optimizer step runs AdamW "
        "on the CPUs of the GPU's NUMA node for each window whose parameters and states are all "

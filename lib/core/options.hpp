@@ -74,15 +74,16 @@ struct options {
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
   bool sim_maps_slices = true;         ///< ZEROALLOC_SIM_MAPS_SLICES
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
-  bool offload_gradients = false;      ///< ZEROALLOC_OFFLOAD_GRADIENTS (read by the Python side)
-  memory_limit host_limit;             ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
-  bool verify = false;                 ///< ZEROALLOC_VERIFY
-  std::uint64_t prefetch_bytes = 0;    ///< ZEROALLOC_PREFETCH_BYTES
-  std::string nvme_path;               ///< ZEROALLOC_NVME_PATH
-  std::uint64_t nvme_bytes = 0;        ///< ZEROALLOC_NVME_SIZE (0: unset)
-  bool nvme_parameters = false;        ///< ZEROALLOC_NVME_PARAMETERS
-  bool park_parameters = true;         ///< ZEROALLOC_PARK_PARAMETERS
-  std::string collectives = "nccl";    ///< ZEROALLOC_COLLECTIVES (ranks on GPUs)
+  std::string offload_gradients =
+      "auto";               ///< ZEROALLOC_OFFLOAD_GRADIENTS: auto|0|1 (read by the Python side)
+  memory_limit host_limit;  ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)
+  bool verify = false;      ///< ZEROALLOC_VERIFY
+  std::uint64_t prefetch_bytes = 0;  ///< ZEROALLOC_PREFETCH_BYTES
+  std::string nvme_path;             ///< ZEROALLOC_NVME_PATH
+  std::uint64_t nvme_bytes = 0;      ///< ZEROALLOC_NVME_SIZE (0: unset)
+  bool nvme_parameters = false;      ///< ZEROALLOC_NVME_PARAMETERS
+  bool park_parameters = true;       ///< ZEROALLOC_PARK_PARAMETERS
+  std::string collectives = "nccl";  ///< ZEROALLOC_COLLECTIVES (ranks on GPUs)
 
   /// Reads every ZEROALLOC_* variable through `lookup` (getenv by default) and rejects
   /// names not in the table. Throws config_error on the first bad value.

@@ -162,6 +162,14 @@ TEST_F(CApiTest, RoomShowsAFreedBlockOfItsClassAndTheMemoryLeftUnderTheLimit) {
       << zeroalloc_last_error();
   EXPECT_EQ(zeroalloc_room(0, ZEROALLOC_CLASS_OTHER, nullptr, &unallocated), -1);
   EXPECT_EQ(zeroalloc_room(999, ZEROALLOC_CLASS_OTHER, &largest, &unallocated), -1);
+
+  // Without the offload engine nothing moves: both figures are 0, not an error.
+  std::uint64_t to_host = 1, to_device = 1;
+  ASSERT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_OTHER, &to_host, &to_device), 0)
+      << zeroalloc_last_error();
+  EXPECT_EQ(to_host, 0U);
+  EXPECT_EQ(to_device, 0U);
+  EXPECT_EQ(zeroalloc_moved_bytes(0, cls, &to_host, &to_device), -1);
 }
 
 TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {

@@ -61,6 +61,33 @@ TEST(OffloadCapi, AnAllocationMovesToTheHostAndBackAtTheSameAddress) {
   zeroalloc_free(pointer, 24 * kMiB, 0, nullptr);
 }
 
+TEST(OffloadCapi, TheBytesOfAClassMovedAreACheapReadOfTheStatistics) {
+  std::uint64_t out_before = 0, in_before = 0, other_out = 0, other_in = 0;
+  ASSERT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_GRADIENT, &out_before, &in_before), 0)
+      << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_OTHER, &other_out, &other_in), 0);
+  void* pointer = zeroalloc_malloc_class(16 * kMiB, 0, nullptr, ZEROALLOC_CLASS_GRADIENT);
+  ASSERT_NE(pointer, nullptr) << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_offload(pointer, /*wait=*/1), 0) << zeroalloc_last_error();
+  ASSERT_EQ(zeroalloc_fetch(pointer, /*wait=*/1), 0) << zeroalloc_last_error();
+  std::uint64_t out = 0, in = 0;
+  ASSERT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_GRADIENT, &out, &in), 0);
+  EXPECT_EQ(out - out_before, 16 * kMiB);
+  EXPECT_EQ(in - in_before, 16 * kMiB);
+  EXPECT_EQ(static_cast<long long>(out),
+            offload_figure("bytes_to_host_gradient"));  // what the statistics say
+  std::uint64_t other_out_after = 0, other_in_after = 0;
+  ASSERT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_OTHER, &other_out_after, &other_in_after), 0);
+  EXPECT_EQ(other_out_after, other_out) << "another class's bytes are not this one's";
+  zeroalloc_free(pointer, 16 * kMiB, 0, nullptr);
+
+  EXPECT_EQ(zeroalloc_moved_bytes(0, ZEROALLOC_CLASS_OTHER, nullptr, &in), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("to_host and to_device must not be NULL"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_moved_bytes(999, ZEROALLOC_CLASS_OTHER, &out, &in), -1);
+}
+
 TEST(OffloadCapi, HintsAreAcceptedForAnyPointer) {
   void* pointer = zeroalloc_malloc_class(8 * kMiB, 0, nullptr, ZEROALLOC_CLASS_PARAMETER);
   ASSERT_NE(pointer, nullptr);

@@ -75,16 +75,19 @@ TEST(Options, OffloadSettings) {
   EXPECT_EQ(defaults.offload, "none");
   EXPECT_DOUBLE_EQ(*defaults.host_limit.share, 0.5);  // never all of the host's memory
   EXPECT_FALSE(defaults.verify);
-  EXPECT_FALSE(defaults.offload_gradients);
+  EXPECT_EQ(defaults.offload_gradients, "auto");
   EXPECT_FALSE(defaults.limit.is_set()) << "the host limit must not leak into the device's";
   const options chosen = parse_with({{"ZEROALLOC_OFFLOAD", "host"},
                                      {"ZEROALLOC_HOST_LIMIT", "24GiB"},
                                      {"ZEROALLOC_VERIFY", "on"},
                                      {"ZEROALLOC_OFFLOAD_GRADIENTS", "1"}});
   EXPECT_EQ(chosen.offload, "host");
-  EXPECT_TRUE(chosen.offload_gradients);
+  EXPECT_EQ(chosen.offload_gradients, "1");
+  EXPECT_EQ(parse_with({{"ZEROALLOC_OFFLOAD_GRADIENTS", " On "}}).offload_gradients, "1");
+  EXPECT_EQ(parse_with({{"ZEROALLOC_OFFLOAD_GRADIENTS", "no"}}).offload_gradients, "0");
+  EXPECT_EQ(parse_with({{"ZEROALLOC_OFFLOAD_GRADIENTS", "AUTO"}}).offload_gradients, "auto");
   EXPECT_NE(error_of({{"ZEROALLOC_OFFLOAD_GRADIENTS", "maybe"}})
-                .find("ZEROALLOC_OFFLOAD_GRADIENTS='maybe' is not valid"),
+                .find("ZEROALLOC_OFFLOAD_GRADIENTS='maybe' is not valid: expected one of auto|0|1"),
             std::string::npos);
   EXPECT_EQ(*chosen.host_limit.bytes, 24ull << 30);
   EXPECT_TRUE(chosen.verify);

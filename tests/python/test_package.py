@@ -248,7 +248,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_report_section",
                                       "zeroalloc_options_json", "zeroalloc_set_thread_class",
                                       "zeroalloc_offload", "zeroalloc_fetch",
-                                      "zeroalloc_residency", "zeroalloc_room",
+                                      "zeroalloc_residency", "zeroalloc_room", "zeroalloc_moved_bytes",
                                       "zeroalloc_adamw_on_host", "zeroalloc_adamw_on_host_bf16",
                                       "zeroalloc_last_error_code", "zeroalloc_free_if_owned",
                                       "zeroalloc_memory_info", "zeroalloc_forget_stream",

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "pytho
 import zeroalloc.torch as zt  # noqa: E402
 from zeroalloc import _stats  # noqa: E402
 from zeroalloc.torch import (  # noqa: E402
-    _adoption, _module_hints, _optimizer_step, _settings, _use_hints)
+    _adoption, _gradient_choice, _module_hints, _optimizer_step, _settings, _use_hints)
+from zeroalloc.torch._gradient_choice import GradientChoice  # noqa: E402
 
 
 class FakeStream:
@@ -129,16 +130,18 @@ def build():
 
 def managed(overlap_bytes, group_bytes=LAYER_BYTES + 1024, gradient_class=False):
     """What zt.offload installs, without the library: hint hooks (groups of at most
-    `group_bytes`), gradient hooks, the windowed step and the state-dict wrappers."""
+    `group_bytes`), gradient hooks (`gradient_class`: True, False or "auto"), the windowed
+    step and the state-dict wrappers."""
     model, optimizer = build()
+    choice = GradientChoice(gradient_class)
     for parameter in model.parameters():
         parameter._zeroalloc_adopted = True
         parameter.register_post_accumulate_grad_hook(zt._end_backward)
         if gradient_class:
-            parameter.register_hook(zt._gradient_into_class(parameter))
+            parameter.register_hook(zt._gradient_into_class(parameter, choice))
     zt._install_hint_hooks(model, group_bytes)
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
-                                       overlap_bytes)
+                                       overlap_bytes, gradients=choice)
     zt._readopt_after_load(optimizer)
     return model, optimizer
 
@@ -397,6 +400,69 @@ def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch
         same(plain, plain_optimizer, model, optimizer)
 
 
+@pytest.mark.parametrize("trial_s", [1.5, 0.9])
+def test_the_gradients_class_is_tried_once_activations_moved_and_kept_only_if_not_slower(
+        engine, monkeypatch, trial_s):
+    """Note [Gradients' class, decided]: under "auto" the gradients stay where autograd
+    puts them until a step moved class other to the host; then they go into their class for
+    a trial (a step to settle, three timed), and stay there only when those steps were not
+    slower. The numbers are plain training's bit for bit at every step."""
+    made = []  # parameters whose gradient of this step was made in the gradient class
+    inside = [None]
+
+    @contextlib.contextmanager
+    def recording(name):
+        inside[0] = name
+        try:
+            yield
+        finally:
+            inside[0] = None
+
+    original_empty_like = torch.empty_like
+
+    def empty_like(*args, **kwargs):
+        if inside[0] == "gradient":
+            made.append(args[0])
+        return original_empty_like(*args, **kwargs)
+
+    clock, moved = [0.0], [0]
+    monkeypatch.setattr(_stats, "allocation_class", recording)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(_gradient_choice.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_gradient_choice._stats, "moved_bytes",
+                        lambda device, name: (moved[0], 0) if name == "other" else (0, 0))
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=0, gradient_class="auto")
+    choice = optimizer._zeroalloc_stepper.gradients
+    parameters = len(list(model.parameters()))
+    in_class = []
+    for step, (inputs, labels) in enumerate(data(12), start=1):
+        made.clear()
+        for net in (plain, model):
+            torch.nn.functional.cross_entropy(net(inputs[0]), labels[0]).backward()
+        in_class.append(len(made) == parameters)
+        assert len(made) in (0, parameters), "the class was on for some gradients only"
+        for a, b in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        if step >= 3:
+            moved[0] += 64 << 20  # activations went to the host during this step
+        clock[0] += trial_s if choice.on else 1.0  # the step's time, as its class was
+        for opt in (plain_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        same(plain, plain_optimizer, model, optimizer)
+    # Steps 1-2 are not timed; 3-5 are, without the class (step 3 moved activations); 6
+    # settles in the class; 7-9 are timed in it; then the choice holds.
+    kept = trial_s < 1.0
+    assert in_class == [False] * 5 + [True] * 4 + [kept] * 3
+    figures = zt.step_figures(optimizer)
+    assert figures["gradient_class_mode"] == "auto"
+    assert figures["gradient_class"] == ("on" if kept else "off")
+    assert figures["gradient_class_pressed_at_step"] == 3
+    assert figures["gradient_class_off_s"] == 1.0
+    assert figures["gradient_class_on_s"] == pytest.approx(trial_s)
+
+
 def test_gradient_class_follows_zeroalloc_offload_gradients_when_not_given():
     # In fresh processes: the library reads ZEROALLOC_* once, and this process must not set
     # them (pytest runs other files' subprocesses from it).
@@ -415,8 +481,10 @@ def test_gradient_class_follows_zeroalloc_offload_gradients_when_not_given():
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True)
 
-    assert default_with().stdout.split() == ["False"]
+    assert default_with().stdout.split() == ["auto"]  # Note [Gradients' class, decided]
+    assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS=" Auto").stdout.split() == ["auto"]
     assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS="1").stdout.split() == ["True"]
+    assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS="yes").stdout.split() == ["True"]
     assert default_with(ZEROALLOC_OFFLOAD_GRADIENTS="off").stdout.split() == ["False"]
     bad = default_with(ZEROALLOC_OFFLOAD_GRADIENTS="maybe")
     assert bad.returncode != 0

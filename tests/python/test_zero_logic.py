@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "pytho
 
 from zeroalloc._library import ZeroallocError  # noqa: E402
 from zeroalloc.torch import _adoption, _module_hints, _zero, _zero_parameters  # noqa: E402
+from zeroalloc.torch._gradient_choice import GradientChoice  # noqa: E402
 
 
 def test_owners_are_contiguous_runs_of_about_equal_bytes():
@@ -134,10 +135,12 @@ def test_stage_2_divides_each_gradient_as_it_arrives_into_offloads_gradient_clas
         yield
 
     monkeypatch.setattr(_zero._stats, "allocation_class", allocation_class)
-    hooked, plain = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
-    hooked._zeroalloc_gradient_hooked = True
+    hooked, plain, waiting = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    hooked._zeroalloc_gradient_hooked = GradientChoice(True)
+    # Note [Gradients' class, decided]: hooked by the automatic choice, not on yet.
+    waiting._zeroalloc_gradient_hooked = GradientChoice("auto")
     with torch.no_grad():  # as in a backward
-        for parameter in (hooked, plain):
+        for parameter in (hooked, plain, waiting):
             assert torch.equal(_zero.predivision(parameter, 0.5)(torch.full((4,), 3.0)),
                                torch.full((4,), 1.5))
         assert classes == ["gradient"]

@@ -37,6 +37,16 @@ def room(device: int, name: str) -> tuple:
     return largest.value, unallocated.value
 
 
+def moved_bytes(device: int, name: str) -> tuple:
+    """(bytes of class `name` the offload engine moved to the host, and back) on `device`
+    since the process started; (0, 0) without the engine. A cheap read, unlike raw_stats."""
+    to_host, to_device = ctypes.c_uint64(), ctypes.c_uint64()
+    if library().zeroalloc_moved_bytes(device, CLASSES.index(name), ctypes.byref(to_host),
+                                       ctypes.byref(to_device)) != 0:
+        raise ZeroallocError(last_error())
+    return to_host.value, to_device.value
+
+
 def memory_stats(device: int = 0) -> dict:
     """Statistics as a flat dict, keyed like torch.cuda.memory_stats where the meaning is the
     same ("allocated_bytes.all.peak", "num_alloc_retries", ...). The pool position holds

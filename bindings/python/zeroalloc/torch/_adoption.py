@@ -10,6 +10,10 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc.torch import _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
+from zeroalloc.torch._gradient_choice import GradientChoice
+
+#: gradient_class=True: the class always (one choice for every such parameter).
+ALWAYS = GradientChoice(True)
 
 #: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
 #: made from the managed bytes under a module, are stale after that.
@@ -39,17 +43,21 @@ def is_paged_state(value) -> bool:
     return torch.is_tensor(value) and value.is_cuda and value.dim() > 0 and value.numel() > 0
 
 
-def adopt(parameters, optimizer=None, gradient_class: bool = False,
+def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = False,
           hooked: "list | None" = None, backward: BackwardUses = backward_uses) -> list:
     """Moves parameters (and the optimizer's existing states) into their allocation classes
-    and hints the end of each parameter's backward use; with `gradient_class`, gradients go
-    into theirs too (Note [Gradients' class]). Returns the hooks; appends the parameters it
-    hooked to `hooked`, each as (parameter, the mark of its hook). A parameter hooked
-    before gets only what it lacks: the gradient class's hook when asked for now. Of the
+    and hints the end of each parameter's backward use; with `gradient_class` (True, or a
+    GradientChoice that may turn on: Note [Gradients' class, decided]), gradients go into
+    theirs too whenever it is on (Note [Gradients' class]). Returns the hooks; appends the
+    parameters it hooked to `hooked`, each as (parameter, the mark of its hook). A parameter
+    hooked before gets only what it lacks: the gradient class's hook when asked for now. Of the
     optimizer's states only those the windowed step pins and hints move (a scalar step
     count on the device stays with the activations: unhinted use must not share a hinted
     class)."""
     hooks = []
+    choice = ALWAYS if gradient_class is True else gradient_class or None
+    if choice is not None and choice.mode is False:
+        choice = None  # off for good: no hook
     with torch.no_grad():
         for parameter in parameters:
             # Another rank's at ZeRO stage 3 (Note [Stage 3 under offload]): never managed.
@@ -66,13 +74,14 @@ def adopt(parameters, optimizer=None, gradient_class: bool = False,
                 if hooked is not None:
                     hooked.append((parameter, "_zeroalloc_hooked"))
                 hooks.append(parameter.register_post_accumulate_grad_hook(backward.end))
-            if gradient_class and not getattr(parameter, "_zeroalloc_gradient_hooked", False):
-                parameter._zeroalloc_gradient_hooked = True
+            if choice is not None and not getattr(parameter, "_zeroalloc_gradient_hooked", None):
+                # The mark is the choice its hook reads (_zero.gradient_class_of reads it too).
+                parameter._zeroalloc_gradient_hooked = choice
                 if hooked is not None:
                     hooked.append((parameter, "_zeroalloc_gradient_hooked"))
-                if parameter.grad is not None and not parameter.grad.is_sparse:
+                if choice.on and parameter.grad is not None and not parameter.grad.is_sparse:
                     parameter.grad = move_into_class(parameter.grad, "gradient")
-                hooks.append(parameter.register_hook(gradient_into_class(parameter)))
+                hooks.append(parameter.register_hook(gradient_into_class(parameter, choice)))
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
@@ -81,7 +90,7 @@ def adopt(parameters, optimizer=None, gradient_class: bool = False,
     return hooks
 
 
-def gradient_into_class(parameter):
+def gradient_into_class(parameter, choice: GradientChoice):
     """Note [Gradients' class]: autograd allocates a parameter's gradient in the kernel that
     computes it, on its own thread and in the activations' class, and the accumulation into
     an empty `.grad` adopts that tensor as it is. So the hook on the parameter copies the
@@ -89,10 +98,14 @@ def gradient_into_class(parameter):
     copy); later ones, with `.grad` there, are added into it in place. The copy costs each
     gradient's bytes once a step, read and written on the device. In their own class,
     gradients are what pressure moves last, and only when an allocation would fail (Note
-    [Residency policy]); in the activations' class they could not move at all."""
+    [Residency policy]); in the activations' class they move only after every other class,
+    as the last resort. While `choice` is off (Note [Gradients' class, decided]) the hook
+    leaves the gradient where autograd put it."""
     owner = weakref.ref(parameter)
 
     def hook(gradient):
+        if not choice.on:
+            return None
         held = owner()
         # Under create_graph the accumulation copies whatever it gets: nothing to gain.
         if (held is None or held.grad is not None or gradient.is_sparse

@@ -10,6 +10,7 @@ import torch
 
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings
+from zeroalloc.torch._gradient_choice import GradientChoice, mode_of
 from zeroalloc.torch._master_weights import MasterWeights, masters_of, working_dtype
 from zeroalloc.torch._optimizer_step import steps_by_param_groups, windowed_step
 from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
@@ -73,7 +74,7 @@ def _unmark_hooked(references: list) -> None:
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,
             window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
-            overlap_bytes: int = 2 << 30, gradient_class: "bool | None" = None,
+            overlap_bytes: int = 2 << 30, gradient_class: "bool | str | None" = None,
             master_weights=None) -> OffloadHandle:
     """Lets zeroalloc page the model's parameters and the optimizer's states between device
     and pinned host memory: two lines in a training script, after ``install()``::
@@ -90,12 +91,15 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     a time (PyTorch's foreach and fused optimizers would touch every state at once), and
     moves up to `overlap_bytes` of host-resident states each way while forward and backward
     run (Note [Overlapping the step]; the default, 2 << 30, measured best on an H200; 0:
-    none). With `gradient_class`, each parameter's gradient is copied into the gradient
-    class once a step, where pressure can move it as a last resort (Note [Gradients'
-    class]); without, gradients stay with the activations and never move. Not given, it is
-    ZEROALLOC_OFFLOAD_GRADIENTS (default 0): off, since gradients in their own class no
-    longer reuse the memory the backward frees (bench/RESULTS.md: 1.4 x the step at 1.3B
-    where the states alone make room), but on lets a run train under a lower limit.
+    none). With `gradient_class=True`, each parameter's gradient is copied into the gradient
+    class once a step, where pressure moves it before the activations (Note [Gradients'
+    class]); with False, gradients stay with the activations, which move only as the last
+    resort. "auto" (ZEROALLOC_OFFLOAD_GRADIENTS's default, which applies when it is not
+    given) starts off, and tries the class once a step had to move activations to the host,
+    keeping it only where it was not slower (Note [Gradients' class, decided]): in their own
+    class gradients no longer reuse the memory the backward frees (0.73 x the tokens per
+    second at 13.3 GiB of the 1.3B bench model, where the states alone make room), but they
+    let a run train under a lower limit.
     With `master_weights` (True, "bf16" or torch.bfloat16; not given, ZEROALLOC_MASTER_WEIGHTS,
     default none), the model trains as DeepSpeed's bf16 mode does: its fp32 parameters become
     bf16 working copies and the optimizer steps fp32 masters, which the engine places with
@@ -103,10 +107,19 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     offload() of a model and optimizer.
     Needs ZEROALLOC_OFFLOAD=host in the environment before the library loads."""
     _settings.require_offload_engine()
-    if gradient_class is None:
-        gradient_class = _settings.gradient_class_default()
+    mode = mode_of(_settings.gradient_class_default() if gradient_class is None
+                   else gradient_class)
     dtype = working_dtype(master_weights) if optimizer is not None else None
     stepper = getattr(optimizer, "_zeroalloc_stepper", None)
+    # Note [Gradients' class, decided]: one choice per optimizer, which its hooks read; a
+    # later offload() of a stepped optimizer that names gradient_class changes it.
+    if stepper is not None:
+        gradients = stepper.gradients
+        earlier_mode = gradients.mode
+        if gradient_class is not None and mode != earlier_mode:
+            gradients.set_mode(mode)
+    else:
+        gradients = GradientChoice(mode)
     hooks: list = []
     if dtype is not None and masters_of(optimizer) is None:
         if stepper is not None:
@@ -119,7 +132,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
             optimizer._zeroalloc_masters = masters
             hooks += masters.install_model_hook(model)
     hooked: list = []
-    hooks += _adoption.adopt(model.parameters(), optimizer, gradient_class, hooked)
+    hooks += _adoption.adopt(model.parameters(), optimizer, gradients, hooked)
     if not _module_hints.automatic and stepper is None:
         # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
         # earlier offload() of this optimizer.
@@ -133,7 +146,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
             # model (a group added later) has no hint group, and unhinted use must not
             # share the hinted parameter class, so it stays where it is, unmanaged.
             late = [p for p in late if getattr(p, "_zeroalloc_adopted", False)]
-        return _adoption.adopt(late, None, gradient_class, into) if late else []
+        return _adoption.adopt(late, None, gradients, into) if late else []
 
     if stepper is not None:
         # Stepped in windows already (the automatic mode wrapped it when it was made, or an
@@ -149,27 +162,29 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
             held = owner()
             if held is not None and getattr(held, "_zeroalloc_stepper", None) is stepper:
                 stepper.configure(*earlier)
+                if gradients.mode != earlier_mode:
+                    gradients.set_mode(earlier_mode)
 
         return OffloadHandle(hooks, None, None, hooked, restore=restore)
     original_step = None  # what remove() puts back as optimizer.step
     if optimizer is not None:
         original_step = original_of(optimizer, "step")
         optimizer.step = windowed_step(optimizer, optimizer.step, window_bytes, overlap_bytes,
-                                       adopt=adopt)
+                                       adopt=adopt, gradients=gradients)
         readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step, hooked)
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
                              overlap_bytes: int = 2 << 30,
-                             gradient_class: "bool | None" = None) -> None:
+                             gradient_class: "bool | str | None" = None) -> None:
     """Offload with no line changed in the training script (ZEROALLOC_OFFLOAD=host with the
     package's start-up hook): every optimizer created from now on has its parameters and
     states managed as offload() does, and global module hooks send the use hints, grouped
     as offload() groups them (Note [Hint groups])."""
     _settings.require_offload_engine()
-    if gradient_class is None:
-        gradient_class = _settings.gradient_class_default()
+    mode = mode_of(_settings.gradient_class_default() if gradient_class is None
+                   else gradient_class)
     dtype = working_dtype(None)  # ZEROALLOC_MASTER_WEIGHTS
     hints = _module_hints.AutomaticHints(hint_group_bytes)
     _module_hints.automatic.append(hints)
@@ -199,10 +214,12 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if masters is not None:  # the working copies are the model's parameters
             parameters = [masters.working(p) if masters.working(p) is not None else p
                           for p in parameters]
-        _adoption.adopt(parameters, self, gradient_class)
+        gradients = GradientChoice(mode)  # Note [Gradients' class, decided]: per optimizer
+        _adoption.adopt(parameters, self, gradients)
         self.step = windowed_step(self, self.step, window_bytes, overlap_bytes,
                                   adopt=lambda late, into: _adoption.adopt(late, None,
-                                                                        gradient_class, into))
+                                                                        gradients, into),
+                                  gradients=gradients)
         readopt_after_load(self)
 
     torch.optim.Optimizer.__init__ = init

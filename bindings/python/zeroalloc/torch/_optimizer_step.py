@@ -17,6 +17,7 @@ from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
 from zeroalloc.torch._host_step import PARTLY_ON_HOST, Behind, HostStep
 from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
+from zeroalloc.torch._gradient_choice import GradientChoice
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
     CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
@@ -41,7 +42,8 @@ def steps_by_param_groups(optimizer) -> bool:
 
 def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: int = 0,
                   adopt=None, listeners: WindowedSteps = windowed_steps,
-                  backward: BackwardUses = backward_uses):
+                  backward: BackwardUses = backward_uses,
+                  gradients: "GradientChoice | None" = None):
     """optimizer.step in windows of about `window_bytes` of parameters and states, as a bound
     method (LR schedulers wrap it through __func__ and __self__); `overlap_bytes` of states
     are moved while forward and backward run (Note [Overlapping the step]).
@@ -115,7 +117,7 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     if getattr(original_step, "_zeroalloc_windowed", False):
         return original_step  # offload() and the automatic mode never wrap twice
     stepper = WindowedStep(optimizer, original_step, window_bytes, overlap_bytes, adopt,
-                           listeners, backward)
+                           listeners, backward, gradients)
     optimizer._zeroalloc_stepper = stepper
 
     def step(self, closure=None, **kwargs):
@@ -145,7 +147,8 @@ class WindowedStep:
 
     def __init__(self, optimizer, original_step, window_bytes: int, overlap_bytes: int,
                  adopt=None, listeners: WindowedSteps = windowed_steps,
-                 backward: BackwardUses = backward_uses):
+                 backward: BackwardUses = backward_uses,
+                 gradients: "GradientChoice | None" = None):
         # Weakly, and the original step unbound (Note [No cycles through the optimizer]):
         # the optimizer holds this, through its step.
         self._optimizer = weakref.ref(optimizer)
@@ -163,6 +166,9 @@ class WindowedStep:
         # it forgets the uses `backward` began.
         self.listeners = listeners
         self.backward = backward
+        # Note [Gradients' class, decided] (_gradient_choice.py): whether the gradient hooks
+        # of its parameters copy them into their class; told after each step.
+        self.gradients = gradients if gradients is not None else GradientChoice(False)
         # Note [Steps that follow param_groups]: a window is stepped by narrowing param_groups
         # and calling the optimizer's own step, which is right only for a step that steps
         # exactly the parameters of param_groups, once: PyTorch's own optimizers (LBFGS
@@ -1079,8 +1085,11 @@ class WindowedStep:
 
     def learn_from(self, run: "StepRun") -> None:
         """What the next step and the staging before it learn from this step (Note
-        [Overlapping the step])."""
+        [Overlapping the step]), and the gradients' class (Note [Gradients' class, decided])."""
         self.figures["steps"] += 1
+        first = next((p for params in run.saved for p in params), None)
+        if first is not None and on_gpu(first.device):
+            self.gradients.after_step(first.device.index or 0)
         self.members = self.member_ids(p for params in run.saved for p in params)
         self.plan = run.windows
         self.plan_bytes = self.slot_bytes
@@ -1103,6 +1112,7 @@ def step_figures(optimizer) -> dict:
         raise ZeroallocError("this optimizer's step is not zeroalloc's windowed step: "
                              "pass it to zeroalloc.torch.offload() first")
     figures = dict(stepper.figures)
+    figures.update(stepper.gradients.figures())  # Note [Gradients' class, decided]
     if stepper.host is not None:  # Note [Host windows]: which windows ran where
         figures.update(stepper.host.figures)
     return figures

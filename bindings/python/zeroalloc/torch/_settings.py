@@ -29,11 +29,13 @@ def offload_setting() -> str:
     return setting("ZEROALLOC_OFFLOAD", "none")
 
 
-def gradient_class_default() -> bool:
+def gradient_class_default() -> "bool | str":
     """ZEROALLOC_OFFLOAD_GRADIENTS, checked as the library checks it (the library rejects a
-    value that is not a yes or a no at start-up): what offload() and the automatic mode do
-    with gradients when `gradient_class` is not given."""
-    return enabled("ZEROALLOC_OFFLOAD_GRADIENTS", "0")
+    value that is not auto, a yes or a no at start-up): what offload() and the automatic mode
+    do with gradients when `gradient_class` is not given: True, False or "auto" (Note
+    [Gradients' class, decided] in _gradient_choice.py)."""
+    value = setting("ZEROALLOC_OFFLOAD_GRADIENTS", "auto")
+    return "auto" if value == "auto" else value in ("1", "true", "yes", "on")
 
 
 def parameters_park() -> bool:

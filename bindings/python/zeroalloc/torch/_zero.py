@@ -137,7 +137,8 @@ def _gather_objects(distributed, value, to: "int | None" = None) -> "list | None
 def gradient_class_of(parameter):
     """Where a gradient made for `parameter` is allocated: the gradient class when offload
     put its gradients there (Note [Gradients' class]), else where it is now."""
-    if getattr(parameter, "_zeroalloc_gradient_hooked", False):
+    choice = getattr(parameter, "_zeroalloc_gradient_hooked", None)
+    if choice is not None and choice.on:  # Note [Gradients' class, decided]
         return _stats.allocation_class("gradient")
     return contextlib.nullcontext()
 
