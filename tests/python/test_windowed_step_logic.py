@@ -135,9 +135,9 @@ def managed(overlap_bytes, group_bytes=LAYER_BYTES + 1024, gradient_class=False)
     model, optimizer = build()
     choice = GradientChoice(gradient_class)
     for parameter in model.parameters():
-        parameter._zeroalloc_adopted = True
+        parameter._zeroalloc_adopted = parameter._zeroalloc_hooked = True
         parameter.register_post_accumulate_grad_hook(zt._end_backward)
-        if gradient_class:
+        if choice.on:  # "auto": the step hooks them when it tries the class
             parameter.register_hook(zt._gradient_into_class(parameter, choice))
     zt._install_hint_hooks(model, group_bytes)
     optimizer.step = zt._windowed_step(optimizer, optimizer.step, 6 * LAYER_BYTES + 1,
@@ -442,6 +442,8 @@ def test_the_gradients_class_is_tried_once_activations_moved_and_kept_only_if_no
             torch.nn.functional.cross_entropy(net(inputs[0]), labels[0]).backward()
         in_class.append(len(made) == parameters)
         assert len(made) in (0, parameters), "the class was on for some gradients only"
+        hooks = [hasattr(p, "_zeroalloc_gradient_hooked") for p in model.parameters()]
+        assert hooks == [in_class[-1]] * parameters, "hooks on the backward while not trying"
         for a, b in zip(plain.parameters(), model.parameters()):
             assert torch.equal(a.grad, b.grad)
         if step >= 3:

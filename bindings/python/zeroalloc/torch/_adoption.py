@@ -56,8 +56,10 @@ def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = 
     class)."""
     hooks = []
     choice = ALWAYS if gradient_class is True else gradient_class or None
-    if choice is not None and choice.mode is False:
-        choice = None  # off for good: no hook
+    if choice is not None and not choice.on:
+        # Off, or "auto" not trying the class (yet): no hook, so the backward runs as without
+        # one; the windowed step adds the hooks when a trial begins.
+        choice = None
     with torch.no_grad():
         for parameter in parameters:
             # Another rank's at ZeRO stage 3 (Note [Stage 3 under offload]): never managed.
@@ -74,20 +76,37 @@ def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = 
                 if hooked is not None:
                     hooked.append((parameter, "_zeroalloc_hooked"))
                 hooks.append(parameter.register_post_accumulate_grad_hook(backward.end))
-            if choice is not None and not getattr(parameter, "_zeroalloc_gradient_hooked", None):
-                # The mark is the choice its hook reads (_zero.gradient_class_of reads it too).
-                parameter._zeroalloc_gradient_hooked = choice
-                if hooked is not None:
-                    hooked.append((parameter, "_zeroalloc_gradient_hooked"))
-                if choice.on and parameter.grad is not None and not parameter.grad.is_sparse:
-                    parameter.grad = move_into_class(parameter.grad, "gradient")
-                hooks.append(parameter.register_hook(gradient_into_class(parameter, choice)))
+            if choice is not None:
+                hooks += hook_gradient(parameter, choice, hooked)
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
                     if is_paged_state(value):
                         state[key] = move_into_class(value, "optimizer_state")
     return hooks
+
+
+def hook_gradient(parameter, choice: GradientChoice, hooked: "list | None") -> list:
+    """The hook of Note [Gradients' class] on `parameter`, unless it has one (returned, in a
+    list; `hooked` as adopt's); a gradient it holds now moves into the class."""
+    if getattr(parameter, "_zeroalloc_gradient_hooked", None):
+        return []
+    # The mark is the choice its hook reads (_zero.gradient_class_of reads it too).
+    parameter._zeroalloc_gradient_hooked = choice
+    if hooked is not None:
+        hooked.append((parameter, "_zeroalloc_gradient_hooked"))
+    with torch.no_grad():
+        if parameter.grad is not None and not parameter.grad.is_sparse:
+            parameter.grad = move_into_class(parameter.grad, "gradient")
+    return [parameter.register_hook(gradient_into_class(parameter, choice))]
+
+
+def unmark(references: list) -> None:
+    """Clears the marks of the hooks taken out: (weak reference to a parameter, mark)."""
+    for reference, mark in references:
+        parameter = reference()
+        if parameter is not None:
+            parameter.__dict__.pop(mark, None)
 
 
 def gradient_into_class(parameter, choice: GradientChoice):

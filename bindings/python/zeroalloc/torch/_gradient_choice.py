@@ -19,7 +19,10 @@ steps were timed (the first WARMUP_STEPS are not: they learn the order and settl
 placement), the gradients go into their class for a trial: one step to settle, then
 TRIAL_STEPS timed steps. The class stays on when the median of those is at most SLOWER
 times the median of the steps before, and goes off for good otherwise; either way the
-choice is made once per optimizer and never flips again. A step's time is the wall time
+choice is made once per optimizer and never flips again. The hooks that copy gradients
+into the class are added only when a trial begins (WindowedStep.hook_gradients) and taken
+out again when it ends with the class off, so a backward outside a trial runs as without
+them. A step's time is the wall time
 between the ends of two optimizer steps (forward, backward and step: what a training loop
 waits for). The numbers trained are the same either way: the class holds a copy of each
 gradient, bit for bit. Without an optimizer (offload(model) alone) there are no steps to

@@ -35,7 +35,7 @@ class OffloadHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        _unmark_hooked(self._hooked)  # a later offload() hooks them again
+        _adoption.unmark(self._hooked)  # a later offload() hooks them again
         self._hooked = []
         if self._restore is not None:
             self._restore()
@@ -47,7 +47,7 @@ class OffloadHandle:
                 stepper.detach()
                 for hook in stepper.late_hooks:
                     hook.remove()
-                _unmark_hooked(stepper.late_hooked)
+                _adoption.unmark(stepper.late_hooked)
                 del optimizer._zeroalloc_stepper
             masters = masters_of(optimizer)
             if masters is not None:  # fp32 parameters again, the masters' values
@@ -61,15 +61,6 @@ class OffloadHandle:
                     put_back(optimizer, name, function._zeroalloc_original)
             self._optimizer = None
             self._original_step = None
-
-
-def _unmark_hooked(references: list) -> None:
-    """Clears the marks of the hooks taken out: (weak reference to a parameter, mark)."""
-    for reference, mark in references:
-        parameter = reference()
-        if parameter is not None:
-            parameter.__dict__.pop(mark, None)
-
 
 
 def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" = None, *,

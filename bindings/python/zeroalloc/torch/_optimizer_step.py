@@ -159,6 +159,9 @@ class WindowedStep:
         self.adopt = adopt
         self.late_hooks: list = []
         self.late_hooked: list = []  # (weak reference, mark), as OffloadHandle's
+        # Those of the gradients' class that a trial added (Note [Gradients' class, decided]).
+        self.gradient_hooks: list = []
+        self.gradient_hooked: list = []
         self._original_step = unbound(original_step, optimizer)
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
@@ -725,14 +728,40 @@ class WindowedStep:
         self.learn_from(run)
         return loss
 
-    def adopt_late_parameters(self) -> None:
-        """Hooks for the parameters that need them since offload() (see `adopt`)."""
-        if self.adopt is None:
-            return
+    def hooked_parameters(self) -> list:
+        """The parameters whose hooks tell about this optimizer's: its own, or for a master
+        its working copy."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.masters is not None:  # a master's hooks are its working copy's
             params = [self.masters.working(p) if self.masters.working(p) is not None else p
                       for p in params]
+        return params
+
+    def hook_gradients(self, on: bool) -> None:
+        """Note [Gradients' class, decided]: a trial of the gradients' class begins (`on`):
+        the adopted parameters get the hooks that copy their gradients into it, which
+        "auto" leaves out until then; or it ended with the class off: those hooks go."""
+        if not on:
+            for hook in self.gradient_hooks:
+                hook.remove()
+            _adoption.unmark(self.gradient_hooked)
+            self.gradient_hooks, self.gradient_hooked = [], []
+            return
+        hooked: list = []
+        hooks = [hook for p in self.hooked_parameters()
+                 if p.requires_grad and getattr(p, "_zeroalloc_adopted", False)
+                 for hook in _adoption.hook_gradient(p, self.gradients, hooked)]
+        marks = [(weakref.ref(parameter), mark) for parameter, mark in hooked]
+        self.gradient_hooks += hooks
+        self.gradient_hooked += marks
+        self.late_hooks += hooks  # OffloadHandle.remove() takes them out with the others
+        self.late_hooked += marks
+
+    def adopt_late_parameters(self) -> None:
+        """Hooks for the parameters that need them since offload() (see `adopt`)."""
+        if self.adopt is None:
+            return
+        params = self.hooked_parameters()
         late = [p for p in params
                 if p.requires_grad and not getattr(p, "_zeroalloc_hooked", False)]
         if late:
@@ -1089,7 +1118,10 @@ class WindowedStep:
         self.figures["steps"] += 1
         first = next((p for params in run.saved for p in params), None)
         if first is not None and on_gpu(first.device):
+            was = self.gradients.state
             self.gradients.after_step(first.device.index or 0)
+            if self.gradients.state != was:
+                self.hook_gradients(self.gradients.on)
         self.members = self.member_ids(p for params in run.saved for p in params)
         self.plan = run.windows
         self.plan_bytes = self.slot_bytes
