@@ -63,3 +63,20 @@ def test_a_mode_that_is_not_one_is_refused():
     for bad in ("on", 1, None, "yes"):
         with pytest.raises(ValueError, match="use True, False or 'auto'"):
             mode_of(bad)
+
+
+def test_a_failed_read_of_what_moved_keeps_the_class_as_it_is(monkeypatch):
+    """The step that ran succeeded: a library that cannot say what moved ends the choice
+    where it stands, with a warning, and raises nothing into the training loop."""
+    from zeroalloc import _stats
+    from zeroalloc._library import ZeroallocError
+
+    def fail(device, name):
+        raise ZeroallocError("no such device: 7")
+
+    monkeypatch.setattr(_stats, "moved_bytes", fail)
+    choice = GradientChoice("auto")
+    with pytest.warns(UserWarning, match="stays as it is .watching.*no such device: 7"):
+        choice.after_step(7, now=1.0)
+    assert (choice.on, choice.figures()["gradient_class"]) == (False, "off")
+    choice.after_step(7, now=2.0)  # decided: no second read, no second warning

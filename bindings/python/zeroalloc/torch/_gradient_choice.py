@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 from zeroalloc import _stats
+from zeroalloc._library import ZeroallocError
 
 #: Steps whose time is not used: the first learns the order of uses, the second settles
 #: the placement (bench logs: 2.2 s, 1.0 s, then 0.43 s at 13.3 GiB of the 1.3B model).
@@ -85,7 +87,14 @@ class GradientChoice:
         if self.state not in ("watching", "trial"):
             return
         now = time.perf_counter() if now is None else now
-        moved = _stats.moved_bytes(device, "other")[0] if moved is None else moved
+        if moved is None:
+            try:
+                moved = _stats.moved_bytes(device, "other")[0]
+            except ZeroallocError as error:  # the step itself succeeded: it stays so
+                warnings.warn(f"zeroalloc: the gradients' class stays as it is ({self.state}), "
+                              f"since what moved could not be read: {error}")
+                self.state = "on" if self.on else "off"
+                return
         seconds = now - self.ended if self.ended is not None else None
         pressed = moved > (self.moved if self.moved is not None else 0)
         self.ended, self.moved = now, moved
