@@ -69,7 +69,8 @@ std::string read_choice_or_boolean(const option_spec& spec, std::string_view val
   const std::string word = lowercase(trim(value));
   if (word == "1" || word == "true" || word == "yes" || word == "on") return "1";
   if (word == "0" || word == "false" || word == "no" || word == "off") return "0";
-  return read_choice(spec, value);
+  if (word == "auto") return word;
+  reject(spec.name, value, "auto, 1 or 0 (also true/false, yes/no, on/off)");
 }
 
 std::uint64_t read_byte_size(const option_spec& spec, std::string_view value) {

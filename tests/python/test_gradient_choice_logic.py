@@ -30,18 +30,23 @@ def test_auto_never_tries_the_class_while_no_step_moves_activations():
     assert choice.figures()["gradient_class"] == "watching"
 
 
-def test_activations_moved_before_the_first_step_count_as_pressure():
+def test_what_moved_before_the_first_step_ended_is_not_pressure():
+    """The first step evicts as its allocations come (no order learned yet), and bytes moved
+    before it (a checkpoint loaded to the GPU) are not this optimizer's: neither counts."""
     choice = GradientChoice("auto")
-    # The first step moved them; steps 3-5 timed; on after step 5, for the trial from step 6.
-    assert run(choice, range(1, 8), [1 << 20] * 7) == [False] * 4 + [True] * 3
-    assert choice.figures()["gradient_class_pressed_at_step"] == 1
+    assert run(choice, range(1, 12), [1 << 30] * 11) == [False] * 11
+    assert choice.figures()["gradient_class_pressed_at_step"] == 0
+    # The second step moved some: steps 3-5 timed, on after step 5 for the trial.
+    choice = GradientChoice("auto")
+    assert run(choice, range(1, 8), [1 << 30] + [2 << 30] * 6) == [False] * 4 + [True] * 3
+    assert choice.figures()["gradient_class_pressed_at_step"] == 2
 
 
 def test_the_choice_is_made_once():
     choice = GradientChoice("auto")
     # Steps 3-5 take 1 s; the trial's (6 settles, 7-9 timed) 3 s; decided after step 9.
     times = [1, 2, 3, 4, 5, 8, 11, 14, 17, 18]
-    moved = [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]
+    moved = [0, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     assert run(choice, times, moved) == [False] * 4 + [True] * 4 + [False] * 2
     assert choice.figures()["gradient_class"] == "off"
     # Activations move again, steps run faster: no second trial.
@@ -58,9 +63,24 @@ def test_fixed_modes_never_change_and_a_later_mode_starts_over():
     assert on.figures()["gradient_class_pressed_at_step"] == 0
 
 
+def test_a_later_mode_put_back_keeps_the_decision_made():
+    """A second offload() that names another gradient_class and is removed again puts the
+    choice back where it stood: a decision made is not made again."""
+    choice = GradientChoice("auto")
+    run(choice, [1, 2, 3, 4, 5, 8, 11, 14, 17], [0] + [1] * 8)
+    assert choice.figures()["gradient_class"] == "off"
+    earlier = choice.snapshot()
+    choice.set_mode(True)
+    assert choice.on
+    choice.restore(earlier)
+    assert not choice.on and choice.figures() == earlier.figures()
+    assert run(choice, range(18, 30), range(2, 14)) == [False] * 12
+
+
 def test_a_mode_that_is_not_one_is_refused():
     assert [mode_of(True), mode_of(False), mode_of("auto")] == [True, False, "auto"]
-    for bad in ("on", 1, None, "yes"):
+    assert [mode_of(1), mode_of(0)] == [True, False]
+    for bad in ("on", 2, None, "yes", 1.0):
         with pytest.raises(ValueError, match="use True, False or 'auto'"):
             mode_of(bad)
 

@@ -111,9 +111,8 @@ def test_trainer_with_offload_from_the_environment_alone(tmp_path, plain):
 
 def test_trainer_under_a_limit_below_its_peak_moves_states_and_keeps_its_losses(tmp_path, plain):
     # 48 MiB under the plain run's 672 MiB (on an H200): the states of this small model
-    # (168 MB) must go to the host in part. Far lower, what is left on the device (weights
-    # in use through the forward, gradients, the activations) no longer fits: only the
-    # optimizer states and, with gradient_class, the gradients can move.
+    # (168 MB) must go to the host in part. Far lower, the optimizer states no longer make
+    # room alone: gradients in their class, then idle activations, move as last resorts.
     limit = figures(plain, "peak") - (48 << 20)
     offloaded = train(tmp_path, "limited", LD_PRELOAD=str(LIBRARY), ZEROALLOC_OFFLOAD="host",
                       ZEROALLOC_HOST_LIMIT="8GiB", ZEROALLOC_DEVICE="cuda",

@@ -465,6 +465,46 @@ def test_the_gradients_class_is_tried_once_activations_moved_and_kept_only_if_no
     assert figures["gradient_class_on_s"] == pytest.approx(trial_s)
 
 
+def test_a_trial_that_cannot_hook_the_gradients_leaves_the_class_off_and_no_hook(
+        engine, monkeypatch):
+    """Hooking the gradients for a trial happens after the step updated the parameters: a
+    failure there warns, takes out the hooks made so far and leaves the class off, and the
+    step and the training go on with plain training's numbers."""
+    made = [0]
+    original = _adoption.gradient_into_class
+
+    def failing(parameter, choice):
+        made[0] += 1
+        if made[0] == 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return original(parameter, choice)
+
+    clock, moved = [0.0], [0]
+    monkeypatch.setattr(_adoption, "gradient_into_class", failing)
+    monkeypatch.setattr(_gradient_choice.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_gradient_choice._stats, "moved_bytes",
+                        lambda device, name: (moved[0], 0))
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=0, gradient_class="auto")
+    for step, (inputs, labels) in enumerate(data(8), start=1):
+        for net in (plain, model):
+            torch.nn.functional.cross_entropy(net(inputs[0]), labels[0]).backward()
+        moved[0] += 64 << 20
+        clock[0] += 1.0
+        for opt in (plain_optimizer, optimizer):
+            if step == 5 and opt is optimizer:
+                with pytest.warns(UserWarning, match="stays off: hooking .* out of memory"):
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        same(plain, plain_optimizer, model, optimizer)
+        assert not any(hasattr(p, "_zeroalloc_gradient_hooked")
+                       or hasattr(p, "_zeroalloc_gradient_hook") for p in model.parameters())
+    assert made[0] == 3
+    assert zt.step_figures(optimizer)["gradient_class"] == "off"
+
+
 def test_gradient_class_follows_zeroalloc_offload_gradients_when_not_given():
     # In fresh processes: the library reads ZEROALLOC_* once, and this process must not set
     # them (pytest runs other files' subprocesses from it).

@@ -86,19 +86,37 @@ def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = 
     return hooks
 
 
-def hook_gradient(parameter, choice: GradientChoice, hooked: "list | None") -> list:
+def hook_gradient(parameter, choice: GradientChoice, hooked: "list | None",
+                  move_existing: bool = True) -> list:
     """The hook of Note [Gradients' class] on `parameter`, unless it has one (returned, in a
-    list; `hooked` as adopt's); a gradient it holds now moves into the class."""
+    list; `hooked` as adopt's); with `move_existing`, a gradient it holds now moves into
+    the class first. The mark (the choice the hook reads; _zero.gradient_class_of reads it
+    too) and the hook's handle go on the parameter once the hook is there."""
     if getattr(parameter, "_zeroalloc_gradient_hooked", None):
         return []
-    # The mark is the choice its hook reads (_zero.gradient_class_of reads it too).
+    if move_existing and parameter.grad is not None and not parameter.grad.is_sparse:
+        with torch.no_grad():
+            parameter.grad = move_into_class(parameter.grad, "gradient")
+    handle = parameter.register_hook(gradient_into_class(parameter, choice))
     parameter._zeroalloc_gradient_hooked = choice
+    parameter._zeroalloc_gradient_hook = handle
     if hooked is not None:
         hooked.append((parameter, "_zeroalloc_gradient_hooked"))
-    with torch.no_grad():
-        if parameter.grad is not None and not parameter.grad.is_sparse:
-            parameter.grad = move_into_class(parameter.grad, "gradient")
-    return [parameter.register_hook(gradient_into_class(parameter, choice))]
+    return [handle]
+
+
+def unhook_gradients(parameters, choice: GradientChoice) -> list:
+    """Takes out the gradient hooks of `choice` from `parameters`; returns those it took
+    them from (Note [Gradients' class, decided]: a trial that ended off)."""
+    gone = []
+    for parameter in parameters:
+        if getattr(parameter, "_zeroalloc_gradient_hooked", None) is choice:
+            handle = parameter.__dict__.pop("_zeroalloc_gradient_hook", None)
+            if handle is not None:
+                handle.remove()
+            del parameter._zeroalloc_gradient_hooked
+            gone.append(parameter)
+    return gone
 
 
 def unmark(references: list) -> None:
@@ -107,6 +125,8 @@ def unmark(references: list) -> None:
         parameter = reference()
         if parameter is not None:
             parameter.__dict__.pop(mark, None)
+            if mark == "_zeroalloc_gradient_hooked":
+                parameter.__dict__.pop("_zeroalloc_gradient_hook", None)
 
 
 def gradient_into_class(parameter, choice: GradientChoice):

@@ -14,7 +14,9 @@ steps: after each optimizer step it reads how many bytes of class "other" the en
 moved to the host during that step (zeroalloc_moved_bytes: a cheap read). Class "other"
 moves only as the last resort before an out-of-memory error (Note [Residency policy] in
 lib/tier/offload_engine.hpp), so a step that moved it ran at the limit with its
-activations, weights and gradients together. Once that happened, and the last TRIAL_STEPS
+activations, weights and gradients together (what moved before the first step ended does
+not count: that step evicts as allocations come, before the order is learned). Once that
+happened, and the last TRIAL_STEPS
 steps were timed (the first WARMUP_STEPS are not: they learn the order and settle the
 placement), the gradients go into their class for a trial: one step to settle, then
 TRIAL_STEPS timed steps. The class stays on when the median of those is at most SLOWER
@@ -22,7 +24,11 @@ times the median of the steps before, and goes off for good otherwise; either wa
 choice is made once per optimizer and never flips again. The hooks that copy gradients
 into the class are added only when a trial begins (WindowedStep.hook_gradients) and taken
 out again when it ends with the class off, so a backward outside a trial runs as without
-them. A step's time is the wall time
+them. The trial's hooks act on the gradients a backward makes: gradients kept between
+steps (zero_grad(set_to_none=False)) stay where they are, and so the trial changes nothing
+for them. Ranks of a ZeRO partition decide each on their own steps (their times are tied by
+the collectives, so they mostly agree; the numbers trained are the same either way). A
+step's time is the wall time
 between the ends of two optimizer steps (forward, backward and step: what a training loop
 waits for). The numbers trained are the same either way: the class holds a copy of each
 gradient, bit for bit. Without an optimizer (offload(model) alone) there are no steps to
@@ -49,9 +55,12 @@ SLOWER = 1.02
 
 
 def mode_of(value) -> "str | bool":
-    """gradient_class as offload() takes it: True, False or "auto"."""
-    if value is True or value is False or value == "auto":
-        return value
+    """gradient_class as offload() takes it: True (or 1), False (or 0) or "auto"."""
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+    elif isinstance(value, int) and value in (0, 1):  # bool is an int
+        return bool(value)
     raise ValueError(f"gradient_class={value!r}: use True, False or 'auto'")
 
 
@@ -96,7 +105,9 @@ class GradientChoice:
                 self.state = "on" if self.on else "off"
                 return
         seconds = now - self.ended if self.ended is not None else None
-        pressed = moved > (self.moved if self.moved is not None else 0)
+        # What moved before the first step ended is not counted: the step that learns the
+        # order evicts as allocations come, and a checkpoint loaded earlier moved alone.
+        pressed = self.moved is not None and moved > self.moved
         self.ended, self.moved = now, moved
         self.steps += 1
         timed = seconds is not None and self.steps > WARMUP_STEPS
@@ -115,6 +126,24 @@ class GradientChoice:
         if len(self.on_s) == TRIAL_STEPS:
             self.on = statistics.median(self.on_s) <= SLOWER * statistics.median(self.off_s)
             self.state = "on" if self.on else "off"
+
+    def give_up(self) -> None:
+        """Off for good (a trial that could not begin)."""
+        self.state, self.on = "off", False
+
+    def snapshot(self) -> "GradientChoice":
+        """A copy of where the choice stands, for restore()."""
+        copy = GradientChoice.__new__(GradientChoice)
+        for name in self.__slots__:
+            value = getattr(self, name)
+            setattr(copy, name, list(value) if isinstance(value, list) else value)
+        return copy
+
+    def restore(self, snapshot: "GradientChoice") -> None:
+        """Where the choice stood at snapshot(): a decision made is not made again."""
+        for name in self.__slots__:
+            value = getattr(snapshot, name)
+            setattr(self, name, list(value) if isinstance(value, list) else value)
 
     def figures(self) -> dict:
         """What zt.step_figures reports: the mode, where the choice stands (watching, trial,

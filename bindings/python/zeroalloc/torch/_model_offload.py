@@ -106,8 +106,11 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     # later offload() of a stepped optimizer that names gradient_class changes it.
     if stepper is not None:
         gradients = stepper.gradients
-        earlier_mode = gradients.mode
-        if gradient_class is not None and mode != earlier_mode:
+        # A mode this call changes is put back by remove(), with where the choice stood
+        # (a decision made is kept); one it leaves keeps going.
+        earlier_choice = None
+        if gradient_class is not None and mode != gradients.mode:
+            earlier_choice = gradients.snapshot()
             gradients.set_mode(mode)
     else:
         gradients = GradientChoice(mode)
@@ -153,8 +156,8 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
             held = owner()
             if held is not None and getattr(held, "_zeroalloc_stepper", None) is stepper:
                 stepper.configure(*earlier)
-                if gradients.mode != earlier_mode:
-                    gradients.set_mode(earlier_mode)
+                if earlier_choice is not None:
+                    gradients.restore(earlier_choice)
 
         return OffloadHandle(hooks, None, None, hooked, restore=restore)
     original_step = None  # what remove() puts back as optimizer.step

@@ -159,9 +159,6 @@ class WindowedStep:
         self.adopt = adopt
         self.late_hooks: list = []
         self.late_hooked: list = []  # (weak reference, mark), as OffloadHandle's
-        # Those of the gradients' class that a trial added (Note [Gradients' class, decided]).
-        self.gradient_hooks: list = []
-        self.gradient_hooked: list = []
         self._original_step = unbound(original_step, optimizer)
         self.window_bytes = window_bytes
         self.overlap_bytes = overlap_bytes
@@ -740,22 +737,30 @@ class WindowedStep:
     def hook_gradients(self, on: bool) -> None:
         """Note [Gradients' class, decided]: a trial of the gradients' class begins (`on`):
         the adopted parameters get the hooks that copy their gradients into it, which
-        "auto" leaves out until then; or it ended with the class off: those hooks go."""
-        if not on:
-            for hook in self.gradient_hooks:
-                hook.remove()
-            _adoption.unmark(self.gradient_hooked)
-            self.gradient_hooks, self.gradient_hooked = [], []
-            return
-        hooked: list = []
-        hooks = [hook for p in self.hooked_parameters()
-                 if p.requires_grad and getattr(p, "_zeroalloc_adopted", False)
-                 for hook in _adoption.hook_gradient(p, self.gradients, hooked)]
-        marks = [(weakref.ref(parameter), mark) for parameter, mark in hooked]
-        self.gradient_hooks += hooks
-        self.gradient_hooked += marks
-        self.late_hooks += hooks  # OffloadHandle.remove() takes them out with the others
-        self.late_hooked += marks
+        "auto" leaves out until then (the gradients they hold now stay where they are: the
+        next backward's are the trial's); or it ended with the class off: every hook of this
+        choice goes, late parameters' too. A failure while hooking (the step itself
+        succeeded) takes the hooks out again and leaves the class off, with a warning."""
+        if on:
+            try:
+                for parameter in self.hooked_parameters():
+                    if parameter.requires_grad and getattr(parameter, "_zeroalloc_adopted",
+                                                           False):
+                        hooked: list = []
+                        for hook in _adoption.hook_gradient(parameter, self.gradients, hooked,
+                                                            move_existing=False):
+                            # OffloadHandle.remove() takes them out with the others.
+                            self.late_hooks.append(hook)
+                            self.late_hooked += [(weakref.ref(p), mark) for p, mark in hooked]
+                return
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"zeroalloc: the gradients' class stays off: hooking the "
+                              f"gradients for its trial failed: {error}")
+                self.gradients.give_up()
+        gone = {id(p) for p in _adoption.unhook_gradients(self.hooked_parameters(),
+                                                          self.gradients)}
+        self.late_hooked = [(reference, mark) for reference, mark in self.late_hooked
+                            if mark != "_zeroalloc_gradient_hooked" or id(reference()) not in gone]
 
     def adopt_late_parameters(self) -> None:
         """Hooks for the parameters that need them since offload() (see `adopt`)."""
@@ -1116,12 +1121,6 @@ class WindowedStep:
         """What the next step and the staging before it learn from this step (Note
         [Overlapping the step]), and the gradients' class (Note [Gradients' class, decided])."""
         self.figures["steps"] += 1
-        first = next((p for params in run.saved for p in params), None)
-        if first is not None and on_gpu(first.device):
-            was = self.gradients.state
-            self.gradients.after_step(first.device.index or 0)
-            if self.gradients.state != was:
-                self.hook_gradients(self.gradients.on)
         self.members = self.member_ids(p for params in run.saved for p in params)
         self.plan = run.windows
         self.plan_bytes = self.slot_bytes
@@ -1133,6 +1132,12 @@ class WindowedStep:
         self.staging_done = False
         self.next_attempt = 0
         self.next_window = None
+        first = next((p for params in run.saved for p in params), None)
+        if first is not None and on_gpu(first.device):  # last: it may warn, never raise
+            was = self.gradients.state
+            self.gradients.after_step(first.device.index or 0)
+            if self.gradients.state != was:
+                self.hook_gradients(self.gradients.on)
 
 
 def step_figures(optimizer) -> dict:
