@@ -29,11 +29,14 @@ std::string stats() {
   return buffer.data();
 }
 
+// A figure of the "offload" section; 0 before the engine exists (it starts in the background,
+// and has moved nothing then), -1 for a key the section lacks.
 long long offload_figure(const std::string& key) {
   const std::string text = stats();
   const std::size_t section = text.find("\"offload\":{");
+  if (section == std::string::npos) return 0;
   const std::size_t at = text.find("\"" + key + "\":", section);
-  if (section == std::string::npos || at == std::string::npos) return -1;
+  if (at == std::string::npos) return -1;
   return std::atoll(text.c_str() + at + key.size() + 3);
 }
 
