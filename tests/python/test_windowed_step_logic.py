@@ -353,12 +353,10 @@ def test_a_model_hinted_as_one_group_frees_the_kept_scratch_during_its_forward(
             if torch.is_tensor(v) and v.dim() > 0} <= homes
 
 
-def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch):
-    # Note [Gradients' class]: the first gradient of each parameter in a backward is copied
-    # into the gradient class and adopted as .grad; later micro-batches add into it.
-    entered = Counter()
-    inside = [None]
-    made = []  # storage allocated while the gradient class was current
+def record_gradient_class(monkeypatch) -> tuple:
+    """(the allocation classes entered, counted; the storage torch.empty_like made while the
+    gradient class was current), from now on."""
+    entered, inside, made = Counter(), [None], []
 
     @contextlib.contextmanager
     def recording(name):
@@ -379,6 +377,13 @@ def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch
 
     monkeypatch.setattr(_stats, "allocation_class", recording)
     monkeypatch.setattr(torch, "empty_like", empty_like)
+    return entered, made
+
+
+def test_gradients_copied_into_their_class_train_bit_for_bit(engine, monkeypatch):
+    # Note [Gradients' class]: the first gradient of each parameter in a backward is copied
+    # into the gradient class and adopted as .grad; later micro-batches add into it.
+    entered, made = record_gradient_class(monkeypatch)
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES, gradient_class=True)
     parameters = len(list(model.parameters()))
@@ -407,27 +412,8 @@ def test_the_gradients_class_is_tried_once_activations_moved_and_kept_only_if_no
     puts them until a step moved class other to the host; then they go into their class for
     a trial (a step to settle, three timed), and stay there only when those steps were not
     slower. The numbers are plain training's bit for bit at every step."""
-    made = []  # parameters whose gradient of this step was made in the gradient class
-    inside = [None]
-
-    @contextlib.contextmanager
-    def recording(name):
-        inside[0] = name
-        try:
-            yield
-        finally:
-            inside[0] = None
-
-    original_empty_like = torch.empty_like
-
-    def empty_like(*args, **kwargs):
-        if inside[0] == "gradient":
-            made.append(args[0])
-        return original_empty_like(*args, **kwargs)
-
+    _, made = record_gradient_class(monkeypatch)  # this step's gradients made in the class
     clock, moved = [0.0], [0]
-    monkeypatch.setattr(_stats, "allocation_class", recording)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(_gradient_choice.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(_gradient_choice._stats, "moved_bytes",
                         lambda device, name: (moved[0], 0) if name == "other" else (0, 0))
