@@ -10,30 +10,28 @@ with master weights, where the states alone make room, and about even with fp32 
 the same limit, where activations had to move. So neither setting is right everywhere.
 
 `auto` (the default) starts with the gradients where autograd puts them and watches the
-steps: after each optimizer step it reads how many bytes of class "other" the engine
-moved to the host during that step (zeroalloc_moved_bytes: a cheap read). Class "other"
-moves only as the last resort before an out-of-memory error (Note [Residency policy] in
+steps: after each optimizer step it reads how many bytes of class "other" the engine moved
+to the host during that step (zeroalloc_moved_bytes: a cheap read). Class "other" moves
+only as the last resort before an out-of-memory error (Note [Residency policy] in
 lib/tier/offload_engine.hpp), so a step that moved it ran at the limit with its
 activations, weights and gradients together (what moved before the first step ended does
 not count: that step evicts as allocations come, before the order is learned). Once that
-happened, and the last TRIAL_STEPS
-steps were timed (the first WARMUP_STEPS are not: they learn the order and settle the
-placement), the gradients go into their class for a trial: one step to settle, then
-TRIAL_STEPS timed steps. The class stays on when the median of those is at most SLOWER
-times the median of the steps before, and goes off for good otherwise; either way the
-choice is made once per optimizer and never flips again. The hooks that copy gradients
-into the class are added only when a trial begins (WindowedStep.hook_gradients) and taken
-out again when it ends with the class off, so a backward outside a trial runs as without
-them. The trial's hooks act on the gradients a backward makes: gradients kept between
-steps (zero_grad(set_to_none=False)) stay where they are, and so the trial changes nothing
-for them. Ranks of a ZeRO partition decide each on their own steps (their times are tied by
-the collectives, so they mostly agree; the numbers trained are the same either way). A
-step's time is the wall time
-between the ends of two optimizer steps (forward, backward and step: what a training loop
-waits for). The numbers trained are the same either way: the class holds a copy of each
-gradient, bit for bit. Without an optimizer (offload(model) alone) there are no steps to
-watch, so `auto` stays off. zt.step_figures(optimizer) says what was chosen and the two
-medians."""
+happened, and the last TRIAL_STEPS steps were timed (the first WARMUP_STEPS are not: they
+learn the order and settle the placement), the gradients go into their class for a trial:
+one step to settle, then TRIAL_STEPS timed steps. The class stays on when the median of
+those is at most SLOWER times the median of the steps before, and goes off for good
+otherwise; either way the choice is made once per optimizer and never flips again. The
+hooks that copy gradients into the class are added only when a trial begins
+(WindowedStep.hook_gradients) and taken out again when it ends with the class off, so a
+backward outside a trial runs as without them. The trial's hooks act on the gradients a
+backward makes: gradients kept between steps (zero_grad(set_to_none=False)) stay where they
+are, and so the trial changes nothing for them. Ranks of a ZeRO partition decide each on
+their own steps (their times are tied by the collectives, so they mostly agree; the numbers
+trained are the same either way). A step's time is the wall time between the ends of two
+optimizer steps (forward, backward and step: what a training loop waits for). The numbers
+trained are the same either way: the class holds a copy of each gradient, bit for bit.
+Without an optimizer (offload(model) alone) there are no steps to watch, so `auto` stays
+off. zt.step_figures(optimizer) says what was chosen and the two medians."""
 
 from __future__ import annotations
 
@@ -134,9 +132,7 @@ class GradientChoice:
     def snapshot(self) -> "GradientChoice":
         """A copy of where the choice stands, for restore()."""
         copy = GradientChoice.__new__(GradientChoice)
-        for name in self.__slots__:
-            value = getattr(self, name)
-            setattr(copy, name, list(value) if isinstance(value, list) else value)
+        copy.restore(self)
         return copy
 
     def restore(self, snapshot: "GradientChoice") -> None:
