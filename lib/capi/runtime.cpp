@@ -282,6 +282,7 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   settings.prefetch_bytes = options_.prefetch_bytes;
   settings.parameters_to_disk = options_.nvme_parameters;
   settings.park_parameters = options_.park_parameters;
+  settings.any_access = options_.access != "hinted";
   disk_store* disk = nullptr;
   if (disk_tier_enabled()) {  // Note [Chunks on disk] in tier/migrator.hpp
     disk_store_options disk_options;

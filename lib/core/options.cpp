@@ -64,11 +64,17 @@ std::string read_choice(const option_spec& spec, std::string_view value) {
   reject(spec.name, value, std::string("one of ") + std::string(accepted_form(spec)));
 }
 
-// A choice whose 0 and 1 may also be written as any yes or no read_boolean accepts.
+// A yes or a no, in any of the words the boolean settings accept; nothing for another word.
+std::optional<bool> parse_yes_no(const std::string& word) {
+  if (word == "1" || word == "true" || word == "yes" || word == "on") return true;
+  if (word == "0" || word == "false" || word == "no" || word == "off") return false;
+  return std::nullopt;
+}
+
+// A choice of auto, 1 or 0, where 1 and 0 may be written as any yes or no.
 std::string read_choice_or_boolean(const option_spec& spec, std::string_view value) {
   const std::string word = lowercase(trim(value));
-  if (word == "1" || word == "true" || word == "yes" || word == "on") return "1";
-  if (word == "0" || word == "false" || word == "no" || word == "off") return "0";
+  if (const std::optional<bool> yes = parse_yes_no(word)) return *yes ? "1" : "0";
   if (word == "auto") return word;
   reject(spec.name, value, "auto, 1 or 0 (also true/false, yes/no, on/off)");
 }
@@ -126,9 +132,7 @@ int read_count(const option_spec& spec, std::string_view value) {
 }
 
 bool read_boolean(const option_spec& spec, std::string_view value) {
-  const std::string word = lowercase(trim(value));
-  if (word == "1" || word == "true" || word == "yes" || word == "on") return true;
-  if (word == "0" || word == "false" || word == "no" || word == "off") return false;
+  if (const std::optional<bool> yes = parse_yes_no(lowercase(trim(value)))) return *yes;
   reject(spec.name, value, accepted_form(spec));
 }
 
@@ -196,6 +200,16 @@ const std::vector<option_spec>& table() {
        "back before they are needed; the host pool is created in the background at start-up. "
        "none: everything stays on the device.",
        store<&options::offload, read_choice>},
+      {"ZEROALLOC_ACCESS", option_kind::choice, "any", "any|hinted",
+       "With ZEROALLOC_OFFLOAD=host, which kernels may touch the memory the engine moves. any: "
+       "every kernel, on any stream, at any time (an EMA of the weights, a norm logged, a "
+       "checkpoint): each move waits for the device to finish its queued work and ends before "
+       "the program launches more, so a kernel never meets a chunk in motion. hinted: only "
+       "the uses the Python package's hooks announce (the model's forward and backward, the "
+       "optimizer's step); moves overlap compute and evicted parameters may be parked "
+       "(ZEROALLOC_PARK_PARAMETERS). Under hinted, a kernel outside those uses may fail with "
+       "CUDA's illegal-address error or read stale bytes.",
+       store<&options::access, read_choice>},
       {"ZEROALLOC_OFFLOAD_GRADIENTS", option_kind::choice, "auto", "auto|0|1",
        "With ZEROALLOC_OFFLOAD=host, whether the Python package copies each parameter's gradient "
        "into the gradient class once a step (zeroalloc.torch.offload's gradient_class), where it "
@@ -290,6 +304,7 @@ const std::vector<option_spec>& table() {
        "zt.fetch_tensor), rather than read wrong bytes.",
        store<&options::nvme_parameters, read_boolean>},
       {"ZEROALLOC_PARK_PARAMETERS", option_kind::boolean, "1", "",
+       "With ZEROALLOC_ACCESS=hinted only (never under any). "
        "1: a parameter evicted while every use of it is hinted (zt.offload, or the "
        "no-code-change mode's hooks) keeps its bytes in pinned host memory with its addresses "
        "unmapped until its next use brings it back: mapping host memory costs the driver "

@@ -74,6 +74,7 @@ struct options {
   int sim_device_count = 0;            ///< ZEROALLOC_SIM_DEVICES
   bool sim_maps_slices = true;         ///< ZEROALLOC_SIM_MAPS_SLICES
   std::string offload = "none";        ///< ZEROALLOC_OFFLOAD
+  std::string access = "any";          ///< ZEROALLOC_ACCESS: any|hinted
   std::string offload_gradients =
       "auto";               ///< ZEROALLOC_OFFLOAD_GRADIENTS: auto|0|1 (read by the Python side)
   memory_limit host_limit;  ///< ZEROALLOC_HOST_LIMIT (a share of the host's memory)

@@ -403,6 +403,11 @@ void cuda_device::synchronize_stream(stream_handle stream) {
   check(driver_.pfn_cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize", ordinal_);
 }
 
+void cuda_device::synchronize_device() {
+  const auto scope = enter_context();
+  check(driver_.pfn_cuCtxSynchronize(), "cuCtxSynchronize", ordinal_);
+}
+
 void cuda_device::copy_async(void* destination, const void* source, std::size_t bytes,
                              stream_handle stream) {
   const auto scope = enter_context();

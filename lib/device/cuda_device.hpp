@@ -86,6 +86,7 @@ class cuda_device final : public device {
   void synchronize_event(event_handle event) override;
   void stream_wait_event(stream_handle stream, event_handle event) override;
   void synchronize_stream(stream_handle stream) override;
+  void synchronize_device() override;
 
   /// Either side may be device memory, a mapped chunk or host memory (unified addressing).
   void copy_async(void* destination, const void* source, std::size_t bytes,

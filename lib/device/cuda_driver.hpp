@@ -52,6 +52,7 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuCtxSetCurrent, 4000)                \
   X(cuCtxPushCurrent, 4000)               \
   X(cuCtxPopCurrent, 4000)                \
+  X(cuCtxSynchronize, 2000)               \
   X(cuMemGetInfo, 3020)                   \
   X(cuMemCreate, 10020)                   \
   X(cuMemRelease, 10020)                  \

@@ -107,6 +107,10 @@ class device {
   /// Work enqueued on `stream` after this call waits for the event's recorded point.
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;
   virtual void synchronize_stream(stream_handle stream) = 0;
+  /// Waits until the work queued so far on every stream of the device has finished: the
+  /// program's streams, other libraries' (NCCL's), CUDA graph replays and the library's own
+  /// (cuCtxSynchronize). Note [Moves any kernel may see] in tier/migrator.hpp.
+  virtual void synchronize_device() = 0;
 
   // Work on streams.
   /// Copies `bytes` between any two device-accessible or host addresses, in stream order.

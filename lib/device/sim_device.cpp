@@ -285,10 +285,26 @@ sim_stream& sim_device::resolve(stream_handle stream) {
   return stream == nullptr ? *default_stream_ : *static_cast<sim_stream*>(stream);
 }
 
-stream_handle sim_device::create_stream() { return new sim_stream(); }
+stream_handle sim_device::create_stream() {
+  auto stream = std::make_unique<sim_stream>();
+  std::lock_guard lock(streams_mutex_);
+  streams_.insert(stream.get());
+  return stream.release();
+}
 
 void sim_device::destroy_stream(stream_handle stream) {
-  if (stream != nullptr) delete static_cast<sim_stream*>(stream);
+  if (stream == nullptr) return;
+  {
+    std::lock_guard lock(streams_mutex_);
+    streams_.erase(static_cast<sim_stream*>(stream));
+  }
+  delete static_cast<sim_stream*>(stream);
+}
+
+void sim_device::synchronize_device() {
+  std::lock_guard lock(streams_mutex_);
+  default_stream_->synchronize();
+  for (sim_stream* stream : streams_) stream->synchronize();
 }
 
 event_handle sim_device::create_event() {

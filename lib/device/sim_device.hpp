@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 
 #include "device/device.hpp"
 
@@ -66,6 +67,8 @@ class sim_device final : public device {
   void synchronize_event(event_handle event) override;
   void stream_wait_event(stream_handle stream, event_handle event) override;
   void synchronize_stream(stream_handle stream) override;
+  /// Synchronizes the default stream and every stream created and not yet destroyed.
+  void synchronize_device() override;
 
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override;
@@ -98,6 +101,10 @@ class sim_device final : public device {
   std::map<std::uintptr_t, std::size_t> reservations_;  // start -> bytes
   std::map<std::uintptr_t, mapping_record> mappings_;   // start -> mapping
   std::unique_ptr<sim_stream> default_stream_;
+  // Streams created and not yet destroyed, for synchronize_device; its lock is held while
+  // they are synchronized, so that none is destroyed meanwhile.
+  std::mutex streams_mutex_;
+  std::set<sim_stream*> streams_;
   std::atomic<std::size_t> events_alive_{0};
   bool maps_slices_ = true;
 };

@@ -31,12 +31,14 @@ std::uint64_t fnv1a(const std::vector<std::uint64_t>& words) {
 
 }  // namespace
 
-migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk)
+migrator::migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk,
+                   bool any_access)
     : paging_(allocator.paging()),
       device_(allocator.backing()),
       pool_(pool),
       verify_(verify),
-      disk_(disk) {
+      disk_(disk),
+      any_access_(any_access) {
   out_stream_ = device_.create_stream();
   in_stream_ = device_.create_stream();
   if (disk_ != nullptr) {
@@ -211,6 +213,15 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
                                       const std::vector<event_handle>* after,
                                       bool and_chunk_streams, bool park) {
   const std::uintptr_t address = chunk.address;
+  if (any_access_) {  // Note [Moves any kernel may see]
+    park = false;
+    try {
+      device_.synchronize_device();
+    } catch (...) {
+      cancel_eviction(address);
+      throw;
+    }
+  }
   transfer moving;
   moving.chunk = chunk;
   moving.to_host = true;
@@ -243,6 +254,7 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
     in_flight_.push_back(std::move(moving));
   }
   changed_.notify_all();
+  if (any_access_) wait_until_settled(address);  // Note [Moves any kernel may see]
 }
 
 bool migrator::fetch_async(std::uintptr_t address, bool chunk_idle, std::uint64_t idle_generation,
@@ -280,6 +292,15 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
   if (!host.valid()) {  // its segment went while the claim was being made
     release_claim(address);
     return false;
+  }
+  if (any_access_) {  // Note [Moves any kernel may see]
+    chunk_idle = false;
+    try {
+      device_.synchronize_device();
+    } catch (...) {
+      release_claim(address);
+      throw;
+    }
   }
   chunk_info chunk;
   if (!paging_.pin_chunk(address, chunk)) {
@@ -404,6 +425,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
     in_flight_.push_back(std::move(moving));
   }
   changed_.notify_all();
+  if (any_access_) wait_until_settled(address);  // Note [Moves any kernel may see]
   return true;
 }
 
@@ -832,6 +854,14 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
       host = found->second.host;
       cls = found->second.allocation_class;
       parked = found->second.parked;
+    }
+  }
+  if (any_access_ && host.valid()) {  // Note [Moves any kernel may see]: no kernel still
+    try {                             // reading the host chunk may meet the placeholder
+      device_.synchronize_device();
+    } catch (...) {
+      release_claim(address);
+      throw;
     }
   }
   chunk_info chunk;

@@ -16,6 +16,29 @@
 //     such writes would land in the backing being left.
 // The two copy streams run at once: a fetch overlaps an eviction.
 //
+// Note [Moves any kernel may see]: the promise above holds only for a program whose every
+// use of managed memory is hinted. Any other program may queue a kernel on a chunk at any
+// time, on any stream: an EMA of the weights after the optimizer's step, a norm logged, a
+// copy on a side stream the allocator never saw. A remap is never atomic (cuMemMap maps
+// only an unmapped range), so such a kernel running across it faults, and one queued
+// behind the copy's fence writes into the backing being left. With `any_access` (the
+// library's default, ZEROALLOC_ACCESS=any) every move is therefore made while nothing can
+// touch the chunk:
+//   - the device is drained first (device::synchronize_device: every stream of the
+//     context, NCCL's and CUDA graphs' included), so no queued kernel runs across the move
+//     and the copy reads the last bytes written;
+//   - the move then runs to its end before the call returns, on the thread that asked: the
+//     thread that allocates or hints is the one that launches the program's kernels
+//     (PyTorch's autograd runs the backward on its own thread while the caller waits), so
+//     nothing is launched until the chunk maps its new backing;
+//   - no chunk is parked, and a fetch is never remapped before its bytes arrive.
+// The cost: the device idles for each move's copy and remap instead of overlapping them
+// with compute, and the host loses its run-ahead (bench/RESULTS.md measures it). What
+// remains outside the rule: a second host thread that launches kernels on managed memory
+// while another thread's call moves it (README, "Known limits").
+// ZEROALLOC_ACCESS=hinted keeps the overlapped moves for programs that touch managed
+// memory only through hinted uses.
+//
 // Note [What a remap costs]: bench/tier/remap_bench on an H200 (CUDA 13, bench/RESULTS.md).
 // Mapping host memory costs the driver per 4 KiB page (it maps host memory with small
 // pages): on an idle GPU, moving a 64 MiB chunk to its host handle costs 570-780 us
@@ -120,7 +143,10 @@ class migrator : public paging_listener {
  public:
   /// `verify`: checksum every chunk before its copy and after its remap (ZEROALLOC_VERIFY).
   /// `disk`: the disk tier behind the host tier, or nullptr (Note [Chunks on disk]).
-  migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk = nullptr);
+  /// `any_access`: any kernel may touch any chunk at any time, so every move drains the
+  /// device first and ends before its call returns (Note [Moves any kernel may see]).
+  migrator(caching_allocator& allocator, host_pool& pool, bool verify, disk_store* disk = nullptr,
+           bool any_access = false);
   /// Finishes every migration in flight and brings host-resident chunks back to the device
   /// where device memory allows (the host pool may be destroyed next). Detach it from the
   /// allocator first.
@@ -302,6 +328,7 @@ class migrator : public paging_listener {
   host_pool& pool_;
   const bool verify_;
   disk_store* const disk_;
+  const bool any_access_;  // Note [Moves any kernel may see]
   // Note [Two disk lanes]: the disk store reads and writes CPU-addressable memory, and a
   // host chunk is reached through the device, so the bytes pass through a bounce buffer.
   // Writes (spills) and reads (restores) each have a lane of their own: a buffer, a stream

@@ -30,7 +30,7 @@ offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bo
       paging_(allocator.paging()),
       device_(allocator.backing()),
       pool_(pool),
-      migrator_(allocator, pool, verify, disk),
+      migrator_(allocator, pool, verify, disk, settings.any_access),
       settings_(settings) {
   prefetcher_ = std::thread([this] { prefetch_worker(); });
   reader_ = std::thread([this] { read_ahead_worker(); });
@@ -88,7 +88,7 @@ offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_inf
     planned.fence_streams = true;
   }
   // Note [Parameters parked]: its next use is a hint, and nothing unhinted landed in it.
-  planned.park = may_park && settings_.park_parameters &&
+  planned.park = may_park && settings_.park_parameters && !settings_.any_access &&
                  claimed.allocation_class == static_cast<int>(allocation_class::parameter) &&
                  state != chunks_.end() && state->second.hinted && state->second.open_uses == 0 &&
                  !planned.fences.empty() && state->second.released_generation == claimed.generation;
@@ -315,6 +315,9 @@ bool offload_engine::open_and_record(const std::vector<chunk_info>& chunks, bool
 }
 
 void offload_engine::list_wishes(bool device) {
+  // Note [Moves any kernel may see]: a move from the engine's own threads could run while
+  // the program launches a kernel on the chunk.
+  if (settings_.any_access) return;
   std::vector<std::uintptr_t> seen;  // a chunk used twice in the window counts once
   // Note [Prefetch]: what the device's order says comes next, nearest first, up to the
   // prefetch distance. A use in place moves only the order of every use: the device's
@@ -685,6 +688,9 @@ void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_hand
 
 std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
   std::vector<planned_eviction> planned;
+  // Each eviction would drain the device (Note [Moves any kernel may see]): under
+  // any_access the engine evicts only when it must.
+  if (settings_.any_access) return planned;
   const std::uint64_t limit = allocator_.limit_bytes();
   const std::uint64_t held = allocator_.held_bytes();
   // An idle class's cache counts as free: a fetch that needs it releases it (bring_back).

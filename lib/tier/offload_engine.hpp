@@ -131,8 +131,13 @@ struct offload_settings {
   /// allocation since, may go to disk too (Note [Chunks on disk] in migrator.hpp).
   bool parameters_to_disk = false;
   /// ZEROALLOC_PARK_PARAMETERS: parameters evicted while their uses are all hinted leave
-  /// their addresses unmapped (Note [Parameters parked]).
+  /// their addresses unmapped (Note [Parameters parked]). Never with any_access.
   bool park_parameters = false;
+  /// ZEROALLOC_ACCESS=any: kernels the hints do not announce may touch any chunk at any
+  /// time. Every move then drains the device and ends on the thread that asked for it
+  /// (Note [Moves any kernel may see] in migrator.hpp); the engine's own threads move
+  /// nothing (no prefetch, no read-ahead from disk), and nothing is evicted ahead of need.
+  bool any_access = false;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
   /// test can put another thread's use exactly there. Empty in the library.

@@ -3,6 +3,7 @@ lib/tier/offload_engine.hpp), on the GPU: a model trained through zt.offload und
 that its parameters, gradients and states do not fit parks parameters it evicts, and still
 computes the losses of plain training bit for bit; while parameters are parked,
 model.state_dict() and torch.save give their values, as does a read inside zt.using.
+Parking is an optimization of ZEROALLOC_ACCESS=hinted only, which these scripts set.
 
     python3 -m pytest -s tests/python/test_parked_parameters.py
 """
@@ -63,6 +64,7 @@ if offload:
 def test_parked_parameters_train_bit_for_bit_and_save_their_values(tmp_path):
     plain = run_script(TRAIN, str(tmp_path / "model.pt"))
     paged = run_script(TRAIN, str(tmp_path / "model.pt"), ZEROALLOC_OFFLOAD="host",
+                       ZEROALLOC_ACCESS="hinted",
                        ZEROALLOC_HOST_LIMIT="4GiB", ZEROALLOC_MEMORY_LIMIT="512MiB")
     assert field(paged, "losses") == field(plain, "losses")
     parked = field(paged, "parked").split()
@@ -78,7 +80,7 @@ def test_under_autocast_weights_stay_parked_through_the_backward():
     training's bit for bit, parked weights stay parked (a read of one would fault), and the
     engine sees fewer uses and fetches fewer bytes than when every weight comes back
     (ZEROALLOC_BACKWARD_USES=all)."""
-    settings = dict(ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
+    settings = dict(ZEROALLOC_OFFLOAD="host", ZEROALLOC_ACCESS="hinted", ZEROALLOC_HOST_LIMIT="4GiB",
                     ZEROALLOC_MEMORY_LIMIT="512MiB", TRAIN_AUTOCAST="1")
     plain = run_script(TRAIN, "unused", TRAIN_AUTOCAST="1")
     saved = run_script(TRAIN, "unused", **settings)

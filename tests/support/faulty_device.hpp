@@ -164,6 +164,7 @@ class faulty_device final : public device {
     inner_->stream_wait_event(stream, event);
   }
   void synchronize_stream(stream_handle stream) override { inner_->synchronize_stream(stream); }
+  void synchronize_device() override { inner_->synchronize_device(); }
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override {
     std::shared_future<void> held;

@@ -57,6 +57,7 @@ class OffloadEngineTest : public ::testing::Test {
     settings.between_fetch_attempts = std::move(between_fetch_attempts);
     settings.anticipate_state_chunks = anticipate_state_chunks_;
     settings.park_parameters = park_parameters_;
+    settings.any_access = any_access_;
     engine_ = std::make_unique<offload_engine>(*allocator_, *pool_, verify_, settings);
     allocator_->paging().attach(*engine_);
   }
@@ -99,7 +100,99 @@ class OffloadEngineTest : public ::testing::Test {
   bool anticipate_state_chunks_ = true;
   bool park_parameters_ = false;  // ZEROALLOC_PARK_PARAMETERS (on in the library)
   bool verify_ = false;           // ZEROALLOC_VERIFY
+  bool any_access_ = false;       // ZEROALLOC_ACCESS=any (the library's default)
 };
+
+// Note [Moves any kernel may see] (migrator.hpp): a program that gives no hint at all runs
+// its "kernels" (fills and copies, which reach memory through the same addresses) on three
+// streams the allocator never saw, writing and reading buffers of every class, while its
+// allocations push the others to the host and it asks for evictions and fetches itself.
+// Thousands of rounds: every read sees the last value written, and every move's checksum
+// holds (ZEROALLOC_VERIFY stops the process otherwise). With the overlapped moves of
+// ZEROALLOC_ACCESS=hinted the same program loses writes: the engine copies a chunk behind
+// the streams it knows and remaps it while the others still write it.
+TEST_F(OffloadEngineTest, UnhintedWorkOnUnknownStreamsKeepsEveryByteWhileChunksMove) {
+  any_access_ = true;
+  verify_ = true;
+  start(64 * MiB, 0);
+  offload_engine& engine = *engine_;
+  constexpr int kStreams = 3;
+  constexpr int kBuffers = 12;  // 96 MiB under a 64 MiB limit
+  constexpr int kRounds = 3000;
+  const allocation_class classes[] = {allocation_class::parameter,
+                                      allocation_class::optimizer_state, allocation_class::other};
+  std::vector<stream_handle> streams;
+  for (int s = 0; s < kStreams; ++s) streams.push_back(device_->create_stream());
+  std::vector<void*> buffers;
+  std::vector<std::uint8_t> expected(kBuffers);
+  for (int i = 0; i < kBuffers; ++i) {
+    buffers.push_back(allocator_->allocate(kChunkBytes, nullptr, classes[i % 3]));
+    ASSERT_NE(buffers.back(), nullptr);
+    expected[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i + 1);
+    device_->fill_async(buffers.back(), expected[static_cast<std::size_t>(i)], kChunkBytes,
+                        nullptr);
+  }
+  device_->synchronize_stream(nullptr);  // the program orders its streams as it would natively
+  std::mt19937 random(7);
+  int wrong = 0;
+  int reads = 0;
+  for (int round = 0; round < kRounds && wrong <= 3; ++round) {
+    const auto i = static_cast<std::size_t>(random() % kBuffers);
+    stream_handle stream = streams[i % kStreams];  // each buffer's work in one stream's order
+    switch (random() % 5) {
+      case 0:
+      case 1:  // a kernel rewrites the buffer
+        expected[i] = static_cast<std::uint8_t>(expected[i] % 250 + 1);
+        device_->fill_async(buffers[i], expected[i], kChunkBytes, stream);
+        break;
+      case 2: {  // a kernel reads it
+        ++reads;
+        if (read_back(*device_, buffers[i], kChunkBytes, stream) !=
+            std::vector<std::uint8_t>(kChunkBytes, expected[i])) {
+          ADD_FAILURE() << "buffer " << i << " in round " << round << " does not hold "
+                        << int(expected[i]);
+          ++wrong;
+        }
+        break;
+      }
+      case 3: {  // activations come and go: the allocation moves others to the host
+        void* scratch = allocator_->allocate(2 * kChunkBytes, stream, allocation_class::other);
+        ASSERT_NE(scratch, nullptr) << "round " << round;
+        device_->fill_async(scratch, 0xEE, 2 * kChunkBytes, stream);
+        allocator_->deallocate(scratch);
+        break;
+      }
+      default:  // the program asks for a move
+        if (random() % 2 == 0) {
+          engine.evict(buffers[i], /*wait=*/false);
+        } else {
+          engine.fetch(buffers[i], /*wait=*/false);
+        }
+    }
+  }
+  for (stream_handle stream : streams) device_->synchronize_stream(stream);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(read_back(*device_, buffers[i], kChunkBytes) ==
+                std::vector<std::uint8_t>(kChunkBytes, expected[i]))
+        << "buffer " << i << " at the end";
+  }
+  const migration_figures moved = engine.mover().figures();
+  std::printf(
+      "unhinted work under any access: %d reads checked, %llu chunks to the host, "
+      "%llu back, %llu verified\n",
+      reads, static_cast<unsigned long long>(moved.chunks_to_host),
+      static_cast<unsigned long long>(moved.chunks_to_device),
+      static_cast<unsigned long long>(moved.verified_chunks));
+  EXPECT_GT(moved.chunks_to_host, 100u) << "too few moves to race with";
+  EXPECT_GT(moved.chunks_to_device, 100u);
+  EXPECT_EQ(moved.chunks_parked, 0u) << "a chunk was parked where any kernel may read it";
+  EXPECT_LE(allocator_->held_bytes(), 64 * MiB) << "the device limit was broken";
+  for (void* buffer : buffers) allocator_->deallocate(buffer);
+  for (stream_handle stream : streams) {
+    allocator_->forget_stream(stream);
+    device_->destroy_stream(stream);
+  }
+}
 
 TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
   start(48 * MiB, 0);

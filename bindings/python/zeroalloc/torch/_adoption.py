@@ -3,6 +3,7 @@ classes, where the offload engine may page them."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -11,9 +12,6 @@ from zeroalloc import _offload, _stats
 from zeroalloc.torch import _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
 from zeroalloc.torch._gradient_choice import GradientChoice
-
-#: gradient_class=True: the class always (one choice for every such parameter).
-ALWAYS = GradientChoice(True)
 
 #: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
 #: made from the managed bytes under a module, are stale after that.
@@ -37,33 +35,52 @@ def move_into_class(tensor: "torch.Tensor", name: str) -> "torch.Tensor":
     return moved
 
 
+#: The kinds of parameters adopt() left to their framework, each told once.
+unmanaged_told: set = set()
+
+
+def warn_unmanaged_once(parameter) -> None:
+    kind = type(parameter).__name__
+    if kind in unmanaged_told:
+        return
+    unmanaged_told.add(kind)
+    warnings.warn(f"zeroalloc: parameters of type {kind} have no storage of their own "
+                  "(FSDP2's sharded DTensor, or storage FSDP freed): they stay with the "
+                  "framework that owns them and are not put in the parameter class. "
+                  "Training runs as without zeroalloc's hints for them.", stacklevel=3)
+
+
 def is_paged_state(value) -> bool:
     """A state the windowed step pins and may bounce: a non-empty tensor on a GPU (the step
     count of foreach optimizers is a scalar on the CPU)."""
     return torch.is_tensor(value) and value.is_cuda and value.dim() > 0 and value.numel() > 0
 
 
-def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = False,
+def adopt(parameters, optimizer=None, gradients: "GradientChoice | None" = None,
           hooked: "list | None" = None, backward: BackwardUses = backward_uses) -> list:
     """Moves parameters (and the optimizer's existing states) into their allocation classes
-    and hints the end of each parameter's backward use; with `gradient_class` (True, or a
-    GradientChoice that may turn on: Note [Gradients' class, decided]), gradients go into
-    theirs too whenever it is on (Note [Gradients' class]). Returns the hooks; appends the
+    and hints the end of each parameter's backward use; while the choice `gradients` is on
+    (Note [Gradients' class, decided]), gradients go into theirs too (Note [Gradients'
+    class]). Returns the hooks; appends the
     parameters it hooked to `hooked`, each as (parameter, the mark of its hook). A parameter
     hooked before gets only what it lacks: the gradient class's hook when asked for now. Of the
     optimizer's states only those the windowed step pins and hints move (a scalar step
     count on the device stays with the activations: unhinted use must not share a hinted
     class)."""
     hooks = []
-    choice = ALWAYS if gradient_class is True else gradient_class or None
-    if choice is not None and not choice.on:
-        # Off, or "auto" not trying the class (yet): no hook, so the backward runs as without
-        # one; the windowed step adds the hooks when a trial begins.
-        choice = None
+    # Off, or "auto" not trying the class (yet): no hook, so the backward runs as without
+    # one; the windowed step adds the hooks when a trial begins.
+    choice = gradients if gradients is not None and gradients.on else None
     with torch.no_grad():
         for parameter in parameters:
             # Another rank's at ZeRO stage 3 (Note [Stage 3 under offload]): never managed.
             if not parameter.is_cuda or getattr(parameter, "_zeroalloc_not_owned", False):
+                continue
+            if not _use_hints.storage_pointer(parameter):
+                # FSDP2's DTensor, or a storage FSDP freed: the framework owns its memory.
+                # It stays where the framework put it (the engine still moves it under
+                # pressure, as any allocation), and the program runs as natively.
+                warn_unmanaged_once(parameter)
                 continue
             if not getattr(parameter, "_zeroalloc_adopted", False):
                 parameter.data = move_into_class(parameter.data, "parameter")
@@ -81,7 +98,7 @@ def adopt(parameters, optimizer=None, gradient_class: "bool | GradientChoice" = 
         if optimizer is not None:
             for state in optimizer.state.values():
                 for key, value in list(state.items()):
-                    if is_paged_state(value):
+                    if is_paged_state(value) and _use_hints.storage_pointer(value):
                         state[key] = move_into_class(value, "optimizer_state")
     return hooks
 

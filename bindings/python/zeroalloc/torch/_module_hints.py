@@ -8,6 +8,8 @@ import threading
 import weakref
 from typing import NamedTuple
 
+import torch
+
 from zeroalloc.torch import _adoption, _settings, _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, thread_list
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
@@ -20,6 +22,17 @@ def managed(module) -> list:
     return [p for p in module._parameters.values()
             if p is not None and getattr(p, "_zeroalloc_adopted", False)]
 
+
+# Note [Hints and torch.compile]: Dynamo traces a module's hooks into its graph, and the
+# hooks' bookkeeping (thread-local stacks, the library's calls, gradient hooks on outputs)
+# either breaks the trace ("already tracked for mutation") or would run once, at trace
+# time. So inside a compiled region every hook returns at once: torch.compiler.is_compiling()
+# is a constant there, and the graph holds nothing of them. Under ZEROALLOC_ACCESS=any
+# (the default) hints only speed moves up: a compiled model's memory still moves under
+# pressure, each move ordered against every kernel (Note [Moves any kernel may see] in
+# lib/tier/migrator.hpp). Under ZEROALLOC_ACCESS=hinted a compiled model is not covered by
+# hints; the README says so.
+compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 #: Per thread: (module, watch) of the members called on their own whose forward runs,
 #: innermost last.
@@ -98,6 +111,8 @@ class HintGroup:
                 for p in managed(member)]
 
     def before(self, _module, _inputs) -> None:
+        if compiling():  # Note [Hints and torch.compile]
+            return
         own = self.parameters()
         if not own:  # nothing of its own left (a copy's group, or its modules are gone)
             self.open().append((own, None))
@@ -107,6 +122,8 @@ class HintGroup:
         self.open().append((own, self.backward.watch(own)))
 
     def after(self, _module, _inputs, output) -> None:  # always called, also on an error
+        if compiling():  # Note [Hints and torch.compile]
+            return
         begun = self.open()
         if not begun:
             return  # its pre-hook never ran (an earlier pre-hook raised)
@@ -125,11 +142,15 @@ class HintGroup:
             _use_hints.end(own)
 
     def member_before(self, module, _inputs) -> None:
+        if compiling():  # Note [Hints and torch.compile]
+            return
         self.listeners.finish_write_backs()
         if not self.open():  # called on its own, outside `top`'s forward (in this thread)
             before_forward(module, self.listeners, self.backward)
 
     def member_after(self, module, _inputs, output) -> None:
+        if compiling():  # Note [Hints and torch.compile]
+            return
         if not self.open():
             after_forward(module, output, self.backward)
 
@@ -205,6 +226,8 @@ class AutomaticHints:
         return found
 
     def before(self, module, inputs) -> None:
+        if compiling():  # Note [Hints and torch.compile]
+            return
         self.listeners.finish_write_backs()
         stack = self.stack()
         if stack and id(module) in stack[-1].covered and module is not stack[-1].top():
@@ -215,6 +238,8 @@ class AutomaticHints:
             group.before(module, inputs)
 
     def after(self, module, inputs, output) -> None:  # always called, also on an error
+        if compiling():  # Note [Hints and torch.compile]
+            return
         stack = self.stack()
         if stack and stack[-1].top() is module:
             stack.pop().after(module, inputs, output)

@@ -19,9 +19,13 @@ def setting(name: str, fallback: str) -> str:
     return fallback
 
 
+#: The words of a yes, as the library reads them (lowercase).
+YES = ("1", "true", "yes", "on")
+
+
 def enabled(name: str, fallback: str) -> bool:
     """A yes-or-no variable, checked as the library checks it."""
-    return setting(name, fallback) in ("1", "true", "yes", "on")
+    return setting(name, fallback) in YES
 
 
 def offload_setting() -> str:
@@ -35,13 +39,22 @@ def gradient_class_default() -> "bool | str":
     do with gradients when `gradient_class` is not given: True, False or "auto" (Note
     [Gradients' class, decided] in _gradient_choice.py)."""
     value = setting("ZEROALLOC_OFFLOAD_GRADIENTS", "auto")
-    return "auto" if value == "auto" else value in ("1", "true", "yes", "on")
+    return "auto" if value == "auto" else value in YES
+
+
+def any_access() -> bool:
+    """ZEROALLOC_ACCESS (default any): whether any kernel may touch the memory the engine
+    moves, at any time (Note [Moves any kernel may see] in lib/tier/migrator.hpp). What the
+    hints alone would allow is then off: parked parameters, and the host step finishing
+    behind the next forward."""
+    return setting("ZEROALLOC_ACCESS", "any") != "hinted"
 
 
 def parameters_park() -> bool:
-    """ZEROALLOC_PARK_PARAMETERS (default 1): whether evicted parameters may be parked
-    behind unmapped addresses (Note [Parameters parked] in lib/tier/offload_engine.hpp)."""
-    return enabled("ZEROALLOC_PARK_PARAMETERS", "1")
+    """ZEROALLOC_PARK_PARAMETERS (default 1) under ZEROALLOC_ACCESS=hinted: whether evicted
+    parameters may be parked behind unmapped addresses (Note [Parameters parked] in
+    lib/tier/offload_engine.hpp). Never under ZEROALLOC_ACCESS=any."""
+    return not any_access() and enabled("ZEROALLOC_PARK_PARAMETERS", "1")
 
 
 def host_step() -> bool:
@@ -52,10 +65,12 @@ def host_step() -> bool:
 
 
 def host_step_overlap() -> bool:
-    """ZEROALLOC_HOST_STEP_OVERLAP (default 1): whether the CPUs finish the host step's
-    windows of master weights while the next forward runs (Note [The host step finishes
-    behind the forward] in _host_step.py)."""
-    return enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
+    """ZEROALLOC_HOST_STEP_OVERLAP (default 1) under ZEROALLOC_ACCESS=hinted: whether the
+    CPUs finish the host step's windows of master weights while the next forward runs (Note
+    [The host step finishes behind the forward] in _host_step.py). Never under
+    ZEROALLOC_ACCESS=any: a kernel the hints do not announce (an EMA of the weights right
+    after optimizer.step()) would read weights the step has not written yet."""
+    return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
 
 
 def require_offload_engine() -> None:

@@ -25,8 +25,20 @@ def current_stream(device_index: "int | None" = None) -> int:
 before_use: list = []
 
 
+def storage_pointer(tensor: "torch.Tensor") -> int:
+    """Where the tensor's storage begins; 0 for a tensor with no storage of its own to
+    manage: a wrapper subclass (FSDP2's DTensor: its storage is null, and asking for its
+    data pointer raises), or a storage freed by resizing it to nothing (FSDP's unsharded
+    parameters between uses)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def pointers(tensors: Iterable["torch.Tensor"]) -> list:
-    return [tensor.untyped_storage().data_ptr() for tensor in tensors]
+    """The storages of the tensors that have one (storage_pointer)."""
+    return [pointer for tensor in tensors if (pointer := storage_pointer(tensor))]
 
 
 def hint(call, tensors: Iterable["torch.Tensor"], stream: int) -> None:
