@@ -11,7 +11,8 @@
 # Logs and JSON are packed into $OUT/gpu-check-logs.tar.gz (the device tool returns at most 8
 # files); $OUT defaults to ./gpu-out.
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
-# run of figures alone) alloc_bench hint migration remap torch_empty
+# run of figures alone) programs (the user programs natively and under offload, compared:
+# about 4 minutes; GPU_CHECK_PROGRAMS names some) alloc_bench hint migration remap torch_empty
 # preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
@@ -43,7 +44,7 @@ echo "commit $git_commit" | tee "$out/commit.txt"
 skip=" ${GPU_CHECK_SKIP:-} "
 skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
 # A name that is no step's would leave that step in, minutes of device time: refused first.
-steps=" ctest wheel baseline alloc_bench hint migration remap torch_empty preload_overhead trace pytest demo optimizer_step llama host_step disk big sweep zero "
+steps=" ctest programs wheel baseline alloc_bench hint migration remap torch_empty preload_overhead trace pytest demo optimizer_step llama host_step disk big sweep zero "
 for name in ${GPU_CHECK_SKIP:-}; do
   if [[ $steps != *" $name "* ]]; then
     echo "GPU_CHECK_SKIP names '$name', which is no step of this script; the steps:$steps" >&2
@@ -71,6 +72,13 @@ if [[ -z $(skipped ctest) ]]; then
   grep -E "[0-9]+% tests passed" "$out/ctest.log" || echo "ctest did not finish"
   grep -q "^100% tests passed" "$out/ctest.log" || fail ctest
 else skipped ctest; fi
+
+step "user programs: each natively and under ZEROALLOC_OFFLOAD=host at a tight limit, outputs compared"
+if [[ -z $(skipped programs) ]]; then
+  ZEROALLOC_LIBRARY=$root/build/libzeroalloc.so PYTHONUNBUFFERED=1 \
+    python3 tests/programs/run.py ${GPU_CHECK_PROGRAMS:-} >"$out/programs.txt" 2>&1 || fail programs
+  grep -A40 "^program " "$out/programs.txt" || tail -40 "$out/programs.txt"
+else skipped programs; fi
 
 step "the wheel: installed with pip, then zeroalloc doctor with no variable set"
 if [[ -z $(skipped wheel) ]]; then
