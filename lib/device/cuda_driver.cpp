@@ -101,6 +101,11 @@ cuda_driver load_driver() {
       find_entry_point(get_proc_address, #name, driver.requested_version));
   ZA_CUDA_DRIVER_ENTRY_POINTS(ZA_CUDA_LOAD_ENTRY_POINT)
 #undef ZA_CUDA_LOAD_ENTRY_POINT
+#define ZA_CUDA_LOAD_ENTRY_POINT_AT_ITS_VERSION(name, version)   \
+  driver.pfn_##name = reinterpret_cast<PFN_##name##_v##version>( \
+      find_entry_point(get_proc_address, #name, version));
+  ZA_CUDA_DRIVER_ENTRY_POINTS_AT_THEIR_VERSION(ZA_CUDA_LOAD_ENTRY_POINT_AT_ITS_VERSION)
+#undef ZA_CUDA_LOAD_ENTRY_POINT_AT_ITS_VERSION
 
   if (const CUresult result = driver.pfn_cuInit(0); result != CUDA_SUCCESS) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");

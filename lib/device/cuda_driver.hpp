@@ -52,7 +52,6 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuCtxSetCurrent, 4000)                \
   X(cuCtxPushCurrent, 4000)               \
   X(cuCtxPopCurrent, 4000)                \
-  X(cuCtxSynchronize, 2000)               \
   X(cuMemGetInfo, 3020)                   \
   X(cuMemCreate, 10020)                   \
   X(cuMemRelease, 10020)                  \
@@ -77,6 +76,11 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuLaunchHostFunc, 10000)              \
   X(cuPointerGetAttribute, 4000)
 
+/// Entry points whose signature changed in a later CUDA (cuCtxSynchronize takes a context
+/// from CUDA 13.0): loaded at the version listed, whatever the driver, so that the pointer
+/// always has the type its PFN_ names.
+#define ZA_CUDA_DRIVER_ENTRY_POINTS_AT_THEIR_VERSION(X) X(cuCtxSynchronize, 2000)
+
 /// The loaded driver. Every pointer is non-null once cuda_driver_table() has returned it.
 ///
 /// The members are named pfn_<base name> rather than after the functions themselves because
@@ -85,6 +89,7 @@ inline constexpr int kCudaAbiVersion = 13000;
 struct cuda_driver {
 #define ZA_CUDA_DECLARE_ENTRY_POINT(name, version) PFN_##name##_v##version pfn_##name = nullptr;
   ZA_CUDA_DRIVER_ENTRY_POINTS(ZA_CUDA_DECLARE_ENTRY_POINT)
+  ZA_CUDA_DRIVER_ENTRY_POINTS_AT_THEIR_VERSION(ZA_CUDA_DECLARE_ENTRY_POINT)
 #undef ZA_CUDA_DECLARE_ENTRY_POINT
 
   /// What cuDriverGetVersion reports, e.g. 13000 for a CUDA 13.0 driver (R580).

@@ -10,10 +10,12 @@ program prints (losses, norms, evaluations, hashes of weights, devices and dtype
 must be identical. The offloaded run also prints, on standard error, the bytes of each class
 the engine moved. Exits non-zero when a program fails or differs; the table is printed last.
 
-PROGRAMS_LIMIT (default 160MiB) sets the device limit; PROGRAMS_ENV adds variables to the
+PROGRAMS_LIMIT (default 160MiB) sets the device limit; PROGRAMS_JOBS (default 4) how many run
+at once; PROGRAMS_ENV adds variables to the
 offloaded runs (NAME=VALUE, separated by spaces).
 """
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -66,29 +68,32 @@ def run(program: Path, offloaded: bool) -> "tuple[int, str, str, float]":
     return result.returncode, result.stdout, result.stderr, time.monotonic() - started
 
 
+def compare(program: Path) -> tuple:
+    """(name, verdict, native seconds, offloaded seconds, moved), and what to print."""
+    code, native, native_err, native_s = run(program, offloaded=False)
+    if code != 0:
+        return ((program.stem, "native failed", native_s, 0.0, ""),
+                f"== {program.stem}: native run failed\n{native_err[-3000:]}")
+    code, offload, offload_err, offload_s = run(program, offloaded=True)
+    moved = next((l for l in offload_err.splitlines() if l.startswith("moved")), "")
+    verdict = "failed" if code != 0 else "identical" if offload == native else "differs"
+    told = "" if verdict == "identical" else (
+        f"== {program.stem}: {verdict}\n-- native\n{native[-2000:]}\n-- offloaded\n"
+        f"{offload[-2000:]}\n{offload_err[-4000:]}")
+    return (program.stem, verdict, native_s, offload_s, moved), told
+
+
 def main(names: list) -> int:
     chosen = [p for p in programs() if not names or p.stem in names]
-    rows, failed = [], []
-    for program in chosen:
-        code, native, native_err, native_s = run(program, offloaded=False)
-        if code != 0:
-            rows.append((program.stem, "native failed", native_s, 0.0, ""))
-            failed.append(program.stem)
-            print(f"== {program.stem}: native run failed\n{native_err[-3000:]}", flush=True)
-            continue
-        code, offload, offload_err, offload_s = run(program, offloaded=True)
-        moved = next((l for l in offload_err.splitlines() if l.startswith("moved")), "")
-        if code != 0:
-            verdict = "failed"
-        elif offload == native:
-            verdict = "identical"
-        else:
-            verdict = "differs"
-        if verdict != "identical":
-            failed.append(program.stem)
-            print(f"== {program.stem}: {verdict}\n-- native\n{native[-2000:]}\n-- offloaded\n"
-                  f"{offload[-2000:]}\n{offload_err[-4000:]}", flush=True)
-        rows.append((program.stem, verdict, native_s, offload_s, moved))
+    # Several at once (PROGRAMS_JOBS, default 4): each process is small beside the GPU.
+    jobs = int(os.environ.get("PROGRAMS_JOBS", "4"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(compare, chosen))
+    rows = [row for row, _ in results]
+    for _, told in results:
+        if told:
+            print(told, flush=True)
+    failed = [row[0] for row in rows if row[1] != "identical"]
     print(f"\n{'program':28} {'result':10} {'native s':>8} {'offload s':>9}  moved")
     for name, verdict, native_s, offload_s, moved in rows:
         print(f"{name:28} {verdict:10} {native_s:8.1f} {offload_s:9.1f}  {moved[23:]}")
