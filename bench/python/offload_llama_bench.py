@@ -107,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: ZEROALLOC_PARK_PARAMETERS (1: evicted parameters "
                         "parked behind unmapped addresses, the default; 0: mapped on the host); "
                         "0,1 runs both side by side")
+    parser.add_argument("--access", default="",
+                        help="offload mode: ZEROALLOC_ACCESS (any: every move drains the device "
+                        "first, the default; hinted: moves overlap compute); any,hinted runs "
+                        "both side by side")
     parser.add_argument("--host-step", default="",
                         help="offload mode: ZEROALLOC_HOST_STEP (1: AdamW windows whose states "
                         "and parameters are all on the host step there, on the CPUs; 0: on the "
@@ -251,6 +255,7 @@ class Run:
 #: values accepted, the run name's tag).
 SWEPT_SETTINGS = (
     ("park", "--park", "ZEROALLOC_PARK_PARAMETERS", ("0", "1"), "park"),
+    ("access", "--access", "ZEROALLOC_ACCESS", ("any", "hinted"), "access"),
     ("host_step", "--host-step", "ZEROALLOC_HOST_STEP", ("0", "1"), "host"),
     ("host_step_overlap", "--host-step-overlap", "ZEROALLOC_HOST_STEP_OVERLAP", ("0", "1"),
      "behind"),

@@ -10,7 +10,7 @@ program prints (losses, norms, evaluations, hashes of weights, devices and dtype
 must be identical. The offloaded run also prints, on standard error, the bytes of each class
 the engine moved. Exits non-zero when a program fails or differs; the table is printed last.
 
-PROGRAMS_LIMIT (default 160MiB) sets the device limit; PROGRAMS_JOBS (default 4) how many run
+PROGRAMS_LIMIT (default 256MiB) sets the device limit; PROGRAMS_JOBS (default 4) how many run
 at once; PROGRAMS_ENV adds variables to the
 offloaded runs (NAME=VALUE, separated by spaces).
 """
@@ -56,7 +56,7 @@ def run(program: Path, offloaded: bool) -> "tuple[int, str, str, float]":
     command = [sys.executable, str(program)]
     if offloaded:
         env.update({"ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_LIBRARY": str(LIBRARY),
-                    "ZEROALLOC_MEMORY_LIMIT": os.environ.get("PROGRAMS_LIMIT", "160MiB"),
+                    "ZEROALLOC_MEMORY_LIMIT": os.environ.get("PROGRAMS_LIMIT", "256MiB"),
                     "ZEROALLOC_CHUNK_SIZE": "8MiB", "ZEROALLOC_HOST_LIMIT": "8GiB"})
         for pair in os.environ.get("PROGRAMS_ENV", "").split():
             name, _, value = pair.partition("=")

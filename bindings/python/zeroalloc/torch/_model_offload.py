@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from zeroalloc._library import ZeroallocError
-from zeroalloc.torch import _adoption, _module_hints, _settings
+from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
 from zeroalloc.torch._gradient_choice import GradientChoice, mode_of
 from zeroalloc.torch._master_weights import MasterWeights, masters_of, working_dtype
 from zeroalloc.torch._optimizer_step import steps_by_param_groups, windowed_step
@@ -193,6 +193,14 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if getattr(self, "_zeroalloc_adopted", False):
             return
         self._zeroalloc_adopted = True
+        if any(not _use_hints.storage_pointer(p) for group in self.param_groups
+               for p in group["params"]):
+            # FSDP2's DTensors: FSDP2 owns their memory and their step; the optimizer stays
+            # as PyTorch made it (adopt() tells the user once).
+            _adoption.warn_unmanaged_once(next(
+                p for group in self.param_groups for p in group["params"]
+                if not _use_hints.storage_pointer(p)))
+            return
         if dtype is not None and not steps_by_param_groups(self):
             warnings.warn(f"zeroalloc: {type(self).__name__} does not step its param_groups "
                           "as torch.optim's optimizers do: its parameters keep their dtype "

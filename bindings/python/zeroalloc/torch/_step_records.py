@@ -11,6 +11,7 @@ import torch
 
 from zeroalloc import _offload
 from zeroalloc._library import ZeroallocError
+from zeroalloc.torch import _use_hints
 
 
 @dataclass(eq=False)  # compared by identity: == would compare the tensors
@@ -110,8 +111,11 @@ def copied_bytes(entries, parameters: bool = True) -> int:
 
 def residency_or_foreign(tensor) -> str:
     """The tensor's residency; "foreign" for memory the engine does not manage."""
+    pointer = _use_hints.storage_pointer(tensor)  # 0: no storage of its own (a DTensor)
+    if not pointer:
+        return "foreign"
     try:
-        return _offload.residency_of(tensor.untyped_storage().data_ptr())
+        return _offload.residency_of(pointer)
     except ZeroallocError:
         return "foreign"
 
