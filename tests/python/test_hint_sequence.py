@@ -630,3 +630,51 @@ def test_hints_for_tensors_on_several_devices_are_fenced_on_each_devices_stream(
     calls.clear()
     zt._hint(record, [OnDevice(1, 2)], 7)  # a stream given is the stream used
     assert calls == [([2], 7)]
+
+
+def test_a_compiled_model_runs_its_hooks_outside_the_graph_only(recorder, hooked):
+    """Note [Hints and torch.compile]: under torch.compile the hooks stand down inside the
+    compiled region (Dynamo traces none of their bookkeeping, which once failed with
+    "already tracked for mutation"), and the model computes what it computes uncompiled."""
+    torch._dynamo.reset()
+    model, reference, record = hooked_with_reference(recorder, hooked)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(3, 16)
+    compiled(x).sum().backward()
+    record.take()
+    assert record.unbalanced() == {}, "a use begun in a compiled region never ended"
+    reference(x).sum().backward()
+    assert same_gradients(model, reference)
+    assert torch.equal(compiled(x), reference(x))
+    torch._dynamo.reset()
+
+
+class NoStorage(torch.Tensor):
+    """A wrapper subclass, as FSDP2's DTensor is: its storage is null, and asking for the
+    storage's data pointer raises."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, NoStorage) else t  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def test_tensors_without_storage_of_their_own_are_left_out_of_hints():
+    """FSDP2's DTensors and storages FSDP resized to nothing: the hints name only the
+    tensors whose storage the library could manage, and never raise for the others."""
+    plain = torch.randn(4)
+    wrapped = NoStorage(torch.randn(4))
+    with pytest.raises(RuntimeError):
+        wrapped.untyped_storage().data_ptr()  # what failed in the module hints before
+    freed = torch.randn(4)
+    freed.untyped_storage().resize_(0)
+    assert _use_hints.storage_pointer(wrapped) == 0
+    assert _use_hints.storage_pointer(freed) == 0
+    assert _use_hints.pointers([plain, wrapped, freed]) == [plain.untyped_storage().data_ptr()]
