@@ -12,22 +12,25 @@ torch.use_deterministic_algorithms(True)
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 VOCAB = 4096
+#: Where the programs run: cuda, or cpu to check a program's own logic on a machine without
+#: a GPU (PROGRAMS_DEVICE=cpu; the comparison under offload needs cuda).
+DEVICE = os.environ.get("PROGRAMS_DEVICE", "cuda")
 
 
-def llama(layers: int = 4, hidden: int = 512, tie: bool = False, seed: int = 0):
+def llama(layers: int = 4, hidden: int = 512, tie: bool = False, seed: int = 0, **overrides):
     """A Llama from transformers with eager attention (its backward is deterministic)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
                          max_position_embeddings=512, tie_word_embeddings=tie,
-                         attn_implementation="eager")
+                         attn_implementation="eager", **overrides)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).cuda()
+    return LlamaForCausalLM(config).to(DEVICE)
 
 
 def batches(count: int, batch: int = 4, length: int = 128, seed: int = 1) -> list:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (batch, length), generator=generator).cuda()
+    return [torch.randint(0, VOCAB, (batch, length), generator=generator).to(DEVICE)
             for _ in range(count)]
 
 

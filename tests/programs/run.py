@@ -10,6 +10,8 @@ program prints (losses, norms, evaluations, hashes of weights, devices and dtype
 must be identical. The offloaded run also prints, on standard error, the bytes of each class
 the engine moved. Exits non-zero when a program fails or differs; the table is printed last.
 
+PROGRAMS_MODE=preload runs the offloaded side with LD_PRELOAD=libzeroalloc.so alone instead:
+no Python package, PyTorch's own caching allocator on top of zeroalloc's.
 PROGRAMS_LIMIT (default 256MiB) sets the device limit; PROGRAMS_JOBS (default 4) how many run
 at once; PROGRAMS_ENV adds variables to the
 offloaded runs (NAME=VALUE, separated by spaces).
@@ -62,6 +64,10 @@ def run(program: Path, offloaded: bool) -> "tuple[int, str, str, float]":
             name, _, value = pair.partition("=")
             env[name] = value
         command = [sys.executable, "-c", OFFLOADED, str(program)]
+        if os.environ.get("PROGRAMS_MODE", "automatic") == "preload":
+            env["PYTHONPATH"] = str(HERE)  # no package: the library alone
+            env["LD_PRELOAD"] = str(LIBRARY)
+            command = [sys.executable, str(program)]
     started = time.monotonic()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400,
                             cwd=HERE)
