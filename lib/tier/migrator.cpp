@@ -149,6 +149,16 @@ void migrator::fence_behind_chunk_streams(const chunk_info& chunk, stream_handle
   }
 }
 
+void migrator::drain_before_move(std::uintptr_t address,
+                                 void (migrator::*give_up)(std::uintptr_t)) {
+  try {
+    device_.synchronize_device();
+  } catch (...) {
+    (this->*give_up)(address);
+    throw;
+  }
+}
+
 void migrator::release_claim(std::uintptr_t address) {
   {
     std::lock_guard lock(mutex_);
@@ -215,12 +225,7 @@ void migrator::start_claimed_eviction(const chunk_info& chunk,
   const std::uintptr_t address = chunk.address;
   if (any_access_) {  // Note [Moves any kernel may see]
     park = false;
-    try {
-      device_.synchronize_device();
-    } catch (...) {
-      cancel_eviction(address);
-      throw;
-    }
+    drain_before_move(address, &migrator::cancel_eviction);
   }
   transfer moving;
   moving.chunk = chunk;
@@ -295,12 +300,7 @@ bool migrator::start_claimed_fetch(std::uintptr_t address, bool chunk_idle,
   }
   if (any_access_) {  // Note [Moves any kernel may see]
     chunk_idle = false;
-    try {
-      device_.synchronize_device();
-    } catch (...) {
-      release_claim(address);
-      throw;
-    }
+    drain_before_move(address, &migrator::release_claim);
   }
   chunk_info chunk;
   if (!paging_.pin_chunk(address, chunk)) {
@@ -856,14 +856,9 @@ void migrator::spill(std::uintptr_t address, const std::vector<event_handle>* af
       parked = found->second.parked;
     }
   }
-  if (any_access_ && host.valid()) {  // Note [Moves any kernel may see]: no kernel still
-    try {                             // reading the host chunk may meet the placeholder
-      device_.synchronize_device();
-    } catch (...) {
-      release_claim(address);
-      throw;
-    }
-  }
+  // Note [Moves any kernel may see]: no kernel still reading the host chunk may meet the
+  // placeholder.
+  if (any_access_ && host.valid()) drain_before_move(address, &migrator::release_claim);
   chunk_info chunk;
   if (!host.valid() || !paging_.pin_chunk(address, chunk)) {  // its segment went meanwhile
     release_claim(address);

@@ -289,6 +289,9 @@ class migrator : public paging_listener {
   // Events are reused (a recording that a stream waits on is captured at the wait), so a
   // long run creates only as many as are in flight at once.
   event_handle obtain_event();
+  /// Note [Moves any kernel may see]: waits until the device has finished its queued work;
+  /// if that fails, gives the claim on `address` up through `give_up` and rethrows.
+  void drain_before_move(std::uintptr_t address, void (migrator::*give_up)(std::uintptr_t));
   /// Forgets a claim (moving_) made by a move that did not start, and wakes its waiters.
   void release_claim(std::uintptr_t address);
   void return_event(event_handle event);

@@ -4,6 +4,7 @@ float's repr, a tensor's bytes hashed)."""
 
 import hashlib
 import os
+import socket
 
 import torch
 
@@ -48,3 +49,16 @@ def emit(name: str, *values) -> None:
 
 def model_digest(model) -> str:
     return hashlib.sha256("".join(digest(p) for p in model.parameters()).encode()).hexdigest()[:16]
+
+
+def one_rank_group() -> None:
+    """A process group of this process alone, on a free local port (NCCL on the GPU, gloo
+    on the CPU), as a script run without torchrun sets one up."""
+    import torch.distributed as dist
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)

@@ -1,17 +1,10 @@
 """FSDP2 on one rank: fully_shard on each decoder layer and on the model, three steps."""
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from _common import batches, emit, llama
+from _common import batches, emit, llama, one_rank_group
 
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-torch.cuda.set_device(0)
+one_rank_group()
 model = llama()
 for layer in model.model.layers:
     fully_shard(layer)
