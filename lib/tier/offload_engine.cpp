@@ -315,9 +315,6 @@ bool offload_engine::open_and_record(const std::vector<chunk_info>& chunks, bool
 }
 
 void offload_engine::list_wishes(bool device) {
-  // Note [Moves any kernel may see]: a move from the engine's own threads could run while
-  // the program launches a kernel on the chunk.
-  if (settings_.any_access) return;
   std::vector<std::uintptr_t> seen;  // a chunk used twice in the window counts once
   // Note [Prefetch]: what the device's order says comes next, nearest first, up to the
   // prefetch distance. A use in place moves only the order of every use: the device's
@@ -343,7 +340,8 @@ void offload_engine::list_wishes(bool device) {
   // past the order's end, the next step's first ones.
   reads_.clear();
   const std::size_t size = every_use_.size();
-  if (!migrator_.has_disk() || every_use_.next_marked(0) >= size ||
+  // Note [Fetched ahead at a miss]: under any_access no thread reads ahead from disk.
+  if (settings_.any_access || !migrator_.has_disk() || every_use_.next_marked(0) >= size ||
       migrator_.disk_resident_bytes() == 0) {
     return;
   }
@@ -400,14 +398,26 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   }
 
   std::uint64_t resident = 0;
+  bool missed = false;
   // Every chunk gets its ordering even when one fails (a device error from a move): the
   // hint's other allocations have work coming too. The first failure is reported after.
   std::exception_ptr first_failure;
   for (const auto& [chunk, opened] : distinct) {
     try {
-      if (ready_for_use(*chunk, stream, opened)) resident += static_cast<std::uint64_t>(opened);
+      if (ready_for_use(*chunk, stream, opened)) {
+        resident += static_cast<std::uint64_t>(opened);
+      } else {
+        missed = true;
+      }
     } catch (...) {
       if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+  if (missed && settings_.any_access && !first_failure) {
+    try {
+      fetch_ahead_at_a_miss();
+    } catch (const std::exception& failure) {  // the hint's own chunks are ready: only speed
+      log().warn("offload: fetching ahead after a miss failed: {}", failure.what());
     }
   }
   {
@@ -417,6 +427,42 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
     collect_waits(false);
   }
   if (first_failure) std::rethrow_exception(first_failure);
+}
+
+// Note [Fetched ahead at a miss]: under any_access (Note [Moves any kernel may see] in
+// migrator.hpp) the engine's own threads move nothing: a move made while the program
+// launches kernels could meet one of them. So neither the prefetcher nor the disk's
+// read-ahead runs, and no use's end evicts ahead of need: each of those moves would drain
+// the device, and a drain costs the host's run-ahead (the device idles while the program
+// queues work again). The moves come together where the device is drained anyway: a hint
+// whose chunk had to be fetched (a miss) then keeps the prefetch window's room free and
+// brings back what the learned order says comes next, up to ZEROALLOC_PREFETCH_BYTES,
+// before the hint returns. One drain serves the window, and the uses that follow find
+// their chunks on the device.
+void offload_engine::fetch_ahead_at_a_miss() {
+  std::vector<planned_eviction> planned;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> wanted;
+  {
+    std::lock_guard lock(mutex_);
+    if (device_order_.empty()) return;
+    planned = plan_headroom();
+    for (std::uintptr_t address : wishes_) {
+      auto state = chunks_.find(address);
+      if (state != chunks_.end()) wanted.emplace_back(address, state->second.bytes);
+    }
+    wishes_.clear();
+  }
+  const std::size_t evicted = planned.empty() ? 0 : launch_evictions(planned).size();
+  std::uint64_t fetched = 0;
+  for (const auto& [address, bytes] : wanted) {
+    bool started = false;
+    bring_back(address, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+               /*callers_uses=*/0, &started);
+    fetched += started ? 1 : 0;
+  }
+  std::lock_guard lock(mutex_);
+  figures_.evictions += evicted;
+  figures_.prefetches += fetched;
 }
 
 bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream, int opened) {
@@ -571,7 +617,7 @@ void offload_engine::use_on_host_ends(std::span<const void* const> pointers, str
   {
     std::lock_guard lock(mutex_);
     end_uses(chunks, stream, /*cpu=*/true);
-    if (!device_order_.empty()) planned = plan_headroom();
+    if (!device_order_.empty() && !settings_.any_access) planned = plan_headroom();
   }
   if (planned.empty()) return;
   const std::size_t started = launch_evictions(planned).size();
@@ -644,7 +690,9 @@ void offload_engine::use_ends(std::span<const void* const> pointers, stream_hand
   {
     std::lock_guard lock(mutex_);
     end_uses(chunks, stream);
-    if (!device_order_.empty()) planned = plan_headroom();
+    // Under any_access each eviction drains the device: room is kept at a miss instead
+    // (Note [Fetched ahead at a miss]).
+    if (!device_order_.empty() && !settings_.any_access) planned = plan_headroom();
   }
   if (planned.empty()) return;
   const std::size_t started = launch_evictions(planned).size();
@@ -688,9 +736,6 @@ void offload_engine::end_uses(const std::vector<chunk_info>& chunks, stream_hand
 
 std::vector<offload_engine::planned_eviction> offload_engine::plan_headroom() {
   std::vector<planned_eviction> planned;
-  // Each eviction would drain the device (Note [Moves any kernel may see]): under
-  // any_access the engine evicts only when it must.
-  if (settings_.any_access) return planned;
   const std::uint64_t limit = allocator_.limit_bytes();
   const std::uint64_t held = allocator_.held_bytes();
   // An idle class's cache counts as free: a fetch that needs it releases it (bring_back).
@@ -827,6 +872,7 @@ void offload_engine::work_through(std::deque<std::uintptr_t>& queue,
 }
 
 void offload_engine::prefetch_worker() {
+  if (settings_.any_access) return;  // Note [Fetched ahead at a miss]
   work_through(wishes_, wishes_changed_, &offload_figures::prefetches, "prefetching",
                [this](std::uintptr_t next, std::size_t bytes) {
                  bool started = false;
@@ -839,6 +885,7 @@ void offload_engine::prefetch_worker() {
 // Note [In-place uses in the order]: reads from disk take a thread of their own, so that a
 // read (and the writes that make host room for it) never holds up a fetch to the device.
 void offload_engine::read_ahead_worker() {
+  if (settings_.any_access) return;  // Note [Fetched ahead at a miss]
   work_through(
       reads_, reads_changed_, &offload_figures::disk_prefetches, "reading from disk ahead",
       [this](std::uintptr_t next, std::size_t bytes) { return off_disk_ahead(next, bytes); });

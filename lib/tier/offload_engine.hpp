@@ -136,7 +136,8 @@ struct offload_settings {
   /// ZEROALLOC_ACCESS=any: kernels the hints do not announce may touch any chunk at any
   /// time. Every move then drains the device and ends on the thread that asked for it
   /// (Note [Moves any kernel may see] in migrator.hpp); the engine's own threads move
-  /// nothing (no prefetch, no read-ahead from disk), and nothing is evicted ahead of need.
+  /// nothing, and what they would do ahead of need is done at a miss (Note [Fetched ahead
+  /// at a miss]).
   bool any_access = false;
   /// Tests only: runs on the fetching thread between two attempts of a fetch (after the
   /// first found no room and evictions made some), with the chunk's address, so that a
@@ -356,6 +357,9 @@ class offload_engine : public paging_listener {
   /// Plans evictions of idle chunks needed after the prefetch window until the device has
   /// room for that window (Note [Prefetch]); never waits. Caller holds mutex_.
   std::vector<planned_eviction> plan_headroom();
+  /// Note [Fetched ahead at a miss]: the prefetch window's room and fetches, on the
+  /// hinting thread, once a miss drained the device (any_access).
+  void fetch_ahead_at_a_miss();
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
   /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
   /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an

@@ -2020,6 +2020,62 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
   device_->destroy_stream(compute);
 }
 
+// Note [Fetched ahead at a miss]: the same loop under ZEROALLOC_ACCESS=any, where no thread
+// of the engine's moves anything. A use that misses its chunk brings back the window the
+// learned order says comes next, so that most uses after it find theirs on the device;
+// every byte is kept, no use reaches its chunk over PCIe, and the limit holds.
+TEST_F(OffloadEngineTest, UnderAnyAccessAMissBringsBackTheNextWindowOfTheOrder) {
+  constexpr std::size_t kLayerBytes = 2 * MiB;
+  allocator_settings settings;
+  settings.chunk_bytes = kLayerBytes;
+  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  any_access_ = true;
+  start(24 * MiB, 6 * kLayerBytes);
+  offload_engine& engine = *engine_;
+  stream_handle compute = device_->create_stream();
+  constexpr int kLayers = 20;
+  constexpr int kSteps = 5;
+  std::vector<void*> layers;
+  for (int i = 0; i < kLayers; ++i) {
+    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
+    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
+  }
+  offload_figures after_first_steps{};
+  for (int step = 0; step < kSteps; ++step) {
+    for (int i = 0; i < kLayers; ++i) {
+      engine.use_begins(layers[i], compute);
+      device_->fill_async(layers[i], static_cast<std::uint8_t>(step * kLayers + i + 1), kLayerBytes,
+                          compute);
+      engine.use_ends(layers[i], compute);
+    }
+    engine.step_boundary();
+    if (step == 1) after_first_steps = engine.figures(/*wait_for_device=*/true);
+  }
+  device_->synchronize_stream(compute);
+  for (int i = 0; i < kLayers; ++i) {
+    EXPECT_TRUE(
+        holds(layers[i], static_cast<std::uint8_t>((kSteps - 1) * kLayers + i + 1), kLayerBytes))
+        << "layer " << i;
+  }
+  const offload_figures figures = engine.figures(/*wait_for_device=*/true);
+  const double uses = static_cast<double>(figures.uses - after_first_steps.uses);
+  const double resident = static_cast<double>(figures.resident - after_first_steps.resident);
+  std::printf(
+      "steps 3-%d under any access: %.0f uses, %.0f found their chunk on the device, "
+      "%llu fetched ahead\n",
+      kSteps, uses, resident,
+      static_cast<unsigned long long>(figures.prefetches - after_first_steps.prefetches));
+  EXPECT_GT(figures.prefetches - after_first_steps.prefetches, 0u);
+  // A miss brings back up to six layers: at least half of the uses find theirs resident.
+  EXPECT_GE(resident, uses / 2);
+  EXPECT_EQ(figures.used_on_host - after_first_steps.used_on_host, 0u);
+  EXPECT_LE(allocator_->held_bytes(), 24 * MiB);
+  EXPECT_EQ(engine.mover().figures().chunks_parked, 0u);
+  for (void* layer : layers) allocator_->deallocate(layer);
+  allocator_->forget_stream(compute);
+  device_->destroy_stream(compute);
+}
+
 // A forward and a backward: twenty layers used in order, then in reverse, 1.7 times what
 // the device may hold. The parameters the forward evicted are used again in the backward:
 // the order has both uses of each layer, so the backward's layers are fetched ahead too,
