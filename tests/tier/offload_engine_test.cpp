@@ -73,6 +73,21 @@ class OffloadEngineTest : public ::testing::Test {
     start(256 * MiB, 0);
     return true;
   }
+  /// A new allocator whose chunks are `bytes` long (ZEROALLOC_CHUNK_SIZE); before start().
+  void use_chunk_bytes(std::size_t bytes) {
+    allocator_settings settings;
+    settings.chunk_bytes = bytes;
+    allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  }
+  /// `count` parameters of `bytes` each (a model's layers), zeroed on `stream`.
+  std::vector<void*> zeroed_parameters(int count, std::size_t bytes, stream_handle stream) {
+    std::vector<void*> made;
+    for (int i = 0; i < count; ++i) {
+      made.push_back(allocator_->allocate(bytes, stream, allocation_class::parameter));
+      device_->fill_async(made.back(), 0, bytes, stream);
+    }
+    return made;
+  }
   /// The address of the first chunk of the allocation at `pointer`.
   std::uintptr_t first_chunk(void* pointer) {
     std::vector<chunk_info> chunks;
@@ -1959,19 +1974,13 @@ TEST_F(ParkedParametersTest, AnUnhintedReadOfAParkedParameterFaultsInsteadOfRead
 // engine knows the order and fetches ahead.
 TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongTheOrder) {
   constexpr std::size_t kLayerBytes = 2 * MiB;  // one chunk each (ZEROALLOC_CHUNK_SIZE=2MiB)
-  allocator_settings settings;
-  settings.chunk_bytes = kLayerBytes;
-  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  use_chunk_bytes(kLayerBytes);
   start(24 * MiB, 3 * kLayerBytes);
   offload_engine& engine = *engine_;
   stream_handle compute = device_->create_stream();
   constexpr int kLayers = 20;
   constexpr int kSteps = 6;
-  std::vector<void*> layers;
-  for (int i = 0; i < kLayers; ++i) {
-    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
-    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
-  }
+  const std::vector<void*> layers = zeroed_parameters(kLayers, kLayerBytes, compute);
   offload_figures after_first_steps{};
   for (int step = 0; step < kSteps; ++step) {
     for (int i = 0; i < kLayers; ++i) {
@@ -2026,20 +2035,14 @@ TEST_F(OffloadEngineTest, AHintedTrainingLoopKeepsEveryByteAndPrefetchesAlongThe
 // every byte is kept, no use reaches its chunk over PCIe, and the limit holds.
 TEST_F(OffloadEngineTest, UnderAnyAccessAMissBringsBackTheNextWindowOfTheOrder) {
   constexpr std::size_t kLayerBytes = 2 * MiB;
-  allocator_settings settings;
-  settings.chunk_bytes = kLayerBytes;
-  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  use_chunk_bytes(kLayerBytes);
   any_access_ = true;
   start(24 * MiB, 6 * kLayerBytes);
   offload_engine& engine = *engine_;
   stream_handle compute = device_->create_stream();
   constexpr int kLayers = 20;
   constexpr int kSteps = 5;
-  std::vector<void*> layers;
-  for (int i = 0; i < kLayers; ++i) {
-    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
-    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
-  }
+  const std::vector<void*> layers = zeroed_parameters(kLayers, kLayerBytes, compute);
   offload_figures after_first_steps{};
   for (int step = 0; step < kSteps; ++step) {
     for (int i = 0; i < kLayers; ++i) {
@@ -2082,19 +2085,13 @@ TEST_F(OffloadEngineTest, UnderAnyAccessAMissBringsBackTheNextWindowOfTheOrder) 
 // not only found missing when their use begins (Note [Every use in the order]).
 TEST_F(OffloadEngineTest, TheBackwardsUsesAreInTheOrderAndItsLayersAreFetchedAhead) {
   constexpr std::size_t kLayerBytes = 2 * MiB;
-  allocator_settings settings;
-  settings.chunk_bytes = kLayerBytes;
-  allocator_ = std::make_unique<caching_allocator>(*device_, settings);
+  use_chunk_bytes(kLayerBytes);
   start(24 * MiB, 3 * kLayerBytes);
   offload_engine& engine = *engine_;
   stream_handle compute = device_->create_stream();
   constexpr int kLayers = 20;
   constexpr int kSteps = 5;
-  std::vector<void*> layers;
-  for (int i = 0; i < kLayers; ++i) {
-    layers.push_back(allocator_->allocate(kLayerBytes, compute, allocation_class::parameter));
-    device_->fill_async(layers.back(), 0, kLayerBytes, compute);
-  }
+  const std::vector<void*> layers = zeroed_parameters(kLayers, kLayerBytes, compute);
   // The host runs ahead of the device by two layers at most, as a training loop's launch
   // queue and allocations keep it.
   std::vector<event_handle> done = {device_->create_event(), device_->create_event()};
