@@ -234,7 +234,7 @@ PY
   rm -rf /tmp/zeroalloc-nvme
 else skipped big; fi
 
-# Needs DeepSpeed's sdist and wheels in .whl/ds/ (README, "Benchmarks"): without them the
+# Needs DeepSpeed's sdist and wheels in .whl/ds/ (docs/building.md, "Benchmarks beside DeepSpeed"): without them the
 # sweep runs zeroalloc's rows alone.
 step "budget sweep: Llama 1.3B under memory limits, beside DeepSpeed ZeRO-Offload, one run"
 if [[ -z $(skipped sweep) ]]; then

@@ -25,16 +25,17 @@ python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest 
   || apt-get install -y -qq python3-pytest
 py=python3
 # PyTorch on the CPU runs the module hooks' hint-sequence tests and the windowed step's
-# bookkeeping tests (tests/python/test_hint_sequence.py, test_windowed_step_logic.py), in a
-# virtual environment of its own. A failed install stops the run: those tests would skip
+# bookkeeping tests (tests/python/test_hint_sequence.py, test_windowed_step_logic.py), and
+# MkDocs builds the documentation site (tests/python/test_docs.py), in a virtual environment
+# of its own. A failed install stops the run: those tests would skip
 # and hide what they check. TEST_WITHOUT_TORCH=1 runs without them, and says so.
 venv=build/torch-venv
 if [[ ${TEST_WITHOUT_TORCH:-0} == 1 ]]; then
   echo "TEST_WITHOUT_TORCH=1: the tests that need PyTorch skip"
 elif ! python3 -c "import torch" 2>/dev/null; then
-  if ! "$venv/bin/python" -c "import torch, pytest" 2>/dev/null; then
-    echo "installing PyTorch (CPU use) into $venv"
-    if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch pytest; }; then
+  if ! "$venv/bin/python" -c "import torch, pytest, mkdocs, material" 2>/dev/null; then
+    echo "installing PyTorch (CPU use) and MkDocs (the documentation site) into $venv"
+    if ! { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch pytest mkdocs-material; }; then
       echo "PyTorch could not be installed into $venv (see pip's message above); fix the" \
            "network or the index, or set TEST_WITHOUT_TORCH=1 to run without its tests" >&2
       exit 1

@@ -15,7 +15,7 @@
  * value (documented with it) and zeroalloc_last_error() then describes the failure in one
  * readable message. A function that returns nothing clears that message when called, sets
  * it when it fails, and logs the failure. The library starts on first use: it reads the
- * ZEROALLOC_* environment variables once (README.md lists them) and, if one is malformed,
+ * ZEROALLOC_* environment variables once (docs/settings.md lists them) and, if one is malformed,
  * refuses to start; every allocation then fails and zeroalloc_last_error() names the
  * variable.
  */

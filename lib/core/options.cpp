@@ -402,7 +402,7 @@ options options::parse(const std::function<const char*(const char*)>& lookup,
     if (!known) {
       ZA_THROW(config_error, name,
                " is not a zeroalloc variable: unset it, or check its spelling against the "
-               "list in README.md (python -m zeroalloc doctor prints it too).");
+               "list in docs/settings.md (python -m zeroalloc settings prints it too).");
     }
   }
 

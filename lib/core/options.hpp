@@ -41,7 +41,7 @@ struct option_spec {
   void (*read)(const option_spec& spec, std::string_view value, options& parsed);
 };
 
-/// Every variable the library reads, in the order of README.md's table (options_test checks
+/// Every variable the library reads, in the order of docs/settings.md's table (options_test checks
 /// that the two agree).
 const std::vector<option_spec>& option_table();
 

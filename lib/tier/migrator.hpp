@@ -35,7 +35,7 @@
 // The cost: the device idles for each move's copy and remap instead of overlapping them
 // with compute, and the host loses its run-ahead (bench/RESULTS.md measures it). What
 // remains outside the rule: a second host thread that launches kernels on managed memory
-// while another thread's call moves it (README, "Known limits").
+// while another thread's call moves it (docs/known-limits.md).
 // ZEROALLOC_ACCESS=hinted keeps the overlapped moves for programs that touch managed
 // memory only through hinted uses.
 //

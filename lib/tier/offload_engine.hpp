@@ -73,8 +73,9 @@
 // [Parked chunks] in migrator.hpp: a host remap costs 15-30 times a device one, and under
 // pressure the step moves the same parameters several times). Safe only where no kernel
 // reads the chunk without the engine bringing it back first, so the engine parks a chunk
-// only when (ZEROALLOC_PARK_PARAMETERS, on by default) it holds parameters, every use of it
-// so far was hinted, none is open, and no block of its segment was allocated or freed since
+// only when (ZEROALLOC_PARK_PARAMETERS, on by default under ZEROALLOC_ACCESS=hinted) it
+// holds parameters, every use of it so far was hinted, none is open, and no block of its
+// segment was allocated or freed since
 // its last use ended (the rule of parameters on disk, Note [Chunks on disk] in
 // migrator.cpp): its next use is a hint, which fetches it. Where that use cannot have it on
 // the device (no room, another use open), and where an allocation lands in its free space,
@@ -82,9 +83,11 @@
 // step's, a state_dict copy) of a parked chunk fetches it when the device has room within
 // the limit, evicting nothing for it (a fetch costs a device map and the copy, less than
 // a host map), and maps the host chunk otherwise: the use then runs where the chunk is. A read
-// the hints do not cover (a kernel outside the model's forward and backward: the README
-// names them) faults with CUDA's illegal-address error instead of reading wrong bytes;
-// ZEROALLOC_PARK_PARAMETERS=0 keeps every evicted chunk mapped, readable over PCIe. The
+// the hints do not cover (a kernel outside the model's forward and backward:
+// docs/known-limits.md names them) faults with CUDA's illegal-address error instead of
+// reading wrong bytes; so parking is for ZEROALLOC_ACCESS=hinted only (under any, the
+// library's default, no chunk is parked), and ZEROALLOC_PARK_PARAMETERS=0 keeps every
+// evicted chunk mapped there too, readable over PCIe. The
 // model's state_dict copies parked parameters through a use in place (the Python package).
 // Evictions the program asks for (zeroalloc_offload) never park.
 //

@@ -159,12 +159,13 @@ TEST(Options, VariablesReadElsewhereAreCheckedToo) {
             std::string::npos);
 }
 
-// README.md's Settings table lists the variables the library reads (its rows begin
-// "| `ZEROALLOC_"): the same, in the table's order, with the same defaults. A default the
-// table leaves empty reads as words there ("whole device"), never as a value.
-TEST(Options, TheReadmeListsEveryVariableWithItsDefault) {
-  std::ifstream readme(ZEROALLOC_README);
-  ASSERT_TRUE(readme) << "cannot read " << ZEROALLOC_README;
+// docs/settings.md (python -m zeroalloc settings) lists the variables the library reads (its
+// rows begin "| `ZEROALLOC_"): the same, in the table's order, with the same defaults. A
+// default the table leaves empty reads as words there ("unset"), never as a value. The page
+// is generated: regenerate it when the table changes.
+TEST(Options, TheSettingsPageListsEveryVariableWithItsDefault) {
+  std::ifstream readme(ZEROALLOC_SETTINGS_PAGE);
+  ASSERT_TRUE(readme) << "cannot read " << ZEROALLOC_SETTINGS_PAGE;
   struct row {
     std::string name;
     std::string default_column;
@@ -185,13 +186,14 @@ TEST(Options, TheReadmeListsEveryVariableWithItsDefault) {
   std::vector<std::string> readme_names;
   for (const option_spec& spec : option_table()) table_names.emplace_back(spec.name);
   for (const row& each : listed) readme_names.push_back(each.name);
-  ASSERT_EQ(readme_names, table_names) << "README.md's Settings table and the options table "
-                                          "list different variables, or in another order";
+  ASSERT_EQ(readme_names, table_names)
+      << "docs/settings.md and the options table list different variables, or in another order "
+         "(regenerate it: python -m zeroalloc settings > docs/settings.md)";
   for (std::size_t i = 0; i < listed.size(); ++i) {
     const option_spec& spec = option_table()[i];
     if (spec.default_value.empty()) {
       EXPECT_EQ(listed[i].default_column.find('`'), std::string::npos)
-          << spec.name << " has no default, but README.md gives " << listed[i].default_column;
+          << spec.name << " has no default, but docs/settings.md gives " << listed[i].default_column;
     } else {
       EXPECT_EQ(listed[i].default_column, "`" + std::string(spec.default_value) + "`") << spec.name;
     }

@@ -304,3 +304,13 @@ def test_a_library_preloaded_by_name_is_the_one_the_package_uses(tmp_path):
     path, allocations = result.stdout.split()
     assert Path(path).resolve() == library.resolve()
     assert int(allocations) == 1, "the allocation went to a second copy of the library"
+
+
+def test_the_settings_page_is_what_the_options_table_generates():
+    """docs/settings.md is generated from the library's options table: a variable added,
+    renamed, or re-explained there without regenerating the page fails here."""
+    result = run_python("import sys; from zeroalloc import settings; sys.exit(settings.main())")
+    assert result.returncode == 0, result.stderr
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert result.stdout == page, ("docs/settings.md is out of date: "
+                                   "python -m zeroalloc settings > docs/settings.md")

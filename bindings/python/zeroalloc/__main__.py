@@ -1,4 +1,4 @@
-"""python -m zeroalloc doctor | summary [device] | report prefix.json | library
+"""python -m zeroalloc doctor | summary [device] | report prefix.json | library | settings
 
 doctor: checks the set-up (driver, runtime, GPUs, pinned memory, io_uring, NUMA, NCCL,
 PyTorch, every ZEROALLOC_* variable) and prints what to do; exits non-zero on a failure.
@@ -6,7 +6,8 @@ summary: prints the memory summary of a fresh process's library (shows that it l
 which device it drives).
 report: prints a report's summary and rebuilds its page from the JSON.
 library: prints the path of the libzeroalloc.so the package uses, for
-    LD_PRELOAD=$(python -m zeroalloc library) python train.py"""
+    LD_PRELOAD=$(python -m zeroalloc library) python train.py
+settings: prints the settings reference (docs/settings.md) from the library's options table."""
 
 import sys
 
@@ -31,11 +32,16 @@ def main(argv: list[str]) -> int:
             print(f"zeroalloc: {error}", file=sys.stderr)
             return 1
         return 0
+    if argv == ["settings"]:
+        from zeroalloc import settings
+
+        return settings.main()
     if len(argv) >= 1 and argv[0] == "summary":
         device = int(argv[1]) if len(argv) > 1 else 0
         print(zeroalloc.memory_summary(device))
         return 0
-    print("usage: python -m zeroalloc doctor | summary [device] | report prefix.json | library",
+    print("usage: python -m zeroalloc doctor | summary [device] | report prefix.json | library"
+          " | settings",
           file=sys.stderr)
     return 2
 

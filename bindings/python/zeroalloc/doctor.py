@@ -60,7 +60,7 @@ def _option_checks(checks: list[Check]) -> None:
     set_options = [option for option in report["options"] if option["value"] is not None]
     if not report["valid"]:
         checks.append(Check("ZEROALLOC_* variables", FAIL, report["error"],
-                            "fix or unset the variable; README.md lists every variable"))
+                            "fix or unset the variable; docs/settings.md lists every variable"))
     elif set_options:
         listing = ", ".join(f"{option['name']}={option['value']}" for option in set_options)
         checks.append(Check("ZEROALLOC_* variables", PASS, f"all parse: {listing}"))

@@ -37,7 +37,7 @@ class SavedWatch:
     stays where it is until the step. A backward that reads a parameter autograd never
     saved (an autograd.Function keeping it as an attribute of its ctx instead of
     save_for_backward) would read a parked chunk: ZEROALLOC_BACKWARD_USES=all is the way
-    out (the README says when).
+    out (docs/known-limits.md says when).
 
     Saved-tensor hooks are one stack per thread that other code pushes on too (save_on_cpu,
     checkpoints, activation offloading pushed from module hooks in any order), so the watch

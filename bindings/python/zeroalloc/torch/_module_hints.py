@@ -31,7 +31,7 @@ def managed(module) -> list:
 # (the default) hints only speed moves up: a compiled model's memory still moves under
 # pressure, each move ordered against every kernel (Note [Moves any kernel may see] in
 # lib/tier/migrator.hpp). Under ZEROALLOC_ACCESS=hinted a compiled model is not covered by
-# hints; the README says so.
+# hints; docs/known-limits.md says so.
 compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 #: Per thread: (module, watch) of the members called on their own whose forward runs,
