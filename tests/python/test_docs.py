@@ -31,6 +31,15 @@ def test_every_figure_the_readme_quotes_is_recorded_in_the_results():
     assert not missing, f"README.md quotes figures bench/RESULTS.md does not hold: {missing}"
 
 
+def test_every_figure_of_the_results_page_is_recorded_in_the_results():
+    """docs/results.md, today's figures: each one is in bench/RESULTS.md."""
+    page = (ROOT / "docs" / "results.md").read_text()
+    quoted = FIGURE.findall(page)
+    assert len(quoted) >= 20, quoted
+    missing = [figure for figure in quoted if figure not in RESULTS]
+    assert not missing, f"docs/results.md quotes figures bench/RESULTS.md does not hold: {missing}"
+
+
 def test_the_readmes_links_lead_to_files_that_exist():
     links = re.findall(r"\]\(([^)#]+)\)", README)
     assert links
