@@ -32,6 +32,7 @@ offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bo
       pool_(pool),
       migrator_(allocator, pool, verify, disk, settings.any_access),
       settings_(settings) {
+  if (settings_.any_access) return;  // Note [Fetched ahead at a miss]: no thread moves a chunk
   prefetcher_ = std::thread([this] { prefetch_worker(); });
   reader_ = std::thread([this] { read_ahead_worker(); });
 }
@@ -44,8 +45,8 @@ offload_engine::~offload_engine() {
   }
   wishes_changed_.notify_all();
   reads_changed_.notify_all();
-  prefetcher_.join();
-  reader_.join();
+  if (prefetcher_.joinable()) prefetcher_.join();
+  if (reader_.joinable()) reader_.join();
   migrator_.drain();  // no copy may still wait on the events below
   try {
     collect_waits(/*all=*/true);
@@ -431,8 +432,9 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
 
 // Note [Fetched ahead at a miss]: under any_access (Note [Moves any kernel may see] in
 // migrator.hpp) the engine's own threads move nothing: a move made while the program
-// launches kernels could meet one of them. So neither the prefetcher nor the disk's
-// read-ahead runs, and no use's end evicts ahead of need: each of those moves would drain
+// launches kernels could meet one of them. So neither the prefetcher's thread nor the
+// disk's read-ahead thread is started, and no use's end evicts ahead of need: each of those
+// moves would drain
 // the device, and a drain costs the host's run-ahead (the device idles while the program
 // queues work again). The moves come together where the device is drained anyway: a hint
 // whose chunk had to be fetched (a miss) then keeps the prefetch window's room free and
@@ -872,7 +874,6 @@ void offload_engine::work_through(std::deque<std::uintptr_t>& queue,
 }
 
 void offload_engine::prefetch_worker() {
-  if (settings_.any_access) return;  // Note [Fetched ahead at a miss]
   work_through(wishes_, wishes_changed_, &offload_figures::prefetches, "prefetching",
                [this](std::uintptr_t next, std::size_t bytes) {
                  bool started = false;
@@ -885,7 +886,6 @@ void offload_engine::prefetch_worker() {
 // Note [In-place uses in the order]: reads from disk take a thread of their own, so that a
 // read (and the writes that make host room for it) never holds up a fetch to the device.
 void offload_engine::read_ahead_worker() {
-  if (settings_.any_access) return;  // Note [Fetched ahead at a miss]
   work_through(
       reads_, reads_changed_, &offload_figures::disk_prefetches, "reading from disk ahead",
       [this](std::uintptr_t next, std::size_t bytes) { return off_disk_ahead(next, bytes); });
