@@ -193,7 +193,8 @@ TEST(Options, TheSettingsPageListsEveryVariableWithItsDefault) {
     const option_spec& spec = option_table()[i];
     if (spec.default_value.empty()) {
       EXPECT_EQ(listed[i].default_column.find('`'), std::string::npos)
-          << spec.name << " has no default, but docs/settings.md gives " << listed[i].default_column;
+          << spec.name << " has no default, but docs/settings.md gives "
+          << listed[i].default_column;
     } else {
       EXPECT_EQ(listed[i].default_column, "`" + std::string(spec.default_value) + "`") << spec.name;
     }
