@@ -89,7 +89,8 @@ offload_engine::planned_eviction offload_engine::fenced_eviction(const chunk_inf
     planned.fence_streams = true;
   }
   // Note [Parameters parked]: its next use is a hint, and nothing unhinted landed in it.
-  planned.park = may_park && settings_.park_parameters && !settings_.any_access &&
+  // (Under any_access the migrator parks nothing: Note [Moves any kernel may see].)
+  planned.park = may_park && settings_.park_parameters &&
                  claimed.allocation_class == static_cast<int>(allocation_class::parameter) &&
                  state != chunks_.end() && state->second.hinted && state->second.open_uses == 0 &&
                  !planned.fences.empty() && state->second.released_generation == claimed.generation;

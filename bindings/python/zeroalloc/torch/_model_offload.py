@@ -193,13 +193,12 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if getattr(self, "_zeroalloc_adopted", False):
             return
         self._zeroalloc_adopted = True
-        if any(not _use_hints.storage_pointer(p) for group in self.param_groups
-               for p in group["params"]):
+        foreign = next((p for group in self.param_groups for p in group["params"]
+                        if not _use_hints.storage_pointer(p)), None)
+        if foreign is not None:
             # FSDP2's DTensors: FSDP2 owns their memory and their step; the optimizer stays
             # as PyTorch made it (adopt() tells the user once).
-            _adoption.warn_unmanaged_once(next(
-                p for group in self.param_groups for p in group["params"]
-                if not _use_hints.storage_pointer(p)))
+            _adoption.warn_unmanaged_once(foreign)
             return
         if dtype is not None and not steps_by_param_groups(self):
             warnings.warn(f"zeroalloc: {type(self).__name__} does not step its param_groups "
