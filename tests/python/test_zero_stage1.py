@@ -195,11 +195,11 @@ def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
     results = {}
     for stage in ("0", "1", "2", "3"):
-        # TORCHINDUCTOR_CACHE_DIR, which an earlier test's torch._dynamo import sets in this
-        # process, made about half of these jobs end at start with std::terminate, PyTorch
-        # alone, zeroalloc not loaded ("terminate called without an active exception").
+        # Without the inductor's variables that an earlier test's torch.compile set in this
+        # process: one of them is an address in this process.
         env = {key: value for key, value in os.environ.items()
-               if not key.startswith(("ZEROALLOC_", "TORCHINDUCTOR_")) and key != "PYTHONPATH"}
+               if not key.startswith("ZEROALLOC_") and "TORCHINDUCTOR_" not in key
+               and key != "PYTHONPATH"}
         env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_LIBRARY": str(LIBRARY),
                     "ZEROALLOC_ZERO_STAGE": stage})
         for attempt in range(3):
@@ -208,13 +208,14 @@ def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
                                   "--master-port", str(free_port()), str(tmp_path / "launch.py"),
                                   str(site), str(tmp_path / "train.py")],
                                  env=env, capture_output=True, text=True, timeout=240)
-            # Still, after other tests in this process, about one job in five ended at start,
-            # before any output, with that std::terminate (reproduced without zeroalloc):
-            # such a start is tried again, at most twice; any other failure fails at once.
-            if not (run.returncode != 0 and "digest" not in run.stdout and
+            # About one such job in fifteen, on a two-core machine, ends with std::terminate
+            # ("terminate called without an active exception"), at start or after the ranks
+            # printed, in PyTorch's gloo teardown: reproduced without zeroalloc loaded. Such a
+            # run is tried again, at most twice, and only a clean run's lines are read.
+            if not (run.returncode != 0 and
                     "terminate called without an active exception" in run.stdout + run.stderr):
                 break
-            time.sleep(10)  # such starts came in runs of seconds
+            time.sleep(5)  # such failures came in runs of seconds
         assert run.returncode == 0, f"stage {stage}: " + (run.stdout + run.stderr)[-3000:]
         # (rank, states, grads, digest); the ranks' lines can run together in the one pipe
         results[stage] = sorted(re.findall(
