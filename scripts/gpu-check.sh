@@ -213,7 +213,8 @@ if [[ -z $(skipped big) ]]; then
   mkdir -p /tmp/zeroalloc-nvme
   env ZEROALLOC_LIBRARY=$root/build/libzeroalloc.so ZEROALLOC_DEVICE=cuda ZEROALLOC_LOG_LEVEL=warn \
     ZEROALLOC_OFFLOAD=host ZEROALLOC_HOST_LIMIT=96GiB ZEROALLOC_MEMORY_LIMIT=$((130 << 30)) \
-    ZEROALLOC_NVME_PATH=/tmp/zeroalloc-nvme ZEROALLOC_NVME_SIZE=40GiB PYTHONUNBUFFERED=1 \
+    ZEROALLOC_NVME_PATH=/tmp/zeroalloc-nvme ZEROALLOC_NVME_SIZE=40GiB ZEROALLOC_ACCESS=hinted \
+    PYTHONUNBUFFERED=1 \
     timeout ${GPU_CHECK_BIG_TIMEOUT:-330} python3 bench/python/offload_llama_bench.py --worker offload \
     --warmup 1 --steps 1 --hidden 5120 --intermediate 13824 --layers ${GPU_CHECK_BIG_LAYERS:-50} \
     --heads 40 --accumulate 4 --checkpointing --no-autocast-cache >"$out/big.out" 2>"$out/big.err"

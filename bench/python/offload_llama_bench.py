@@ -1118,6 +1118,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         if args.nvme_path:
             env["ZEROALLOC_NVME_PATH"] = args.nvme_path
             env["ZEROALLOC_NVME_SIZE"] = args.nvme_size
+            # The NVMe tier needs hinted access (a state on disk has no readable bytes).
+            env.setdefault("ZEROALLOC_ACCESS", "hinted")
             if args.nvme_parameters:
                 env["ZEROALLOC_NVME_PARAMETERS"] = "1"
     if mode in MASTER_PORTS:  # one rank of a process group, without a launcher

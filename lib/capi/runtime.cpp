@@ -78,6 +78,17 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
              "tier may take per GPU (for example ZEROALLOC_NVME_SIZE=200GiB), or unset "
              "ZEROALLOC_NVME_PATH");
   }
+  // Note [Moves any kernel may see] in tier/migrator.hpp: while a chunk's bytes are on disk,
+  // its addresses map memory no kernel may touch. Only hinted access can promise that none
+  // does, so the NVMe tier is never on under the default.
+  if (!parsed.nvme_path.empty() && parsed.offload == "host" && parsed.access != "hinted") {
+    ZA_THROW(config_error, "ZEROALLOC_NVME_PATH=", parsed.nvme_path,
+             " needs ZEROALLOC_ACCESS=hinted: while a chunk's bytes are on disk its addresses "
+             "map nothing readable, so every read of a parameter or optimizer state must be a "
+             "use the hooks announce (zeroalloc.torch.offload or the no-code-change mode). Set "
+             "ZEROALLOC_ACCESS=hinted to accept that contract (docs/known-limits.md), or unset "
+             "ZEROALLOC_NVME_PATH to keep every state in device and host memory");
+  }
   if (!parsed.report_prefix.empty()) {
     reporter::settings_list shown;
     for (const option_spec& spec : option_table()) {

@@ -287,8 +287,10 @@ const std::vector<option_spec>& table() {
        "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "
        "a swap file in each, striped, with no name on disk). With ZEROALLOC_OFFLOAD=host and "
        "ZEROALLOC_NVME_SIZE, optimizer states the host tier cannot hold go there and come back "
-       "through it before they are used. `python -m zeroalloc doctor` checks that each "
-       "accepts O_DIRECT and measures its speed.",
+       "through it before they are used. Needs ZEROALLOC_ACCESS=hinted: a state on disk has "
+       "nothing readable behind its addresses, so only the hooks' announced uses may read it. "
+       "`python -m zeroalloc doctor` checks that each directory accepts O_DIRECT and measures "
+       "its speed.",
        store<&options::nvme_path, read_text>},
       {"ZEROALLOC_NVME_SIZE", option_kind::byte_size, "", "",
        "Bytes of swap space the NVMe tier takes over the directories of ZEROALLOC_NVME_PATH, "

@@ -410,6 +410,7 @@ TEST(OffloadCapi, StatesBeyondTheHostLimitGoToTheNvmeTierAndComeBackForTheirUses
         setenv("ZEROALLOC_HOST_LIMIT", "16MiB", 1);
         setenv("ZEROALLOC_NVME_PATH", directory, 1);
         setenv("ZEROALLOC_NVME_SIZE", "64MiB", 1);
+        setenv("ZEROALLOC_ACCESS", "hinted", 1);
         std::vector<void*> states;
         for (int i = 0; i < 8; ++i) {  // 64 MiB: 32 on the device, 16 on the host, 16 on disk
           void* state =
@@ -457,6 +458,23 @@ TEST(OffloadCapi, AnNvmePathWithoutASizeStopsTheLibraryNamingBoth) {
       },
       ::testing::ExitedWithCode(0),
       "ZEROALLOC_NVME_PATH=/tmp is set but ZEROALLOC_NVME_SIZE is not");
+}
+
+// Under the default ZEROALLOC_ACCESS=any, any kernel may read any state at any time, and a
+// state on disk has no readable bytes behind its addresses: the NVMe tier does not start
+// there, and the library says which variable to set.
+TEST(OffloadCapi, AnNvmePathUnderAnyAccessStopsTheLibraryNamingHintedAccess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_NVME_PATH", "/tmp", 1);
+        setenv("ZEROALLOC_NVME_SIZE", "64MiB", 1);
+        unsetenv("ZEROALLOC_ACCESS");
+        void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        std::fprintf(stderr, "last error: %s\n", zeroalloc_last_error());
+        std::exit(pointer == nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "ZEROALLOC_NVME_PATH=/tmp needs ZEROALLOC_ACCESS=hinted");
 }
 
 }  // namespace

@@ -235,6 +235,27 @@ def test_doctor_fails_an_nvme_size_the_drives_cannot_hold_or_a_missing_one(tmp_p
     assert code == 1
 
 
+def test_doctor_fails_the_nvme_tier_under_any_access_and_passes_it_under_hinted(tmp_path):
+    """The library refuses the NVMe tier under ZEROALLOC_ACCESS=any (the default): doctor
+    says so before the training script finds out, and names the variable to set."""
+    def access_row(**environment):
+        result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                                env={**{k: v for k, v in os.environ.items()
+                                        if not k.startswith("ZEROALLOC_")},
+                                     "PYTHONPATH": str(PACKAGE), "ZEROALLOC_OFFLOAD": "host",
+                                     "ZEROALLOC_NVME_PATH": str(tmp_path),
+                                     "ZEROALLOC_NVME_SIZE": "1MiB", **environment},
+                                capture_output=True, text=True)
+        return next((line for line in result.stdout.splitlines()
+                     if line.startswith("NVMe access")), None), result
+    row, result = access_row()
+    assert row is not None and "FAIL" in row, result.stdout
+    assert "set ZEROALLOC_ACCESS=hinted" in result.stdout  # what to do
+    assert result.returncode == 1
+    row, _ = access_row(ZEROALLOC_ACCESS="hinted")
+    assert row is None
+
+
 def test_every_c_abi_function_is_declared_for_ctypes():
     """An undeclared function returns a C int to ctypes: a pointer would be cut to 32 bits."""
     header = (ROOT / "include" / "zeroalloc" / "zeroalloc.h").read_text()

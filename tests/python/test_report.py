@@ -354,7 +354,7 @@ def test_the_disk_tier_shows_in_the_report_and_its_steps(tmp_path):
         lib.zeroalloc_step_boundary()
     """, ZEROALLOC_REPORT=str(tmp_path / "disk"), ZEROALLOC_MEMORY_LIMIT="32MiB",
         ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="16MiB", ZEROALLOC_CHUNK_SIZE="8MiB",
-        ZEROALLOC_NVME_PATH=str(swap), ZEROALLOC_NVME_SIZE="64MiB")
+        ZEROALLOC_NVME_PATH=str(swap), ZEROALLOC_NVME_SIZE="64MiB", ZEROALLOC_ACCESS="hinted")
     if "O_DIRECT" in result.stderr or "io_uring" in result.stderr:
         pytest.skip(f"skipped: the disk tier cannot run here: {result.stderr[-300:]}")
     assert result.returncode == 0, result.stderr

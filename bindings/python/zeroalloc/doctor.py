@@ -319,6 +319,14 @@ def _nvme_checks(checks: list[Check]) -> None:
                             "ZEROALLOC_NVME_SIZE is not: the library will not start",
                             "set the swap space the tier may take per GPU, e.g. "
                             "ZEROALLOC_NVME_SIZE=200GiB"))
+    if (os.environ.get("ZEROALLOC_OFFLOAD") == "host" and
+            os.environ.get("ZEROALLOC_ACCESS", "any") != "hinted"):
+        checks.append(Check("NVMe access", FAIL, "ZEROALLOC_NVME_PATH is set under "
+                            "ZEROALLOC_ACCESS=any: the library will not start (a state on disk "
+                            "has nothing readable behind its addresses)",
+                            "set ZEROALLOC_ACCESS=hinted if every read of a parameter or "
+                            "optimizer state goes through the hooks, or unset "
+                            "ZEROALLOC_NVME_PATH"))
     size = _byte_size(os.environ.get("ZEROALLOC_NVME_SIZE", ""))
     share = size // len(directories) if size else 0  # the tier stripes over every directory
     for directory in directories:
