@@ -54,7 +54,8 @@ void* caching_allocator::allocate(std::size_t bytes, stream_handle stream, alloc
   bool on_host = false;
   void* pointer = heap_for(cls, rounded).allocate(rounded, bytes, stream, &on_host);
   if (pointer == nullptr) pointer = allocate_after_pressure(rounded, bytes, stream, cls, on_host);
-  if (on_host) bring_back_from_host(pointer, stream);
+  // Note [Nothing moves while a graph is captured]: it stays on the host, addressable.
+  if (on_host && !device_.stream_is_capturing(stream)) bring_back_from_host(pointer, stream);
   return pointer;
 }
 
@@ -126,7 +127,14 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   // The smallest segment that holds the request (Note [Segments at the limit] in heap.cpp).
   const std::size_t least = heap_for(cls, rounded_bytes).least_segment_bytes(rounded_bytes);
   paging_listener* listener = listener_.load(std::memory_order_acquire);
-  if (least > limiter_.limit_bytes()) {
+  // Note [Nothing moves while a graph is captured]
+  const bool capturing = device_.stream_is_capturing(stream);
+  if (capturing) {
+    log().info(
+        "allocating {} of {} on {}: a CUDA graph is being captured on its stream, so "
+        "nothing is released or moved to make room",
+        format_bytes(rounded_bytes), class_name(cls), device_.name());
+  } else if (least > limiter_.limit_bytes()) {
     // Nothing freed could make room: releasing the cache and moving every movable chunk
     // to the host first would only slow the program down before the same failure.
     log().info("allocating {} of {} on {}: its segment of {} exceeds the limit of {}",
@@ -139,7 +147,13 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   stats_.apply(
       cls, [](live_gauges& figures) { figures.failures.fetch_add(1, std::memory_order_relaxed); });
   std::string message = out_of_memory_message(rounded_bytes, cls);
-  if (listener != nullptr && least <= limiter_.limit_bytes()) {
+  if (capturing) {
+    message +=
+        " A CUDA graph was being captured on the allocation's stream: zeroalloc releases and "
+        "moves no memory during a capture (either would wait for the device, which a capture "
+        "forbids). Keep the captured work within the limit, or capture it before memory runs "
+        "short.";
+  } else if (listener != nullptr && least <= limiter_.limit_bytes()) {
     if (const std::string why = listener->pressure_note(); !why.empty()) {
       message += " Offloading could not make room: " + why;
     }
@@ -147,6 +161,17 @@ void* caching_allocator::allocate_after_pressure(std::size_t rounded_bytes,
   if (listener != nullptr) listener->out_of_memory(message);
   throw out_of_memory(message);
 }
+
+// Note [Nothing moves while a graph is captured]: during a CUDA graph capture the driver
+// refuses every call that waits for the device (cuCtxSynchronize, an event's wait), and the
+// refusal invalidates the capture. Releasing cached memory waits for the streams that used
+// it, and under ZEROALLOC_ACCESS=any every move drains the device first. So an allocation
+// on a capturing stream that finds no room fails at once, with a message that says why,
+// before any such call: PyTorch raises its out-of-memory error and the capture ends cleanly.
+// An allocation served from a chunk on the host stays there, reached over PCIe, and hints
+// sent on a capturing stream move nothing (Note [Hints during a capture] in
+// tier/offload_engine.cpp). PyTorch's own allocator, likewise, releases no cached memory
+// during a capture.
 
 // Note [Releasing what is needed]: an allocation that finds no room under the limit used to
 // release every cached free segment of every class. After a step's large scratch buffers

@@ -405,7 +405,24 @@ void cuda_device::synchronize_stream(stream_handle stream) {
 
 void cuda_device::synchronize_device() {
   const auto scope = enter_context();
-  check(driver_.pfn_cuCtxSynchronize(), "cuCtxSynchronize", ordinal_);
+  const CUresult result = driver_.pfn_cuCtxSynchronize();
+  if (result == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+      result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) [[unlikely]] {
+    throw_cuda_error(result, detail::concat("cuCtxSynchronize on cuda:", ordinal_,
+                                            " (a stream is capturing a CUDA graph: zeroalloc "
+                                            "cannot wait for the device to move memory now)"));
+  }
+  check(result, "cuCtxSynchronize", ordinal_);
+}
+
+bool cuda_device::stream_is_capturing(stream_handle stream) {
+  const auto scope = enter_context();
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  const CUresult result = driver_.pfn_cuStreamIsCapturing(as_stream(stream), &status);
+  // The legacy default stream while another stream captures in global mode.
+  if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+  check(result, "cuStreamIsCapturing", ordinal_);
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;  // active, or invalidated and not yet ended
 }
 
 void cuda_device::copy_async(void* destination, const void* source, std::size_t bytes,

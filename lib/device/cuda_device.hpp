@@ -87,6 +87,7 @@ class cuda_device final : public device {
   void stream_wait_event(stream_handle stream, event_handle event) override;
   void synchronize_stream(stream_handle stream) override;
   void synchronize_device() override;
+  bool stream_is_capturing(stream_handle stream) override;
 
   /// Either side may be device memory, a mapped chunk or host memory (unified addressing).
   void copy_async(void* destination, const void* source, std::size_t bytes,

@@ -64,6 +64,7 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuStreamCreate, 2000)                 \
   X(cuStreamDestroy, 4000)                \
   X(cuStreamSynchronize, 2000)            \
+  X(cuStreamIsCapturing, 10000)           \
   X(cuStreamWaitEvent, 3020)              \
   X(cuEventCreate, 2000)                  \
   X(cuEventDestroy, 4000)                 \

@@ -111,6 +111,10 @@ class device {
   /// program's streams, other libraries' (NCCL's), CUDA graph replays and the library's own
   /// (cuCtxSynchronize). Note [Moves any kernel may see] in tier/migrator.hpp.
   virtual void synchronize_device() = 0;
+  /// True while `stream` captures a CUDA graph, or while another stream's capture forbids
+  /// using it (the legacy default stream). The device cannot be waited for then: Note
+  /// [Nothing moves while a graph is captured] in alloc/caching_allocator.cpp.
+  [[nodiscard]] virtual bool stream_is_capturing(stream_handle stream) = 0;
 
   // Work on streams.
   /// Copies `bytes` between any two device-accessible or host addresses, in stream order.

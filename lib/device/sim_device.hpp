@@ -68,7 +68,13 @@ class sim_device final : public device {
   void stream_wait_event(stream_handle stream, event_handle event) override;
   void synchronize_stream(stream_handle stream) override;
   /// Synchronizes the default stream and every stream created and not yet destroyed.
+  /// Refused, as CUDA refuses it, while a stream captures (begin_capture).
   void synchronize_device() override;
+  bool stream_is_capturing(stream_handle stream) override;
+  /// Tests: `stream` captures from now until end_capture (no work is recorded: capture
+  /// here only makes the calls that CUDA refuses during capture fail).
+  void begin_capture(stream_handle stream);
+  void end_capture(stream_handle stream);
 
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override;
@@ -105,6 +111,7 @@ class sim_device final : public device {
   // they are synchronized, so that none is destroyed meanwhile.
   std::mutex streams_mutex_;
   std::set<sim_stream*> streams_;
+  std::set<const sim_stream*> capturing_;  // under streams_mutex_
   std::atomic<std::size_t> events_alive_{0};
   bool maps_slices_ = true;
 };

@@ -368,7 +368,16 @@ void offload_engine::list_wishes(bool device) {
   }
 }
 
+// Note [Hints during a capture]: a hint sent on a stream that captures a CUDA graph is
+// ignored, its end too. Serving it could move a chunk or wait on an event, which the driver
+// refuses during a capture, and the refusal would invalidate the capture (Note [Nothing
+// moves while a graph is captured] in alloc/caching_allocator.cpp). The captured kernels
+// reach the chunks where they lie: under ZEROALLOC_ACCESS=any every chunk stays addressable
+// (on the host over PCIe), and its replays run in the device's order like any kernel, so a
+// later move drains them first. A use that began before a capture and ended during it
+// stays open in the engine's books.
 void offload_engine::use_begins(std::span<const void* const> pointers, stream_handle stream) {
+  if (device_.stream_is_capturing(stream)) return;  // Note [Hints during a capture]
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
   // Each chunk once, with the uses this hint opens on it (two allocations of one chunk
@@ -505,6 +514,7 @@ bool offload_engine::ready_for_use(const chunk_info& chunk, stream_handle stream
 }
 
 void offload_engine::use_in_place(std::span<const void* const> pointers, stream_handle stream) {
+  if (device_.stream_is_capturing(stream)) return;  // Note [Hints during a capture]
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
   bool wished = false;
@@ -688,6 +698,7 @@ void offload_engine::collect_waits(bool all) {
 }
 
 void offload_engine::use_ends(std::span<const void* const> pointers, stream_handle stream) {
+  if (device_.stream_is_capturing(stream)) return;  // Note [Hints during a capture]
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   std::vector<planned_eviction> planned;
   {

@@ -165,6 +165,9 @@ class faulty_device final : public device {
   }
   void synchronize_stream(stream_handle stream) override { inner_->synchronize_stream(stream); }
   void synchronize_device() override { inner_->synchronize_device(); }
+  bool stream_is_capturing(stream_handle stream) override {
+    return inner_->stream_is_capturing(stream);
+  }
   void copy_async(void* destination, const void* source, std::size_t bytes,
                   stream_handle stream) override {
     std::shared_future<void> held;

@@ -4,6 +4,7 @@
 // fetch was in time is printed: a speed figure, measured by the benchmarks on the GPU).
 #include "tier/offload_engine.hpp"
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -106,6 +107,22 @@ class OffloadEngineTest : public ::testing::Test {
   }
   bool holds(void* pointer, std::uint8_t value, std::size_t bytes) {
     return read_back(*device_, pointer, bytes) == std::vector<std::uint8_t>(bytes, value);
+  }
+  /// A CUDA graph capture on `stream`, in CUDA's strictest mode (any call that waits for the
+  /// device invalidates it). On the simulated device its stand-in refuses such calls too.
+  void begin_capture(stream_handle stream) {
+    if (auto* sim = dynamic_cast<sim_device*>(device_.get())) return sim->begin_capture(stream);
+    ASSERT_EQ(
+        cudaStreamBeginCapture(static_cast<cudaStream_t>(stream), cudaStreamCaptureModeGlobal),
+        cudaSuccess);
+  }
+  /// Ends the capture; a failure means something invalidated it.
+  void end_capture(stream_handle stream) {
+    if (auto* sim = dynamic_cast<sim_device*>(device_.get())) return sim->end_capture(stream);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(static_cast<cudaStream_t>(stream), &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    EXPECT_EQ(ended, cudaSuccess) << "the capture was invalidated: " << cudaGetErrorString(ended);
   }
 
   std::unique_ptr<device> device_;
@@ -246,6 +263,61 @@ TEST_F(OffloadEngineTest, AnAllocationThatDoesNotFitMovesIdleStatesToTheHost) {
   engine.use_ends(activations, nullptr);
   allocator_->deallocate(activations);
   for (void* state : states) allocator_->deallocate(state);
+}
+
+// Note [Nothing moves while a graph is captured] (caching_allocator.cpp) and Note [Hints
+// during a capture]: while a stream captures a CUDA graph, a hint on it moves nothing, and
+// an allocation on it that finds no room fails at once, saying why, instead of draining the
+// device (which would invalidate the capture). Once the capture has ended, the same
+// allocation moves states to the host as usual.
+TEST_F(OffloadEngineTest, DuringAGraphCaptureNothingMovesAndAnAllocationWithoutRoomSaysWhy) {
+  any_access_ = true;
+  start(48 * MiB, 0);
+  offload_engine& engine = *engine_;
+  stream_handle stream = device_->create_stream();
+  std::vector<void*> states;
+  for (int i = 0; i < 5; ++i) {
+    states.push_back(allocator_->allocate(kChunkBytes, nullptr, allocation_class::optimizer_state));
+    device_->fill_async(states.back(), static_cast<std::uint8_t>(i + 1), kChunkBytes, nullptr);
+  }
+  void* captured = allocator_->allocate(kChunkBytes, nullptr, allocation_class::other);
+  ASSERT_TRUE(engine.evict(states[0], /*wait=*/true));
+  device_->synchronize_device();
+  ASSERT_EQ(where_first_chunk(states[0]), residency::host);
+  const migration_figures before = engine.mover().figures();
+
+  begin_capture(stream);
+  device_->fill_async(captured, 0x77, kChunkBytes, stream);  // a captured kernel
+  engine.use_begins(states[0], stream);                      // would fetch: ignored
+  EXPECT_EQ(where_first_chunk(states[0]), residency::host);
+  engine.use_ends(states[0], stream);
+  try {
+    allocator_->allocate(16 * MiB, stream, allocation_class::other);
+    ADD_FAILURE() << "16 MiB fit beside 48 MiB held under a 48 MiB limit";
+  } catch (const out_of_memory& failure) {
+    EXPECT_NE(std::string(failure.what()).find("A CUDA graph was being captured"),
+              std::string::npos)
+        << failure.what();
+  }
+  end_capture(stream);
+  const migration_figures during = engine.mover().figures();
+  EXPECT_EQ(during.chunks_to_host, before.chunks_to_host) << "a chunk moved during the capture";
+  EXPECT_EQ(during.chunks_to_device, before.chunks_to_device);
+
+  void* activations = allocator_->allocate(16 * MiB, stream, allocation_class::other);
+  ASSERT_NE(activations, nullptr);
+  EXPECT_GT(engine.mover().figures().chunks_to_host, before.chunks_to_host);
+  device_->synchronize_device();
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(
+        holds(states[static_cast<std::size_t>(i)], static_cast<std::uint8_t>(i + 1), kChunkBytes))
+        << i;
+  }
+  allocator_->deallocate(activations);
+  allocator_->deallocate(captured);
+  for (void* state : states) allocator_->deallocate(state);
+  allocator_->forget_stream(stream);
+  device_->destroy_stream(stream);
 }
 
 // Note [Address regions]: optimizer states offloaded to the host stay mapped in their
