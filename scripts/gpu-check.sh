@@ -10,9 +10,12 @@
 # for both builds in the same run, side by side.
 # Logs and JSON are packed into $OUT/gpu-check-logs.tar.gz (the device tool returns at most 8
 # files); $OUT defaults to ./gpu-out.
+# GPU_CHECK_PREBUILT: a folder made by scripts/pack-build.sh on a machine with the same CUDA:
+# its build is used instead of building here (the steps that build more, such as baseline
+# and wheel, need the build tools all the same).
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
 # run of figures alone) programs (the user programs natively and under offload, compared:
-# about 4 minutes; GPU_CHECK_PROGRAMS names some) alloc_bench hint migration remap torch_empty
+# about 4 minutes; GPU_CHECK_PROGRAMS names some, GPU_CHECK_PROGRAMS_TIMEOUT bounds them) alloc_bench hint migration remap torch_empty
 # preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
@@ -62,7 +65,19 @@ configure() {  # source-dir build-dir
     || { tail -40 "$out/configure-$(basename "$2").log" "$out/build-$(basename "$2").log"; return 1; }
 }
 step build
-configure . build || exit 1
+if [[ -n ${GPU_CHECK_PREBUILT:-} ]]; then
+  # A build packed elsewhere (scripts/pack-build.sh): its CTest files and binaries name the
+  # path it was built at, which is linked to this tree; its shared libraries come along.
+  built_at=$(cat "$GPU_CHECK_PREBUILT/source-dir")
+  if [[ ! -e $built_at ]]; then mkdir -p "$(dirname "$built_at")" && ln -s "$root" "$built_at"; fi
+  [[ $(cd "$built_at" && pwd -P) == $(pwd -P) ]] \
+    || { echo "the prebuilt build's path $built_at is another tree here" >&2; exit 1; }
+  rm -rf build && cp -a "$GPU_CHECK_PREBUILT/build" build
+  export LD_LIBRARY_PATH=$root/$GPU_CHECK_PREBUILT/lib:$LD_LIBRARY_PATH
+  echo "prebuilt at $(cat "$GPU_CHECK_PREBUILT/commit" | tr '\n' ' ')"
+else
+  configure . build || exit 1
+fi
 
 step "ctest -L gpu (every GPU test, each under a 300 s timeout)"
 if [[ -z $(skipped ctest) ]]; then
@@ -76,8 +91,10 @@ else skipped ctest; fi
 step "user programs: each natively and under ZEROALLOC_OFFLOAD=host at a tight limit, outputs compared"
 if [[ -z $(skipped programs) ]]; then
   ZEROALLOC_LIBRARY=$root/build/libzeroalloc.so PYTHONUNBUFFERED=1 \
-    python3 tests/programs/run.py ${GPU_CHECK_PROGRAMS:-} >"$out/programs.txt" 2>&1 || fail programs
-  grep -A40 "^program " "$out/programs.txt" || tail -40 "$out/programs.txt"
+    timeout ${GPU_CHECK_PROGRAMS_TIMEOUT:-1200} python3 tests/programs/run.py ${GPU_CHECK_PROGRAMS:-} \
+    >"$out/programs.txt" 2>&1 || fail programs
+  # The table; or, where the time limit stopped the run, the verdicts it reached.
+  grep -A40 "^program " "$out/programs.txt" || { grep "^done: " "$out/programs.txt"; tail -30 "$out/programs.txt"; }
 else skipped programs; fi
 
 step "the wheel: installed with pip, then zeroalloc doctor with no variable set"

@@ -94,7 +94,12 @@ def main(names: list) -> int:
     # Several at once (PROGRAMS_JOBS, default 4): each process is small beside the GPU.
     jobs = int(os.environ.get("PROGRAMS_JOBS", "4"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(compare, chosen))
+        futures = [pool.submit(compare, program) for program in chosen]
+        # Each verdict as it comes: a run stopped by a time limit still says what it found.
+        for done in concurrent.futures.as_completed(futures):
+            (name, verdict, native_s, offload_s, _), _ = done.result()
+            print(f"done: {name} {verdict} ({native_s:.1f} s, {offload_s:.1f} s)", flush=True)
+        results = [future.result() for future in futures]
     rows = [row for row, _ in results]
     for _, told in results:
         if told:
