@@ -4,6 +4,9 @@
 #include <numa.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+
 namespace zeroalloc {
 namespace {
 
@@ -50,6 +53,27 @@ std::uint64_t host_node_bytes(int node) {
   }
   return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
          static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::uint64_t host_available_bytes() {
+  if (std::FILE* file = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, file) != nullptr) {
+      found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    }
+    std::fclose(file);
+    if (found) return static_cast<std::uint64_t>(kib) * 1024;
+  }
+  return static_cast<std::uint64_t>(::sysconf(_SC_AVPHYS_PAGES)) *
+         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::uint64_t host_reserve_bytes() {
+  const std::uint64_t total = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                              static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return std::max<std::uint64_t>(total / 16, std::uint64_t{512} << 20);
 }
 
 }  // namespace zeroalloc

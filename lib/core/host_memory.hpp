@@ -10,4 +10,12 @@ namespace zeroalloc {
 /// a node.
 [[nodiscard]] std::uint64_t host_node_bytes(int node);
 
+/// Bytes the host can still give programs without swapping: MemAvailable of /proc/meminfo
+/// (free memory and the page cache that can be dropped), else the free pages.
+[[nodiscard]] std::uint64_t host_available_bytes();
+
+/// What pinned memory must leave to the rest of the machine: a sixteenth of the host's
+/// memory, at least 512 MiB (Note [Host budget] in tier/host_pool.hpp).
+[[nodiscard]] std::uint64_t host_reserve_bytes();
+
 }  // namespace zeroalloc

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/host_memory.hpp"
 #include "core/log.hpp"
 #include "core/units.hpp"
 
@@ -30,6 +31,24 @@ host_pool::host_pool(device& backing, std::uint64_t limit_bytes, std::string lim
     free_staging_.give_back(staging_region_, staging_region_bytes_);
   }
   figures_.limit_bytes = limit_bytes_;
+  host_available_ = host_available_bytes;
+  host_reserve_ = host_reserve_bytes();
+}
+
+void host_pool::set_host_memory_probe(std::function<std::uint64_t()> available,
+                                      std::uint64_t reserve) {
+  std::lock_guard lock(mutex_);
+  host_available_ = std::move(available);
+  host_reserve_ = reserve;
+}
+
+std::string host_pool::host_room_problem(std::size_t bytes) const {
+  const std::uint64_t available = host_available_();
+  if (available >= bytes + host_reserve_) return {};
+  return detail::concat("the host has ", format_bytes(available),
+                        " of memory available, and pinning ", format_bytes(bytes),
+                        " more would leave less than ", format_bytes(host_reserve_),
+                        " to the rest of the machine");
 }
 
 host_pool::~host_pool() {
@@ -179,6 +198,12 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
       size = slices_ ? new_slab_bytes(device_.granularity()) : slab_bytes;
       if (!failure.empty() || made >= target || size == 0 ||
           reserved_bytes_ + size > limit_bytes_) {
+        finish_filling();
+        continue;
+      }
+      if (const std::string problem = host_room_problem(size); !problem.empty()) {
+        log().info("host tier: the background creation stops at {}: {} (Note [Host budget])",
+                   format_bytes(made), problem);
         finish_filling();
         continue;
       }
@@ -336,6 +361,13 @@ host_chunk host_pool::acquire(std::size_t bytes) {
       continue;
     }
     if (reserved_bytes_ + size <= limit_bytes_) {
+      if (const std::string problem = host_room_problem(size); !problem.empty()) {
+        ZA_THROW(host_memory_exhausted, "the host tier cannot offload a chunk of ",
+                 format_bytes(bytes), ": ", problem, " (", format_bytes(figures_.in_use_bytes),
+                 " of pinned memory hold offloaded chunks, ", format_bytes(reserved_bytes_),
+                 " created). Free host memory (other processes), or lower what must be "
+                 "offloaded (a smaller batch, or a larger ZEROALLOC_MEMORY_LIMIT).");
+      }
       reserved_bytes_ += size;
       lock.unlock();
       std::unique_ptr<slab> made;

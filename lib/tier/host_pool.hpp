@@ -8,7 +8,11 @@
 // (default: half of the host's memory), creates them in the background at start-up
 // (creating pinned memory costs about 0.25 s per GiB, far too slow for the training path),
 // and reuses them forever. Running out is a clear error that names the variable, never a
-// host OOM kill.
+// host OOM kill. The limit alone cannot promise that: several processes on one host (a
+// sweep, jobs started without torchrun) each take their default share. So pinned memory is
+// also never created past what leaves the rest of the machine a reserve (a sixteenth of the
+// host's memory): the background creation stops there, saying so, and a chunk needed on
+// demand beyond it fails with host_memory_exhausted, which names the memory available.
 //
 // Note [Host slabs]: the chunks the engine moves come in many sizes (a segment's last chunk
 // is whatever remains of it), so the pool creates large slabs and hands out slices of them,
@@ -120,8 +124,13 @@ class host_pool {
   /// the host] in tier/host_step.hpp).
   [[nodiscard]] bool open_to_host() const { return open_to_host_.load(std::memory_order_acquire); }
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }
+  /// Tests: what the host has available (`available`, host_available_bytes otherwise) and
+  /// must keep (`reserve` bytes) when pinned memory is created (Note [Host budget]).
+  void set_host_memory_probe(std::function<std::uint64_t()> available, std::uint64_t reserve);
 
  private:
+  // Empty when `bytes` more pinned memory leaves the host its reserve; else why not.
+  [[nodiscard]] std::string host_room_problem(std::size_t bytes) const;
   std::atomic<bool> open_to_host_{true};
   struct slab {
     physical_handle handle;              // the whole allocation
@@ -172,7 +181,9 @@ class host_pool {
   free_ranges free_staging_;  // unused staging addresses
   std::vector<std::unique_ptr<slab>> slabs_;
   host_pool_figures figures_;
-  std::uint64_t reserved_bytes_ = 0;  // created, or being created
+  std::uint64_t reserved_bytes_ = 0;               // created, or being created
+  std::function<std::uint64_t()> host_available_;  // under mutex_ (set_host_memory_probe)
+  std::uint64_t host_reserve_ = 0;
   bool stopping_ = false;
   bool prefilling_ = false;
   std::thread prefill_thread_;

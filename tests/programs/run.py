@@ -97,13 +97,12 @@ def main(names: list) -> int:
         futures = [pool.submit(compare, program) for program in chosen]
         # Each verdict as it comes: a run stopped by a time limit still says what it found.
         for done in concurrent.futures.as_completed(futures):
-            (name, verdict, native_s, offload_s, _), _ = done.result()
+            (name, verdict, native_s, offload_s, _), told = done.result()
             print(f"done: {name} {verdict} ({native_s:.1f} s, {offload_s:.1f} s)", flush=True)
+            if told:
+                print(told, flush=True)
         results = [future.result() for future in futures]
     rows = [row for row, _ in results]
-    for _, told in results:
-        if told:
-            print(told, flush=True)
     failed = [row[0] for row in rows if row[1] != "identical"]
     print(f"\n{'program':28} {'result':10} {'native s':>8} {'offload s':>9}  moved")
     for name, verdict, native_s, offload_s, moved in rows:

@@ -867,6 +867,36 @@ def test_with_the_disk_tier_state_dict_copies_every_managed_state(engine, monkey
         assert copied == (state.untyped_storage().data_ptr() != foreign)
 
 
+@pytest.mark.parametrize("access", ["any", "hinted"])
+def test_tensors_split_between_device_and_host_stay_themselves_under_any_access(
+        engine, monkeypatch, access):
+    # Under ZEROALLOC_ACCESS=any a tensor whose chunks lie partly on the host is addressable
+    # as it is: model.state_dict() and optimizer.state_dict() hold the tensors themselves,
+    # on their device, as natively (an EMA updated through state_dict() adds them to CUDA
+    # tensors). Under hinted, such a tensor may hold a parked chunk: it is copied out.
+    from zeroalloc.torch import _settings
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    monkeypatch.setattr(_settings, "any_access", lambda: access == "any")
+    model, optimizer = build()
+    handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    train(model, optimizer, *data(1)[0])
+    monkeypatch.setattr(zt._offload, "residency_of", lambda pointer: "split")
+    monkeypatch.setattr("zeroalloc.torch._state_dict.residency_or_foreign",
+                        lambda tensor: "split")
+    pinned, ended = recorded_pins(monkeypatch)
+    saved, states = model.state_dict(), optimizer.state_dict()["state"]
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {v.untyped_storage().data_ptr() for v in saved.values()}
+    own_states = {v.untyped_storage().data_ptr() for v in state_tensors(optimizer.state)}
+    kept_states = {v.untyped_storage().data_ptr() for v in state_tensors(states)}
+    if access == "any":
+        assert kept == own and kept_states == own_states and pinned == []
+    else:
+        assert not (kept & own) and not (kept_states & own_states) and pinned
+    assert sorted(pinned) == sorted(ended)
+    handle.remove()
+
+
 def recorded_pins(monkeypatch):
     """The pointers the library is asked to pin in place and to unpin, in two lists."""
     pinned, ended = [], []

@@ -86,6 +86,39 @@ TEST_F(HostPoolTest, PrefillCreatesChunksInTheBackgroundUpToTheLimit) {
   for (const host_chunk& chunk : taken) pool.release(chunk);
 }
 
+// Note [Host budget]: whatever the limit, pinned memory leaves the host its reserve (other
+// processes may be pinning theirs): the background creation stops short of it, and a chunk
+// needed beyond it fails with a message naming the memory available, not the OOM killer.
+TEST_F(HostPoolTest, PinnedMemoryLeavesTheHostItsReserveWhateverTheLimit) {
+  if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
+  if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver slices one large slab";
+  host_pool pool(*device_, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
+  constexpr std::uint64_t kReserve = 1 * GiB;
+  // A host with room for three chunks above its reserve; each slab created takes its bytes.
+  int asked = 0;  // under the pool's lock
+  pool.set_host_memory_probe(
+      [&asked] {
+        const int created = std::min(asked++, 3);
+        return kReserve + 24 * MiB - 8 * MiB * static_cast<std::uint64_t>(created);
+      },
+      kReserve);
+  pool.start_prefill(8 * MiB, 1 * GiB);
+  pool.wait_for_prefill();
+  EXPECT_EQ(pool.figures().created_bytes, 24 * MiB) << "the prefill took the host's reserve";
+  std::vector<host_chunk> taken;
+  for (int i = 0; i < 3; ++i) taken.push_back(pool.acquire(8 * MiB));
+  try {
+    taken.push_back(pool.acquire(8 * MiB));
+    ADD_FAILURE() << "a fourth chunk was pinned into the host's reserve";
+  } catch (const host_memory_exhausted& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("of memory available"), std::string::npos) << message;
+    EXPECT_NE(message.find("to the rest of the machine"), std::string::npos) << message;
+  }
+  EXPECT_EQ(pool.figures().created_bytes, 24 * MiB);
+  for (const host_chunk& chunk : taken) pool.release(chunk);
+}
+
 // Note [Anticipated sizes]: where slabs are whole chunks, sizes the paged classes hold are
 // made in the background, by turning prefilled slabs nobody wants into them within the limit.
 TEST_F(HostPoolTest, AnticipatedChunkSizesAreCreatedInTheBackgroundWithinTheLimit) {

@@ -86,8 +86,12 @@ def cpu_copy_if_on_disk(value, wherever: bool = False):
     if not (torch.is_tensor(value) and value.numel() > 0):
         return None
     where = residency_or_foreign(value)
-    if where == "foreign" or (not wherever and
-                              where not in ("disk", "host_unmapped", "split", "moving")):
+    # Under ZEROALLOC_ACCESS=any nothing is parked or on disk, and no move is under way once
+    # a call returns: a tensor split between device and host is addressable as it is, and
+    # the dict keeps the tensor itself, on its device, as natively.
+    unreachable = (("disk", "host_unmapped") if _settings.any_access()
+                   else ("disk", "host_unmapped", "split", "moving"))
+    if where == "foreign" or (not wherever and where not in unreachable):
         return None
     pointer = value.untyped_storage().data_ptr()
     stream = _use_hints.current_stream(value.get_device()) if value.is_cuda else 0
