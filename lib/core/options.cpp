@@ -250,7 +250,9 @@ const std::vector<option_spec>& table() {
        "Most pinned host memory the host tier holds, in bytes with a unit (64GiB) or as a share "
        "of the host's memory (0.5, 50%), split among the GPUs of the process and the processes "
        "of the machine (LOCAL_WORLD_SIZE); a byte size is per GPU. The default leaves half to the "
-       "host itself; a share near 1 leaves it nothing and invites its out-of-memory killer. It "
+       "host itself. Whatever the limit, pinned memory is never created past what leaves the "
+       "host a sixteenth of its memory available (other processes may pin theirs): beyond "
+       "that, offloading fails with a message instead of calling the out-of-memory killer. It "
        "comes from the GPU's NUMA node when that node has room, else from any node.",
        store<&options::host_limit, read_memory_limit>},
       {"ZEROALLOC_PREFETCH_BYTES", option_kind::byte_size, "512MiB", "",
