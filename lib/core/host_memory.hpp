@@ -14,8 +14,9 @@ namespace zeroalloc {
 /// (free memory and the page cache that can be dropped), else the free pages.
 [[nodiscard]] std::uint64_t host_available_bytes();
 
-/// What pinned memory must leave to the rest of the machine: a sixteenth of the host's
-/// memory, at least 512 MiB (Note [Host budget] in tier/host_pool.hpp).
+/// What pinned memory created on demand must leave to the rest of the machine: a sixteenth
+/// of the host's memory, at least 512 MiB (the background creation leaves four times that:
+/// Note [Host budget] in tier/host_pool.hpp).
 [[nodiscard]] std::uint64_t host_reserve_bytes();
 
 }  // namespace zeroalloc

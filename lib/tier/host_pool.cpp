@@ -42,12 +42,13 @@ void host_pool::set_host_memory_probe(std::function<std::uint64_t()> available,
   host_reserve_ = reserve;
 }
 
-std::string host_pool::host_room_problem(std::size_t bytes) const {
+std::string host_pool::host_room_problem(std::size_t bytes, bool background) const {
   const std::uint64_t available = host_available_();
-  if (available >= bytes + host_reserve_) return {};
+  const std::uint64_t reserve = background ? 4 * host_reserve_ : host_reserve_;
+  if (available >= bytes + reserve) return {};
   return detail::concat("the host has ", format_bytes(available),
                         " of memory available, and pinning ", format_bytes(bytes),
-                        " more would leave less than ", format_bytes(host_reserve_),
+                        " more would leave less than ", format_bytes(reserve),
                         " to the rest of the machine");
 }
 
@@ -201,7 +202,8 @@ void host_pool::prefill(std::size_t slab_bytes, std::uint64_t bytes) {
         finish_filling();
         continue;
       }
-      if (const std::string problem = host_room_problem(size); !problem.empty()) {
+      if (const std::string problem = host_room_problem(size, /*background=*/true);
+          !problem.empty()) {
         log().info("host tier: the background creation stops at {}: {} (Note [Host budget])",
                    format_bytes(made), problem);
         finish_filling();
@@ -361,7 +363,8 @@ host_chunk host_pool::acquire(std::size_t bytes) {
       continue;
     }
     if (reserved_bytes_ + size <= limit_bytes_) {
-      if (const std::string problem = host_room_problem(size); !problem.empty()) {
+      if (const std::string problem = host_room_problem(size, /*background=*/false);
+          !problem.empty()) {
         ZA_THROW(host_memory_exhausted, "the host tier cannot offload a chunk of ",
                  format_bytes(bytes), ": ", problem, " (", format_bytes(figures_.in_use_bytes),
                  " of pinned memory hold offloaded chunks, ", format_bytes(reserved_bytes_),

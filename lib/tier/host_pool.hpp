@@ -9,10 +9,11 @@
 // (creating pinned memory costs about 0.25 s per GiB, far too slow for the training path),
 // and reuses them forever. Running out is a clear error that names the variable, never a
 // host OOM kill. The limit alone cannot promise that: several processes on one host (a
-// sweep, jobs started without torchrun) each take their default share. So pinned memory is
-// also never created past what leaves the rest of the machine a reserve (a sixteenth of the
-// host's memory): the background creation stops there, saying so, and a chunk needed on
-// demand beyond it fails with host_memory_exhausted, which names the memory available.
+// sweep, jobs started without torchrun) each take their default share, and each process
+// grows after its pool is made. So the background creation stops, saying so, once the
+// host would have less than a quarter of its memory available. Memory needed beyond that
+// is created on demand, down to a reserve of a sixteenth; a chunk needed past the reserve
+// fails with host_memory_exhausted, which names the memory available.
 //
 // Note [Host slabs]: the chunks the engine moves come in many sizes (a segment's last chunk
 // is whatever remains of it), so the pool creates large slabs and hands out slices of them,
@@ -125,12 +126,14 @@ class host_pool {
   [[nodiscard]] bool open_to_host() const { return open_to_host_.load(std::memory_order_acquire); }
   [[nodiscard]] std::uint64_t limit_bytes() const { return limit_bytes_; }
   /// Tests: what the host has available (`available`, host_available_bytes otherwise) and
-  /// must keep (`reserve` bytes) when pinned memory is created (Note [Host budget]).
+  /// must keep when pinned memory is created on demand (`reserve` bytes; the background
+  /// creation keeps four times that: Note [Host budget]).
   void set_host_memory_probe(std::function<std::uint64_t()> available, std::uint64_t reserve);
 
  private:
-  // Empty when `bytes` more pinned memory leaves the host its reserve; else why not.
-  [[nodiscard]] std::string host_room_problem(std::size_t bytes) const;
+  // Empty when `bytes` more pinned memory leaves the host its reserve (four times it for
+  // the background creation); else why not.
+  [[nodiscard]] std::string host_room_problem(std::size_t bytes, bool background) const;
   std::atomic<bool> open_to_host_{true};
   struct slab {
     physical_handle handle;              // the whole allocation

@@ -86,27 +86,29 @@ TEST_F(HostPoolTest, PrefillCreatesChunksInTheBackgroundUpToTheLimit) {
   for (const host_chunk& chunk : taken) pool.release(chunk);
 }
 
-// Note [Host budget]: whatever the limit, pinned memory leaves the host its reserve (other
-// processes may be pinning theirs): the background creation stops short of it, and a chunk
-// needed beyond it fails with a message naming the memory available, not the OOM killer.
+// Note [Host budget]: whatever the limit, pinned memory leaves the host room (other
+// processes may be pinning theirs): the background creation stops while the host still has
+// four reserves available, chunks needed after that are created on demand down to one
+// reserve, and a chunk needed beyond it fails with a message naming the memory available,
+// not the OOM killer.
 TEST_F(HostPoolTest, PinnedMemoryLeavesTheHostItsReserveWhateverTheLimit) {
   if (auto* sim = dynamic_cast<sim_device*>(device_.get())) sim->set_maps_slices(false);
   if (device_->maps_slices()) GTEST_SKIP() << "skipped: this driver slices one large slab";
   host_pool pool(*device_, 64 * MiB, "ZEROALLOC_HOST_LIMIT=64MiB");
   constexpr std::uint64_t kReserve = 1 * GiB;
-  // A host with room for three chunks above its reserve; each slab created takes its bytes.
-  int asked = 0;  // under the pool's lock
-  pool.set_host_memory_probe(
-      [&asked] {
-        const int created = std::min(asked++, 3);
-        return kReserve + 24 * MiB - 8 * MiB * static_cast<std::uint64_t>(created);
-      },
-      kReserve);
+  // What the host has available at each look, in order: the prefill creates two slabs and
+  // stops at the third look; the third chunk is created on demand; the fourth is refused.
+  const std::vector<std::uint64_t> available = {4 * kReserve + 16 * MiB, 4 * kReserve + 8 * MiB,
+                                                4 * kReserve, kReserve + 8 * MiB, kReserve};
+  std::size_t looks = 0;  // under the pool's lock
+  pool.set_host_memory_probe([&] { return available[std::min(looks++, available.size() - 1)]; },
+                             kReserve);
   pool.start_prefill(8 * MiB, 1 * GiB);
   pool.wait_for_prefill();
-  EXPECT_EQ(pool.figures().created_bytes, 24 * MiB) << "the prefill took the host's reserve";
+  EXPECT_EQ(pool.figures().created_bytes, 16 * MiB) << "the prefill took the host's room";
   std::vector<host_chunk> taken;
   for (int i = 0; i < 3; ++i) taken.push_back(pool.acquire(8 * MiB));
+  EXPECT_EQ(pool.figures().created_on_demand, 1u);
   try {
     taken.push_back(pool.acquire(8 * MiB));
     ADD_FAILURE() << "a fourth chunk was pinned into the host's reserve";
