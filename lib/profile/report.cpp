@@ -482,10 +482,24 @@ std::optional<std::string> reporter::write_to(const std::string& prefix,
     }
     for (caching_allocator* each : allocators_()) {
       const stats_snapshot figures = each->stats();
+      // The device first, as the page leads: what it held and what the host held, from the
+      // timeline; the allocated and reserved bytes are addresses, wherever their bytes are.
+      std::int64_t device_held = 0;
+      std::int64_t host_held = 0;
+      for (const auto& [ordinal, series] : samples_) {
+        if (ordinal != each->backing().ordinal()) continue;
+        for (const sample& at : series) {
+          device_held = std::max(device_held, at.device);
+          host_held = std::max(host_held, at.host);
+        }
+      }
       log().warn(
-          "report ({}): {}: peak allocated {}, peak reserved {}, {} allocations, {} "
-          "retries, {} failures; written to {}.json and {}.html",
-          reason, each->backing().name(),
+          "report ({}): {}: limit {}; the device held at most {}, the host at most {}; "
+          "virtual: peak allocated {}, peak reserved {}; {} allocations, {} retries, {} "
+          "failures; written to {}.json and {}.html",
+          reason, each->backing().name(), format_bytes(each->limit_bytes()),
+          format_bytes(static_cast<std::uint64_t>(device_held)),
+          format_bytes(static_cast<std::uint64_t>(host_held)),
           format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.lifetime_peak)),
           format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.lifetime_peak)),
           figures.total.allocations, figures.total.retries, figures.total.failures, prefix, prefix);

@@ -60,6 +60,10 @@ def test_report_at_exit_holds_figures_timeline_and_largest_allocations(tmp_path)
     page = (tmp_path / "run.html").read_text()
     assert '"reason":"exit"' in page and "<script" in page and "http" not in page.split("<script")[1]
     assert "report (exit)" in result.stderr and "peak allocated 49.00 MiB" in result.stderr
+    # The device first, as the page leads; the virtual figures after, labelled.
+    line = next(l for l in result.stderr.splitlines() if "report (exit)" in l)
+    assert re.search(r": limit [0-9.]+ [KMGT]?i?B; the device held at most [0-9.]+ [KMGT]?i?B, "
+                     r"the host at most [0-9.]+ [KMGT]?i?B; virtual: peak allocated", line), line
 
 
 def test_reports_show_the_peaks_of_the_whole_run_after_a_reset(tmp_path):
@@ -84,6 +88,10 @@ def test_reports_show_the_peaks_of_the_whole_run_after_a_reset(tmp_path):
                              env={**os.environ, "PYTHONPATH": str(PACKAGE)}, capture_output=True,
                              text=True, timeout=60)
     assert "peak allocated 96.00 MiB" in summary.stdout, summary.stdout + summary.stderr
+    lines = summary.stdout.splitlines()
+    assert re.match(r"device 0 \(.*\): limit [0-9.]+ [KMGT]?i?B; the device held at most",
+                    lines[1]), lines
+    assert lines[2].strip().startswith("virtual, wherever the bytes are: peak allocated"), lines
 
 
 def test_sigusr1_writes_a_report_while_the_program_runs(tmp_path):

@@ -31,10 +31,18 @@ def summary(report: dict) -> str:
         peak_allocated = _peak(total["allocated_bytes"])
         peak_reserved = _peak(total["reserved_bytes"])
         ratio = f"{peak_reserved / peak_allocated:.3f}" if peak_allocated else "-"
-        lines.append(f"device {device['device']} ({stats['device_name']}): peak allocated "
+        # The device first, as the page leads: allocated and reserved bytes are addresses,
+        # wherever their bytes are (on the host, with offload).
+        series = report["timeline"]["devices"].get(str(device["device"]), {})
+        device_held = max(series.get("device") or [peak_reserved])
+        host_held = max(series.get("host") or [0])
+        lines.append(f"device {device['device']} ({stats['device_name']}): limit "
+                     f"{_format_bytes(stats['limit_bytes'])}; the device held at most "
+                     f"{_format_bytes(device_held)}, the host at most "
+                     f"{_format_bytes(host_held)}")
+        lines.append(f"  virtual, wherever the bytes are: peak allocated "
                      f"{_format_bytes(peak_allocated)}, peak reserved "
-                     f"{_format_bytes(peak_reserved)} (ratio {ratio}), limit "
-                     f"{_format_bytes(stats['limit_bytes'])}; {total['allocations']} "
+                     f"{_format_bytes(peak_reserved)} (ratio {ratio}); {total['allocations']} "
                      f"allocations, {total['retries']} retries, {total['failures']} failures")
         for name, figures in stats["classes"].items():
             if figures["allocations"]:
