@@ -7,11 +7,8 @@ examples/c_api runs in ctest (example_c_api_test).
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,15 +22,7 @@ if not LIBRARY.exists():
     pytest.skip(f"skipped: {LIBRARY} is not built", allow_module_level=True)
 
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from test_group import free_port  # noqa: E402
-
-# The package as pip installs it: its start-up hook runs from a site directory.
-LAUNCHER = """
-import runpy, site, sys
-site.addsitedir(sys.argv[1])
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+from test_group import installed_site, unmodified_under_torchrun  # noqa: E402
 
 
 def clean_environment(**settings) -> dict:
@@ -43,41 +32,13 @@ def clean_environment(**settings) -> dict:
     env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), **settings})
     return env
 
-
-def installed_site(tmp_path) -> Path:
-    site = tmp_path / "site"
-    site.mkdir()
-    shutil.copy(PACKAGE / "zeroalloc-startup.pth", site)
-    shutil.copytree(PACKAGE / "zeroalloc", site / "zeroalloc",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
-    return site
-
-
-def torchrun(tmp_path, site, script, **settings) -> subprocess.CompletedProcess:
-    for attempt in range(3):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                              "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                              "--master-port", str(free_port()), str(tmp_path / "launch.py"),
-                              str(site), str(script)],
-                             env=clean_environment(**settings), capture_output=True, text=True,
-                             timeout=240)
-        # PyTorch's gloo teardown ends about one such job in fifteen with std::terminate,
-        # zeroalloc not loaded (test_zero_stage1.py): tried again, at most twice.
-        if not (run.returncode != 0 and
-                "terminate called without an active exception" in run.stdout + run.stderr):
-            break
-        time.sleep(5)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    return run
-
-
 def test_the_zero_example_partitions_the_states_and_trains_the_same_model(tmp_path):
     site = installed_site(tmp_path)
     script = EXAMPLES / "zero_torchrun.py"
     lines = {}
     for stage in ("0", "2"):
-        run = torchrun(tmp_path, site, script, ZEROALLOC_DEVICE="sim", ZEROALLOC_ZERO_STAGE=stage)
+        run = unmodified_under_torchrun(tmp_path, site, script, ZEROALLOC_DEVICE="sim",
+                                        ZEROALLOC_ZERO_STAGE=stage)
         lines[stage] = sorted(re.findall(r"rank (\d): states for (\d) of 4 parameters, "
                                          r"checksum (-?[0-9.]+)", run.stdout))
         assert len(lines[stage]) == 2, run.stdout

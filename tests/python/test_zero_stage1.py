@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ if not LIBRARY.exists():
 pytest.importorskip("torch.distributed.run", reason="skipped: PyTorch (torchrun) is not installed")
 
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from test_group import free_port, run_ranks  # noqa: E402
+from test_group import installed_site, run_ranks, unmodified_under_torchrun  # noqa: E402
 
 PROGRAM = """
 import copy
@@ -172,51 +171,18 @@ print(f"rank {rank} states {len(optimizer.state)} grads {grads} digest {digest.h
 dist.destroy_process_group()
 """
 
-LAUNCHER = """
-import runpy, site, sys
-site.addsitedir(sys.argv[1])  # the package's start-up hook, as when it is installed
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def test_the_environment_alone_partitions_an_unmodified_script(tmp_path):
     """ZEROALLOC_ZERO_STAGE=1, 2 or 3 with the package installed: a script that never
     imports zeroalloc (and wraps its model in DistributedDataParallel) holds 1/N of its
     optimizer states per rank, at stages 2 and 3 also 1/N of its gradients, and ends with
     the same model, bit for bit, as without the variable."""
-    import shutil
-    site = tmp_path / "site"
-    site.mkdir()
-    shutil.copy(PACKAGE / "zeroalloc-startup.pth", site)
-    shutil.copytree(PACKAGE / "zeroalloc", site / "zeroalloc",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    site = installed_site(tmp_path)
     (tmp_path / "train.py").write_text(textwrap.dedent(UNMODIFIED))
-    (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCHER))
     results = {}
     for stage in ("0", "1", "2", "3"):
-        # Without the inductor's variables that an earlier test's torch.compile set in this
-        # process: one of them is an address in this process.
-        env = {key: value for key, value in os.environ.items()
-               if not key.startswith("ZEROALLOC_") and "TORCHINDUCTOR_" not in key
-               and key != "PYTHONPATH"}
-        env.update({"ZEROALLOC_DEVICE": "sim", "ZEROALLOC_LIBRARY": str(LIBRARY),
-                    "ZEROALLOC_ZERO_STAGE": stage})
-        for attempt in range(3):
-            run = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                                  "--master-port", str(free_port()), str(tmp_path / "launch.py"),
-                                  str(site), str(tmp_path / "train.py")],
-                                 env=env, capture_output=True, text=True, timeout=240)
-            # About one such job in fifteen, on a two-core machine, ends with std::terminate
-            # ("terminate called without an active exception"), at start or after the ranks
-            # printed, in PyTorch's gloo teardown: reproduced without zeroalloc loaded. Such a
-            # run is tried again, at most twice, and only a clean run's lines are read.
-            if not (run.returncode != 0 and
-                    "terminate called without an active exception" in run.stdout + run.stderr):
-                break
-            time.sleep(5)  # such failures came in runs of seconds
-        assert run.returncode == 0, f"stage {stage}: " + (run.stdout + run.stderr)[-3000:]
+        run = unmodified_under_torchrun(tmp_path, site, tmp_path / "train.py",
+                                        ZEROALLOC_DEVICE="sim", ZEROALLOC_ZERO_STAGE=stage)
         # (rank, states, grads, digest); the ranks' lines can run together in the one pipe
         results[stage] = sorted(re.findall(
             r"rank (\d) states (\d+) grads (\d+) digest ([0-9a-f]{64})", run.stdout))
