@@ -44,8 +44,42 @@ def install() -> None:
             "chosen tensors instead.")
     torch.cuda.memory.change_current_allocator(pluggable_allocator())
     _installed = True
+    compile_without_cuda_graphs()
     from zeroalloc.torch import _step_marks
     _step_marks.mark_every_optimizer_step()  # reports show the run step by step
+
+
+# Note [Compiled without CUDA graphs]: PyTorch captures CUDA graphs only into its own
+# allocator's private pools; with the allocator swapped, torch.compile's CUDA-graph trees
+# (mode="reduce-overhead" or "max-autotune", or the option triton.cudagraphs) fail when
+# they capture. Each such compile therefore runs without graphs: the same kernels, launched
+# one by one, so the same results, without the launch savings. A warning says so, once.
+_GRAPH_OPTIONS = ("triton.cudagraphs", "triton_cudagraphs")
+_told_about_graphs = [False]
+
+
+def compile_without_cuda_graphs() -> None:
+    """Makes torch.compile leave out CUDA graphs in this process (Note [Compiled without
+    CUDA graphs]). Once per process; a PyTorch without the hook is left as it is."""
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    original = getattr(wrapper, "apply_options", None)
+    if original is None or getattr(original, "_zeroalloc_without_graphs", False):
+        return
+
+    def apply_options(self, options):
+        if options and any(options.get(key) for key in _GRAPH_OPTIONS):
+            options = {key: value for key, value in options.items() if key not in _GRAPH_OPTIONS}
+            if not _told_about_graphs[0]:
+                _told_about_graphs[0] = True
+                import warnings
+                warnings.warn("zeroalloc: torch.compile's CUDA graphs need PyTorch's own "
+                              "allocator, which zeroalloc replaced: this program's compiled "
+                              "code runs without them (the same results, without the launch "
+                              "savings). Use LD_PRELOAD alone to keep them.", stacklevel=2)
+        return original(self, options)
+
+    apply_options._zeroalloc_without_graphs = True
+    wrapper.apply_options = apply_options
 
 
 def installed() -> bool:
