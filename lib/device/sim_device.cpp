@@ -297,35 +297,41 @@ void sim_device::destroy_stream(stream_handle stream) {
   {
     std::lock_guard lock(streams_mutex_);
     streams_.erase(static_cast<sim_stream*>(stream));
+  }
+  {
+    std::lock_guard capture(capture_mutex_);
     capturing_.erase(static_cast<sim_stream*>(stream));
   }
   delete static_cast<sim_stream*>(stream);
 }
 
 void sim_device::synchronize_device() {
-  std::lock_guard lock(streams_mutex_);
-  if (!capturing_.empty()) {
-    throw device_error(
-        "synchronizing the simulated device: operation not permitted when "
-        "stream is capturing",
-        EBUSY);
+  {
+    std::lock_guard capture(capture_mutex_);
+    if (!capturing_.empty()) {
+      throw device_error(
+          "synchronizing the simulated device: operation not permitted when stream is "
+          "capturing",
+          EBUSY);
+    }
   }
+  std::lock_guard lock(streams_mutex_);
   default_stream_->synchronize();
   for (sim_stream* stream : streams_) stream->synchronize();
 }
 
 bool sim_device::stream_is_capturing(stream_handle stream) {
-  std::lock_guard lock(streams_mutex_);
-  return capturing_.contains(&resolve(stream));
+  std::lock_guard lock(capture_mutex_);
+  return !capturing_.empty() && capturing_.contains(&resolve(stream));
 }
 
 void sim_device::begin_capture(stream_handle stream) {
-  std::lock_guard lock(streams_mutex_);
+  std::lock_guard lock(capture_mutex_);
   capturing_.insert(&resolve(stream));
 }
 
 void sim_device::end_capture(stream_handle stream) {
-  std::lock_guard lock(streams_mutex_);
+  std::lock_guard lock(capture_mutex_);
   capturing_.erase(&resolve(stream));
 }
 

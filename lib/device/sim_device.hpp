@@ -111,7 +111,10 @@ class sim_device final : public device {
   // they are synchronized, so that none is destroyed meanwhile.
   std::mutex streams_mutex_;
   std::set<sim_stream*> streams_;
-  std::set<const sim_stream*> capturing_;  // under streams_mutex_
+  // Streams in a capture (begin_capture), under a lock of their own: a hint asks while
+  // another thread may hold streams_mutex_ through a whole synchronize_device.
+  mutable std::mutex capture_mutex_;
+  std::set<const sim_stream*> capturing_;
   std::atomic<std::size_t> events_alive_{0};
   bool maps_slices_ = true;
 };
