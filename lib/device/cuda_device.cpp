@@ -421,7 +421,9 @@ bool cuda_device::stream_is_capturing(stream_handle stream) {
   const CUresult result = driver_.pfn_cuStreamIsCapturing(as_stream(stream), &status);
   // The legacy default stream while another stream captures in global mode.
   if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
-  check(result, "cuStreamIsCapturing", ordinal_);
+  // A stream the driver does not know (a program's stale handle under LD_PRELOAD): no
+  // capture can be seen on it, and the allocation or hint goes on as without one.
+  if (result != CUDA_SUCCESS) return false;
   return status != CU_STREAM_CAPTURE_STATUS_NONE;  // active, or invalidated and not yet ended
 }
 
