@@ -29,7 +29,9 @@ def clean_environment(**settings) -> dict:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("ZEROALLOC_") and "TORCHINDUCTOR_" not in key
            and key != "PYTHONPATH"}
-    env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), **settings})
+    # One cuBLAS workspace size in both runs, so that both pick the same kernels.
+    env.update({"ZEROALLOC_LIBRARY": str(LIBRARY), "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                **settings})
     return env
 
 def test_the_zero_example_partitions_the_states_and_trains_the_same_model(tmp_path):
