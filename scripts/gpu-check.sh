@@ -13,6 +13,8 @@
 # GPU_CHECK_PREBUILT: a folder made by scripts/pack-build.sh on a machine with the same CUDA:
 # its build is used instead of building here (the steps that build more, such as baseline
 # and wheel, need the build tools all the same).
+# GPU_CHECK_ONLY: the names of the steps to run, every other one skipped (for example
+# "ctest programs").
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
 # run of figures alone) programs (the user programs natively and under offload, compared:
 # about 4 minutes; GPU_CHECK_PROGRAMS names some, GPU_CHECK_PROGRAMS_TIMEOUT bounds them) alloc_bench hint migration remap torch_empty
@@ -44,13 +46,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git_commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "commit $git_commit" | tee "$out/commit.txt"
 
-skip=" ${GPU_CHECK_SKIP:-} "
-skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
 # A name that is no step's would leave that step in, minutes of device time: refused first.
 steps=" ctest programs wheel baseline alloc_bench hint migration remap torch_empty preload_overhead trace pytest demo optimizer_step llama host_step disk big sweep zero "
-for name in ${GPU_CHECK_SKIP:-}; do
+if [[ -n ${GPU_CHECK_ONLY:-} ]]; then  # the steps to run; every other one is skipped
+  GPU_CHECK_SKIP=""
+  for name in $steps; do [[ " $GPU_CHECK_ONLY " == *" $name "* ]] || GPU_CHECK_SKIP+=" $name"; done
+fi
+skip=" ${GPU_CHECK_SKIP:-} "
+skipped() { [[ $skip == *" $1 "* ]] && echo skipped; }
+for name in ${GPU_CHECK_SKIP:-} ${GPU_CHECK_ONLY:-}; do
   if [[ $steps != *" $name "* ]]; then
-    echo "GPU_CHECK_SKIP names '$name', which is no step of this script; the steps:$steps" >&2
+    echo "GPU_CHECK_SKIP or GPU_CHECK_ONLY names '$name', which is no step of this script; the steps:$steps" >&2
     exit 2
   fi
 done
