@@ -293,6 +293,13 @@ void runtime::start_offload(int ordinal, caching_allocator& allocator) {
   settings.prefetch_bytes = options_.prefetch_bytes;
   settings.parameters_to_disk = options_.nvme_parameters;
   settings.park_parameters = options_.park_parameters;
+  if (options_.access != "hinted" && options_.park_parameters &&
+      std::getenv("ZEROALLOC_PARK_PARAMETERS") != nullptr) {
+    log().warn(
+        "ZEROALLOC_PARK_PARAMETERS=1 is ignored under ZEROALLOC_ACCESS=any: a parked "
+        "parameter maps nothing, and any kernel may read it. Set ZEROALLOC_ACCESS=hinted to "
+        "park (docs/known-limits.md)");
+  }
   settings.any_access = options_.access != "hinted";
   disk_store* disk = nullptr;
   if (disk_tier_enabled()) {  // Note [Chunks on disk] in tier/migrator.hpp

@@ -477,4 +477,19 @@ TEST(OffloadCapi, AnNvmePathUnderAnyAccessStopsTheLibraryNamingHintedAccess) {
       ::testing::ExitedWithCode(0), "ZEROALLOC_NVME_PATH=/tmp needs ZEROALLOC_ACCESS=hinted");
 }
 
+// Parking needs hinted access: asked for under the default any, it is ignored, and the
+// library says so rather than leaving the user to believe parameters are parked.
+TEST(OffloadCapi, ParkingAskedForUnderAnyAccessIsIgnoredWithAWarning) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_PARK_PARAMETERS", "1", 1);
+        unsetenv("ZEROALLOC_ACCESS");
+        void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        std::exit(pointer != nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "ZEROALLOC_PARK_PARAMETERS=1 is ignored under ZEROALLOC_ACCESS=any");
+}
+
 }  // namespace
