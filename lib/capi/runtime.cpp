@@ -226,6 +226,7 @@ pid_t g_offloading_process = 0;
 void runtime::stop_background_work() {
   std::lock_guard lock(create_mutex_);
   for (const auto& pool : owned_host_pools_) pool->stop_prefill();
+  for (const auto& engine : owned_engines_) engine->stop_threads();
 }
 
 std::uint64_t runtime::host_memory_bytes() {

@@ -52,7 +52,8 @@ class runtime {
   host_workers& host_step_workers(int ordinal);
   /// The offload figures of `ordinal` as a JSON object, or "null" when offload is off.
   nlohmann::ordered_json offload_json(int ordinal);
-  /// Stops the host tiers' background creation of pinned memory (at exit).
+  /// Stops the host tiers' background creation of pinned memory and the engines' prefetch
+  /// and read-ahead threads (at exit).
   void stop_background_work();
   /// True when ZEROALLOC_OFFLOAD asks for a host tier.
   [[nodiscard]] bool offload_enabled() const { return options_.offload == "host"; }

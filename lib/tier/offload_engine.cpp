@@ -37,8 +37,7 @@ offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bo
   reader_ = std::thread([this] { read_ahead_worker(); });
 }
 
-offload_engine::~offload_engine() {
-  allocator_.paging().detach(*this);
+void offload_engine::stop_threads() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -47,6 +46,11 @@ offload_engine::~offload_engine() {
   reads_changed_.notify_all();
   if (prefetcher_.joinable()) prefetcher_.join();
   if (reader_.joinable()) reader_.join();
+}
+
+offload_engine::~offload_engine() {
+  allocator_.paging().detach(*this);
+  stop_threads();
   migrator_.drain();  // no copy may still wait on the events below
   try {
     collect_waits(/*all=*/true);

@@ -186,6 +186,10 @@ class offload_engine : public paging_listener {
   ~offload_engine() override;
   offload_engine(const offload_engine&) = delete;
   offload_engine& operator=(const offload_engine&) = delete;
+  /// Stops and joins the prefetch and read-ahead threads (at exit, where the process-wide
+  /// engine is never destroyed: a disk read still under way would outlive the program's
+  /// last line). Hints and moves on the calling threads still work. Idempotent.
+  void stop_threads();
 
   // Hints (the Python layer sends them from module and optimizer hooks).
   /// The allocation at `pointer` is about to be used on `stream`: on return its chunks are
