@@ -229,11 +229,6 @@ void runtime::stop_background_work() {
   for (const auto& engine : owned_engines_) engine->stop_threads();
 }
 
-std::uint64_t runtime::host_memory_bytes() {
-  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
 std::uint64_t runtime::host_sharers() const {
   // A share of the host is shared out: among the processes of this machine (torchrun sets
   // LOCAL_WORLD_SIZE) and among this process's devices, or every rank would pin that share.

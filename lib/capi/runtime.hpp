@@ -85,7 +85,6 @@ class runtime {
   std::vector<std::unique_ptr<caching_allocator>> owned_allocators_;
   /// Creates the host pool and offload engine of `ordinal` (the caller attaches the engine).
   void start_offload(int ordinal, caching_allocator& allocator);
-  static std::uint64_t host_memory_bytes();
   /// The devices and processes a share of the host's memory is split among.
   [[nodiscard]] std::uint64_t host_sharers() const;
   /// The pinned host memory one device's host tier may hold (ZEROALLOC_HOST_LIMIT).

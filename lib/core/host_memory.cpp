@@ -45,14 +45,18 @@ const numa_functions& numa() {
 
 }  // namespace
 
+std::uint64_t host_memory_bytes() {
+  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
 std::uint64_t host_node_bytes(int node) {
   const numa_functions& library = numa();
   if (library.loaded() && library.available() >= 0 && node >= 0 && node <= library.max_node()) {
     const long long bytes = library.node_size64(node, nullptr);
     if (bytes > 0) return static_cast<std::uint64_t>(bytes);
   }
-  return static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-         static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return host_memory_bytes();
 }
 
 std::uint64_t host_available_bytes() {
@@ -71,9 +75,7 @@ std::uint64_t host_available_bytes() {
 }
 
 std::uint64_t host_reserve_bytes() {
-  const std::uint64_t total = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                              static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  return std::max<std::uint64_t>(total / 16, std::uint64_t{512} << 20);
+  return std::max<std::uint64_t>(host_memory_bytes() / 16, std::uint64_t{512} << 20);
 }
 
 }  // namespace zeroalloc

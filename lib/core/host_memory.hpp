@@ -5,6 +5,9 @@
 
 namespace zeroalloc {
 
+/// Bytes of memory on the host.
+[[nodiscard]] std::uint64_t host_memory_bytes();
+
 /// Bytes of memory on host NUMA node `node`, read through libnuma (Note [libnuma at run
 /// time]); the whole host's memory where libnuma is missing, NUMA is off or `node` is not
 /// a node.

@@ -322,7 +322,7 @@ void sim_device::synchronize_device() {
 
 bool sim_device::stream_is_capturing(stream_handle stream) {
   std::lock_guard lock(capture_mutex_);
-  return !capturing_.empty() && capturing_.contains(&resolve(stream));
+  return capturing_.contains(&resolve(stream));
 }
 
 void sim_device::begin_capture(stream_handle stream) {

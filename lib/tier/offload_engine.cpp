@@ -470,12 +470,7 @@ void offload_engine::fetch_ahead_at_a_miss() {
   }
   const std::size_t evicted = planned.empty() ? 0 : launch_evictions(planned).size();
   std::uint64_t fetched = 0;
-  for (const auto& [address, bytes] : wanted) {
-    bool started = false;
-    bring_back(address, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
-               /*callers_uses=*/0, &started);
-    fetched += started ? 1 : 0;
-  }
+  for (const auto& [address, bytes] : wanted) fetched += prefetch(address, bytes) ? 1 : 0;
   std::lock_guard lock(mutex_);
   figures_.evictions += evicted;
   figures_.prefetches += fetched;
@@ -891,12 +886,14 @@ void offload_engine::work_through(std::deque<std::uintptr_t>& queue,
 
 void offload_engine::prefetch_worker() {
   work_through(wishes_, wishes_changed_, &offload_figures::prefetches, "prefetching",
-               [this](std::uintptr_t next, std::size_t bytes) {
-                 bool started = false;
-                 bring_back(next, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
-                            /*callers_uses=*/0, &started);
-                 return started;
-               });
+               [this](std::uintptr_t next, std::size_t bytes) { return prefetch(next, bytes); });
+}
+
+bool offload_engine::prefetch(std::uintptr_t address, std::size_t bytes) {
+  bool started = false;
+  bring_back(address, bytes, /*wait=*/false, /*urgent=*/false, /*ordered_use=*/true,
+             /*callers_uses=*/0, &started);
+  return started;
 }
 
 // Note [In-place uses in the order]: reads from disk take a thread of their own, so that a

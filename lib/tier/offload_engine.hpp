@@ -367,6 +367,9 @@ class offload_engine : public paging_listener {
   /// Note [Fetched ahead at a miss]: the prefetch window's room and fetches, on the
   /// hinting thread, once a miss drained the device (any_access).
   void fetch_ahead_at_a_miss();
+  /// Brings a wished chunk back ahead of its use (the prefetcher's step, and a miss's under
+  /// any_access); true when a fetch started.
+  bool prefetch(std::uintptr_t address, std::size_t bytes);
   /// Fetches `address`, evicting farther chunks for room when needed; waits when `wait`.
   /// `urgent` (a use is waiting) may evict chunks whose last use the device has yet to run.
   /// `ordered_use`: the caller orders its work after the bytes (wait_for_arrival), so an
