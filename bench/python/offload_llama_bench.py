@@ -62,10 +62,11 @@ PACKAGE = ROOT / "bindings" / "python"
 
 
 def _load_step_model():
-    """bench/python/step_model.py, beside this file (run as a script or loaded by path)."""
+    """The package's step model (zeroalloc/_step_model.py), loaded by path: the bench runs
+    before the package is installed, and importing it must not load the library."""
     name = "zeroalloc_bench_step_model"
     spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().with_name("step_model.py"))
+        name, PACKAGE / "zeroalloc" / "_step_model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -129,6 +130,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "autocast, the default; bf16: a bf16 model whose fp32 masters are stepped "
                         "with the optimizer's states, DeepSpeed's recipe); none,bf16 runs both "
                         "side by side")
+    parser.add_argument("--recipe", default="",
+                        help="offload mode: ZEROALLOC_RECIPE (exact: native numbers, the "
+                        "default; fast: master weights and the host step); exact,fast runs "
+                        "both side by side. Unset, a run whose steps move memory is told what "
+                        "fast would give it (its row's notes show the prediction)")
     parser.add_argument("--overlap-bytes", default="",
                         help="offload mode: zt.offload's overlap_bytes (states moved while "
                         "forward and backward run; 0: none); several, comma-separated, run "
@@ -261,6 +267,7 @@ SWEPT_SETTINGS = (
      "behind"),
     ("backward_uses", "--backward-uses", "ZEROALLOC_BACKWARD_USES", ("saved", "all"), "bwd"),
     ("master_weights", "--master-weights", "ZEROALLOC_MASTER_WEIGHTS", ("none", "bf16"), "mw"),
+    ("recipe", "--recipe", "ZEROALLOC_RECIPE", ("exact", "fast"), "recipe"),
 )
 
 
@@ -385,8 +392,8 @@ def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_byt
     return max(native_step_s, to_host_s, to_device_s, both_s)
 
 
-STEP_MODEL_NOTE = ("model s: the step time of Note [The step's time model] (bench/python/"
-                   "step_model.py) from the native run's phases, the pinned bandwidth and the "
+STEP_MODEL_NOTE = ("model s: the step time of Note [The step's time model] (zeroalloc/"
+                   "_step_model.py) from the native run's phases, the pinned bandwidth and the "
                    "CPUs' AdamW rate in the run, with the masters the trade puts on the host; "
                    "only for master weights with the host step (else nan)")
 
@@ -573,6 +580,11 @@ def format_main_table(results: dict) -> str:
                     if overlap.get("gradient_class_on_s"):
                         notes += (f" (trial {overlap['gradient_class_on_s']:.3f} s/step against "
                                   f"{overlap['gradient_class_off_s']:.3f} without)")
+                if overlap.get("recipe_advice_predicted_s"):  # Note [The fast recipe,
+                    notes += (f"; recipe advice {overlap['recipe_advice']} at step "  # advised]
+                              f"{overlap['recipe_advice_at_step']}: fast predicted "
+                              f"{overlap['recipe_advice_predicted_s']:.3f} s/step against "
+                              f"{overlap['recipe_advice_measured_s']:.3f} measured")
                 if "host_windows" in overlap:  # Note [Host windows]: which path ran
                     notes += (f"; host step: {overlap['host_windows'] / overlap['steps']:.1f} "
                               f"windows/step ({overlap['host_bytes'] / overlap['steps'] / GIB:.2f}"

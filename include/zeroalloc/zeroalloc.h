@@ -417,6 +417,28 @@ int zeroalloc_adamw_on_host_bf16(void* const* masters, const void* const* gradie
                                  zeroalloc_stream_t stream);
 
 /**
+ * Measures, in parameters a second, how fast the host step's CPUs (those of `device`'s NUMA
+ * node, as zeroalloc_adamw_on_host_bf16 uses them) run AdamW with master weights, over
+ * `parameters` of them (16 bytes each, held during the call; 0: 64 Mi). It takes about as
+ * long as stepping them. Returns 0, or -1 with zeroalloc_last_error() set when the device
+ * does not exist or the host has not that much memory available above its reserve.
+ */
+int zeroalloc_host_adamw_rate(int device, size_t parameters, double* parameters_per_second);
+
+/** Severities of zeroalloc_log, as ZEROALLOC_LOG_LEVEL names them. */
+typedef enum zeroalloc_log_level {
+  ZEROALLOC_LOG_DEBUG = 1,
+  ZEROALLOC_LOG_INFO = 2,
+  ZEROALLOC_LOG_WARN = 3,
+  ZEROALLOC_LOG_ERROR = 4
+} zeroalloc_log_level;
+
+/** Writes `message` to the library's log (ZEROALLOC_LOG_FILE, else standard error) at
+ *  `level`, when ZEROALLOC_LOG_LEVEL lets it through: what the layers above tell the user.
+ *  Returns 0, or -1 with zeroalloc_last_error() set for an unknown level or a NULL message. */
+int zeroalloc_log(int level, const char* message);
+
+/**
  * Groups of ranks (ZeRO across GPUs). Joins this process to the group of the job it runs in,
  * from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0
  * hands the others the group's id over TCP at MASTER_PORT + 1, and every rank checks that all

@@ -23,6 +23,7 @@
 #include "alloc/caching_allocator.hpp"
 #include "capi/runtime.hpp"
 #include "core/errors.hpp"
+#include "core/host_memory.hpp"
 #include "core/log.hpp"
 #include "core/options.hpp"
 #include "core/passthrough.hpp"
@@ -756,6 +757,40 @@ ZA_EXPORT int zeroalloc_adamw_on_host_bf16(void* const* masters, const void* con
                                            zeroalloc_stream_t stream) {
   return adamw_on_host_call("zeroalloc_adamw_on_host_bf16", true, masters, gradients, exp_avgs,
                             exp_avg_sqs, copies, counts, count, settings, stream);
+}
+
+ZA_EXPORT int zeroalloc_host_adamw_rate(int device, size_t parameters,
+                                        double* parameters_per_second) {
+  return guarded("zeroalloc_host_adamw_rate", -1, [&] {
+    ZA_REQUIRE(parameters_per_second != nullptr, "parameters_per_second is NULL");
+    constexpr std::size_t kBytesEach = 16;  // fp32 master and moments, bf16 gradient and copy
+    const std::size_t count = parameters != 0 ? parameters : std::size_t{64} << 20;
+    runtime& started = runtime::get();
+    zeroalloc::host_workers& workers = started.host_step_workers(device);  // checks `device`
+    const std::uint64_t available = zeroalloc::host_available_bytes();
+    const std::uint64_t needed = count * kBytesEach + zeroalloc::host_reserve_bytes();
+    ZA_REQUIRE(available >= needed, "measuring the host step's rate over ", count,
+               " parameters needs ", count * kBytesEach, " bytes of host memory above the ",
+               zeroalloc::host_reserve_bytes(), " it keeps in reserve, but only ", available,
+               " are available: measure fewer parameters, or free host memory");
+    *parameters_per_second = zeroalloc::adamw_rate(workers, count);
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_log(int level, const char* message) {
+  return guarded("zeroalloc_log", -1, [&] {
+    ZA_REQUIRE(message != nullptr, "message is NULL");
+    constexpr std::array kLevels{spdlog::level::debug, spdlog::level::info, spdlog::level::warn,
+                                 spdlog::level::err};  // ZEROALLOC_LOG_DEBUG .. _ERROR
+    if (level < ZEROALLOC_LOG_DEBUG || level > ZEROALLOC_LOG_ERROR) {
+      ZA_THROW(zeroalloc::invalid_argument, "log level ", level,
+               " is none of ZEROALLOC_LOG_DEBUG, _INFO, _WARN and _ERROR (1 to 4)");
+    }
+    (void)runtime::get();  // the log's file and level are set when the library starts
+    zeroalloc::log().log(kLevels[level - ZEROALLOC_LOG_DEBUG], "{}", message);
+    return 0;
+  });
 }
 
 ZA_EXPORT void zeroalloc_step_boundary(void) {

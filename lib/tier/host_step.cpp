@@ -4,11 +4,15 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
+
+#include "core/errors.hpp"
 
 namespace zeroalloc {
 namespace {
@@ -246,6 +250,47 @@ void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
   }
   const adamw_factors factors = factors_of(settings);
   workers.run(pieces.size(), [&](std::size_t index) { update_span(pieces[index], factors); });
+}
+
+// Note [The host step's rate]: what the host step would cost, asked before it runs (the
+// Python package's advice of the fast recipe, Note [The fast recipe, advised]). The same
+// workers and update as the step, on buffers as large as a few layers' masters: far past
+// the caches, so the rate is the node's memory bandwidth over the 16 bytes a parameter
+// moves, as in the step.
+double adamw_rate(host_workers& workers, std::size_t parameters) {
+  ZA_REQUIRE(parameters > 0, "the host step's rate needs at least one parameter");
+  constexpr std::size_t kPiece = std::size_t{1} << 18;
+  auto masters = std::make_unique_for_overwrite<float[]>(parameters);
+  auto exp_avgs = std::make_unique_for_overwrite<float[]>(parameters);
+  auto exp_avg_sqs = std::make_unique_for_overwrite<float[]>(parameters);
+  auto gradients = std::make_unique_for_overwrite<std::uint16_t[]>(parameters);
+  auto copies = std::make_unique_for_overwrite<std::uint16_t[]>(parameters);
+  const std::size_t pieces = (parameters + kPiece - 1) / kPiece;
+  std::vector<adamw_span> spans;
+  spans.push_back({masters.get(), nullptr, exp_avgs.get(), exp_avg_sqs.get(), parameters,
+                   gradients.get(), copies.get()});
+  // First touch on the workers: each page on the node of the CPU that steps it.
+  workers.run(pieces, [&](std::size_t index) {
+    const std::size_t at = index * kPiece;
+    const std::size_t count = std::min(kPiece, parameters - at);
+    std::fill_n(masters.get() + at, count, 0.5f);
+    std::fill_n(exp_avgs.get() + at, count, 0.0f);
+    std::fill_n(exp_avg_sqs.get() + at, count, 0.0f);
+    std::fill_n(gradients.get() + at, count, float_to_bf16(1e-3f));
+    std::fill_n(copies.get() + at, count, std::uint16_t{0});
+  });
+  adamw_settings settings;
+  double best = 0.0;
+  for (int pass = 0; pass < 4; ++pass) {
+    settings.step = pass + 1;
+    const auto start = std::chrono::steady_clock::now();
+    adamw_on_host(workers, spans, settings);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    if (pass > 0 && took.count() > 0) {
+      best = std::max(best, static_cast<double>(parameters) / took.count());
+    }
+  }
+  return best;
 }
 
 }  // namespace zeroalloc

@@ -104,4 +104,10 @@ class host_workers {
 void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
                    const adamw_settings& settings);
 
+/// Note [The host step's rate]: parameters a second that `workers` step with master weights
+/// (fp32 masters and moments, bf16 gradients in, bf16 copies out), over `parameters` of
+/// them in buffers the workers touched first (so their pages lie on the workers' node). The
+/// best of three passes after one that warms up. Holds 16 bytes a parameter during the call.
+[[nodiscard]] double adamw_rate(host_workers& workers, std::size_t parameters);
+
 }  // namespace zeroalloc

@@ -172,6 +172,30 @@ TEST_F(CApiTest, RoomShowsAFreedBlockOfItsClassAndTheMemoryLeftUnderTheLimit) {
   EXPECT_EQ(zeroalloc_moved_bytes(0, cls, &to_host, &to_device), -1);
 }
 
+// Note [The host step's rate]: a measurement the Python package asks for once, to predict
+// the fast recipe's step; bad arguments are named, not measured.
+TEST_F(CApiTest, TheHostStepsRateIsMeasuredAndBadArgumentsAreNamed) {
+  double rate = 0;
+  ASSERT_EQ(zeroalloc_host_adamw_rate(0, std::size_t{1} << 20, &rate), 0) << zeroalloc_last_error();
+  EXPECT_GT(rate, 1e6);  // a million parameters stepped in less than a second
+  EXPECT_EQ(zeroalloc_host_adamw_rate(999, 1024, &rate), -1);
+  EXPECT_EQ(zeroalloc_host_adamw_rate(0, 1024, nullptr), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("parameters_per_second is NULL"),
+            std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_host_adamw_rate(0, std::size_t{1} << 50, &rate), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("free host memory"), std::string::npos)
+      << zeroalloc_last_error();
+}
+
+TEST_F(CApiTest, TheLogTakesAMessageAtALevelAndNamesAnUnknownLevel) {
+  EXPECT_EQ(zeroalloc_log(ZEROALLOC_LOG_DEBUG, "below the default level: dropped"), 0);
+  EXPECT_EQ(zeroalloc_log(0, "no such level"), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("log level 0 is none of"), std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_log(ZEROALLOC_LOG_WARN, nullptr), -1);
+}
+
 TEST_F(CApiTest, MemoryFractionLimitsAndNamesItsSource) {
   zeroalloc_set_memory_fraction(1.5, 0);
   EXPECT_NE(std::string(zeroalloc_last_error()).find("outside (0, 1]"), std::string::npos);

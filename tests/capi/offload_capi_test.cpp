@@ -438,6 +438,7 @@ TEST(OffloadCapi, StatesBeyondTheHostLimitGoToTheNvmeTierAndComeBackForTheirUses
                      to_disk, on_disk, offload_figure("chunks_from_disk"),
                      offload_figure("disk_capacity_bytes"), all_back ? 1 : 0);
         for (void* state : states) zeroalloc_free(state, 8 * kMiB, 0, nullptr);
+        std::filesystem::remove_all(directory);  // the child's own (it ran mkdtemp again)
         std::exit(to_disk >= 2 && on_disk >= 2 && all_back ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), "capacity 67108864, back 1");

@@ -208,7 +208,15 @@ def test_master_weights_choices_and_their_errors(monkeypatch):
     assert _master_weights.working_dtype(False) is None
     with pytest.raises(ZeroallocError, match="master_weights='fp8'"):
         _master_weights.working_dtype("fp8")
-    monkeypatch.setattr(_master_weights._settings, "setting", lambda name, fallback: "bf16")
+    monkeypatch.delenv("ZEROALLOC_MASTER_WEIGHTS", raising=False)
+    monkeypatch.delenv("ZEROALLOC_RECIPE", raising=False)
+    assert _master_weights.working_dtype(None) is None
+    monkeypatch.setenv("ZEROALLOC_RECIPE", "fast")  # the recipe's, when the variable is unset
+    assert _master_weights.working_dtype(None) is BF16
+    monkeypatch.setenv("ZEROALLOC_MASTER_WEIGHTS", "none")
+    assert _master_weights.working_dtype(None) is None
+    monkeypatch.setenv("ZEROALLOC_RECIPE", "exact")
+    monkeypatch.setenv("ZEROALLOC_MASTER_WEIGHTS", "bf16")
     assert _master_weights.working_dtype(None) is BF16
 
 

@@ -297,6 +297,8 @@ def test_the_two_ways_of_stepping_host_parameters_run_side_by_side_at_each_limit
      ["offload_18GiB_bwdsaved", "offload_18GiB_bwdall"], "saved, all"),
     ("--master-weights", "ZEROALLOC_MASTER_WEIGHTS", "none,bf16",
      ["offload_18GiB_mwnone", "offload_18GiB_mwbf16"], "none, bf16"),
+    ("--recipe", "ZEROALLOC_RECIPE", "exact,fast",
+     ["offload_18GiB_recipeexact", "offload_18GiB_recipefast"], "exact, fast"),
 ])
 def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
         monkeypatch, flag, variable, values, names_made, accepted):

@@ -4,6 +4,7 @@ library picks (CI sets ZEROALLOC_DEVICE=sim). The test never sets ZEROALLOC_* in
 environment: pytest runs other files' subprocesses from the same process."""
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -177,6 +178,35 @@ def test_doctor_prints_every_check_and_passes_on_a_working_setup():
     assert not failed and result.returncode == 0, result.stdout
 
 
+def test_doctor_names_the_recipe_and_repeats_the_last_runs_advice(tmp_path):
+    """Note [The fast recipe, advised]: a run told that the fast recipe would help left it
+    in its report; doctor, run with the same ZEROALLOC_REPORT, says so with what to set."""
+    def recipe_line(**environment):
+        result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                                env={**os.environ, "PYTHONPATH": str(PACKAGE),
+                                     "ZEROALLOC_OFFLOAD": "host", **environment},
+                                capture_output=True, text=True)
+        lines = result.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
+        return " ".join(lines[at:at + 2])
+
+    assert "PASS  exact: master weights none, host step off (native numbers, bit for bit)" in (
+        recipe_line())
+    assert "fast: master weights bf16, host step on (numbers differ from native: bf16 " \
+           "weights, the CPUs' rounding)" in recipe_line(ZEROALLOC_RECIPE="fast")
+    assert "host step off (numbers differ from native: bf16 weights)" in recipe_line(
+        ZEROALLOC_RECIPE="fast", ZEROALLOC_HOST_STEP="0")
+    (tmp_path / "run.rank0.json").write_text(json.dumps({"sections": {"recipe": {
+        "advised": "ZEROALLOC_RECIPE=fast", "measured_step_s": 1.9,
+        "predicted_step_s": 0.52}}}))
+    line = recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"))
+    assert "WARN" in line and "took 1.90 s a step, about 0.52 s with ZEROALLOC_RECIPE=fast" in line
+    assert "-> set ZEROALLOC_RECIPE=fast to train faster" in line
+    # A recipe chosen since: the advice is history.
+    assert "PASS  fast" in recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"),
+                                       ZEROALLOC_RECIPE="fast")
+
+
 def test_doctor_fails_on_a_malformed_variable_and_names_it():
     result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
                             env={**os.environ, "PYTHONPATH": str(PACKAGE),
@@ -271,6 +301,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_offload", "zeroalloc_fetch",
                                       "zeroalloc_residency", "zeroalloc_room", "zeroalloc_moved_bytes",
                                       "zeroalloc_adamw_on_host", "zeroalloc_adamw_on_host_bf16",
+                                      "zeroalloc_host_adamw_rate", "zeroalloc_log",
                                       "zeroalloc_last_error_code", "zeroalloc_free_if_owned",
                                       "zeroalloc_memory_info", "zeroalloc_forget_stream",
                                       "zeroalloc_group_join", "zeroalloc_group_rank",

@@ -1,4 +1,4 @@
-"""The step's time model (Note [The step's time model] in bench/python/step_model.py): the
+"""The step's time model (Note [The step's time model] in zeroalloc/_step_model.py): the
 placement it plans is the host step's trade, and the step time it predicts from measured
 figures follows the limit and the recorded GPU runs."""
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "bindings" / "python"
 spec = importlib.util.spec_from_file_location("step_model",
-                                              ROOT / "bench" / "python" / "step_model.py")
+                                              PACKAGE / "zeroalloc" / "_step_model.py")
 model = importlib.util.module_from_spec(spec)
 sys.modules["step_model"] = model
 spec.loader.exec_module(model)

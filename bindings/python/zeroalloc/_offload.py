@@ -119,3 +119,23 @@ def host_step_answer(answer: int) -> bool:
 
 class HostStepUnavailable(ZeroallocError):
     """zeroalloc_adamw_on_host can never step on this driver (it answered 2)."""
+
+
+def host_adamw_rate(device: int, parameters: int = 0) -> float:
+    """Parameters a second that the host step's CPUs (`device`'s NUMA node) run AdamW at with
+    master weights, measured now over `parameters` of them (0: 64 Mi, 1 GiB for the call)."""
+    rate = ctypes.c_double()
+    if library().zeroalloc_host_adamw_rate(device, parameters, ctypes.byref(rate)) != 0:
+        raise ZeroallocError(last_error())
+    return rate.value
+
+
+#: zeroalloc_log's levels.
+LOG_LEVELS = {"debug": 1, "info": 2, "warn": 3, "error": 4}
+
+
+def log(level: str, message: str) -> None:
+    """Writes `message` to the library's log (ZEROALLOC_LOG_FILE, else standard error) at
+    `level` (debug, info, warn or error), as the library's own messages go."""
+    if library().zeroalloc_log(LOG_LEVELS[level], message.encode()) != 0:
+        raise ZeroallocError(last_error())

@@ -68,6 +68,51 @@ def _option_checks(checks: list[Check]) -> None:
         checks.append(Check("ZEROALLOC_* variables", PASS, "none set: every default applies"))
 
 
+def _recipe_check(checks: list[Check]) -> None:
+    """ZEROALLOC_RECIPE, what it sets, and the advice of the last run's report (Note [The
+    fast recipe, advised] in zeroalloc/torch/_recipe_advice.py)."""
+    from zeroalloc._library import library, read_json
+
+    options = {option["name"]: option for option in
+               read_json(library().zeroalloc_options_json).get("options", [])}
+
+    def chosen(name: str) -> str | None:
+        value = (options.get(name) or {}).get("value")
+        return value.strip().lower() if value and value.strip() else None
+
+    if chosen("ZEROALLOC_OFFLOAD") != "host":
+        checks.append(Check("recipe", PASS, "exact: nothing is offloaded "
+                            "(ZEROALLOC_OFFLOAD is not host)"))
+        return
+    recipe = chosen("ZEROALLOC_RECIPE") or "exact"
+    masters = chosen("ZEROALLOC_MASTER_WEIGHTS") or ("bf16" if recipe == "fast" else "none")
+    host = chosen("ZEROALLOC_HOST_STEP")
+    host_step = host in ("1", "true", "yes", "on") if host else recipe == "fast"
+    differences = [what for what, on in (("bf16 weights", masters != "none"),
+                                         ("the CPUs' rounding", host_step)) if on]
+    finding = (f"{recipe}: master weights {masters}, host step {'on' if host_step else 'off'} "
+               + (f"(numbers differ from native: {', '.join(differences)})" if differences
+                  else "(native numbers, bit for bit)"))
+    prefix = (options.get("ZEROALLOC_REPORT") or {}).get("value") or ""
+    paths = sorted(glob.glob(glob.escape(prefix) + ".json")
+                   + glob.glob(glob.escape(prefix) + ".rank*.json")) if prefix else []
+    for path in paths:
+        try:
+            with open(path) as file:
+                advice = json.load(file).get("sections", {}).get("recipe")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if advice and recipe == "exact":
+            checks.append(Check(
+                "recipe", WARN, finding + f"; the last run ({path}) took "
+                f"{advice['measured_step_s']:.2f} s a step, about "
+                f"{advice['predicted_step_s']:.2f} s with {advice['advised']}",
+                f"set {advice['advised']} to train faster, or ZEROALLOC_RECIPE=exact to keep "
+                "native numbers"))
+            return
+    checks.append(Check("recipe", PASS, finding))
+
+
 def _load(names: list[str]) -> ctypes.CDLL | None:
     for name in names:
         try:
@@ -400,6 +445,7 @@ def run_checks() -> list[Check]:
     build = _library_checks(checks)
     if build is not None:
         _option_checks(checks)
+        _recipe_check(checks)
     driver, count = _driver_checks(checks, build)
     _runtime_check(checks, build)
     _gpu_checks(checks, driver, count)

@@ -58,10 +58,10 @@ def finish_every_behind() -> None:
 
 
 def working_dtype(choice) -> "torch.dtype | None":
-    """offload()'s `master_weights` as a dtype: None or False (ZEROALLOC_MASTER_WEIGHTS, when
-    None), True or "bf16" or torch.bfloat16."""
+    """offload()'s `master_weights` as a dtype: None or False (when None,
+    ZEROALLOC_MASTER_WEIGHTS, else the recipe's), True or "bf16" or torch.bfloat16."""
     if choice is None:
-        choice = _settings.setting("ZEROALLOC_MASTER_WEIGHTS", "none")
+        choice = _settings.master_weights()
     if choice is False or choice in ("none", "0", "off", "no", "false"):
         return None
     if choice is True or choice is torch.bfloat16:

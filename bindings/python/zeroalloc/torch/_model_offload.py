@@ -92,7 +92,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     second at 13.3 GiB of the 1.3B bench model, where the states alone make room), but they
     let a run train under a lower limit.
     With `master_weights` (True, "bf16" or torch.bfloat16; not given, ZEROALLOC_MASTER_WEIGHTS,
-    default none), the model trains as DeepSpeed's bf16 mode does: its fp32 parameters become
+    else bf16 under ZEROALLOC_RECIPE=fast and none under exact), the model trains as DeepSpeed's bf16 mode does: its fp32 parameters become
     bf16 working copies and the optimizer steps fp32 masters, which the engine places with
     the optimizer's states (Note [Master weights] in _master_weights.py); only at the first
     offload() of a model and optimizer.
@@ -179,7 +179,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
     _settings.require_offload_engine()
     mode = mode_of(_settings.gradient_class_default() if gradient_class is None
                    else gradient_class)
-    dtype = working_dtype(None)  # ZEROALLOC_MASTER_WEIGHTS
+    dtype = working_dtype(None)  # ZEROALLOC_MASTER_WEIGHTS, else the recipe's
     hints = _module_hints.AutomaticHints(hint_group_bytes)
     _module_hints.automatic.append(hints)
     torch.nn.modules.module.register_module_forward_pre_hook(hints.before)
@@ -203,7 +203,7 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if dtype is not None and not steps_by_param_groups(self):
             warnings.warn(f"zeroalloc: {type(self).__name__} does not step its param_groups "
                           "as torch.optim's optimizers do: its parameters keep their dtype "
-                          "(ZEROALLOC_MASTER_WEIGHTS applies to the others)")
+                          "(master weights apply to the others)")
         elif dtype is not None:  # Note [Master weights]
             masters = MasterWeights(dtype)
             masters.make(self)

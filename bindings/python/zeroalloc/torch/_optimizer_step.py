@@ -18,6 +18,7 @@ from zeroalloc.torch._host_step import PARTLY_ON_HOST, Behind, HostStep
 from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._gradient_choice import GradientChoice
+from zeroalloc.torch._recipe_advice import RecipeAdvice, why_not
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
     CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
@@ -215,6 +216,9 @@ class WindowedStep:
         # Note [Master weights] (_master_weights.py): the fp32 masters it steps for bf16
         # working copies, or None.
         self.masters = masters_of(optimizer)
+        # Note [The fast recipe, advised] (_recipe_advice.py): told after each step.
+        self.advice = RecipeAdvice(why_not(optimizer, self.masters))
+        self.step_started = 0.0  # time.perf_counter() when the running step began
         self.members = self.member_ids(p for group in optimizer.param_groups
                                        for p in group["params"])
         self.hinted = False  # a module hint since the last step
@@ -699,6 +703,7 @@ class WindowedStep:
     def step(self, closure=None, **kwargs):
         """The optimizer's step: in windows (plan_windows, prepare_scratch, step_windows), or
         in one piece; then the step boundary, and what the next step learns from this one."""
+        self.step_started = time.perf_counter()
         if self.host is not None:  # Note [The host step finishes behind the forward]
             self.host.finish_behind()
         self.adopt_late_parameters()
@@ -1138,6 +1143,10 @@ class WindowedStep:
             self.gradients.after_step(first.device.index or 0)
             if self.gradients.state != was:
                 self.hook_gradients(self.gradients.on)
+            self.advice.after_step(first.device.index or 0,  # Note [The fast recipe, advised]
+                                   time.perf_counter() - self.step_started,
+                                   lambda: [tuple(p.shape) for params in run.saved
+                                            for p in params])
 
 
 def step_figures(optimizer) -> dict:
@@ -1150,6 +1159,7 @@ def step_figures(optimizer) -> dict:
                              "pass it to zeroalloc.torch.offload() first")
     figures = dict(stepper.figures)
     figures.update(stepper.gradients.figures())  # Note [Gradients' class, decided]
+    figures.update(stepper.advice.snapshot_figures())  # Note [The fast recipe, advised]
     if stepper.host is not None:  # Note [Host windows]: which windows ran where
         figures.update(stepper.host.figures)
     return figures

@@ -6,17 +6,30 @@ from __future__ import annotations
 from zeroalloc._library import ZeroallocError, library, read_json
 
 
-def setting(name: str, fallback: str) -> str:
-    """The variable `name` as the environment holds it now, checked by the library's own
-    parser, else its default (asks no device for anything). The library read its settings
-    once, at its first call: change them before that, not after."""
+def _option(name: str) -> dict:
+    """The library's reading of the variable `name` (its value, None when unset, and its
+    default), checked by its own parser (asks no device for anything). The library read its
+    settings once, at its first call: change them before that, not after."""
     report = read_json(library().zeroalloc_options_json)
     if not report.get("valid", True):
         raise ZeroallocError(report.get("error") or f"{name} could not be read")
     for option in report.get("options", []):
         if option.get("name") == name:
-            return (option.get("value") or option.get("default") or fallback).strip().lower()
-    return fallback
+            return option
+    return {}
+
+
+def setting(name: str, fallback: str) -> str:
+    """The variable `name` as the environment holds it now, checked by the library's own
+    parser, else its default, else `fallback`."""
+    option = _option(name)
+    return (option.get("value") or option.get("default") or fallback).strip().lower()
+
+
+def setting_if_set(name: str) -> "str | None":
+    """The variable `name` as the environment holds it, checked, or None when it is unset."""
+    value = _option(name).get("value")
+    return value.strip().lower() if value and value.strip() else None
 
 
 #: The words of a yes, as the library reads them (lowercase).
@@ -57,11 +70,26 @@ def parameters_park() -> bool:
     return not any_access() and enabled("ZEROALLOC_PARK_PARAMETERS", "1")
 
 
+def recipe() -> str:
+    """ZEROALLOC_RECIPE (default exact): what the package may change in the numbers to train
+    faster. exact: nothing. fast: master weights in bf16 and the host step, unless their own
+    variables say otherwise (Note [The fast recipe, advised] in _recipe_advice.py)."""
+    return setting("ZEROALLOC_RECIPE", "exact")
+
+
+def master_weights() -> str:
+    """ZEROALLOC_MASTER_WEIGHTS as set, else what the recipe gives: bf16 under fast, else
+    none."""
+    return setting_if_set("ZEROALLOC_MASTER_WEIGHTS") or (
+        "bf16" if recipe() == "fast" else "none")
+
+
 def host_step() -> bool:
-    """ZEROALLOC_HOST_STEP (default 0): whether the windowed step steps AdamW windows whose
-    states and parameters are all on the host there, on the CPUs (Note [Stepped on the
-    host] in lib/tier/host_step.hpp)."""
-    return enabled("ZEROALLOC_HOST_STEP", "0")
+    """ZEROALLOC_HOST_STEP as set, else what the recipe gives (on under fast, else off):
+    whether the windowed step steps AdamW windows whose states and parameters are all on the
+    host there, on the CPUs (Note [Stepped on the host] in lib/tier/host_step.hpp)."""
+    chosen = setting_if_set("ZEROALLOC_HOST_STEP")
+    return chosen in YES if chosen is not None else recipe() == "fast"
 
 
 def host_step_overlap() -> bool:

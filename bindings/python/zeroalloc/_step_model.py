@@ -1,5 +1,7 @@
 """The step's time model under a limit: the placement the engine reaches, and the step time it
-predicts from figures measured apart from the step (Note [The step's time model]).
+predicts from figures measured apart from the step (Note [The step's time model]). The
+bench holds it against measured steps; the package uses it to advise the fast recipe (Note
+[The fast recipe, advised] in zeroalloc/torch/_recipe_advice.py). Plain Python, no torch.
 
 Note [The step's time model]: with master weights and the host step (ZEROALLOC_HOST_STEP=1,
 the CPUs finishing behind the forward), the step's time follows from a few figures:
@@ -68,6 +70,24 @@ def llama_parameters(hidden: int, intermediate: int, layers: int, vocab: int) ->
     computing = sum(size for kind, size in order if kind == "matrix")
     return [Parameter(size, size / computing if kind == "matrix" else 0.0)
             for kind, size in order]
+
+
+def parameters_of(shapes) -> list:
+    """Parameters in the optimizer's order from their shapes (tuples of sizes), as a run knows
+    them without knowing the model: each matrix (two or more dimensions) computes in
+    proportion to its size, vectors (norms, biases) nothing. An embedding counts as a matrix,
+    so the model gives its layer a share of the forward that a lookup does not take."""
+    counts = [_product(shape) for shape in shapes]
+    computing = sum(count for count, shape in zip(counts, shapes) if len(shape) >= 2)
+    return [Parameter(count, count / computing if len(shape) >= 2 and computing else 0.0)
+            for count, shape in zip(counts, shapes)]
+
+
+def _product(shape) -> int:
+    total = 1
+    for size in shape:
+        total *= int(size)
+    return total
 
 
 def plan_host(parameters: list, reserved_bytes: int, limit_bytes: int,
