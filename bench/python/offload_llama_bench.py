@@ -356,18 +356,23 @@ class Bandwidth:
     host_to_device_gbps: float
     device_to_host_gbps: float
     both_gbps: float
+    #: The host step's AdamW on the GPU's NUMA node, parameters a second
+    #: (zeroalloc_host_adamw_rate); nan where it could not be measured.
+    cpu_params_per_s: float = math.nan
 
     @classmethod
     def from_result(cls, result: dict) -> Optional["Bandwidth"]:
         if "error" in result:
             return None
         return cls(result["host_to_device_gbps"], result["device_to_host_gbps"],
-                   result["both_gbps"])
+                   result["both_gbps"], result.get("cpu_params_per_s", math.nan))
 
 
 PCIE_BOUND_FORMULA = ("PCIe bound = max(native step, over / d2h, over / h2d, 2 x over / both), "
                       "over = max(0, native peak reserved - limit): a lower bound, see "
-                      "pcie_bound_step_s")
+                      "pcie_bound_step_s; CPU bound = the parameters the CPUs stepped a step "
+                      "(the host step) / their AdamW rate measured alone; step/bound: the "
+                      "step over the larger bound")
 
 
 def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_bytes: int,
@@ -467,6 +472,7 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
         "parked_per_step": timed.get("chunks_parked", nan) / steps if steps else nan,
         "unparked_per_step": timed.get("chunks_unparked", nan) / steps if steps else nan,
         "pcie_bound_s": nan,
+        "cpu_bound_s": nan,
         "step_over_bound": nan,
         "model_s": nan,
         "step_over_model": nan,
@@ -475,11 +481,16 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
     if modelled:
         figures["model_s"] = modelled["step_s"]
         figures["step_over_model"] = result["step_s"] / modelled["step_s"]
+    if bandwidth is not None and steps and timed.get("host_params"):
+        # The host step's CPUs over what they stepped a step, at their rate alone.
+        figures["cpu_bound_s"] = timed["host_params"] / steps / bandwidth.cpu_params_per_s
     if bandwidth is not None and "step_s" in native and "peak_reserved" in native:
         bound = pcie_bound_step_s(native["step_s"], native["peak_reserved"],
                                   result["limit_bytes"], bandwidth)
         figures["pcie_bound_s"] = bound
-        figures["step_over_bound"] = result["step_s"] / bound
+        largest = bound if math.isnan(figures["cpu_bound_s"]) else max(
+            bound, figures["cpu_bound_s"])
+        figures["step_over_bound"] = result["step_s"] / largest
     for mode, each in deepspeed.items():
         figures[f"vs_{mode}"] = result["tokens_per_s"] / each["tokens_per_s"]
     return figures
@@ -496,7 +507,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     header = (f"{'run':{width}} {'limit GiB':>10} {'tok/s':>8} {'step s':>7} {'hit rate':>8} "
               f"{'GiB/step':>8} {'params':>6} {'remap s':>7} {'parked':>6} {'mapped':>6} "
               f"{'host GiB':>8} {'wait s/step':>11} "
-              f"{'PCIe bound s':>12} {'step/bound':>10} {'model s':>7} {'step/model':>10}")
+              f"{'PCIe bound s':>12} {'CPU bound s':>11} {'step/bound':>10} {'model s':>7} "
+              f"{'step/model':>10}")
     header += "".join(f" {'vs ' + mode:>7}" for mode in deepspeed)
     lines = [header]
     for run in sweep:
@@ -514,7 +526,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
                 f"{f['parameter_gib_per_step']:6.2f} {f['remap_s_per_step']:7.3f} "
                 f"{f['parked_per_step']:6.0f} {f['unparked_per_step']:6.0f} {f['host_gib']:8.2f} "
                 f"{f['device_wait_s_per_step']:11.3f} {f['pcie_bound_s']:12.3f} "
-                f"{f['step_over_bound']:10.2f} {f['model_s']:7.3f} {f['step_over_model']:10.2f}")
+                f"{f['cpu_bound_s']:11.3f} {f['step_over_bound']:10.2f} {f['model_s']:7.3f} "
+                f"{f['step_over_model']:10.2f}")
         line += "".join(f" {f['vs_' + mode]:7.2f}" for mode in deepspeed)
         lines.append(line)
     for mode, result in deepspeed.items():  # the reference: its footprint, its speed
@@ -538,7 +551,8 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
         lines.append(f"pinned bandwidth ({BANDWIDTH_COPY_BYTES >> 20} MiB copies): host to "
                      f"device {bandwidth.host_to_device_gbps:.1f} GB/s, device to host "
                      f"{bandwidth.device_to_host_gbps:.1f} GB/s, both at once "
-                     f"{bandwidth.both_gbps:.1f} GB/s")
+                     f"{bandwidth.both_gbps:.1f} GB/s; the host step's AdamW "
+                     f"{bandwidth.cpu_params_per_s / 1e9:.2f} G parameters/s")
     if not native.get("peak_reserved"):
         lines.append("no PCIe bound: the native run failed or was not asked for (--modes native)")
     return "\n".join(lines)
@@ -1083,6 +1097,13 @@ def bandwidth_worker() -> int:
               "host_to_device_gbps": median_gbps(True, False),
               "device_to_host_gbps": median_gbps(False, True),
               "both_gbps": median_gbps(True, True)}
+    # The host step's CPUs alone (Note [The host step's rate]): the CPU bound's rate.
+    try:
+        sys.path.insert(0, str(PACKAGE))
+        from zeroalloc import _offload
+        result["cpu_params_per_s"] = _offload.host_adamw_rate(0)
+    except Exception as error:  # noqa: BLE001  the bound is then left out, saying why
+        result["cpu_rate_error"] = str(error)
     print("result " + json.dumps(result), flush=True)
     return 0
 

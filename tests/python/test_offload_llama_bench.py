@@ -164,6 +164,22 @@ def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
     assert math.isnan(bench.sweep_figures(traded, native, BANDWIDTH, {})["model_s"])  # no shape
 
 
+def test_a_host_step_row_is_bound_by_the_cpus_where_their_work_outlasts_the_bus():
+    """The CPU bound: the parameters the host step stepped a step over the CPUs' rate alone;
+    step/bound takes the larger of it and the PCIe bound. Rows without the host step have
+    none."""
+    native = made_up_result("native")
+    measured = bench.Bandwidth(50.0, 50.0, 100.0, cpu_params_per_s=4e9)
+    hosted = made_up_result("offload", 24 * GIB)
+    hosted["timed"].update(host_params=8 * 1_000_000_000)  # 1 G parameters a step, 8 steps
+    figures = bench.sweep_figures(hosted, native, measured, {})
+    assert figures["cpu_bound_s"] == pytest.approx(0.25)  # above the PCIe bound's 0.15
+    assert figures["step_over_bound"] == pytest.approx(0.25 / 0.25)
+    plain = bench.sweep_figures(made_up_result("offload", 24 * GIB), native, measured, {})
+    assert math.isnan(plain["cpu_bound_s"])
+    assert plain["step_over_bound"] == pytest.approx(0.25 / plain["pcie_bound_s"])
+
+
 def test_a_sweep_row_without_native_run_has_no_bound():
     figures = bench.sweep_figures(made_up_result("offload", 24 * GIB), {}, BANDWIDTH, {})
     assert math.isnan(figures["pcie_bound_s"]) and math.isnan(figures["step_over_bound"])
