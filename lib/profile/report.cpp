@@ -145,6 +145,25 @@ void reporter::sample_loop() {
   }
 }
 
+// Note [Held under the limit]: a program may change its limit while it runs (the demo
+// replays a trace unlimited, then under a limit; PyTorch's
+// set_per_process_memory_fraction). The most the device held over the whole run would then
+// read as a limit broken. So the summary and the page give what the device held under the
+// last limit, from when it took effect, and the most it held before, apart.
+reporter::held_under_limit reporter::held_of(const std::vector<sample>& series,
+                                             const std::vector<std::uint64_t>& times_ms) {
+  held_under_limit held;
+  std::size_t since = series.size();
+  while (since > 0 && series[since - 1].limit == series.back().limit) --since;
+  for (std::size_t i = 0; i < series.size(); ++i) {
+    std::int64_t& most = i < since ? held.device_before : held.device;
+    most = std::max(most, series[i].device);
+    held.host = std::max(held.host, series[i].host);
+  }
+  if (since > 0 && since < times_ms.size()) held.since_ms = times_ms[since];
+  return held;
+}
+
 void reporter::take_sample() {
   std::lock_guard lock(mutex_);
   const std::vector<caching_allocator*> allocators = allocators_();
@@ -484,22 +503,24 @@ std::optional<std::string> reporter::write_to(const std::string& prefix,
       const stats_snapshot figures = each->stats();
       // The device first, as the page leads: what it held and what the host held, from the
       // timeline; the allocated and reserved bytes are addresses, wherever their bytes are.
-      std::int64_t device_held = 0;
-      std::int64_t host_held = 0;
+      held_under_limit held;
       for (const auto& [ordinal, series] : samples_) {
-        if (ordinal != each->backing().ordinal()) continue;
-        for (const sample& at : series) {
-          device_held = std::max(device_held, at.device);
-          host_held = std::max(host_held, at.host);
-        }
+        if (ordinal == each->backing().ordinal()) held = held_of(series, times_ms_);
+      }
+      std::string limit = format_bytes(each->limit_bytes());
+      std::string device = format_bytes(static_cast<std::uint64_t>(held.device));
+      if (held.since_ms) {  // Note [Held under the limit]
+        limit += fmt::format(" from {:.1f} s", static_cast<double>(*held.since_ms) / 1000.0);
+        device += detail::concat(" under it (",
+                                 format_bytes(static_cast<std::uint64_t>(held.device_before)),
+                                 " before)");
       }
       log().warn(
           "report ({}): {}: limit {}; the device held at most {}, the host at most {}; "
           "virtual: peak allocated {}, peak reserved {}; {} allocations, {} retries, {} "
           "failures; written to {}.json and {}.html",
-          reason, each->backing().name(), format_bytes(each->limit_bytes()),
-          format_bytes(static_cast<std::uint64_t>(device_held)),
-          format_bytes(static_cast<std::uint64_t>(host_held)),
+          reason, each->backing().name(), limit, device,
+          format_bytes(static_cast<std::uint64_t>(held.host)),
           format_bytes(static_cast<std::uint64_t>(figures.total.allocated_bytes.lifetime_peak)),
           format_bytes(static_cast<std::uint64_t>(figures.total.reserved_bytes.lifetime_peak)),
           figures.total.allocations, figures.total.retries, figures.total.failures, prefix, prefix);

@@ -164,6 +164,15 @@ class reporter {
     std::int64_t host = 0;    // bytes offloaded to host memory
     std::int64_t limit = 0;   // the limit in force (ZEROALLOC_MEMORY_LIMIT, or the device's total)
   };
+  // Note [Held under the limit]: what one device held, from its samples.
+  struct held_under_limit {
+    std::int64_t device = 0;                // the most the device held under the last limit
+    std::int64_t device_before = 0;         // ... before that limit took effect
+    std::int64_t host = 0;                  // the most the host held
+    std::optional<std::uint64_t> since_ms;  // when the last limit took effect, if it changed
+  };
+  static held_under_limit held_of(const std::vector<sample>& series,
+                                  const std::vector<std::uint64_t>& times_ms);
   // device ordinal -> samples, aligned with times_ms_
   std::vector<std::pair<int, std::vector<sample>>> samples_;
   const tier_probe tiers_;

@@ -94,6 +94,40 @@ def test_reports_show_the_peaks_of_the_whole_run_after_a_reset(tmp_path):
     assert lines[2].strip().startswith("virtual, wherever the bytes are: peak allocated"), lines
 
 
+def test_a_limit_set_during_the_run_counts_what_the_device_held_from_then_on(tmp_path):
+    """Note [Held under the limit]: 96 MiB held with no limit, then a limit of 64 MiB and 32
+    MiB held under it. The summary and the page say what was held under the limit, from
+    when it took effect, and what before, apart: never "held 96 MiB" beside "limit 64 MiB"."""
+    result = run_program("""
+        MiB = 1 << 20
+        big = lib.zeroalloc_malloc(96 * MiB, 0, None)
+        time.sleep(0.6)
+        lib.zeroalloc_free(big, 0, 0, None)
+        lib.zeroalloc_empty_cache()
+        lib.zeroalloc_set_memory_fraction(64 / 8192, 0)   # 64 MiB of the 8 GiB device
+        small = lib.zeroalloc_malloc(32 * MiB, 0, None)
+        time.sleep(0.6)
+    """, ZEROALLOC_REPORT=str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if "report (exit)" in line)
+    assert re.search(r"limit 64\.00 MiB from \d+\.\d s; the device held at most 32\.00 MiB "
+                     r"under it \(96\.00 MiB before\)", line), line
+    summary = subprocess.run([sys.executable, "-m", "zeroalloc", "report",
+                              str(tmp_path / "run.json")],
+                             env={**os.environ, "PYTHONPATH": str(PACKAGE)},
+                             capture_output=True, text=True).stdout
+    assert re.search(r"limit 64\.00 MiB from \d+\.\d s; the device held at most 32\.00 MiB "
+                     r"under it \(96\.00 MiB before\)", summary), summary
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is not None:  # the page says the same
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                              "--dump-dom", (tmp_path / "run.html").as_uri()],
+                             capture_output=True, text=True, timeout=120).stdout
+        headline = re.search(r'<p class="headline"[^>]*>([^<]*)</p>', dom)
+        assert headline and "the device held at most 32.00 MiB under it (96.00 MiB before)" in (
+            headline.group(1)), dom[-2000:]
+
+
 def test_sigusr1_writes_a_report_while_the_program_runs(tmp_path):
     result = run_program(f"""
         kept = lib.zeroalloc_malloc(8 << 20, 0, None)

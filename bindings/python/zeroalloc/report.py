@@ -22,6 +22,20 @@ def _peak(gauge: dict) -> int:
     return gauge.get("lifetime_peak", gauge["peak"])
 
 
+def held_under_limit(series: dict, times_ms: list) -> dict:
+    """Note [Held under the limit] (lib/profile/report.cpp): the most the device held under
+    the last limit and before it took effect (`since_ms`, None when it never changed), and
+    the most the host held."""
+    device, limits = series.get("device") or [], series.get("limit") or []
+    since = len(limits)
+    while since > 0 and limits[since - 1] == limits[-1]:
+        since -= 1
+    return {"device": max(device[since:], default=0),
+            "device_before": max(device[:since], default=0),
+            "host": max(series.get("host") or [0]),
+            "since_ms": times_ms[since] if 0 < since < len(times_ms) else None}
+
+
 def summary(report: dict) -> str:
     lines = [f"zeroalloc report written {report['time']} because of: {report['reason']} "
              f"(process {report['pid']}, zeroalloc {report['version']})"]
@@ -34,12 +48,16 @@ def summary(report: dict) -> str:
         # The device first, as the page leads: allocated and reserved bytes are addresses,
         # wherever their bytes are (on the host, with offload).
         series = report["timeline"]["devices"].get(str(device["device"]), {})
-        device_held = max(series.get("device") or [peak_reserved])
-        host_held = max(series.get("host") or [0])
-        lines.append(f"device {device['device']} ({stats['device_name']}): limit "
-                     f"{_format_bytes(stats['limit_bytes'])}; the device held at most "
-                     f"{_format_bytes(device_held)}, the host at most "
-                     f"{_format_bytes(host_held)}")
+        held = held_under_limit(series, report["timeline"].get("t_ms", []))
+        device_held = held["device"] if series.get("device") else peak_reserved
+        limit = _format_bytes(stats["limit_bytes"])
+        device_text = _format_bytes(device_held)
+        if held["since_ms"] is not None:  # Note [Held under the limit] (lib/profile/report.cpp)
+            limit += f" from {held['since_ms'] / 1000:.1f} s"
+            device_text += f" under it ({_format_bytes(held['device_before'])} before)"
+        lines.append(f"device {device['device']} ({stats['device_name']}): limit {limit}; "
+                     f"the device held at most {device_text}, the host at most "
+                     f"{_format_bytes(held['host'])}")
         lines.append(f"  virtual, wherever the bytes are: peak allocated "
                      f"{_format_bytes(peak_allocated)}, peak reserved "
                      f"{_format_bytes(peak_reserved)} (ratio {ratio}); {total['allocations']} "
