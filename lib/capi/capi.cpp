@@ -768,12 +768,16 @@ ZA_EXPORT int zeroalloc_host_adamw_rate(int device, size_t parameters,
     runtime& started = runtime::get();
     zeroalloc::host_workers& workers = started.host_step_workers(device);  // checks `device`
     const std::uint64_t available = zeroalloc::host_available_bytes();
-    const std::uint64_t needed = count * kBytesEach + zeroalloc::host_reserve_bytes();
-    ZA_REQUIRE(available >= needed, "measuring the host step's rate over ", count,
-               " parameters needs ", count * kBytesEach, " bytes of host memory above the ",
-               zeroalloc::host_reserve_bytes(), " it keeps in reserve, but only ", available,
-               " are available: measure fewer parameters, or free host memory");
-    *parameters_per_second = zeroalloc::adamw_rate(workers, count);
+    const std::uint64_t reserve = zeroalloc::host_reserve_bytes();
+    ZA_REQUIRE(available >= reserve && count <= (available - reserve) / kBytesEach,
+               "measuring the host step's rate over ", count, " parameters needs ", kBytesEach,
+               " bytes each of host memory above the ", reserve, " it keeps in reserve, but only ",
+               available, " are available: measure fewer parameters, or free host memory");
+    const double rate = zeroalloc::adamw_rate(workers, count);
+    ZA_REQUIRE(rate > 0, "the host step's rate over ", count,
+               " parameters could not be timed (every pass took no measurable time): "
+               "measure more parameters");
+    *parameters_per_second = rate;
     return 0;
   });
 }

@@ -224,9 +224,11 @@ const std::vector<option_spec>& table() {
        "DeepSpeed's bf16 recipe with its optimizer on the CPUs: the model computes in bf16 "
        "against fp32 master weights (ZEROALLOC_MASTER_WEIGHTS=bf16), and AdamW steps the "
        "masters the host holds on the CPUs (ZEROALLOC_HOST_STEP=1), whose rounding differs "
-       "from the device's. On a 1.3B Llama at a 13.3 GiB limit, fast ran 5 x exact. Under exact, "
-       "a run whose steps move memory says once, in the log and the report, the step time "
-       "fast would give it. Either variable set on its own overrides the recipe.",
+       "from the device's. On a 1.3B Llama at a 13.3 GiB limit, fast ran 5 x exact. Unset "
+       "(exact), a run whose steps move memory says once, in the log and the report, the step "
+       "time fast would give it; set to exact, it says nothing. Either variable set on its own "
+       "overrides the recipe; under ZEROALLOC_ZERO_STAGE, fast leaves master weights out (they "
+       "do not combine with ZeRO yet).",
        check<read_choice>},
       {"ZEROALLOC_HOST_STEP", option_kind::boolean, "", "",
        "1: with ZEROALLOC_OFFLOAD=host, the Python package's windowed optimizer step runs AdamW "

@@ -255,8 +255,8 @@ void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
 // Note [The host step's rate]: what the host step would cost, asked before it runs (the
 // Python package's advice of the fast recipe, Note [The fast recipe, advised]). The same
 // workers and update as the step, on buffers as large as a few layers' masters: far past
-// the caches, so the rate is the node's memory bandwidth over the 16 bytes a parameter
-// moves, as in the step.
+// the caches, so the rate is the node's memory bandwidth over the 28 bytes a parameter's
+// update reads and writes, as in the step. 0 when no pass took measurable time.
 double adamw_rate(host_workers& workers, std::size_t parameters) {
   ZA_REQUIRE(parameters > 0, "the host step's rate needs at least one parameter");
   constexpr std::size_t kPiece = std::size_t{1} << 18;

@@ -202,9 +202,14 @@ def test_doctor_names_the_recipe_and_repeats_the_last_runs_advice(tmp_path):
     line = recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"))
     assert "WARN" in line and "took 1.90 s a step, about 0.52 s with ZEROALLOC_RECIPE=fast" in line
     assert "-> set ZEROALLOC_RECIPE=fast to train faster" in line
-    # A recipe chosen since: the advice is history.
+    # A recipe chosen since, even exact: the advice is history.
     assert "PASS  fast" in recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"),
                                        ZEROALLOC_RECIPE="fast")
+    assert "PASS  exact" in recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"),
+                                        ZEROALLOC_RECIPE="exact")
+    # A report without the figures this version writes is passed over, not a crash.
+    (tmp_path / "run.rank0.json").write_text(json.dumps({"sections": {"recipe": {"x": 1}}}))
+    assert "PASS  exact" in recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"))
 
 
 def test_doctor_fails_on_a_malformed_variable_and_names_it():

@@ -42,9 +42,12 @@ def test_a_run_that_names_no_recipe_is_told_once_what_fast_would_give_it(tmp_pat
     figures = ast.literal_eval(field(out, "figures"))
     print("advice figures:", {k: v for k, v in figures.items() if k.startswith("recipe")})
     assert figures["recipe_advice"] == "advised", figures
-    assert figures["recipe_advice_predicted_s"] <= 0.9 * figures["recipe_advice_measured_s"]
+    assert figures["recipe_advice_at_step"] >= 3  # after the two steps that settle
     told = [line for line in log.read_text().splitlines() if "ZEROALLOC_RECIPE=fast" in line]
     assert len(told) == 1, told
+    # The message gives the figures the advice used.
+    assert f"took {figures['recipe_advice_measured_s']:.2f} s" in told[0]
+    assert f"about {figures['recipe_advice_predicted_s']:.2f} s" in told[0]
     section = json.loads(report.with_suffix(".json").read_text())["sections"]["recipe"]
     assert section["advised"] == "ZEROALLOC_RECIPE=fast"
     assert section["predicted_step_s"] == round(figures["recipe_advice_predicted_s"], 4)

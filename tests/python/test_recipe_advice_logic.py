@@ -41,7 +41,7 @@ def untold(monkeypatch):
     """Each test starts in a process that was not told yet, with no recipe variable set."""
     monkeypatch.setattr(_recipe_advice, "told", False)
     for name in ("ZEROALLOC_RECIPE", "ZEROALLOC_MASTER_WEIGHTS", "ZEROALLOC_HOST_STEP",
-                 "ZEROALLOC_ZERO_STAGE"):
+                 "ZEROALLOC_ZERO_STAGE", "ZEROALLOC_ACCESS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -49,10 +49,10 @@ def steps(advice, walls, moved, in_step=0.1):
     """Steps of `walls` seconds each (from 1.0 on), `in_step` of each inside the optimizer's
     step, with (to host, to device) moved so far after each."""
     now = 1.0
-    for wall, total in zip(walls, moved):
+    for wall, total in zip(walls, moved):  # every move during forward and backward
         now += wall
-        advice.after_step(0, in_step, lambda: SHAPES, now=now, moved_now=total, rates=RATES,
-                          memory=MEMORY)
+        advice.after_step(0, in_step, lambda: SHAPES, now=now, moved_now=total,
+                          moved_before=total, rates=RATES, memory=MEMORY)
 
 
 @pytest.fixture
@@ -82,6 +82,12 @@ def test_each_recipe_sets_master_weights_and_the_host_step_and_a_variable_overri
     assert (_settings.master_weights(), _settings.host_step()) == ("none", False)
     monkeypatch.setenv("ZEROALLOC_RECIPE", "exact")
     monkeypatch.setenv("ZEROALLOC_HOST_STEP", "1")
+    assert (_settings.master_weights(), _settings.host_step()) == ("none", True)
+    # Under ZeRO, fast leaves master weights out (they do not combine yet), not the step.
+    for name in ("ZEROALLOC_MASTER_WEIGHTS", "ZEROALLOC_HOST_STEP"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ZEROALLOC_RECIPE", "fast")
+    monkeypatch.setenv("ZEROALLOC_ZERO_STAGE", "2")
     assert (_settings.master_weights(), _settings.host_step()) == ("none", True)
 
 
@@ -140,6 +146,28 @@ def test_the_first_timed_step_that_moves_tells_once_with_the_step_models_predict
     assert other.state == "quiet" and len(lines) == 1
 
 
+def test_moves_inside_the_step_are_not_taken_off_twice_and_none_under_hinted_access(
+        logged, monkeypatch):
+    """The step's own time holds the moves it made; only those of forward and backward are
+    taken off the compute, and under ZEROALLOC_ACCESS=hinted (moves overlap compute) none."""
+    def predicted(outside_gib):
+        monkeypatch.setattr(_recipe_advice, "told", False)
+        advice = RecipeAdvice(None)
+        now, total = 1.0, 0
+        for _ in range(4):
+            now += 2.0
+            before = (total + outside_gib * GIB, 0)
+            total += 3 * GIB  # 3 GiB a step to the host, `outside_gib` of it before the step
+            advice.after_step(0, 0.5, lambda: SHAPES, now=now, moved_now=(total, 0),
+                              moved_before=before, rates=RATES, memory=MEMORY)
+        return advice.snapshot_figures()["recipe_advice_predicted_s"]
+
+    none_outside, two_outside = predicted(0), predicted(2)
+    assert two_outside < none_outside  # 2 GiB less compute: a shorter fast step
+    monkeypatch.setenv("ZEROALLOC_ACCESS", "hinted")
+    assert predicted(2) == pytest.approx(none_outside)
+
+
 def test_a_prediction_not_worth_the_change_says_nothing(logged):
     """Under a limit that leaves the run almost everything, the fast recipe's step is no
     faster than the measured one: nothing is said, and the figures show why."""
@@ -150,7 +178,7 @@ def test_a_prediction_not_worth_the_change_says_nothing(logged):
     for number in range(5):
         now += 0.2
         advice.after_step(0, 0.03, lambda: SHAPES, now=now, moved_now=(number, number),
-                          rates=RATES, memory=memory)
+                          moved_before=(number, number), rates=RATES, memory=memory)
     assert advice.state == "quiet" and logged == ([], [])
     figures = advice.snapshot_figures()
     assert figures["recipe_advice_predicted_s"] > 0.9 * figures["recipe_advice_measured_s"]
@@ -188,6 +216,9 @@ def test_the_advice_applies_only_where_the_fast_recipe_could_run_and_nothing_was
         monkeypatch.setenv(name, value)
         assert why_not(torch.optim.AdamW(linear.parameters()), None) == f"{name} is set"
         monkeypatch.delenv(name)
+    partitioned = torch.optim.AdamW(linear.parameters())
+    partitioned._zeroalloc_partition = object()  # zt.partition() called by the script
+    assert "ZeRO" in why_not(partitioned, None)
     monkeypatch.setenv("ZEROALLOC_ZERO_STAGE", "1")
     assert "ZeRO" in why_not(torch.optim.AdamW(linear.parameters()), None)
     assert RecipeAdvice("SGD").snapshot_figures()["recipe_advice"] == "off"

@@ -96,19 +96,22 @@ def _recipe_check(checks: list[Check]) -> None:
     prefix = (options.get("ZEROALLOC_REPORT") or {}).get("value") or ""
     paths = sorted(glob.glob(glob.escape(prefix) + ".json")
                    + glob.glob(glob.escape(prefix) + ".rank*.json")) if prefix else []
-    for path in paths:
+    # A choice made since (any of the three variables) is not second-guessed.
+    undecided = all(chosen(name) is None for name in
+                    ("ZEROALLOC_RECIPE", "ZEROALLOC_MASTER_WEIGHTS", "ZEROALLOC_HOST_STEP"))
+    for path in paths if undecided else []:
         try:
             with open(path) as file:
                 advice = json.load(file).get("sections", {}).get("recipe")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if advice and recipe == "exact":
-            checks.append(Check(
-                "recipe", WARN, finding + f"; the last run ({path}) took "
-                f"{advice['measured_step_s']:.2f} s a step, about "
-                f"{advice['predicted_step_s']:.2f} s with {advice['advised']}",
-                f"set {advice['advised']} to train faster, or ZEROALLOC_RECIPE=exact to keep "
-                "native numbers"))
+            said = (f"; the last run ({path}) took {float(advice['measured_step_s']):.2f} s a "
+                    f"step, about {float(advice['predicted_step_s']):.2f} s with "
+                    f"{advice['advised']}") if advice else ""
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            continue  # not a report, or not one this version wrote: nothing to repeat
+        if said:
+            checks.append(Check("recipe", WARN, finding + said,
+                                f"set {advice['advised']} to train faster, or "
+                                "ZEROALLOC_RECIPE=exact to keep native numbers"))
             return
     checks.append(Check("recipe", PASS, finding))
 

@@ -704,6 +704,11 @@ class WindowedStep:
         """The optimizer's step: in windows (plan_windows, prepare_scratch, step_windows), or
         in one piece; then the step boundary, and what the next step learns from this one."""
         self.step_started = time.perf_counter()
+        if self.advice.state == "watching":  # Note [The fast recipe, advised]
+            first = next((p for group in self.optimizer.param_groups for p in group["params"]),
+                         None)
+            if first is not None and on_gpu(first.device):
+                self.advice.before_step(first.device.index or 0)
         if self.host is not None:  # Note [The host step finishes behind the forward]
             self.host.finish_behind()
         self.adopt_late_parameters()

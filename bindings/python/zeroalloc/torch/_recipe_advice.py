@@ -21,10 +21,13 @@ keeps the numbers and silences the message):
   first WARMUP_STEPS learn the order and settle the placement, so they are not used. The
   first timed step that moved bytes triggers the advice, from the medians of the timed
   steps so far;
-- the run's compute: the wall time less the step and less the moves at the measured
-  bandwidth, split between forward and backward as the 1.3B Llama's native phases split
-  them (FORWARD_SHARE). Kernels that read host memory over PCIe stay in it, so it errs
-  toward a slower prediction;
+- the run's compute: the wall time less the time inside the step, and under
+  ZEROALLOC_ACCESS=any (where the device idles while a move runs) less the bytes moved
+  during forward and backward at the measured bandwidth; split between forward and
+  backward as the 1.3B Llama's native phases split them (FORWARD_SHARE). Kernels that read
+  host memory over PCIe stay in it, as does the host time of the hooks, so it errs toward a
+  slower prediction. Under ZEROALLOC_ACCESS=hinted moves overlap compute, and nothing is
+  taken off for them;
 - measured once, at the advice: the pinned bandwidth each way and the device's own copy
   rate (64 MiB copies, about 10 ms), and the CPUs' AdamW rate on the host step's own
   workers (zeroalloc_host_adamw_rate: 1 GiB for a fraction of a second);
@@ -101,7 +104,8 @@ def why_not(optimizer, masters) -> "str | None":
             return f"{name} is set"
     if masters is not None:
         return "the optimizer steps master weights"
-    if _settings.setting("ZEROALLOC_ZERO_STAGE", "0") != "0":
+    if (_settings.setting("ZEROALLOC_ZERO_STAGE", "0") != "0"
+            or getattr(optimizer, "_zeroalloc_partition", None) is not None):
         return "ZeRO partitions have no master weights yet"
     from zeroalloc.torch._host_step import adamw_settings  # imports torch
     import torch
@@ -151,8 +155,9 @@ def read_memory(device: int) -> Memory:
     stats = _stats.raw_stats(device)
     from zeroalloc.doctor import _byte_size
     headroom = _byte_size(_settings.setting("ZEROALLOC_PREFETCH_BYTES", "512MiB")) or 0
-    return Memory(int(stats["total"]["reserved_bytes"]["peak"]), int(stats["limit_bytes"]),
-                  headroom)
+    reserved = stats["total"]["reserved_bytes"]
+    return Memory(int(reserved.get("lifetime_peak", reserved["peak"])),
+                  int(stats["limit_bytes"]), headroom)
 
 
 def predict(shapes: list, compute_s: float, rates: Rates, memory: Memory) -> dict:
@@ -185,7 +190,7 @@ def message(measured_s: float, predicted_s: float, memory: Memory, step: int) ->
 class RecipeAdvice:
     """Whether and what one optimizer's steps advise: the windowed step calls after_step."""
 
-    __slots__ = ("state", "reason", "steps", "ended", "moved", "timed", "figures")
+    __slots__ = ("state", "reason", "steps", "ended", "moved", "began", "timed", "figures")
 
     def __init__(self, reason: "str | None"):
         # watching: steps read; advised: told; quiet: decided not to tell (or told
@@ -195,28 +200,45 @@ class RecipeAdvice:
         self.steps = 0
         self.ended = None  # time.perf_counter() at the last step's end
         self.moved = None  # (to host, to device) by then
-        self.timed: list = []  # (wall s, step s, to host, to device) of the last timed steps
+        self.began = None  # (to host, to device) when the running step began
+        # (wall s, step s, to host and to device outside the step, all moved) of the last
+        # timed steps
+        self.timed: list = []
         self.figures: dict = {}
 
+    def before_step(self, device: int) -> None:
+        """The optimizer's step begins: what moved during forward and backward is known."""
+        if self.state != "watching":
+            return
+        try:
+            self.began = moved(device)
+        except Exception as error:  # noqa: BLE001  the step has not even begun
+            self.stop(f"measuring for the recipe's advice failed: {error}")
+
     def after_step(self, device: int, step_s: float, shapes, now: "float | None" = None,
-                   moved_now: "tuple | None" = None, rates=None, memory=None) -> None:
+                   moved_now: "tuple | None" = None, moved_before: "tuple | None" = None,
+                   rates=None, memory=None) -> None:
         """The optimizer's step ended after `step_s` inside it, on `device`; `shapes` (its
-        parameters' shapes, in order) is called only at the advice. `now`, `moved_now`,
-        `rates` and `memory` are read or measured when not given."""
+        parameters' shapes, in order) is called only at the advice. `now`, `moved_now` (what
+        moved so far) and `moved_before` (by the step's start: before_step's), `rates` and
+        `memory` are read or measured when not given."""
         if self.state != "watching":
             return
         try:
             now = time.perf_counter() if now is None else now
             moved_now = moved(device) if moved_now is None else moved_now
+            moved_before = self.began if moved_before is None else moved_before
             seconds = now - self.ended if self.ended is not None else None
-            delta = (None if self.moved is None else
-                     (moved_now[0] - self.moved[0], moved_now[1] - self.moved[1]))
-            self.ended, self.moved = now, moved_now
+            last = self.moved
+            self.ended, self.moved, self.began = now, moved_now, None
             self.steps += 1
-            if seconds is None or self.steps <= WARMUP_STEPS:
+            if seconds is None or last is None or self.steps <= WARMUP_STEPS:
                 return
-            self.timed = (self.timed + [(seconds, step_s, *delta)])[-TIMED_STEPS:]
-            if sum(delta) > 0:
+            before = moved_before if moved_before is not None else last
+            outside = (before[0] - last[0], before[1] - last[1])
+            total = moved_now[0] - last[0] + moved_now[1] - last[1]
+            self.timed = (self.timed + [(seconds, step_s, *outside, total)])[-TIMED_STEPS:]
+            if total > 0:
                 self.advise(device, shapes, rates, memory)
         except Exception as error:  # noqa: BLE001  the step itself succeeded
             self.stop(f"measuring for the recipe's advice failed: {error}")
@@ -226,12 +248,15 @@ class RecipeAdvice:
         if told:
             self.state = "quiet"
             return
-        rates = measure_rates(device) if rates is None else rates
-        memory = read_memory(device) if memory is None else memory
+        memory = read_memory(device) if memory is None else memory  # before the probe's
+        rates = measure_rates(device) if rates is None else rates  # allocations
         wall = statistics.median(t[0] for t in self.timed)
         in_step = statistics.median(t[1] for t in self.timed)
+        # Under ZEROALLOC_ACCESS=any the device idles while a move runs; under hinted the
+        # moves overlap compute, and none is taken off.
         moving = statistics.median(t[2] / rates.device_to_host_bps
-                                   + t[3] / rates.host_to_device_bps for t in self.timed)
+                                   + t[3] / rates.host_to_device_bps for t in self.timed
+                                   ) if _settings.any_access() else 0.0
         compute = max(0.0, wall - in_step - moving)
         predicted = predict(list(shapes()), compute, rates, memory)
         self.figures = {"recipe_advice_measured_s": wall,
@@ -263,7 +288,7 @@ class RecipeAdvice:
         self.state, self.reason = "off", reason
         try:
             _offload.log("debug", f"zeroalloc: {reason}")
-        except ZeroallocError:
+        except Exception:  # noqa: BLE001  called from after_step's handler: never raise
             pass
 
     def snapshot_figures(self) -> dict:

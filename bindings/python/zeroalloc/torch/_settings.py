@@ -79,9 +79,13 @@ def recipe() -> str:
 
 def master_weights() -> str:
     """ZEROALLOC_MASTER_WEIGHTS as set, else what the recipe gives: bf16 under fast, else
-    none."""
-    return setting_if_set("ZEROALLOC_MASTER_WEIGHTS") or (
-        "bf16" if recipe() == "fast" else "none")
+    none. ZeRO stages do not combine with master weights yet, so under ZEROALLOC_ZERO_STAGE
+    the recipe leaves them out (the host step stays)."""
+    chosen = setting_if_set("ZEROALLOC_MASTER_WEIGHTS")
+    if chosen is not None:
+        return chosen
+    zero = setting("ZEROALLOC_ZERO_STAGE", "0") != "0"
+    return "bf16" if recipe() == "fast" and not zero else "none"
 
 
 def host_step() -> bool:
