@@ -627,6 +627,10 @@ def format_main_table(results: dict) -> str:
                      f"{result['peak_reserved'] / GIB:.1f} GiB")
         notes = "fwd/bwd/step {forward:.3f}/{backward:.3f}/{step:.3f} s; ".format(
             **result["phases_s"]) + f"{result['model_tflops']:.0f} model TFLOPS; " + notes
+        if result.get("warmup_steps_s"):  # the first steps against the steady one
+            notes += "; warm-up steps " + ", ".join(
+                f"{seconds:.2f} s ({seconds / result['step_s']:.1f} x)"
+                for seconds in result["warmup_steps_s"])
         vs_native = result["step_s"] / native_step if native_step else math.nan
         vs_fsdp = result["tokens_per_s"] / fsdp_tokens if fsdp_tokens else math.nan
         lines.append(f"{mode:{width}} {result['step_s']:8.3f} {result['tokens_per_s']:10.0f} "
@@ -749,7 +753,7 @@ def worker(args) -> int:
 
     steps = args.fsdp2_steps if mode == "fsdp2" else args.steps
     warmup = 1 if mode == "fsdp2" else args.warmup
-    times, phases = [], []
+    times, phases, warmup_times = [], [], []
     loss = None
     timed_from = None
     host_from = {}
@@ -764,6 +768,8 @@ def worker(args) -> int:
         if index >= warmup:
             times.append(time.perf_counter() - started)
             phases.append([marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)])
+        else:
+            warmup_times.append(time.perf_counter() - started)
         if zeroalloc is not None:  # what each step moved, to standard error (--log-dir)
             stats = zeroalloc.raw_stats(0)
             figures = dict(stats.get("offload") or {})
@@ -843,6 +849,7 @@ def worker(args) -> int:
             packed.write(source.read())
         plain.unlink()
     result = timing_result(args, mode, parameters, times, phases, loss)
+    result["warmup_steps_s"] = warmup_times  # the "warm-up": against the steady step
     if mode == "native":
         result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         result["peak_reserved"] = torch.cuda.max_memory_reserved(device)

@@ -180,6 +180,14 @@ def test_a_host_step_row_is_bound_by_the_cpus_where_their_work_outlasts_the_bus(
     assert plain["step_over_bound"] == pytest.approx(0.25 / plain["pcie_bound_s"])
 
 
+def test_the_main_table_shows_the_warmup_steps_against_the_steady_one():
+    result = {**made_up_result("offload", 24 * GIB), "warmup_steps_s": [4.9, 3.2, 1.2],
+              "phases_s": {"forward": 0.1, "backward": 0.2, "step": 0.05},
+              "model_tflops": 100.0}
+    row = bench.format_main_table({"offload": result}).splitlines()[1]
+    assert "warm-up steps 4.90 s (19.6 x), 3.20 s (12.8 x), 1.20 s (4.8 x)" in row
+
+
 def test_a_sweep_row_without_native_run_has_no_bound():
     figures = bench.sweep_figures(made_up_result("offload", 24 * GIB), {}, BANDWIDTH, {})
     assert math.isnan(figures["pcie_bound_s"]) and math.isnan(figures["step_over_bound"])
