@@ -41,7 +41,7 @@ def untold(monkeypatch):
     """Each test starts in a process that was not told yet, with no recipe variable set."""
     monkeypatch.setattr(_recipe_advice, "told", False)
     for name in ("ZEROALLOC_RECIPE", "ZEROALLOC_MASTER_WEIGHTS", "ZEROALLOC_HOST_STEP",
-                 "ZEROALLOC_ZERO_STAGE", "ZEROALLOC_ACCESS"):
+                 "ZEROALLOC_ZERO_STAGE", "ZEROALLOC_ACCESS", "RANK"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -166,6 +166,15 @@ def test_moves_inside_the_step_are_not_taken_off_twice_and_none_under_hinted_acc
     assert two_outside < none_outside  # 2 GiB less compute: a shorter fast step
     monkeypatch.setenv("ZEROALLOC_ACCESS", "hinted")
     assert predicted(2) == pytest.approx(none_outside)
+
+
+def test_under_torchrun_only_rank_0_logs_and_every_rank_keeps_it_in_its_report(
+        logged, monkeypatch):
+    lines, sections = logged
+    monkeypatch.setenv("RANK", "1")
+    advice = RecipeAdvice(None)
+    steps(advice, [2.0] * 5, [(i * GIB, i * GIB) for i in range(5)], in_step=1.0)
+    assert advice.state == "advised" and lines == [] and len(sections) == 1
 
 
 def test_a_prediction_not_worth_the_change_says_nothing(logged):

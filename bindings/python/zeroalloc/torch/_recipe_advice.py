@@ -6,8 +6,8 @@ computes. Under a limit that makes memory move, it is also the slow one: on a 1.
 host holds) ran 5 x exact, side by side (bench/RESULTS.md, "Safe by default"). The fast
 recipe changes numbers (bf16 weights, the CPUs' rounding), so it is never chosen for the
 user. Instead a run that has not named a recipe, whose steps move memory, is told once:
-in the library's log, in the memory report (section "recipe") and by `python -m zeroalloc
-doctor`, which reads that report. The message names the setting and the step time the step
+in the library's log (rank 0's, under torchrun), in the memory report (section "recipe",
+each rank's) and by `python -m zeroalloc doctor`, which reads that report. The message names the setting and the step time the step
 model (Note [The step's time model] in zeroalloc/_step_model.py) predicts with it.
 
 What it is told from, per optimizer that the host step could step (AdamW, or Adam with
@@ -45,6 +45,7 @@ in zt.step_figures(optimizer)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -271,7 +272,8 @@ class RecipeAdvice:
             return
         told = True
         self.state = "advised"
-        _offload.log("warn", message(wall, predicted["step_s"], memory, self.steps))
+        if os.environ.get("RANK", "0") == "0":  # one message for a job, each rank's report
+            _offload.log("warn", message(wall, predicted["step_s"], memory, self.steps))
         section = {"recipe": "exact", "advised": "ZEROALLOC_RECIPE=fast",
                    "measured_step_s": round(wall, 4),
                    "predicted_step_s": round(predicted["step_s"], 4),
