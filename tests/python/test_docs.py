@@ -40,6 +40,19 @@ def test_every_figure_of_the_results_page_is_recorded_in_the_results():
     assert not missing, f"docs/results.md quotes figures bench/RESULTS.md does not hold: {missing}"
 
 
+def test_every_throughput_any_page_quotes_is_recorded_in_the_results():
+    """Figures in thousands (tokens/s, parameters, 8,439) on every page of the site and in
+    the READMEs are measured ones: each is in bench/RESULTS.md. Sizes of the page itself (a
+    1,280 px screen) and of the report's format (4,096 samples) are not figures."""
+    pages = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "lib" / "README.md"]
+    missing = {}
+    for page in pages:
+        for match in re.finditer(r"\b\d{1,3}(?:,\d{3})+\b(?! px| samples| records)", page.read_text()):
+            if match.group(0) not in RESULTS:
+                missing.setdefault(page.name, []).append(match.group(0))
+    assert not missing, f"pages quote figures bench/RESULTS.md does not hold: {missing}"
+
+
 def test_the_readmes_links_lead_to_files_that_exist():
     links = re.findall(r"\]\(([^)#]+)\)", README)
     assert links
