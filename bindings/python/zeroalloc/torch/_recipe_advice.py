@@ -7,8 +7,9 @@ host holds) ran 5 x exact, side by side (bench/RESULTS.md, "Safe by default"). T
 recipe changes numbers (bf16 weights, the CPUs' rounding), so it is never chosen for the
 user. Instead a run that has not named a recipe, whose steps move memory, is told once:
 in the library's log (rank 0's, under torchrun), in the memory report (section "recipe",
-each rank's) and by `python -m zeroalloc doctor`, which reads that report. The message names the setting and the step time the step
-model (Note [The step's time model] in zeroalloc/_step_model.py) predicts with it.
+each rank's) and by `python -m zeroalloc doctor`, which reads that report. The message
+names the setting and the step time the step model (Note [The step's time model] in
+zeroalloc/_step_model.py) predicts with it.
 
 What it is told from, per optimizer that the host step could step (AdamW, or Adam with
 decoupled or no weight decay) with fp32 parameters, outside ZeRO (which has no master
@@ -32,11 +33,11 @@ keeps the numbers and silences the message):
   rate (64 MiB copies, about 10 ms), and the CPUs' AdamW rate on the host step's own
   workers (zeroalloc_host_adamw_rate: 1 GiB for a fraction of a second);
 - the device's AdamW over every parameter, from its copy rate and DEVICE_STEP_BYTES;
-- the placement: the run's peak reserved (host-resident chunks included), the limit and
-  the prefetch headroom, as the trade places masters (plan_host). Master weights leave a
-  parameter's bytes as they are (a bf16 working copy and gradient for an fp32 parameter and
-  gradient; the masters with the states), and bf16 activations take no more, so the peak
-  is an upper bound.
+- the placement: the run's lifetime peak reserved (host-resident chunks included, read
+  before the probe allocates), the limit and the prefetch headroom, as the trade places
+  masters (plan_host). Master weights leave a parameter's bytes as they are (a bf16
+  working copy and gradient for an fp32 parameter and gradient; the masters with the
+  states), and bf16 activations take no more, so the peak is an upper bound.
 
 The message goes out only where the prediction is at most WORTH of the measured step. A
 failure to measure never fails the step: the advice stops, saying why at debug level and
@@ -51,7 +52,7 @@ import time
 from dataclasses import dataclass
 
 from zeroalloc import _offload, _stats, _step_model
-from zeroalloc._library import ZeroallocError, library
+from zeroalloc._library import library
 from zeroalloc.torch import _settings
 
 #: Steps whose figures are not used: the first learns the order, the second settles the
