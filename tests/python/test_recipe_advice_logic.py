@@ -177,6 +177,19 @@ def test_under_torchrun_only_rank_0_logs_and_every_rank_keeps_it_in_its_report(
     assert advice.state == "advised" and lines == [] and len(sections) == 1
 
 
+def test_a_steady_step_that_bounces_states_through_scratch_counts_as_moving(logged):
+    """States on the host are copied through device scratch by the step, not moved by the
+    engine: a steady run under a limit may move nothing else, and is told all the same."""
+    advice = RecipeAdvice(None)
+    now = 1.0
+    for step in range(5):
+        now += 2.0
+        advice.after_step(0, 1.0, lambda: SHAPES, now=now, moved_now=(GIB, GIB),
+                          moved_before=(GIB, GIB), rates=RATES, memory=MEMORY,
+                          bounced_now=step * 8 * GIB)
+    assert advice.state == "advised" and advice.snapshot_figures()["recipe_advice_at_step"] == 3
+
+
 def test_a_prediction_not_worth_the_change_says_nothing(logged):
     """Under a limit that leaves the run almost everything, the fast recipe's step is no
     faster than the measured one: nothing is said, and the figures show why."""

@@ -234,7 +234,8 @@ class WindowedStep:
         self.kept: list = []  # entries whose states stay in scratch after the step
         self.written = None  # event: the kept states' write-back is done
         self.figures = {"steps": 0, "staged_windows": 0, "staged_bytes": 0, "kept_windows": 0,
-                        "kept_bytes": 0, "bounced_parameter_bytes": 0,
+                        "kept_bytes": 0, "bounced_state_bytes": 0,
+                        "bounced_parameter_bytes": 0,
                         "written_back_during_forward": 0,
                         "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
         if overlap_bytes > 0:
@@ -1042,6 +1043,7 @@ class WindowedStep:
         if keep:
             self.figures["kept_windows"] += 1
             self.figures["kept_bytes"] += copied_bytes(entries, parameters=False)
+        self.figures["bounced_state_bytes"] += copied_bytes(entries, parameters=False)
         self.figures["bounced_parameter_bytes"] += sum(
             e.home.numel() * e.home.element_size() for e in entries
             if is_parameter(e) and e.scratch is not None)
@@ -1151,7 +1153,9 @@ class WindowedStep:
             self.advice.after_step(first.device.index or 0,  # Note [The fast recipe, advised]
                                    time.perf_counter() - self.step_started,
                                    lambda: [tuple(p.shape) for params in run.saved
-                                            for p in params])
+                                            for p in params],
+                                   bounced_now=self.figures["bounced_state_bytes"]
+                                   + self.figures["bounced_parameter_bytes"])
 
 
 def step_figures(optimizer) -> dict:

@@ -18,10 +18,11 @@ ZEROALLOC_HOST_STEP is set (a setting chosen is not second-guessed; ZEROALLOC_RE
 keeps the numbers and silences the message):
 
 - the steps: the wall time between the ends of two optimizer steps, the time inside
-  optimizer.step(), and the bytes the engine moved each way meanwhile (a cheap read). The
-  first WARMUP_STEPS learn the order and settle the placement, so they are not used. The
-  first timed step that moved bytes triggers the advice, from the medians of the timed
-  steps so far;
+  optimizer.step(), the bytes the engine moved each way meanwhile (a cheap read), and the
+  bytes the step copied through device scratch (host-resident states, which a steady step
+  moves without the engine). The first WARMUP_STEPS learn the order and settle the
+  placement, so they are not used. The first timed step that moved bytes either way
+  triggers the advice, from the medians of the timed steps so far;
 - the run's compute: the wall time less the time inside the step, and under
   ZEROALLOC_ACCESS=any (where the device idles while a move runs) less the bytes moved
   during forward and backward at the measured bandwidth; split between forward and
@@ -192,7 +193,8 @@ def message(measured_s: float, predicted_s: float, memory: Memory, step: int) ->
 class RecipeAdvice:
     """Whether and what one optimizer's steps advise: the windowed step calls after_step."""
 
-    __slots__ = ("state", "reason", "steps", "ended", "moved", "began", "timed", "figures")
+    __slots__ = ("state", "reason", "steps", "ended", "moved", "bounced", "began", "timed",
+                 "figures")
 
     def __init__(self, reason: "str | None"):
         # watching: steps read; advised: told; quiet: decided not to tell (or told
@@ -202,6 +204,7 @@ class RecipeAdvice:
         self.steps = 0
         self.ended = None  # time.perf_counter() at the last step's end
         self.moved = None  # (to host, to device) by then
+        self.bounced = 0  # bytes the windowed steps copied through scratch by then
         self.began = None  # (to host, to device) when the running step began
         # (wall s, step s, to host and to device outside the step, all moved) of the last
         # timed steps
@@ -219,11 +222,13 @@ class RecipeAdvice:
 
     def after_step(self, device: int, step_s: float, shapes, now: "float | None" = None,
                    moved_now: "tuple | None" = None, moved_before: "tuple | None" = None,
-                   rates=None, memory=None) -> None:
+                   rates=None, memory=None, bounced_now: int = 0) -> None:
         """The optimizer's step ended after `step_s` inside it, on `device`; `shapes` (its
         parameters' shapes, in order) is called only at the advice. `now`, `moved_now` (what
-        moved so far) and `moved_before` (by the step's start: before_step's), `rates` and
-        `memory` are read or measured when not given."""
+        the engine moved so far) and `moved_before` (by the step's start: before_step's),
+        `rates` and `memory` are read or measured when not given. `bounced_now`: the bytes
+        the step copied through device scratch so far (host-resident states and parameters,
+        which a steady step moves without the engine), which count as moved."""
         if self.state != "watching":
             return
         try:
@@ -231,14 +236,15 @@ class RecipeAdvice:
             moved_now = moved(device) if moved_now is None else moved_now
             moved_before = self.began if moved_before is None else moved_before
             seconds = now - self.ended if self.ended is not None else None
-            last = self.moved
+            last, bounced = self.moved, bounced_now - self.bounced
             self.ended, self.moved, self.began = now, moved_now, None
+            self.bounced = bounced_now
             self.steps += 1
             if seconds is None or last is None or self.steps <= WARMUP_STEPS:
                 return
             before = moved_before if moved_before is not None else last
             outside = (before[0] - last[0], before[1] - last[1])
-            total = moved_now[0] - last[0] + moved_now[1] - last[1]
+            total = moved_now[0] - last[0] + moved_now[1] - last[1] + bounced
             self.timed = (self.timed + [(seconds, step_s, *outside, total)])[-TIMED_STEPS:]
             if total > 0:
                 self.advise(device, shapes, rates, memory)
