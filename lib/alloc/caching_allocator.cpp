@@ -27,11 +27,13 @@ caching_allocator::caching_allocator(device& backing, const allocator_settings& 
   const std::size_t region_bytes = 2 * backing.query_memory().total_bytes;
   for (allocation_class cls : kAllocationClasses) {
     const bool paged = cls != allocation_class::other;
-    heaps_[2 * class_index(cls)] = std::make_unique<heap>(arena_, stats_, listener_, cls,
-                                                          heap::size_kind::small, region_bytes);
+    heaps_[2 * class_index(cls)] =
+        std::make_unique<heap>(arena_, stats_, listener_, cls, heap::size_kind::small, region_bytes,
+                               settings.drain_before_release);
     heaps_[2 * class_index(cls) + 1] = std::make_unique<heap>(
         arena_, stats_, listener_, cls, heap::size_kind::large,
-        region_bytes + (paged ? static_cast<std::size_t>(settings.host_tier_bytes) : 0));
+        region_bytes + (paged ? static_cast<std::size_t>(settings.host_tier_bytes) : 0),
+        settings.drain_before_release);
   }
   std::vector<heap*> all;
   for (std::size_t i = 0; i < heaps_.size(); ++i) {

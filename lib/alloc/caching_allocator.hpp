@@ -54,6 +54,9 @@ struct allocator_settings {
   /// Most bytes the host tier may hold for this device (0: no offload). The address regions
   /// of the classes the offload engine moves grow by this much (Note [Address regions]).
   std::uint64_t host_tier_bytes = 0;
+  /// Releases of cached memory wait for every stream of the device, not only the streams
+  /// its blocks knew (ZEROALLOC_ACCESS=any; Note [Released after every stream]).
+  bool drain_before_release = false;
 };
 
 class caching_allocator {

@@ -42,12 +42,13 @@ std::uint64_t heap::next_activity() {
 
 heap::heap(chunk_arena& arena, allocator_stats& stats,
            const std::atomic<paging_listener*>& listener, allocation_class cls, size_kind kind,
-           std::size_t region_bytes)
+           std::size_t region_bytes, bool drain_before_release)
     : arena_(arena),
       device_(arena.backing()),
       stats_(stats),
       class_(cls),
       kind_(kind),
+      drain_before_release_(drain_before_release),
       listener_(listener) {
   region_bytes_ = round_up(region_bytes, arena.granularity());
   region_start_ = arena.reserve_region(region_bytes_);

@@ -78,8 +78,10 @@ class heap {
 
   /// `listener`: the allocator's, told of the chunks this heap's segments gain and lose
   /// and of host chunks it unmaps (paging_listener), with the heap's lock held.
+  /// `drain_before_release`: Note [Released after every stream] (heap_release.cpp).
   heap(chunk_arena& arena, allocator_stats& stats, const std::atomic<paging_listener*>& listener,
-       allocation_class cls, size_kind kind, std::size_t region_bytes);
+       allocation_class cls, size_kind kind, std::size_t region_bytes,
+       bool drain_before_release = false);
   ~heap();
 
   /// A block of `rounded_bytes` (asked for as `requested_bytes`) for `stream`, or nullptr
@@ -100,7 +102,8 @@ class heap {
   void forget_stream(stream_handle stream);
   /// Whether a block was freed on `stream` or is tagged with it (record_stream).
   [[nodiscard]] bool uses_stream(stream_handle stream) const;
-  /// Waits for pending frees, then unmaps fully free segments, largest first, until
+  /// Waits for pending frees and for the work that may still touch the segments (the
+  /// whole device with drain_before_release), then unmaps fully free segments, largest first, until
   /// `enough` bytes are unmapped (all of them by default). With `free_runs_too`, first
   /// splits every free run of whole chunks off the segments still in use, so that those
   /// runs are released too (Note [Segments at the limit] in heap.cpp). Returns bytes unmapped.
@@ -240,6 +243,7 @@ class heap {
   allocator_stats& stats_;
   const allocation_class class_;
   const size_kind kind_;
+  const bool drain_before_release_;
   std::uintptr_t region_start_ = 0;
   std::size_t region_bytes_ = 0;
 

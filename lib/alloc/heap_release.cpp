@@ -7,6 +7,18 @@
 
 namespace zeroalloc {
 
+// Note [Released after every stream]: a segment's streams are the ones its blocks were
+// allocated and freed on, and those record_stream named. A program may also use a block on
+// a stream the allocator never saw (a copy on a side stream without record_stream) and
+// free it while that work is queued. PyTorch's own allocator releases its cache through
+// cudaFree, which waits for the whole device, so such work ends before the memory goes;
+// here the unmap would make it fault instead, which ends the process. So under
+// ZEROALLOC_ACCESS=any (allocator_settings::drain_before_release) a release waits for
+// every stream of the device first. Releases run at the limit and on empty_cache, where
+// the engine's moves drain the device too. During a CUDA graph capture nothing is released
+// (Note [Nothing moves while a graph is captured] in caching_allocator.cpp). Under hinted
+// access the known streams suffice, as the contract there says.
+
 std::uint64_t heap::release_free_segments(std::uint64_t enough, bool free_runs_too) {
   std::lock_guard lock(mutex_);
   process_pending(true);
@@ -31,15 +43,19 @@ std::uint64_t heap::release_free_segments(std::uint64_t enough, bool free_runs_t
   }
   // Work queued before the frees may still touch the segments: unmap only after it ran.
   // Every fence comes first, so that a device call failing here changes nothing.
-  std::vector<stream_handle> streams;
-  for (auto it = unused; it != segments_.end(); ++it) {
-    for (stream_handle stream : streams_of(**it)) {
-      if (std::find(streams.begin(), streams.end(), stream) == streams.end())
-        streams.push_back(stream);
+  if (unused != segments_.end() && drain_before_release_) {
+    device_.synchronize_device();  // Note [Released after every stream]
+  } else {
+    std::vector<stream_handle> streams;
+    for (auto it = unused; it != segments_.end(); ++it) {
+      for (stream_handle stream : streams_of(**it)) {
+        if (std::find(streams.begin(), streams.end(), stream) == streams.end())
+          streams.push_back(stream);
+      }
     }
-  }
-  for (stream_handle stream : streams) {
-    fenced(stream, [&](event_handle fence) { device_.synchronize_event(fence); });
+    for (stream_handle stream : streams) {
+      fenced(stream, [&](event_handle fence) { device_.synchronize_event(fence); });
+    }
   }
   std::uint64_t released = 0;
   auto it = unused;

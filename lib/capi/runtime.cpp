@@ -190,6 +190,8 @@ caching_allocator& runtime::allocator(int ordinal) {
   device& opened = *devices_.back();
   allocator_settings settings;
   settings.chunk_bytes = options_.chunk_bytes;
+  // Note [Released after every stream] (alloc/heap_release.cpp)
+  settings.drain_before_release = options_.access != "hinted";
   // Note [Address regions]: the paged classes' chunks stay mapped in their segments on the
   // host too, so their regions hold the host tier besides the device.
   if (offload_enabled()) {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <map>
@@ -282,6 +283,31 @@ TEST_F(CachingAllocatorTest, RecordStreamKeepsABlockUntilTheOtherStreamIsDone) {
   allocator->forget_stream(consumer);
   device_->destroy_stream(producer);
   device_->destroy_stream(consumer);
+}
+
+// Note [Released after every stream] (heap_release.cpp): a block used on a stream the
+// allocator never saw (no record_stream) and freed while that work is queued. Under
+// ZEROALLOC_ACCESS=any, empty_cache unmaps its segment only after every stream of the device
+// ran what it had queued, as cudaFree does under PyTorch's allocator: the late write lands
+// in mapped memory instead of faulting.
+TEST_F(CachingAllocatorTest, UnderAnyAccessAReleaseWaitsForStreamsTheAllocatorNeverSaw) {
+  allocator_settings settings;
+  settings.chunk_bytes = 8 * MiB;
+  settings.drain_before_release = true;
+  caching_allocator allocator(*device_, settings);
+  stream_handle unknown = device_->create_stream();
+  void* pointer = allocator.allocate(8 * MiB, nullptr, allocation_class::other);
+  std::atomic<bool> written{false};
+  device_->host_function_async([] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); },
+                               unknown);
+  fill(pointer, 0x5A, 8 * MiB, unknown);  // still queued when the block is freed
+  device_->host_function_async([&written] { written = true; }, unknown);
+  allocator.deallocate(pointer);
+  allocator.empty_cache();
+  EXPECT_TRUE(written.load()) << "the segment was released before the unknown stream's work";
+  EXPECT_EQ(allocator.stats().total.reserved_bytes.current, 0) << "nothing was released";
+  device_->synchronize_stream(unknown);
+  device_->destroy_stream(unknown);
 }
 
 TEST_F(CachingAllocatorTest, LimitIsHonouredToTheByte) {
