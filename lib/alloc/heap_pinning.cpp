@@ -97,8 +97,25 @@ physical_handle heap::remap_pinned_chunk(std::uintptr_t address, physical_handle
   device_.unmap(address, previous.bytes);
   try {
     device_.map(address, replacement);
-  } catch (...) {
-    device_.map(address, previous);  // the bytes stay where they were
+  } catch (const std::exception& failure) {
+    try {
+      device_.map(address, previous);  // the bytes stay where they were
+    } catch (const std::exception& again) {
+      // Note [A chunk left unmapped]: nothing maps its addresses now, and the driver refused
+      // twice; the bytes are intact in the old backing, which the segment keeps. A kernel
+      // that touches the chunk will fail with CUDA's illegal-address error, which ends the
+      // process: say so now, naming the chunk and both failures, instead of leaving that
+      // error to explain itself.
+      const auto* as_device = dynamic_cast<const device_error*>(&again);
+      throw device_error(
+          detail::concat("the chunk at ", reinterpret_cast<void*>(address), " (", previous.bytes,
+                         " bytes) has no mapping: mapping its new backing failed (", failure.what(),
+                         ") and mapping its old one back failed too (", again.what(),
+                         "). Its bytes are intact, but no address reaches them, and a kernel "
+                         "that touches them will fail with an illegal address. The GPU driver "
+                         "is failing: save what you can and restart the process"),
+          as_device != nullptr ? as_device->code() : 0);
+    }
     throw;
   }
   owner->chunks[index] = replacement;

@@ -61,11 +61,12 @@ class faulty_device final : public device {
     hold_ = std::move(which);
     released_ = std::move(released);
   }
-  /// From now on, the `nth` call of `which` (counting from 1, on any thread) throws a
-  /// device_error and does nothing, as a failing driver call does.
-  void fail_call(device_call which, int nth = 1) {
+  /// From now on, the `nth` call of `which` (counting from 1, on any thread) and the
+  /// `times - 1` after it throw a device_error and do nothing, as a failing driver call does.
+  void fail_call(device_call which, int nth = 1, int times = 1) {
     std::lock_guard lock(mutex_);
     call_countdown_[static_cast<int>(which)] = nth;
+    call_repeats_[static_cast<int>(which)] = times;
   }
   [[nodiscard]] int failed_unmaps() const {
     std::lock_guard lock(mutex_);
@@ -207,11 +208,13 @@ class faulty_device final : public device {
     std::lock_guard lock(mutex_);
     int& countdown = call_countdown_[static_cast<int>(which)];
     if (countdown == 0 || --countdown != 0) return;
+    if (--call_repeats_[static_cast<int>(which)] > 0) countdown = 1;  // the next fails too
     throw device_error(std::string(name) + " failed (injected by the test)", 999);
   }
 
   std::unique_ptr<device> inner_;
   std::array<int, static_cast<int>(device_call::count)> call_countdown_{};
+  std::array<int, static_cast<int>(device_call::count)> call_repeats_{};
   mutable std::mutex mutex_;
   std::function<bool(std::uintptr_t)> fail_unmap_;
   int failed_unmaps_ = 0;

@@ -369,6 +369,38 @@ TEST_F(MigratorTest, AnEvictionThatFailsAtItsRemapKeepsTheChunkOnTheDeviceAndLea
   allocator.empty_cache();
 }
 
+// Note [A chunk left unmapped] (heap_pinning.cpp): a remap whose new mapping fails, and whose
+// old mapping then fails to come back too, leaves the chunk's addresses mapping nothing. The
+// error says so, naming the chunk and both failures, instead of leaving a later kernel's
+// illegal-address error to explain itself.
+TEST_F(MigratorTest, ARemapWhoseRollbackFailsTooSaysTheChunkHasNoMapping) {
+  faulty_stack stack(64 * MiB);
+  testing::faulty_device& device = *stack.device;
+  caching_allocator& allocator = stack.allocator;
+  void* pointer = allocator.allocate(kChunkBytes, nullptr, allocation_class::optimizer_state);
+  const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+  chunk_info chunk;
+  ASSERT_TRUE(allocator.paging().pin_chunk(address, chunk));
+  const host_chunk host = stack.pool.acquire(kChunkBytes);
+  device.fail_call(testing::device_call::map, 1, 2);  // the new mapping, then the old one
+  try {
+    allocator.paging().remap_pinned_chunk(address, host.handle);
+    ADD_FAILURE() << "the remap succeeded with every map failing";
+  } catch (const device_error& failure) {
+    const std::string message = failure.what();
+    EXPECT_NE(message.find("has no mapping"), std::string::npos) << message;
+    EXPECT_NE(message.find("mapping its old one back failed too (cuMemMap failed"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("restart the process"), std::string::npos) << message;
+  }
+  device.map(address, chunk.handle);  // the test mends it, so that it can be freed
+  allocator.paging().unpin_chunk(address);
+  stack.pool.release(host);
+  allocator.deallocate(pointer);
+  allocator.empty_cache();
+}
+
 // With every staging address retired (each one's unmap failed after its fetch), a fetch
 // that needs one fails with a message saying so, and gives back the device chunk it took:
 // the memory under the limit does not shrink with every attempt.
