@@ -39,8 +39,10 @@ def test_the_zero_example_partitions_the_states_and_trains_the_same_model(tmp_pa
     script = EXAMPLES / "zero_torchrun.py"
     lines = {}
     for stage in ("0", "2"):
+        # The CPU over gloo on any machine: on a GPU machine, with GPUs hidden, as the
+        # example would otherwise want one GPU per rank.
         run = unmodified_under_torchrun(tmp_path, site, script, ZEROALLOC_DEVICE="sim",
-                                        ZEROALLOC_ZERO_STAGE=stage)
+                                        ZEROALLOC_ZERO_STAGE=stage, CUDA_VISIBLE_DEVICES="")
         lines[stage] = sorted(re.findall(r"rank (\d): states for (\d) of 4 parameters, "
                                          r"checksum (-?[0-9.]+)", run.stdout))
         assert len(lines[stage]) == 2, run.stdout

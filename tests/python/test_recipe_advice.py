@@ -14,8 +14,10 @@ from gpu_script import field, require_gpu, run_script
 torch = require_gpu()
 
 # Twelve fp32 layers of 16 MiB with AdamW: 768 MiB of parameters, gradients and states
-# under a limit of 448 MiB, so every step moves states.
+# under a limit of 448 MiB, so every step moves states. With the argument "autocast" the
+# forward runs under bf16 autocast, as the fast recipe's bf16 weights need for fp32 inputs.
 TRAIN = r"""
+import contextlib, sys
 import torch
 import zeroalloc.torch as zt
 zt.install()
@@ -25,7 +27,10 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 zt.offload(model, optimizer, hint_group_bytes=16 << 20, window_bytes=64 << 20)
 x, y = torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda")
 for _ in range(10):
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    with (torch.autocast("cuda", torch.bfloat16) if sys.argv[1:] == ["autocast"]
+          else contextlib.nullcontext()):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 print("figures", zt.step_figures(optimizer))
@@ -38,7 +43,8 @@ LIMITS = {"ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_MEMORY_LIMIT": "448MiB",
 
 def test_a_run_that_names_no_recipe_is_told_once_what_fast_would_give_it(tmp_path):
     log, report = tmp_path / "run.log", tmp_path / "run"
-    out = run_script(TRAIN, ZEROALLOC_LOG_FILE=str(log), ZEROALLOC_REPORT=str(report), **LIMITS)
+    out = run_script(TRAIN, "autocast", ZEROALLOC_LOG_FILE=str(log),
+                     ZEROALLOC_REPORT=str(report), **LIMITS)
     figures = ast.literal_eval(field(out, "figures"))
     print("advice figures:", {k: v for k, v in figures.items() if k.startswith("recipe")})
     assert figures["recipe_advice"] == "advised", figures
@@ -55,14 +61,25 @@ def test_a_run_that_names_no_recipe_is_told_once_what_fast_would_give_it(tmp_pat
     assert field(out, "dtype") == "torch.float32"  # the recipe itself did not change
 
 
+def test_a_run_whose_forward_is_outside_autocast_is_not_told_to_switch(tmp_path):
+    """Its fp32 inputs would meet the fast recipe's bf16 weights and fail."""
+    log = tmp_path / "run.log"
+    out = run_script(TRAIN, ZEROALLOC_LOG_FILE=str(log), **LIMITS)
+    figures = ast.literal_eval(field(out, "figures"))
+    assert figures["recipe_advice"] == "off", figures
+    assert "ran outside CUDA autocast" in figures["recipe_advice_reason"], figures
+    assert "ZEROALLOC_RECIPE=fast" not in log.read_text()
+
+
 def test_a_run_that_names_exact_is_not_told_and_fast_trains_in_bf16_on_the_cpus(tmp_path):
     log = tmp_path / "exact.log"
-    out = run_script(TRAIN, ZEROALLOC_LOG_FILE=str(log), ZEROALLOC_RECIPE="exact", **LIMITS)
+    out = run_script(TRAIN, "autocast", ZEROALLOC_LOG_FILE=str(log), ZEROALLOC_RECIPE="exact",
+                     **LIMITS)
     figures = ast.literal_eval(field(out, "figures"))
     assert figures["recipe_advice"] == "off"
     assert figures["recipe_advice_reason"] == "ZEROALLOC_RECIPE is set"
     assert "ZEROALLOC_RECIPE=fast" not in log.read_text()
-    fast = run_script(TRAIN, ZEROALLOC_RECIPE="fast", **LIMITS)
+    fast = run_script(TRAIN, "autocast", ZEROALLOC_RECIPE="fast", **LIMITS)
     figures = ast.literal_eval(field(fast, "figures"))
     assert field(fast, "dtype") == "torch.bfloat16"  # working copies of fp32 masters
     assert figures["host_windows"] > 0, figures  # the CPUs stepped the masters on the host

@@ -45,6 +45,13 @@ def untold(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+def under_autocast() -> RecipeAdvice:
+    """The advice of an optimizer whose model's forwards ran under CUDA autocast."""
+    advice = RecipeAdvice(None)
+    advice.saw_forward(True)
+    return advice
+
+
 def steps(advice, walls, moved, in_step=0.1):
     """Steps of `walls` seconds each (from 1.0 on), `in_step` of each inside the optimizer's
     step, with (to host, to device) moved so far after each."""
@@ -101,7 +108,7 @@ def test_a_recipe_that_is_not_one_is_refused_naming_both():
 
 
 def test_a_run_whose_steps_move_nothing_is_never_told(logged):
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     steps(advice, [2.0] * 30, [(0, 0)] * 30)
     assert advice.state == "watching" and logged == ([], [])
 
@@ -110,7 +117,7 @@ def test_the_first_timed_step_that_moves_tells_once_with_the_step_models_predict
     """Steps 1 and 2 moved (learning the order), step 3 did not, step 4 did: told at step 4
     from the medians of steps 3 and 4, once; a second optimizer is not told again."""
     lines, sections = logged
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     gib = GIB
     moved = [(gib, 0), (2 * gib, gib), (2 * gib, gib), (3 * gib, 2 * gib), (9 * gib, 9 * gib)]
     steps(advice, [4.9, 3.2, 1.8, 2.0, 2.0], moved, in_step=0.3)
@@ -141,7 +148,7 @@ def test_the_first_timed_step_that_moves_tells_once_with_the_step_models_predict
     assert sections[0][1]["host_params"] == total
     assert 0.2 < expected < 0.9 * 1.9
     steps(advice, [2.0] * 5, [(10 * gib, 10 * gib)] * 5)
-    other = RecipeAdvice(None)
+    other = under_autocast()
     steps(other, [2.0] * 6, [(i * gib, i * gib) for i in range(6)])
     assert other.state == "quiet" and len(lines) == 1
 
@@ -152,7 +159,7 @@ def test_moves_inside_the_step_are_not_taken_off_twice_and_none_under_hinted_acc
     taken off the compute, and under ZEROALLOC_ACCESS=hinted (moves overlap compute) none."""
     def predicted(outside_gib):
         monkeypatch.setattr(_recipe_advice, "told", False)
-        advice = RecipeAdvice(None)
+        advice = under_autocast()
         now, total = 1.0, 0
         for _ in range(4):
             now += 2.0
@@ -172,7 +179,7 @@ def test_under_torchrun_only_rank_0_logs_and_every_rank_keeps_it_in_its_report(
         logged, monkeypatch):
     lines, sections = logged
     monkeypatch.setenv("RANK", "1")
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     steps(advice, [2.0] * 5, [(i * GIB, i * GIB) for i in range(5)], in_step=1.0)
     assert advice.state == "advised" and lines == [] and len(sections) == 1
 
@@ -180,7 +187,7 @@ def test_under_torchrun_only_rank_0_logs_and_every_rank_keeps_it_in_its_report(
 def test_a_steady_step_that_bounces_states_through_scratch_counts_as_moving(logged):
     """States on the host are copied through device scratch by the step, not moved by the
     engine: a steady run under a limit may move nothing else, and is told all the same."""
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     now = 1.0
     for step in range(5):
         now += 2.0
@@ -190,10 +197,29 @@ def test_a_steady_step_that_bounces_states_through_scratch_counts_as_moving(logg
     assert advice.state == "advised" and advice.snapshot_figures()["recipe_advice_at_step"] == 3
 
 
+def test_a_run_whose_forwards_ran_outside_autocast_is_not_told(logged):
+    """Under the fast recipe the weights are bf16: a forward outside autocast would feed them
+    fp32 inputs and fail. Such a run is not told; its figures say why."""
+    advice = RecipeAdvice(None)
+    advice.saw_forward(True)
+    advice.saw_forward(False)  # an evaluation outside autocast, say
+    # The steps of the run that is told in the test above.
+    moved = [(GIB, 0), (2 * GIB, GIB), (2 * GIB, GIB), (3 * GIB, 2 * GIB), (9 * GIB, 9 * GIB)]
+    steps(advice, [4.9, 3.2, 1.8, 2.0, 2.0], moved, in_step=0.3)
+    lines, sections = logged
+    assert advice.state == "off" and sections == []
+    assert [level for level, _ in lines] == ["debug"]  # no warning: why, at debug level
+    figures = advice.snapshot_figures()
+    assert figures["recipe_advice_reason"] == (
+        "1 of 2 module forwards ran outside CUDA autocast: the fast recipe's bf16 weights "
+        "would meet their fp32 inputs")
+    assert "recipe_advice_predicted_s" not in figures  # nothing measured for it
+
+
 def test_a_prediction_not_worth_the_change_says_nothing(logged):
     """Under a limit that leaves the run almost everything, the fast recipe's step is no
     faster than the measured one: nothing is said, and the figures show why."""
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     memory = Memory(reserved_bytes=int(28.4 * GIB), limit_bytes=int(28 * GIB),
                     headroom_bytes=512 << 20)
     now = 1.0
@@ -210,7 +236,7 @@ def test_a_failed_measurement_stops_the_advice_and_the_step_goes_on(logged, monk
     def broken(device):
         raise RuntimeError("CUDA out of memory")
     monkeypatch.setattr(_recipe_advice, "measure_rates", broken)
-    advice = RecipeAdvice(None)
+    advice = under_autocast()
     now = 1.0
     for number in range(5):
         now += 1.0

@@ -408,6 +408,9 @@ class WindowedStep:
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
     def module_hint(self, own: list, forward: bool) -> None:
         self.hinted = True
+        if forward and self.advice.state == "watching":
+            # Note [The fast recipe, advised]: told only to forwards under autocast.
+            self.advice.saw_forward(torch.is_autocast_enabled("cuda"))
         if self.kept:
             self.write_back_kept(wait=False)
         if (forward and self.staged and graph_task() is None

@@ -40,7 +40,12 @@ keeps the numbers and silences the message):
   working copy and gradient for an fp32 parameter and gradient; the masters with the
   states), and bf16 activations take no more, so the peak is an upper bound.
 
-The message goes out only where the prediction is at most WORTH of the measured step. A
+The message goes out only where the prediction is at most WORTH of the measured step, and
+only to a run whose forwards all ran under CUDA autocast. Under the fast recipe the model's
+weights are bf16, and a forward outside autocast that feeds them fp32 inputs fails
+("mat1 and mat2 must have the same dtype"): a run that computes in fp32 is not told to
+switch. Token ids would be served, but the hooks see modules, not inputs, so such a run
+without autocast is not told either. A
 failure to measure never fails the step: the advice stops, saying why at debug level and
 in zt.step_figures(optimizer)."""
 
@@ -194,7 +199,7 @@ class RecipeAdvice:
     """Whether and what one optimizer's steps advise: the windowed step calls after_step."""
 
     __slots__ = ("state", "reason", "steps", "ended", "moved", "bounced", "began", "timed",
-                 "figures")
+                 "figures", "forwards", "outside_autocast")
 
     def __init__(self, reason: "str | None"):
         # watching: steps read; advised: told; quiet: decided not to tell (or told
@@ -210,6 +215,14 @@ class RecipeAdvice:
         # timed steps
         self.timed: list = []
         self.figures: dict = {}
+        self.forwards = 0  # module forwards seen, and those outside CUDA autocast
+        self.outside_autocast = 0
+
+    def saw_forward(self, under_autocast: bool) -> None:
+        """A module's forward began (the hooks' use hint), under CUDA autocast or not."""
+        self.forwards += 1
+        if not under_autocast:
+            self.outside_autocast += 1
 
     def before_step(self, device: int) -> None:
         """The optimizer's step begins: what moved during forward and backward is known."""
@@ -255,6 +268,11 @@ class RecipeAdvice:
         global told
         if told:
             self.state = "quiet"
+            return
+        if self.outside_autocast or not self.forwards:
+            self.stop(f"{self.outside_autocast} of {self.forwards} module forwards ran "
+                      "outside CUDA autocast: the fast recipe's bf16 weights would meet "
+                      "their fp32 inputs")
             return
         memory = read_memory(device) if memory is None else memory  # before the probe's
         rates = measure_rates(device) if rates is None else rates  # allocations
