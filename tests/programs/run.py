@@ -19,7 +19,7 @@ dtypes, tokens) must be identical to the native run's. The automatic and explici
 print, on standard error, the bytes of each class the engine moved. Exits non-zero when a
 program fails or differs in any mode; the table is printed last.
 
-PROGRAMS_LIMIT (default 256MiB, or a program's own in LIMITS) sets the device limit;
+PROGRAMS_LIMIT (default 256MiB) sets the device limit;
 PROGRAMS_JOBS (default 4) how many programs run at once; PROGRAMS_ENV adds variables to the
 offloaded runs (NAME=VALUE, separated by spaces). PROGRAMS_MODE, one mode, is read when
 PROGRAMS_MODES is not set.
@@ -101,16 +101,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 MODES = ("automatic", "explicit", "preload")
 
 
-# Programs that cannot run at the default limit, with their own and why. A limit below what
-# one point of a program needs fails it with an out-of-memory error that names that need.
-LIMITS = {
-    # AMSGrad steps the 62.5 MiB embedding with its gradient and three states on the device
-    # at once (docs/known-limits.md: the step steps whole parameters). At 256 MiB the step
-    # failed saying that point needs at least 280 MiB.
-    "optimizers": "384MiB",
-}
-
-
 def programs() -> list:
     return sorted(p for p in HERE.glob("*.py") if not p.name.startswith("_") and p.name != "run.py")
 
@@ -133,8 +123,7 @@ def run(program: Path, mode: str) -> "tuple[int, str, str, float]":
     command = [sys.executable, str(program)]
     if mode != "native":
         env.update({"ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_LIBRARY": str(LIBRARY),
-                    "ZEROALLOC_MEMORY_LIMIT": os.environ.get(
-                        "PROGRAMS_LIMIT", LIMITS.get(program.stem, "256MiB")),
+                    "ZEROALLOC_MEMORY_LIMIT": os.environ.get("PROGRAMS_LIMIT", "256MiB"),
                     "ZEROALLOC_CHUNK_SIZE": "8MiB", "ZEROALLOC_HOST_LIMIT": "8GiB"})
         for pair in os.environ.get("PROGRAMS_ENV", "").split():
             name, _, value = pair.partition("=")

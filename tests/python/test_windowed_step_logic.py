@@ -290,6 +290,53 @@ def test_a_window_that_fails_with_its_parameters_in_scratch_leaves_every_paramet
     assert engine.open() == 0 and engine.stray_ends == []
 
 
+def test_a_window_without_room_for_its_scratch_is_stepped_in_place_bit_for_bit(engine):
+    """Note [Stepped in place without room]: a scratch the limit cannot give fails with
+    zeroalloc's out-of-memory error; that window is stepped where its states are (the
+    homes, pinned), the others through scratch, and training matches plain training bit for
+    bit. The user is warned once; every pin ends."""
+    plain, plain_optimizer = build()
+    model, optimizer = managed(overlap_bytes=0)
+    stepper = optimizer._zeroalloc_stepper
+    carve, carved = stepper.carve, []
+
+    def no_room_every_other_window(*args, **kwargs):
+        carved.append(args[0])
+        if len(carved) % 2 == 0:
+            raise RuntimeError("zeroalloc_malloc: out of memory on the test device: tried to "
+                               "allocate 195.05 MiB (other)")
+        return carve(*args, **kwargs)
+
+    stepper.carve = no_room_every_other_window
+    with pytest.warns(UserWarning, match="did not fit under the device limit") as told:
+        for inputs, labels in data(5):
+            train(plain, plain_optimizer, inputs, labels)
+            train(model, optimizer, inputs, labels)
+            same(plain, plain_optimizer, model, optimizer)
+            assert engine.open() == 0 and engine.stray_ends == []
+    assert len([w for w in told if "did not fit" in str(w.message)]) == 1
+    figures = zt.step_figures(optimizer)
+    assert figures["in_place_windows"] == len(carved) // 2 > 0, figures
+    assert figures["in_place_bytes"] > 0
+
+
+def test_a_scratch_failure_that_is_not_for_room_fails_the_step(engine):
+    model, optimizer = managed(overlap_bytes=0)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)  # states exist from here on
+    stepper = optimizer._zeroalloc_stepper
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    stepper.carve = broken
+    torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        optimizer.step()
+    assert engine.open() == 0 and engine.stray_ends == []
+    assert zt.step_figures(optimizer)["in_place_windows"] == 0
+
+
 def test_a_state_written_between_staging_and_step_is_staged_again(engine):
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)

@@ -104,6 +104,16 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     the device are pinned there for their window. Only the step's own windows do this:
     windows staged during the backward leave their parameters to use hints (the backward
     still needs them on the device), and no parameter stays in scratch after the step.
+    Note [Stepped in place without room]: a window's scratch is as large as its bounced
+    states, and the step steps whole parameters: AMSGrad's three states of a 62.5 MiB
+    embedding take 195 MiB, beside the parameter and its gradient. Under a limit that
+    cannot hold that, the scratch's allocation fails. The window is then stepped where its
+    states are, pinned (use_in_place): the optimizer's kernels read and write the host's
+    copies over PCIe, correct and slower, as a state that left the device before its pin
+    is stepped. The step goes on with the windows after it; the allocation's failure is in
+    the log, followed by one warning naming the cause, and zt.step_figures(optimizer)
+    counts such windows (in_place_windows, in_place_bytes). Staging during backward never
+    does this: without room it stops, and the step meets the window.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
@@ -135,6 +145,12 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
 
 STAGE_AFTER = 0.6  # of the last backward's accumulations: when staging begins
 STAGE_RETRY = 4  # accumulations to wait after finding no room
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation the device limit could not serve: PyTorch's OutOfMemoryError, or the
+    RuntimeError that carries zeroalloc's out-of-memory message."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
 
 
 def on_gpu(device) -> bool:
@@ -237,7 +253,9 @@ class WindowedStep:
                         "kept_bytes": 0, "bounced_state_bytes": 0,
                         "bounced_parameter_bytes": 0,
                         "written_back_during_forward": 0,
-                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0}
+                        "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0,
+                        "in_place_windows": 0, "in_place_bytes": 0}
+        self.told_in_place = False  # Note [Stepped in place without room]: warned once
         if overlap_bytes > 0:
             listeners.overlapping.add(self)
 
@@ -331,12 +349,14 @@ class WindowedStep:
         return self.streams[device.index]
 
     def stage(self, window, slot: int, places, copy_in, main, held: list,
-              parameters: bool = False):
+              parameters: bool = False, in_place_without_room: bool = False):
         """Pins the window's states (with `parameters`, also its managed parameters: Note
         [Parameters stepped where they are]) where they are (their entries go into `held`
         first: a failure still ends them) and starts copying the bounced ones into scratch
         slot `slot`, after that slot's last write-back; returns (entries, event after the
-        copies, or None when nothing is copied)."""
+        copies, or None when nothing is copied). With `in_place_without_room`, a scratch
+        the limit has no room for leaves the window stepped where it is (Note [Stepped in
+        place without room])."""
         entries = []
         for parameter in window:
             state = self.optimizer.state.get(parameter, {})
@@ -366,15 +386,42 @@ class WindowedStep:
             return StagedWindow(entries, done)
         states = [entry for entry in bounced if not is_parameter(entry)]
         params = [entry for entry in bounced if is_parameter(entry)]
-        if states:
-            self.carve(states, self.slots, self.free, slot, self.slot_bytes, window, copy_in,
-                       main)
-        if params:
-            self.carve(params, self.parameter_slots, self.parameter_free, slot,
-                       self.parameter_slot_bytes, window, copy_in, main)
+        try:
+            if states:
+                self.carve(states, self.slots, self.free, slot, self.slot_bytes, window,
+                           copy_in, main)
+            if params:
+                self.carve(params, self.parameter_slots, self.parameter_free, slot,
+                           self.parameter_slot_bytes, window, copy_in, main)
+        except RuntimeError as error:
+            if not (in_place_without_room and is_out_of_memory(error)):
+                raise
+            return self.in_place(entries, bounced, copy_in, error)
         with torch.cuda.stream(copy_in):
             for entry in bounced:
                 entry.scratch.copy_(entry.home, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_in)
+        return StagedWindow(entries, done)
+
+    def in_place(self, entries: list, bounced: list, copy_in, error) -> "StagedWindow":
+        """Note [Stepped in place without room]: the window's bounced entries get no scratch;
+        pinned where they are, the step reaches them there."""
+        for entry in bounced:
+            entry.scratch = None
+        nbytes = sum(entry.home.numel() * entry.home.element_size() for entry in bounced)
+        self.figures["in_place_windows"] += 1
+        self.figures["in_place_bytes"] += nbytes
+        if not self.told_in_place:
+            self.told_in_place = True
+            warnings.warn(
+                f"zeroalloc: the optimizer step's scratch for {nbytes / 2**20:.1f} MiB of "
+                "states and parameters did not fit under the device limit (the allocation "
+                f"failure logged above: {str(error)[:120]}...). The step reaches them where "
+                "they are, in host memory, over PCIe: correct, slower. A higher "
+                "ZEROALLOC_MEMORY_LIMIT avoids it; zt.step_figures(optimizer) counts such "
+                "windows (in_place_windows)", stacklevel=2)
+        # A parameter parked meanwhile comes back in copy_in's order (stage()).
         done = torch.cuda.Event()
         done.record(copy_in)
         return StagedWindow(entries, done)
@@ -389,12 +436,12 @@ class WindowedStep:
             free.append(None)
         buffer = slots[slot]
         if buffer is None or buffer.numel() < need:
+            with _stats.allocation_class("other"):
+                larger = torch.empty(max(need, slot_bytes), dtype=torch.uint8,
+                                     device=window[0].device)
             if buffer is not None:
                 self.retired.append(buffer)
-            with _stats.allocation_class("other"):
-                buffer = torch.empty(max(need, slot_bytes), dtype=torch.uint8,
-                                     device=window[0].device)
-            slots[slot] = buffer
+            buffer = slots[slot] = larger
             copy_in.wait_stream(main)  # the memory may be what main's last kernels used
         offset = 0
         for entry in bounced:
@@ -946,7 +993,7 @@ class WindowedStep:
                         left.get(cursor, run.windows[cursor]), cursor % scratch.slot_count,
                         scratch.places,
                         run.copies.copy_in, main, run.held,
-                        parameters=self.bounce_parameters)
+                        parameters=self.bounce_parameters, in_place_without_room=True)
                 cursor += 1
             entries = scratch.queued[number].entries
             fresh = self.step_window(run, window, scratch.queued[number], main, kwargs)
