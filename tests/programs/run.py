@@ -9,8 +9,9 @@ tight enough that parameters, optimizer states, gradients and activations all mo
 
 - automatic: through the start-up hook with ZEROALLOC_OFFLOAD=host, the no-code-change mode;
 - explicit: `zt.install()` first, then `zt.offload(model, optimizer)` as each optimizer of
-  PyTorch's is made, with the model of the program's own `llama()` whose parameters it
-  steps (an optimizer of no such model, FSDP's say, is left to the allocator alone);
+  PyTorch's is made, with the newest model of the program's own `llama()` whose parameters
+  it steps (FSDP's parameters are registered on that model's modules, so they count); a
+  program where no optimizer matched is marked "identical, no offload()";
 - preload: LD_PRELOAD=libzeroalloc.so alone, no Python package: PyTorch's own caching
   allocator on top of zeroalloc's.
 
@@ -65,8 +66,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # offload() at the end of its constructor with the newest such model whose parameters it
 # steps.
 EXPLICIT = MOVED + """
-import runpy, sys, weakref
+import functools, runpy, sys, weakref
 import zeroalloc.torch as zt
+from zeroalloc.torch import _module_hints
+assert not _module_hints.automatic, "an installed start-up hook made this run automatic"
 zt.install()
 import torch
 import _common
@@ -90,7 +93,7 @@ def offloaded_when_made(kind):
                 zt.offload(model, self)
                 print(f"zt.offload({type(model).__name__}, {kind.__name__})", file=sys.stderr)
                 return
-    kind.__init__ = __init__
+    kind.__init__ = functools.wraps(init)(__init__)  # inspect.signature as before
 for name in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
              "Adadelta", "ASGD"):
     offloaded_when_made(getattr(torch.optim, name))

@@ -290,48 +290,81 @@ def test_a_window_that_fails_with_its_parameters_in_scratch_leaves_every_paramet
     assert engine.open() == 0 and engine.stray_ends == []
 
 
-def test_a_window_without_room_for_its_scratch_is_stepped_in_place_bit_for_bit(engine):
+def test_a_window_without_room_for_its_scratch_is_stepped_in_place_bit_for_bit(
+        engine, monkeypatch):
     """Note [Stepped in place without room]: a scratch the limit cannot give fails with
-    zeroalloc's out-of-memory error; that window is stepped where its states are (the
-    homes, pinned), the others through scratch, and training matches plain training bit for
-    bit. The user is warned once; every pin ends."""
+    zeroalloc's out-of-memory error; such windows are stepped where their states are (the
+    homes, pinned), the small last window through scratch, and training matches plain
+    training bit for bit. A refused size is asked once a step; the user is warned once;
+    every pin ends."""
     plain, plain_optimizer = build()
     model, optimizer = managed(overlap_bytes=0)
-    stepper = optimizer._zeroalloc_stepper
-    carve, carved = stepper.carve, []
+    empty, asked = torch.empty, []
 
-    def no_room_every_other_window(*args, **kwargs):
-        carved.append(args[0])
-        if len(carved) % 2 == 0:
-            raise RuntimeError("zeroalloc_malloc: out of memory on the test device: tried to "
-                               "allocate 195.05 MiB (other)")
-        return carve(*args, **kwargs)
+    def limited(*args, dtype=None, **kwargs):
+        if dtype is torch.uint8:  # a scratch buffer: over 10,000 bytes has no room
+            asked.append(args[0])
+            if args[0] > 10_000:
+                raise RuntimeError("zeroalloc_malloc: out of memory on the test device: tried "
+                                   f"to allocate {args[0]} B (other)")
+        return empty(*args, dtype=dtype, **kwargs)
 
-    stepper.carve = no_room_every_other_window
+    monkeypatch.setattr(torch, "empty", limited)
     with pytest.warns(UserWarning, match="did not fit under the device limit") as told:
-        for inputs, labels in data(5):
+        for number, (inputs, labels) in enumerate(data(5)):
             train(plain, plain_optimizer, inputs, labels)
+            asked.clear()
             train(model, optimizer, inputs, labels)
             same(plain, plain_optimizer, model, optimizer)
             assert engine.open() == 0 and engine.stray_ends == []
+            if number >= 1:  # states exist: the large windows were refused, each size once
+                refused = [size for size in asked if size > 10_000]
+                assert refused and len(refused) == len(set(refused)) <= 2, asked
+                assert any(size <= 10_000 for size in asked), asked  # the last window's
     assert len([w for w in told if "did not fit" in str(w.message)]) == 1
     figures = zt.step_figures(optimizer)
-    assert figures["in_place_windows"] == len(carved) // 2 > 0, figures
+    windows = len(optimizer._zeroalloc_stepper.plan)
+    assert figures["in_place_windows"] == 4 * (windows - 1), (figures, windows)
     assert figures["in_place_bytes"] > 0
 
 
-def test_a_scratch_failure_that_is_not_for_room_fails_the_step(engine):
+def test_windows_are_at_most_a_sixteenth_of_the_device_limit(engine):
+    """At least three windows' scratch is on the device at once: under a 256 MiB limit a
+    window holds 16 MiB of parameters and states, whatever window_bytes says; AMSGrad's
+    three states count once they exist."""
+    parameters = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(6)]  # 4 MiB each
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer = torch.optim.AdamW(parameters, amsgrad=True)
+    optimizer.step = zt._windowed_step(optimizer, optimizer.step, 1 << 30, 0)
+    stepper = optimizer._zeroalloc_stepper
+    groups = [group["params"] for group in optimizer.param_groups]
+    assert [len(w) for w in stepper.windows(groups)] == [6]  # no limit: one 1 GiB window
+    # 4 MiB and two states (before the first step): 12 MiB a parameter, one a window.
+    assert [len(w) for w in stepper.windows(groups, 256 << 20)] == [1] * 6
+    assert [len(w) for w in stepper.windows(groups, 1 << 30)] == [5, 1]  # 64 MiB windows
+    optimizer.step()
+    # AMSGrad's three states: 16 MiB a parameter, 4 of them in 64 MiB.
+    assert [len(w) for w in stepper.windows(groups, 1 << 30)] == [4, 2]
+
+
+def test_a_scratch_failure_that_is_not_for_room_fails_the_step(engine, monkeypatch):
+    """A device error met allocating scratch, even one that quotes the driver's "out of
+    memory", is not a lack of room under the limit: the step fails, every pin ends."""
     model, optimizer = managed(overlap_bytes=0)
     inputs, labels = data(1)[0]
     train(model, optimizer, inputs, labels)  # states exist from here on
-    stepper = optimizer._zeroalloc_stepper
+    empty = torch.empty
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    def broken(*args, dtype=None, **kwargs):
+        if dtype is torch.uint8:
+            raise RuntimeError("zeroalloc_malloc: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY "
+                               "(out of memory)")
+        return empty(*args, dtype=dtype, **kwargs)
 
-    stepper.carve = broken
+    monkeypatch.setattr(torch, "empty", broken)
     torch.nn.functional.cross_entropy(model(inputs[0]), labels[0]).backward()
-    with pytest.raises(RuntimeError, match="illegal memory access"):
+    with pytest.raises(RuntimeError, match="cuMemCreate failed"):
         optimizer.step()
     assert engine.open() == 0 and engine.stray_ends == []
     assert zt.step_figures(optimizer)["in_place_windows"] == 0

@@ -105,15 +105,19 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     windows staged during the backward leave their parameters to use hints (the backward
     still needs them on the device), and no parameter stays in scratch after the step.
     Note [Stepped in place without room]: a window's scratch is as large as its bounced
-    states, and the step steps whole parameters: AMSGrad's three states of a 62.5 MiB
-    embedding take 195 MiB, beside the parameter and its gradient. Under a limit that
-    cannot hold that, the scratch's allocation fails. The window is then stepped where its
+    states, and the step steps whole parameters. A window of 1 GiB held a whole 65 MiB
+    model, and AMSGrad's three states took 195 MiB of scratch under a 256 MiB limit
+    (bench/RESULTS.md). Windows are capped by the limit since, but one parameter with its
+    states may still be larger than the room left. Then the scratch's allocation fails. The window is then stepped where its
     states are, pinned (use_in_place): the optimizer's kernels read and write the host's
     copies over PCIe, correct and slower, as a state that left the device before its pin
     is stepped. The step goes on with the windows after it; the allocation's failure is in
     the log, followed by one warning naming the cause, and zt.step_figures(optimizer)
-    counts such windows (in_place_windows, in_place_bytes). Staging during backward never
-    does this: without room it stops, and the step meets the window.
+    counts such windows (in_place_windows, in_place_bytes). A refused size is not asked
+    again in that step (each refusal costs the allocator's whole relief, and writes an
+    out-of-memory report); a smaller window's may still be. Staging during backward never
+    does this: without room it stops, and the step meets the window. Windows are at most a
+    sixteenth of the limit, so this is a last resort.
     Known limits: the optimizer's step hooks (register_step_pre_hook / post_hook) run once
     per window, with the window's parameters in param_groups; an optimizer whose parameters
     span several devices steps in one piece, without windows. Between a step and the next
@@ -145,12 +149,23 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
 
 STAGE_AFTER = 0.6  # of the last backward's accumulations: when staging begins
 STAGE_RETRY = 4  # accumulations to wait after finding no room
+MIN_WINDOW_BYTES = 8 << 20  # the smallest window a device limit makes
+NO_ROOM_UNKNOWN = 1 << 62  # no scratch size was refused yet
+
+
+class NoRoom(RuntimeError):
+    """A window's scratch the device limit could not serve (Note [Stepped in place without
+    room])."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """An allocation the device limit could not serve: PyTorch's OutOfMemoryError, or the
-    RuntimeError that carries zeroalloc's out-of-memory message."""
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error)
+    RuntimeError that carries zeroalloc_malloc's out-of-memory message (a device error that
+    quotes the driver's "out of memory" is not one)."""
+    kinds = tuple(kind for kind in (getattr(torch, "OutOfMemoryError", None),
+                                    getattr(torch.cuda, "OutOfMemoryError", None)) if kind)
+    return ((bool(kinds) and isinstance(error, kinds))
+            or "zeroalloc_malloc: out of memory on " in str(error))
 
 
 def on_gpu(device) -> bool:
@@ -256,6 +271,7 @@ class WindowedStep:
                         "staging_host_s": 0.0, "staging_no_room": 0, "staging_began_at": 0.0,
                         "in_place_windows": 0, "in_place_bytes": 0}
         self.told_in_place = False  # Note [Stepped in place without room]: warned once
+        self.no_room_bytes = NO_ROOM_UNKNOWN  # the smallest scratch refused in this step
         if overlap_bytes > 0:
             listeners.overlapping.add(self)
 
@@ -311,16 +327,23 @@ class WindowedStep:
         device's limit (read at the last step)."""
         return min(self.overlap_bytes, self.limit_bytes // 8)
 
-    def windows(self, groups) -> list:
+    def windows(self, groups, limit_bytes: int = 0) -> list:
         """Windows over the parameters with gradients, from the groups as they were before
-        any window narrowed them."""
+        any window narrowed them: each about window_bytes of parameters and their states, at
+        most a sixteenth of the device's limit `limit_bytes` (0: none), since at least three
+        windows' scratch is on the device at once (Note [Windows and buffers])."""
+        cap = self.window_bytes
+        if limit_bytes > 0:
+            cap = min(cap, max(MIN_WINDOW_BYTES, limit_bytes // 16))
         found, current, size = [], [], 0
         for params in groups:
             for parameter in params:
                 if self.gradient(parameter) is None:
                     continue
-                cost = parameter.numel() * parameter.element_size() * 3  # + two Adam states
-                if current and size + cost > self.window_bytes:
+                # The parameter and its states (two, as Adam's, before the first step).
+                states = len(self.items(parameter)) or 2
+                cost = parameter.numel() * parameter.element_size() * (1 + states)
+                if current and size + cost > cap:
                     found.append(current)
                     current, size = [], 0
                 current.append(parameter)
@@ -393,8 +416,8 @@ class WindowedStep:
             if params:
                 self.carve(params, self.parameter_slots, self.parameter_free, slot,
                            self.parameter_slot_bytes, window, copy_in, main)
-        except RuntimeError as error:
-            if not (in_place_without_room and is_out_of_memory(error)):
+        except NoRoom as error:
+            if not in_place_without_room:
                 raise
             return self.in_place(entries, bounced, copy_in, error)
         with torch.cuda.stream(copy_in):
@@ -416,15 +439,35 @@ class WindowedStep:
             self.told_in_place = True
             warnings.warn(
                 f"zeroalloc: the optimizer step's scratch for {nbytes / 2**20:.1f} MiB of "
-                "states and parameters did not fit under the device limit (the allocation "
-                f"failure logged above: {str(error)[:120]}...). The step reaches them where "
+                "states and parameters did not fit under the device limit (the library's "
+                f"log has the allocation's failure: {str(error)[:120]}...). The step reaches "
+                "them where "
                 "they are, in host memory, over PCIe: correct, slower. A higher "
                 "ZEROALLOC_MEMORY_LIMIT avoids it; zt.step_figures(optimizer) counts such "
-                "windows (in_place_windows)", stacklevel=2)
+                "windows (in_place_windows)", stacklevel=5)
         # A parameter parked meanwhile comes back in copy_in's order (stage()).
         done = torch.cuda.Event()
         done.record(copy_in)
         return StagedWindow(entries, done)
+
+    def scratch_buffer(self, need: int, slot_bytes: int, device):
+        """A slot's buffer: slot_bytes (the largest window's need), else `need` alone; a size
+        the limit refused once in this step is not asked again (each refusal costs the
+        allocator's whole relief: Note [Stepped in place without room]). Raises NoRoom."""
+        failure = None
+        for size in sorted({max(need, slot_bytes), need}, reverse=True):
+            if size >= self.no_room_bytes:
+                continue
+            try:
+                with _stats.allocation_class("other"):
+                    return torch.empty(size, dtype=torch.uint8, device=device)
+            except RuntimeError as error:
+                if not is_out_of_memory(error):
+                    raise
+                self.no_room_bytes = size
+                failure = error
+        raise NoRoom(str(failure) if failure is not None else
+                     f"no room for {need} bytes of scratch under the device limit in this step")
 
     def carve(self, bounced, slots: list, free: list, slot: int, slot_bytes: int, window,
               copy_in, main) -> None:
@@ -436,9 +479,7 @@ class WindowedStep:
             free.append(None)
         buffer = slots[slot]
         if buffer is None or buffer.numel() < need:
-            with _stats.allocation_class("other"):
-                larger = torch.empty(max(need, slot_bytes), dtype=torch.uint8,
-                                     device=window[0].device)
+            larger = self.scratch_buffer(need, slot_bytes, window[0].device)
             if buffer is not None:
                 self.retired.append(buffer)
             buffer = slots[slot] = larger
@@ -840,7 +881,13 @@ class WindowedStep:
         follow param_groups, parameters that span several devices, or parameters in host
         memory (CPU master weights, a small side model: nothing there is paged, and CUDA
         streams do not exist for them)."""
-        found = self.windows(groups) if self.by_groups else []
+        found = []
+        if self.by_groups:
+            first = next((p for params in groups for p in params
+                          if self.gradient(p) is not None), None)
+            limit = (_stats.raw_stats(first.device.index)["limit_bytes"]
+                     if first is not None and on_gpu(first.device) else 0)
+            found = self.windows(groups, limit)
         devices = {p.device for window in found for p in window}
         if len(devices) > 1 and not self.warned:
             self.warned = True
@@ -1163,6 +1210,7 @@ class WindowedStep:
             _use_hints.end(run.begun, fence)
         self.slots, self.free, self.retired = [], [], []
         self.parameter_slots, self.parameter_free = [], []
+        self.no_room_bytes = NO_ROOM_UNKNOWN  # the next step may have room again
         self.cache = None
         if wait_error is not None and succeeded:
             raise wait_error
