@@ -108,8 +108,9 @@ def windowed_step(optimizer, original_step, window_bytes: int, overlap_bytes: in
     states, and the step steps whole parameters. A window of 1 GiB held a whole 65 MiB
     model, and AMSGrad's three states took 195 MiB of scratch under a 256 MiB limit
     (bench/RESULTS.md). Windows are capped by the limit since, but one parameter with its
-    states may still be larger than the room left. Then the scratch's allocation fails. The window is then stepped where its
-    states are, pinned (use_in_place): the optimizer's kernels read and write the host's
+    states may still be larger than the room left, and the scratch's allocation fails.
+    The window is then stepped where its states are, pinned (use_in_place): the
+    optimizer's kernels read and write the host's
     copies over PCIe, correct and slower, as a state that left the device before its pin
     is stepped. The step goes on with the windows after it; the allocation's failure is in
     the log, followed by one warning naming the cause, and zt.step_figures(optimizer)
@@ -441,8 +442,7 @@ class WindowedStep:
                 f"zeroalloc: the optimizer step's scratch for {nbytes / 2**20:.1f} MiB of "
                 "states and parameters did not fit under the device limit (the library's "
                 f"log has the allocation's failure: {str(error)[:120]}...). The step reaches "
-                "them where "
-                "they are, in host memory, over PCIe: correct, slower. A higher "
+                "them where they are, in host memory, over PCIe: correct, slower. A higher "
                 "ZEROALLOC_MEMORY_LIMIT avoids it; zt.step_figures(optimizer) counts such "
                 "windows (in_place_windows)", stacklevel=5)
         # A parameter parked meanwhile comes back in copy_in's order (stage()).
@@ -945,6 +945,7 @@ class WindowedStep:
         main = torch.cuda.current_stream(device)
         # A step with arguments (a GradScaler's, say) is the optimizer's own business.
         hosting = self.host is not None and not self.host.unavailable and not kwargs
+        self.no_room_bytes = NO_ROOM_UNKNOWN  # what staging in backward met is not now's
         scratch = self.prepare_scratch(run, main, hosting)
         # Note [Host windows]: the parameters on the host step there, on a thread, while
         # the device steps the rest of each window (run.windows stays as planned: the next
@@ -1210,7 +1211,6 @@ class WindowedStep:
             _use_hints.end(run.begun, fence)
         self.slots, self.free, self.retired = [], [], []
         self.parameter_slots, self.parameter_free = [], []
-        self.no_room_bytes = NO_ROOM_UNKNOWN  # the next step may have room again
         self.cache = None
         if wait_error is not None and succeeded:
             raise wait_error
