@@ -163,9 +163,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     """An allocation the device limit could not serve: PyTorch's OutOfMemoryError, or the
     RuntimeError that carries zeroalloc_malloc's out-of-memory message (a device error that
     quotes the driver's "out of memory" is not one)."""
-    kinds = tuple(kind for kind in (getattr(torch, "OutOfMemoryError", None),
-                                    getattr(torch.cuda, "OutOfMemoryError", None)) if kind)
-    return ((bool(kinds) and isinstance(error, kinds))
+    return (isinstance(error, torch.cuda.OutOfMemoryError)
             or "zeroalloc_malloc: out of memory on " in str(error))
 
 
@@ -775,7 +773,6 @@ class WindowedStep:
         first, total = len(found), 0
         if self.overlap_bytes <= 0:
             return first
-        self.limit_bytes = _stats.raw_stats(found[0][0].device.index)["limit_bytes"]
         if not self.hinted:
             return first
         budget = self.budget()
@@ -885,9 +882,10 @@ class WindowedStep:
         if self.by_groups:
             first = next((p for params in groups for p in params
                           if self.gradient(p) is not None), None)
-            limit = (_stats.raw_stats(first.device.index)["limit_bytes"]
-                     if first is not None and on_gpu(first.device) else 0)
-            found = self.windows(groups, limit)
+            # Read once a step: the windows, staging's margin and budget() use it.
+            self.limit_bytes = (_stats.raw_stats(first.device.index)["limit_bytes"]
+                                if first is not None and on_gpu(first.device) else 0)
+            found = self.windows(groups, self.limit_bytes)
         devices = {p.device for window in found for p in window}
         if len(devices) > 1 and not self.warned:
             self.warned = True
