@@ -812,6 +812,48 @@ def test_a_second_offload_of_a_stepped_optimizer_sets_its_sizes_and_keeps_one_st
     assert stepper not in zt._windowed_steps.overlapping and stepper.adopt is None
 
 
+def hook_count(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) + \
+        len(model._state_dict_hooks) + len(model._state_dict_pre_hooks) + \
+        len(model._load_state_dict_pre_hooks) + len(model._load_state_dict_post_hooks)
+
+
+def test_an_optimizer_made_again_on_one_model_adds_no_second_set_of_hooks(engine, monkeypatch):
+    # A program that makes its optimizer again (a new learning-rate phase, a restart) calls
+    # offload() once per optimizer on one model: the model's hint, state-dict and load hooks
+    # stay one set, so each forward sends each hint once, and they go with the last handle.
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    model, first = build()
+    for parameter in model.parameters():  # as adoption marks CUDA parameters
+        parameter._zeroalloc_adopted = True
+    bare = hook_count(model)
+    handle = zt.offload(model, first, overlap_bytes=0, gradient_class=False)
+    once = hook_count(model)
+    assert once > bare
+    hints = []
+    monkeypatch.setattr(zt._offload, "use_begins_many",
+                        lambda pointers, stream=0: hints.append(len(pointers)))
+    inputs, labels = data(1)[0]
+    train(model, first, inputs, labels)
+    hinted_once = sum(hints)
+    assert hinted_once > 0
+    second = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    again = zt.offload(model, second, overlap_bytes=0, gradient_class=False)
+    assert hook_count(model) == once
+    hints.clear()
+    train(model, second, inputs, labels)
+    assert sum(hints) == hinted_once
+    handle.remove()  # the second optimizer's run still hints its model
+    assert hook_count(model) == once
+    hints.clear()
+    train(model, second, inputs, labels)
+    assert sum(hints) == hinted_once
+    handle.remove()  # a second remove() of one handle lets go of nothing more
+    assert hook_count(model) == once
+    again.remove()
+    assert hook_count(model) == bare
+
+
 def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
     """The automatic mode wraps every optimizer: one over parameters in host memory has
     nothing paged and no CUDA streams, and steps as it would without zeroalloc (it raised

@@ -127,12 +127,7 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
             hooks += masters.install_model_hook(model)
     hooked: list = []
     hooks += _adoption.adopt(model.parameters(), optimizer, gradients, hooked)
-    if not _module_hints.automatic and stepper is None:
-        # Else hinted already: by the automatic mode's global hooks, or by the hooks of the
-        # earlier offload() of this optimizer.
-        hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
-    hooks.append(model.register_state_dict_post_hook(copy_parameters_off_disk))
-    hooks += pin_during_load(model)  # Note [Parameters parked]: load_state_dict writes them
+    hooks.append(hold_model_hooks(model, hint_group_bytes))
 
     def adopt(late, into):
         if not _module_hints.automatic:
@@ -167,6 +162,56 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
                                        adopt=adopt, gradients=gradients)
         readopt_after_load(optimizer)
     return OffloadHandle(hooks, optimizer, original_step, hooked)
+
+
+class ModelHooks:
+    """The hooks offload() puts on a model, there once however many offload() calls name it
+    (a model whose optimizer is made again, a second offload() of one optimizer): the use
+    hints (unless the automatic mode's global hooks send them), the state-dict hook and the
+    pins while loading. Hooks stacked per call would send each hint twice and pin twice.
+    Each offload() holds them; the last holder's remove() takes them out. The first call's
+    hint_group_bytes applies while they stay."""
+
+    def __init__(self, hooks: list):
+        self.hooks = hooks
+        self.holders = 0
+
+
+model_hooks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class ModelHooksHold:
+    """One offload()'s hold on its model's hooks, removed with the handle's other hooks."""
+
+    def __init__(self, model, shared: ModelHooks):
+        self._model = weakref.ref(model)
+        self._shared = shared
+        shared.holders += 1
+
+    def remove(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is None:  # removed already
+            return
+        shared.holders -= 1
+        if shared.holders:
+            return
+        for hook in shared.hooks:
+            hook.remove()
+        model = self._model()
+        if model is not None and model_hooks.get(model) is shared:
+            del model_hooks[model]
+
+
+def hold_model_hooks(model, hint_group_bytes: int) -> ModelHooksHold:
+    shared = model_hooks.get(model)
+    if shared is None:
+        hooks = []
+        if not _module_hints.automatic:  # else the automatic mode's global hooks hint it
+            hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
+        hooks.append(model.register_state_dict_post_hook(copy_parameters_off_disk))
+        hooks += pin_during_load(model)  # Note [Parameters parked]: load_state_dict writes them
+        shared = model_hooks[model] = ModelHooks(hooks)
+    return ModelHooksHold(model, shared)
 
 
 def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int = 256 << 20,
