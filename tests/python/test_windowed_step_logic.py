@@ -854,6 +854,30 @@ def test_an_optimizer_made_again_on_one_model_adds_no_second_set_of_hooks(engine
     assert hook_count(model) == bare
 
 
+def test_offload_of_an_optimizer_over_storageless_parameters_leaves_its_step_as_made(
+        engine, monkeypatch):
+    # FSDP2's sharded DTensors have no storage of their own: FSDP2 owns their memory and
+    # their step. offload() says so once and leaves the optimizer as PyTorch made it, as the
+    # automatic mode does; the program trains as natively.
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    model, optimizer = build()
+    plain, plain_optimizer = build()
+    storageless = next(model.parameters())
+    real_pointer = _use_hints.storage_pointer
+    monkeypatch.setattr(_use_hints, "storage_pointer",
+                        lambda t: 0 if t is storageless else real_pointer(t))
+    monkeypatch.setattr(_adoption, "unmanaged_told", set())
+    step = optimizer.step
+    with pytest.warns(UserWarning, match="Parameter have no storage of their own"):
+        handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    assert optimizer.step == step and not hasattr(optimizer, "_zeroalloc_stepper")
+    for inputs, labels in data(2):
+        train(plain, plain_optimizer, inputs, labels)
+        train(model, optimizer, inputs, labels)
+    same(plain, plain_optimizer, model, optimizer)
+    handle.remove()
+
+
 def test_an_optimizer_of_cpu_parameters_steps_as_without_zeroalloc(monkeypatch):
     """The automatic mode wraps every optimizer: one over parameters in host memory has
     nothing paged and no CUDA streams, and steps as it would without zeroalloc (it raised

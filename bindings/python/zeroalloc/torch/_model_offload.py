@@ -100,6 +100,14 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     _settings.require_offload_engine()
     mode = mode_of(_settings.gradient_class_default() if gradient_class is None
                    else gradient_class)
+    if optimizer is not None:
+        foreign = next((p for group in optimizer.param_groups for p in group["params"]
+                        if not _use_hints.storage_pointer(p)), None)
+        if foreign is not None:
+            # FSDP2's DTensors: FSDP2 owns their memory and their step, so the optimizer
+            # stays as PyTorch made it, as in the automatic mode (adopt() tells the user).
+            _adoption.warn_unmanaged_once(foreign)
+            optimizer = None
     dtype = working_dtype(master_weights) if optimizer is not None else None
     stepper = getattr(optimizer, "_zeroalloc_stepper", None)
     # Note [Gradients' class, decided]: one choice per optimizer, which its hooks read; a
