@@ -251,6 +251,30 @@ def test_parameters_are_stepped_where_they_are_never_fetched_for_the_step(engine
     assert engine.open() == 0 and engine.stray_ends == []
 
 
+def test_each_scratch_buffer_names_the_copy_streams_to_the_allocator(engine, monkeypatch):
+    # The copy streams write and read the scratch, which is allocated on the step's stream:
+    # unless they are recorded, a move of its chunk under pressure (which fences the
+    # streams the allocator knows) could meet copies still in flight.
+    model, optimizer = managed(overlap_bytes=0)
+    monkeypatch.setattr(zt._offload, "residency_of", lambda pointer: "host")
+    made, recorded = [], []
+    scratch_buffer = _optimizer_step.WindowedStep.scratch_buffer
+
+    def making(self, *args):
+        made.append(scratch_buffer(self, *args))
+        return made[-1]
+    monkeypatch.setattr(_optimizer_step.WindowedStep, "scratch_buffer", making)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: recorded.append((self, stream)))
+    for inputs, labels in data(2):
+        train(model, optimizer, inputs, labels)
+    copies = list(optimizer._zeroalloc_stepper.streams_of(torch.device("cpu")))
+    assert made and len(copies) == 2
+    for buffer in made:
+        assert all(any(tensor is buffer and stream is copy for tensor, stream in recorded)
+                   for copy in copies)
+
+
 def test_a_window_that_fails_with_its_parameters_in_scratch_leaves_every_parameter_as_it_was(
         engine):
     """A window that raises while its bounced parameters' data is scratch: every parameter

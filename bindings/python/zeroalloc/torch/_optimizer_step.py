@@ -478,6 +478,11 @@ class WindowedStep:
         buffer = slots[slot]
         if buffer is None or buffer.numel() < need:
             larger = self.scratch_buffer(need, slot_bytes, window[0].device)
+            # copy_in writes it and copy_out reads it, streams the allocator would not know
+            # of: recorded, a move of its chunk under pressure waits for their work too (under
+            # ZEROALLOC_ACCESS=hinted moves do not drain the device), and so does its reuse.
+            for stream in self.streams_of(window[0].device):
+                larger.record_stream(stream)
             if buffer is not None:
                 self.retired.append(buffer)
             buffer = slots[slot] = larger
