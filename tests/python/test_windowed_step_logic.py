@@ -878,6 +878,48 @@ def test_an_optimizer_made_again_on_one_model_adds_no_second_set_of_hooks(engine
     assert hook_count(model) == bare
 
 
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_model_under_offload_pickles_and_its_copy_carries_nothing_of_zeroalloc(
+        engine, monkeypatch, how):
+    # Note [Nothing of ours is pickled]: torch.save(model) pickles the modules' hooks and
+    # the parameters' attributes. It failed on offload()'s hooks ("cannot pickle
+    # 'weakref.ReferenceType' object"); the copy comes back with inert hooks and unmarked
+    # parameters, and trains as the original does.
+    import copy as copying
+    import io
+    from zeroalloc.torch._transient import MARK
+    monkeypatch.setattr(_settings, "require_offload_engine", lambda: None)
+    model, optimizer = build()
+    for parameter in model.parameters():  # as adoption marks CUDA parameters
+        parameter._zeroalloc_adopted = MARK
+    handle = zt.offload(model, optimizer, overlap_bytes=0, gradient_class=False)
+    inputs, labels = data(1)[0]
+    train(model, optimizer, inputs, labels)
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copy = torch.load(buffer, weights_only=False)
+    else:
+        copy = copying.deepcopy(model)
+    assert not any(getattr(p, "_zeroalloc_adopted", False) or
+                   getattr(p, "_zeroalloc_hooked", False) for p in copy.parameters())
+    hints = []
+    monkeypatch.setattr(zt._offload, "use_begins_many",
+                        lambda pointers, stream=0: hints.append(len(pointers)))
+    plain = copying.deepcopy(copy)
+    with torch.no_grad():
+        assert torch.equal(copy(inputs[0]), model(inputs[0]))
+    assert hints and sum(hints) == sum(1 for _ in model.parameters())  # the original's only
+    copy_optimizer = torch.optim.AdamW(copy.parameters(), lr=1e-2)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    train(copy, copy_optimizer, inputs, labels)
+    train(plain, plain_optimizer, inputs, labels)
+    for a, b in zip(copy.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    handle.remove()
+
+
 def test_offload_of_an_optimizer_over_storageless_parameters_leaves_its_step_as_made(
         engine, monkeypatch):
     # FSDP2's sharded DTensors have no storage of their own: FSDP2 owns their memory and

@@ -12,6 +12,7 @@ from zeroalloc import _offload, _stats
 from zeroalloc.torch import _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses
 from zeroalloc.torch._gradient_choice import GradientChoice
+from zeroalloc.torch._transient import MARK
 
 #: Bumped whenever a parameter is adopted: the automatic mode's per-module group decisions,
 #: made from the managed bytes under a module, are stale after that.
@@ -84,12 +85,12 @@ def adopt(parameters, optimizer=None, gradients: "GradientChoice | None" = None,
                 continue
             if not getattr(parameter, "_zeroalloc_adopted", False):
                 parameter.data = move_into_class(parameter.data, "parameter")
-                parameter._zeroalloc_adopted = True
+                parameter._zeroalloc_adopted = MARK  # Note [Nothing of ours is pickled]
                 adoptions[0] += 1
             if not parameter.requires_grad:
                 continue
             if not getattr(parameter, "_zeroalloc_hooked", False):
-                parameter._zeroalloc_hooked = True
+                parameter._zeroalloc_hooked = MARK
                 if hooked is not None:
                     hooked.append((parameter, "_zeroalloc_hooked"))
                 hooks.append(parameter.register_post_accumulate_grad_hook(backward.end))

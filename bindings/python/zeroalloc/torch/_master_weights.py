@@ -43,6 +43,7 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _settings, _use_hints
+from zeroalloc.torch._transient import MARK, ModuleHook
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, put_back
 
 STATE_KEY = "zeroalloc_master_weights"
@@ -211,6 +212,8 @@ class MasterWeights:
 
         holders = [each for each in model.modules()
                    if any(True for _ in each.parameters(recurse=False))]
+        # Note [Nothing of ours is pickled]
+        loaded, reading = ModuleHook(loaded), ModuleHook(reading)
         return ([each.register_load_state_dict_post_hook(loaded) for each in holders]
                 + [each.register_state_dict_pre_hook(reading) for each in holders])
 
@@ -383,9 +386,9 @@ def hinted(tensor) -> bool:
 def mark(master) -> None:
     """Marked as offload() marks what it manages: never adopted as a parameter, never hooked
     (its working copy is)."""
-    master._zeroalloc_adopted = True
-    master._zeroalloc_hooked = True
-    master._zeroalloc_master = True
+    master._zeroalloc_adopted = MARK
+    master._zeroalloc_hooked = MARK
+    master._zeroalloc_master = MARK
 
 
 def existing_master(working):

@@ -16,6 +16,7 @@ from zeroalloc.torch._optimizer_step import steps_by_param_groups, windowed_step
 from zeroalloc.torch._state_dict import (copy_parameters_off_disk,
                                          copy_parameters_off_disk_in_every_model,
                                          pin_during_load, readopt_after_load)
+from zeroalloc.torch._transient import ModuleHook
 from zeroalloc.torch._weak_methods import original_of, put_back
 
 
@@ -216,7 +217,7 @@ def hold_model_hooks(model, hint_group_bytes: int) -> ModelHooksHold:
         hooks = []
         if not _module_hints.automatic:  # else the automatic mode's global hooks hint it
             hooks += _module_hints.install_hint_hooks(model, hint_group_bytes)
-        hooks.append(model.register_state_dict_post_hook(copy_parameters_off_disk))
+        hooks.append(model.register_state_dict_post_hook(ModuleHook(copy_parameters_off_disk)))
         hooks += pin_during_load(model)  # Note [Parameters parked]: load_state_dict writes them
         shared = model_hooks[model] = ModelHooks(hooks)
     return ModelHooksHold(model, shared)

@@ -13,6 +13,7 @@ import torch
 from zeroalloc.torch import _adoption, _settings, _use_hints
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, thread_list
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
+from zeroalloc.torch._transient import ModuleHook
 
 
 def managed(module) -> list:
@@ -308,10 +309,11 @@ def install_hint_hooks(model, group_bytes: int, listeners: WindowedSteps = windo
     hooks = []
     for group in hint_groups(model, group_bytes, listeners, backward):
         top = group.top()
-        hooks.append(top.register_forward_pre_hook(group.before))
-        hooks.append(always_called(top.register_forward_hook, group.after))
+        hooks.append(top.register_forward_pre_hook(ModuleHook(group.before)))
+        hooks.append(always_called(top.register_forward_hook, ModuleHook(group.after)))
         for member in (ref() for ref in group.members):
             if member is not top:
-                hooks.append(member.register_forward_pre_hook(group.member_before))
-                hooks.append(always_called(member.register_forward_hook, group.member_after))
+                hooks.append(member.register_forward_pre_hook(ModuleHook(group.member_before)))
+                hooks.append(always_called(member.register_forward_hook,
+                                           ModuleHook(group.member_after)))
     return hooks

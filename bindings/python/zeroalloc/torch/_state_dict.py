@@ -14,6 +14,7 @@ from zeroalloc import _offload
 from zeroalloc.torch import _adoption, _settings, _use_hints
 from zeroalloc.torch._master_weights import finish_every_behind, refresh_every
 from zeroalloc.torch._step_records import residency_or_foreign
+from zeroalloc.torch._transient import ModuleHook
 from zeroalloc.torch._weak_methods import BoundWeakly, original_of, unbound
 
 
@@ -140,6 +141,7 @@ def pin_during_load(model) -> list:
         pins_end(pinned)
         pinned.clear()
 
+    before, after = ModuleHook(before), ModuleHook(after)  # Note [Nothing of ours is pickled]
     register = getattr(model, "register_load_state_dict_pre_hook", None)
     first = (register(before) if register is not None
              else model._register_load_state_dict_pre_hook(before, with_module=True))

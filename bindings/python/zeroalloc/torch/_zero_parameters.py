@@ -46,6 +46,7 @@ import torch
 from zeroalloc import _group, _offload
 from zeroalloc.torch import _adoption, _use_hints
 from zeroalloc.torch._adoption import move_into_class
+from zeroalloc.torch._transient import MARK, ModuleHook
 from zeroalloc.torch._use_hints import current_stream
 
 
@@ -84,17 +85,18 @@ class ParameterShards:
             own = [p for p in module._parameters.values() if p is not None]
             if not own:
                 continue
-            self.hooks.append(module.register_forward_pre_hook(self._before_forward))
-            self.hooks.append(module.register_forward_hook(self._after_forward))
+            # Note [Nothing of ours is pickled] in _transient.py
+            self.hooks.append(module.register_forward_pre_hook(ModuleHook(self._before_forward)))
+            self.hooks.append(module.register_forward_hook(ModuleHook(self._after_forward)))
         for parameter in model.parameters():
             self.shapes[id(parameter)] = parameter.shape
             if id(parameter) not in owner_of:
                 raise ValueError("ZeRO stage 3 partitions the optimizer's parameters: the "
                                  f"model's parameter of shape {tuple(parameter.shape)} is not "
                                  "in the optimizer, so no rank would own it")
-        # (A function: PyTorch marks the hook with an attribute, which a method cannot take.)
+        # (A ModuleHook: PyTorch marks the hook with an attribute, which a method cannot take.)
         self.hooks.append(model.register_state_dict_post_hook(
-            lambda *arguments: self._gathered_state_dict(*arguments)))
+            ModuleHook(self._gathered_state_dict)))
         # Note [Stage 3 under offload]: the others' parameters leave offload's management,
         # and no later adoption (a parameter unfrozen later, an offload() after this) takes
         # them; the automatic mode's hint groups are made again.
@@ -229,7 +231,7 @@ class ParameterShards:
         with torch.no_grad():
             for parameter in self.unmanaged:
                 parameter.data = move_into_class(parameter.data, "parameter")
-                parameter._zeroalloc_adopted = True
+                parameter._zeroalloc_adopted = MARK
         _adoption.adoptions[0] += 1
         self.unmanaged = []
 
