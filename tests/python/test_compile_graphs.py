@@ -38,3 +38,22 @@ def test_after_the_swap_cuda_graph_modes_compile_without_graphs_and_say_so_once(
         explicit = inductor_options(None, {"triton.cudagraphs": True, "epilogue_fusion": False})
         assert "triton.cudagraphs" not in explicit and explicit["epilogue_fusion"] is False
         assert inductor_options("default") == {}
+
+
+def test_after_the_swap_a_cuda_graph_capture_is_refused_at_once_saying_why(monkeypatch):
+    # Note [CUDA graphs under the swap]: PyTorch would fail inside the capture, after
+    # switching the stream; zeroalloc refuses before anything changed, naming the way out.
+    from zeroalloc._library import ZeroallocError
+    graphs = torch.cuda.graphs
+    monkeypatch.setattr(graphs.graph, "__init__", graphs.graph.__init__)  # undone after
+    monkeypatch.setattr(graphs.CUDAGraph, "capture_begin", graphs.CUDAGraph.capture_begin)
+    _swap.refuse_cuda_graph_capture()
+    refused = graphs.graph.__init__
+    _swap.refuse_cuda_graph_capture()  # once per process: not wrapped twice
+    assert graphs.graph.__init__ is refused
+    with pytest.raises(ZeroallocError, match="LD_PRELOAD=libzeroalloc.so alone"):
+        with torch.cuda.graph(object()):
+            pytest.fail("the capture's body ran")
+    with pytest.raises(ZeroallocError, match="CUDAGraph.capture_begin"):
+        graphs.CUDAGraph.capture_begin(object())
+

@@ -45,6 +45,7 @@ def install() -> None:
     torch.cuda.memory.change_current_allocator(pluggable_allocator())
     _installed = True
     compile_without_cuda_graphs()
+    refuse_cuda_graph_capture()
     from zeroalloc.torch import _step_marks
     _step_marks.mark_every_optimizer_step()  # reports show the run step by step
 
@@ -80,6 +81,42 @@ def compile_without_cuda_graphs() -> None:
 
     apply_options._zeroalloc_without_graphs = True
     wrapper.apply_options = apply_options
+
+
+# Note [CUDA graphs under the swap]: PyTorch captures a CUDA graph only into a pool of its
+# own allocator. CUDAGraph.capture_begin asks the current allocator to make the graph's pool
+# (ensureExistsAndIncrefPool), which PyTorch's pluggable allocator does not implement, so the
+# capture fails in PyTorch, after torch.cuda.graph has switched the current stream. Under
+# the swap zeroalloc therefore refuses a capture before anything changed, in words that name
+# the construct and the way out: LD_PRELOAD alone keeps PyTorch's allocator and its graphs.
+# (Serving the graph pools needs that PyTorch hook first.) torch.compile's CUDA-graph modes
+# never get here: they compile without graphs (Note [Compiled without CUDA graphs]).
+CUDA_GRAPH_REFUSAL = (
+    "zeroalloc: capturing a CUDA graph (torch.cuda.graph, CUDAGraph.capture_begin, "
+    "torch.cuda.make_graphed_callables) needs PyTorch's own allocator, and zeroalloc "
+    "replaced it in this process (zeroalloc.torch.install(), or ZEROALLOC_OFFLOAD=host "
+    "with no code change). PyTorch captures graphs only into its own allocator's pools. To "
+    "capture graphs, run the program with LD_PRELOAD=libzeroalloc.so alone, which keeps "
+    "PyTorch's allocator, or without zeroalloc.")
+
+
+def refuse_cuda_graph_capture() -> None:
+    """Makes CUDA graph capture raise zeroalloc's refusal at once in this process (Note [CUDA
+    graphs under the swap]). Once per process; a PyTorch without the classes is left as it
+    is."""
+    graphs = getattr(torch.cuda, "graphs", None)
+    for owner, name in ((getattr(graphs, "graph", None), "__init__"),
+                        (getattr(graphs, "CUDAGraph", None), "capture_begin")):
+        original = getattr(owner, name, None) if owner is not None else None
+        if original is None or getattr(original, "_zeroalloc_refuses", False):
+            continue
+
+        def refused(*args, **kwargs):
+            raise ZeroallocError(CUDA_GRAPH_REFUSAL)
+
+        refused._zeroalloc_refuses = True
+        refused.__doc__ = original.__doc__
+        setattr(owner, name, refused)
 
 
 def installed() -> bool:
