@@ -17,8 +17,9 @@
 # "ctest programs").
 # GPU_CHECK_SKIP: names of steps to leave out: ctest (the gate: leave it out only for a
 # run of figures alone) programs (the user programs natively and under offload, compared:
-# about 4 minutes; GPU_CHECK_PROGRAMS names some, GPU_CHECK_PROGRAMS_TIMEOUT bounds them,
-# PROGRAMS_MODES=automatic,explicit,preload runs each mode against one native run) alloc_bench hint migration remap torch_empty
+# about 4 minutes for one mode, 7 for three at PROGRAMS_JOBS=12 on an H100; GPU_CHECK_PROGRAMS
+# names some, GPU_CHECK_PROGRAMS_TIMEOUT bounds them, PROGRAMS_MODES=automatic,explicit,preload
+# runs each mode against one native run) alloc_bench hint migration remap torch_empty
 # preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
