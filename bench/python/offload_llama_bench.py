@@ -373,10 +373,11 @@ PCIE_BOUND_FORMULA = ("PCIe bound = max(native step, over / d2h, over / h2d, 2 x
                       "over = max(0, native peak reserved - limit): a lower bound, see "
                       "pcie_bound_step_s; CPU bound = the parameters the CPUs stepped a step "
                       "(the host step) / their AdamW rate measured alone; ordered bound = "
-                      "native backward + max(native forward, CPU bound): the CPUs start when "
-                      "optimizer.step() is called, once the backward's gradients are final, "
-                      "and the next forward needs every window they step; step/bound: the "
-                      "step over the largest bound")
+                      "native backward + native forward + CPU bound, or with the CPUs behind "
+                      "the forward (hinted) native backward + max(native forward, CPU bound): "
+                      "the CPUs start when optimizer.step() is called, once the backward's "
+                      "gradients are final, and the next forward needs every window they "
+                      "step; step/bound: the step over the largest bound")
 
 
 def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_bytes: int,
@@ -491,9 +492,12 @@ def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],
         figures["cpu_bound_s"] = timed["host_params"] / steps / bandwidth.cpu_params_per_s
         phases = native.get("phases_s") or {}
         if "forward" in phases and "backward" in phases:
-            # The CPUs wait for the backward, and the next forward for the CPUs.
-            figures["ordered_bound_s"] = phases["backward"] + max(phases["forward"],
-                                                                  figures["cpu_bound_s"])
+            # The CPUs wait for the backward, and the next forward for the CPUs: behind it
+            # where they ran behind it (ZEROALLOC_HOST_STEP_OVERLAP, hinted only), else after.
+            cpus = figures["cpu_bound_s"]
+            behind = (result.get("overlap") or {}).get("host_behind_steps", 0) > 0
+            figures["ordered_bound_s"] = phases["backward"] + (
+                max(phases["forward"], cpus) if behind else phases["forward"] + cpus)
     if bandwidth is not None and "step_s" in native and "peak_reserved" in native:
         bound = pcie_bound_step_s(native["step_s"], native["peak_reserved"],
                                   result["limit_bytes"], bandwidth)

@@ -174,8 +174,9 @@ def test_a_host_step_row_is_bound_by_the_cpus_where_their_work_outlasts_the_bus(
     hosted["timed"].update(host_params=8 * 1_000_000_000)  # 1 G parameters a step, 8 steps
     figures = bench.sweep_figures(hosted, native, measured, {})
     assert figures["cpu_bound_s"] == pytest.approx(0.25)  # above the PCIe bound's 0.15
-    # The largest bound is the ordered one: the backward's 0.07 s, then the CPUs' 0.25 s.
-    assert figures["step_over_bound"] == pytest.approx(0.25 / 0.32)
+    # The largest bound is the ordered one: the forward's 0.04 s and the backward's 0.07 s,
+    # then the CPUs' 0.25 s (not behind the forward: no host_behind_steps in the row).
+    assert figures["step_over_bound"] == pytest.approx(0.25 / 0.36)
     plain = bench.sweep_figures(made_up_result("offload", 24 * GIB), native, measured, {})
     assert math.isnan(plain["cpu_bound_s"])
     assert plain["step_over_bound"] == pytest.approx(0.25 / plain["pcie_bound_s"])
@@ -184,11 +185,12 @@ def test_a_host_step_row_is_bound_by_the_cpus_where_their_work_outlasts_the_bus(
 def test_a_host_step_row_is_bound_by_the_backward_then_the_cpus():
     """The ordered bound: the CPUs start once the backward is done (the gradients are final
     only at optimizer.step()), and the next forward needs every window they step, so a step
-    takes at least the native backward plus the longer of the native forward and the CPUs'
-    work. step/bound takes the largest bound."""
+    running them behind the forward takes at least the native backward plus the longer of
+    the native forward and the CPUs' work. step/bound takes the largest bound."""
     native = made_up_result("native")  # forward 0.04 s, backward 0.07 s
     measured = bench.Bandwidth(50.0, 50.0, 100.0, cpu_params_per_s=4e9)
     hosted = made_up_result("offload", 16 * GIB)  # 0.4 s a step
+    hosted["overlap"] = {"host_behind_steps": 8}
     hosted["timed"].update(host_params=8 * 1_200_000_000)  # 0.3 s of the CPUs a step
     figures = bench.sweep_figures(hosted, native, measured, {})
     assert figures["cpu_bound_s"] == pytest.approx(0.3)
@@ -203,6 +205,9 @@ def test_a_host_step_row_is_bound_by_the_backward_then_the_cpus():
         {"native": native, "offload": hosted},
         measured).splitlines() if line.startswith("offload")][0]
     assert " 0.110 " in row  # the ordered bound's column
+    hosted["overlap"] = {}  # the CPUs after the step's forward and backward (under any)
+    assert bench.sweep_figures(hosted, native, measured, {})["ordered_bound_s"] == \
+        pytest.approx(0.07 + 0.04 + 0.025)
 
 
 def test_the_main_table_shows_the_warmup_steps_against_the_steady_one():
