@@ -51,6 +51,14 @@ def warn_unmanaged_once(parameter) -> None:
                   "Training runs as without zeroalloc's hints for them.", stacklevel=3)
 
 
+def storageless_parameter(optimizer):
+    """The first of the optimizer's parameters with no storage of its own (FSDP2's
+    DTensors), or None. FSDP2 owns such parameters' memory and their step: an optimizer over
+    them stays as PyTorch made it."""
+    return next((p for group in optimizer.param_groups for p in group["params"]
+                 if not _use_hints.storage_pointer(p)), None)
+
+
 def is_paged_state(value) -> bool:
     """A state the windowed step pins and may bounce: a non-empty tensor on a GPU (the step
     count of foreach optimizers is a scalar on the CPU)."""

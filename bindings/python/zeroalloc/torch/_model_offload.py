@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from zeroalloc._library import ZeroallocError
-from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
+from zeroalloc.torch import _adoption, _module_hints, _settings
 from zeroalloc.torch._gradient_choice import GradientChoice, mode_of
 from zeroalloc.torch._master_weights import MasterWeights, masters_of, working_dtype
 from zeroalloc.torch._optimizer_step import steps_by_param_groups, windowed_step
@@ -102,11 +102,8 @@ def offload(model: "torch.nn.Module", optimizer: "torch.optim.Optimizer | None" 
     mode = mode_of(_settings.gradient_class_default() if gradient_class is None
                    else gradient_class)
     if optimizer is not None:
-        foreign = next((p for group in optimizer.param_groups for p in group["params"]
-                        if not _use_hints.storage_pointer(p)), None)
-        if foreign is not None:
-            # FSDP2's DTensors: FSDP2 owns their memory and their step, so the optimizer
-            # stays as PyTorch made it, as in the automatic mode (adopt() tells the user).
+        foreign = _adoption.storageless_parameter(optimizer)
+        if foreign is not None:  # as in the automatic mode
             _adoption.warn_unmanaged_once(foreign)
             optimizer = None
     dtype = working_dtype(master_weights) if optimizer is not None else None
@@ -247,11 +244,8 @@ def enable_automatic_offload(window_bytes: int = 1 << 30, hint_group_bytes: int 
         if getattr(self, "_zeroalloc_adopted", False):
             return
         self._zeroalloc_adopted = True
-        foreign = next((p for group in self.param_groups for p in group["params"]
-                        if not _use_hints.storage_pointer(p)), None)
-        if foreign is not None:
-            # FSDP2's DTensors: FSDP2 owns their memory and their step; the optimizer stays
-            # as PyTorch made it (adopt() tells the user once).
+        foreign = _adoption.storageless_parameter(self)
+        if foreign is not None:  # FSDP2's DTensors: told once
             _adoption.warn_unmanaged_once(foreign)
             return
         if dtype is not None and not steps_by_param_groups(self):
