@@ -271,6 +271,10 @@ if [[ -z $(skipped sweep) ]]; then
   else
     echo "DeepSpeed not installed (.whl/ds missing or install failed: deepspeed-install.log); zeroalloc rows only"
     tail -5 "$out/deepspeed-install.log" 2>/dev/null
+    # The modes asked for, less DeepSpeed's (a model native cannot hold names offload alone).
+    if [[ -n ${GPU_CHECK_SWEEP_MODES:-} ]]; then
+      sweep_modes=$(tr , '\n' <<<"$GPU_CHECK_SWEEP_MODES" | grep -v '^ds' | paste -sd,)
+    fi
   fi
   PYTHONUNBUFFERED=1 python3 bench/python/offload_llama_bench.py --library build/libzeroalloc.so \
     --modes "$sweep_modes" --limits-gib "${GPU_CHECK_SWEEP_LIMITS:-ds2,18,21,24.8}" \

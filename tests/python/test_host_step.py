@@ -324,6 +324,9 @@ def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:
     figures = ast.literal_eval(field(hosted, "figures"))
     print("master weights on the host:", figures)
     assert figures["host_windows"] > 0 and figures["host_copy_bytes"] > 0, hosted
+    # Where the CPUs' time went: the library's calls, inside the windows' time.
+    assert 0 < figures["host_call_s"] <= figures["host_s"], figures
+    assert figures["host_run_s"] > 0, figures
     got = [float(v) for v in field(hosted, "losses").split()]
     worst_loss = max(abs(a - b) / abs(a) for a, b in zip(expected, got))
     stepped = torch.load(tmp_path / "hosted.pt")

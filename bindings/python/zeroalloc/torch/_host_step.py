@@ -153,7 +153,13 @@ class HostStep:
         # pinned memory that holds every gradient of such a run.
         self.behind: "Behind | None" = None
         self.gradients = None
+        # host_s: the CPUs' windows, from each one's gradients on the host to its copies
+        # queued; of it, host_call_s inside the library's calls and host_copy_wait_s waiting
+        # for a pinned buffer's last copies. host_gradient_wait_s: waiting for a window's
+        # gradients, before host_s. host_run_s: each run's wall time, start to end.
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
+                        "host_call_s": 0.0, "host_copy_wait_s": 0.0,
+                        "host_gradient_wait_s": 0.0, "host_run_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -359,6 +365,7 @@ class HostStep:
         window's gradients are copied while the CPUs step the window before (all at once
         when the run may finish `behind` the forward: Note [The host step finishes behind
         the forward])."""
+        began = time.perf_counter()
         device = main.device
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
@@ -440,6 +447,7 @@ class HostStep:
                             run.error = run.error or failure
                         run.refused.extend(left)
             finally:
+                self.figures["host_run_s"] += time.perf_counter() - began
                 held = None
                 with run.changed:
                     run.finished = True
@@ -461,8 +469,10 @@ class HostStep:
         or not), each all or nothing; returns the parameters of the calls the library refused
         (a part on the device: nothing of theirs changed)."""
         views, copied = gradients
+        waited = time.perf_counter()
         copied.synchronize()
         started = time.perf_counter()
+        self.figures["host_gradient_wait_s"] += started - waited
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -484,6 +494,7 @@ class HostStep:
                              [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
                 counts = [p.numel() for p, _ in members]
                 outputs = self.copy_buffers(members, slot) if master else None
+                calling = time.perf_counter()
                 if master:
                     stepped = _offload.adamw_on_host_bf16(
                         *arguments, [o.data_ptr() for o in outputs], counts, step=count,
@@ -491,6 +502,7 @@ class HostStep:
                 else:
                     stepped = _offload.adamw_on_host(*arguments, counts, step=count,
                                                      stream=self.fence.cuda_stream, **chosen)
+                self.figures["host_call_s"] += time.perf_counter() - calling
                 if not stepped:
                     self.figures["host_refused"] += 1
                     refused.extend(p for p, _ in members)
@@ -606,7 +618,9 @@ class HostStep:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters, once the
         buffer's last copies to the device are done."""
         if self.copied[slot] is not None:
+            waited = time.perf_counter()
             self.copied[slot].synchronize()
+            self.figures["host_copy_wait_s"] += time.perf_counter() - waited
             self.copied[slot] = None
         total = sum(aligned(p.numel() * 2) for p, _ in members)
         buffer = self.copies[slot]
