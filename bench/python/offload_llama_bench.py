@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
+    # Note [The CPUs' windows]: the most parameters the CPUs step in one window (1: each
+    # window of the step alone, as before the merge).
+    parser.add_argument("--host-window-parameters", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "
                         "gradients copied into their own allocation class once a step; auto: "
@@ -748,6 +751,8 @@ def worker(args) -> int:
         if optimizer._zeroalloc_stepper.host is not None:
             optimizer._zeroalloc_stepper.host.completing = args.whole_masters > 0
             optimizer._zeroalloc_stepper.host.last_on_host = args.whole_masters == 2
+            if args.host_window_parameters:
+                optimizer._zeroalloc_stepper.host.window_parameters = args.host_window_parameters
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1202,7 +1207,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after",
-                 "whole_masters"):
+                 "whole_masters", "host_window_parameters"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]

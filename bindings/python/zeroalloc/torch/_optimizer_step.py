@@ -959,9 +959,10 @@ class WindowedStep:
         behind = False
         if self.host is not None and not kwargs:
             chosen = self.host_parts(run, scratch)
-            behind = bool(chosen) and self.may_finish_behind(chosen)
-            if chosen:
-                host_run = self.host.start(self, chosen, self.groups_of(run), main, behind)
+            turns = self.host.merged(chosen)  # Note [The CPUs' windows] (_host_step.py)
+            behind = bool(turns) and self.may_finish_behind(turns)
+            if turns:
+                host_run = self.host.start(self, turns, self.groups_of(run), main, behind)
             for number, hosted in chosen:
                 ids = {id(p) for p in hosted}
                 left[number] = [p for p in run.windows[number] if id(p) not in ids]
@@ -972,7 +973,7 @@ class WindowedStep:
             raise
         finally:
             if behind:  # Note [The host step finishes behind the forward]
-                self.host.defer(Behind(self, run, host_run, chosen, main.device))
+                self.host.defer(Behind(self, run, host_run, turns, main.device))
                 # The gradients' copies are queued: what comes after the step (zeroed in
                 # place, an accumulation into them) waits for them.
                 main.wait_event(host_run.gradients_copied)

@@ -1,0 +1,41 @@
+"""Note [The CPUs' windows] (zeroalloc/torch/_host_step.py): the CPUs step the step's host
+windows merged, in their order, up to a number of parameters each, so that a step spends
+fewer of its milliseconds per window on its own bookkeeping."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="skipped: PyTorch is not installed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bindings" / "python"))
+from zeroalloc.torch._host_step import HostStep  # noqa: E402
+
+
+def sizes(turns):
+    return [(number, [p.numel() for p in hosted]) for number, hosted in turns]
+
+
+def test_consecutive_host_windows_merge_up_to_the_cap_in_their_order():
+    host = HostStep()
+    host.window_parameters = 100
+    tensors = [torch.empty(n) for n in (40, 30, 20, 50, 60, 10)]
+    chosen = [(0, tensors[0:2]), (2, tensors[2:3]), (3, tensors[3:4]), (5, tensors[4:6])]
+    turns = host.merged(chosen)
+    # 40+30 and 20 fit in 100; 50 does not fit beside them; 60+10 does not fit beside 50.
+    assert sizes(turns) == [(0, [40, 30, 20]), (3, [50]), (5, [60, 10])]
+    stepped = [p for _, hosted in turns for p in hosted]
+    assert [id(p) for p in stepped] == [id(p) for p in tensors]  # each once, in order
+
+
+def test_a_window_larger_than_the_cap_is_stepped_alone_and_one_means_no_merge():
+    host = HostStep()
+    host.window_parameters = 100
+    big, small = torch.empty(500), torch.empty(5)
+    assert sizes(host.merged([(0, [small]), (1, [big]), (2, [small])])) == [
+        (0, [5]), (1, [500]), (2, [5])]
+    host.window_parameters = 1
+    chosen = [(0, [small]), (1, [small])]
+    assert sizes(host.merged(chosen)) == [(0, [5]), (1, [5])]
+    assert host.merged([]) == []
