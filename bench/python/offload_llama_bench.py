@@ -145,8 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
-    # Note [The CPUs' windows]: the most parameters the CPUs step in one window (1: each
-    # window of the step alone, as before the merge).
+    # Note [The CPUs' windows]: the most parameters the CPUs step in one merged window (0,
+    # the default: each window of the step alone).
     parser.add_argument("--host-window-parameters", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "

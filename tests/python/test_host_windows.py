@@ -1,6 +1,6 @@
-"""Note [The CPUs' windows] (zeroalloc/torch/_host_step.py): the CPUs step the step's host
-windows merged, in their order, up to a number of parameters each, so that a step spends
-fewer of its milliseconds per window on its own bookkeeping."""
+"""Note [The CPUs' windows] (zeroalloc/torch/_host_step.py): the CPUs can step the step's
+host windows merged, in their order, up to a number of parameters each, so that a step
+spends fewer of its milliseconds per window on its own bookkeeping. Off by default."""
 
 import sys
 from pathlib import Path
@@ -39,3 +39,8 @@ def test_a_window_larger_than_the_cap_is_stepped_alone_and_one_means_no_merge():
     chosen = [(0, [small]), (1, [small])]
     assert sizes(host.merged(chosen)) == [(0, [5]), (1, [5])]
     assert host.merged([]) == []
+
+
+def test_by_default_each_window_is_stepped_alone():
+    assert sizes(HostStep().merged([(0, [torch.empty(5)]), (1, [torch.empty(5)])])) == [
+        (0, [5]), (1, [5])]

@@ -85,11 +85,13 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: milliseconds of its own: its copies queued, a library call per group, the workers woken
 #: and joined, the uses opened and ended. On the 1.3B Llama at 13.3 GiB, 15 windows a step
 #: spent 0.07 s outside the library's calls and 0.32 s in them, where the CPUs' rate alone
-#: gives 0.21 to 0.24 s (H100, bench/RESULTS.md). So the CPUs step consecutive host windows merged, up to
-#: this many parameters (256 MB of bf16 gradients a buffer, double-buffered, as are the
-#: copies back): fewer, larger calls, at a few milliseconds more before the first window's
-#: gradients are on the host and after the last one's copies.
-HOST_WINDOW_PARAMETERS = 128 << 20
+#: gives 0.21 to 0.24 s (H100, bench/RESULTS.md). The CPUs can therefore step consecutive
+#: host windows merged, up to window_parameters parameters each: fewer, larger calls, at a
+#: few milliseconds more before the first window's gradients are on the host and after the
+#: last one's copies. The merge is correct on the GPU (tests/python/test_host_step.py, whose
+#: windows merge at any cap), but its speed is not measured yet, so it is off by default (0:
+#: each window alone); the bench's --host-window-parameters sets it.
+HOST_WINDOW_PARAMETERS = 0
 
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
@@ -185,11 +187,11 @@ class HostStep:
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
         order) with consecutive entries merged up to window_parameters parameters each (the
-        first one's number); a parameter larger than that is a window of its own."""
+        first one's number; 0: none merged); a window larger than that stays alone."""
         turns, counted = [], 0
         for number, hosted in chosen:
             count = sum(p.numel() for p in hosted)
-            if turns and counted + count <= self.window_parameters:
+            if turns and self.window_parameters and counted + count <= self.window_parameters:
                 turns[-1] = (turns[-1][0], turns[-1][1] + list(hosted))
                 counted += count
             else:
