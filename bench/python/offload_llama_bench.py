@@ -145,9 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
-    # Note [The CPUs' windows]: the most parameters the CPUs step in one merged window (0,
-    # the default: each window of the step alone).
-    parser.add_argument("--host-window-parameters", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--host-window-parameters", default="",
+                        help="offload mode: the most parameters the CPUs step in one merged "
+                        "window (Note [The CPUs' windows]; 0, the default: each window "
+                        "alone); several, comma-separated, run the offload mode once for each")
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "
                         "gradients copied into their own allocation class once a step; auto: "
@@ -259,6 +260,7 @@ class Run:
     step_parameters: str = ""
     #: (variable, value) of each swept setting given a value (SWEPT_SETTINGS)
     settings: tuple = ()
+    host_window: str = ""  # Note [The CPUs' windows]: --host-window-parameters
 
 
 #: Library settings the offload mode sweeps side by side: (argument, flag, variable, the
@@ -321,12 +323,17 @@ def plan_runs(args) -> list[Run]:
         overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
         gradients = args.gradient_class.split(",") if args.gradient_class else [""]
         reaches = args.step_parameters.split(",") if args.step_parameters else [""]
+        merges = (args.host_window_parameters.split(",") if args.host_window_parameters
+                  else [""])
+        if any(each and not each.isdigit() for each in merges):
+            raise ValueError(f"--host-window-parameters {args.host_window_parameters!r}: "
+                             "parameter counts, comma-separated")
         unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
         if unknown:
             raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
         swept = swept_values(args)
-        for limit, size, overlap, gradient, reach, *chosen in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, *swept):
+        for limit, size, overlap, gradient, reach, merge, *chosen in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, merges, *swept):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -338,6 +345,8 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
+            merged = f"_cpuwin{int(merge or 0) >> 20}M" if len(merges) > 1 else ""
+            name += merged
             tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
                            in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)
             name += tags
@@ -345,8 +354,8 @@ def plan_runs(args) -> list[Run]:
                              in zip(SWEPT_SETTINGS, chosen) if value)
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
-                            + (f"_{reach}" if len(reaches) > 1 else "") + tags,
-                            reach, settings))
+                            + (f"_{reach}" if len(reaches) > 1 else "") + merged + tags,
+                            reach, settings, merge))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -751,8 +760,9 @@ def worker(args) -> int:
         if optimizer._zeroalloc_stepper.host is not None:
             optimizer._zeroalloc_stepper.host.completing = args.whole_masters > 0
             optimizer._zeroalloc_stepper.host.last_on_host = args.whole_masters == 2
-            if args.host_window_parameters:
-                optimizer._zeroalloc_stepper.host.window_parameters = args.host_window_parameters
+            if args.host_window_parameters:  # Note [The CPUs' windows]
+                optimizer._zeroalloc_stepper.host.window_parameters = int(
+                    args.host_window_parameters)
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1174,7 +1184,7 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", settings: tuple = ()) -> dict:
+             step_parameters: str = "", settings: tuple = (), host_window: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -1207,10 +1217,11 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after",
-                 "whole_masters", "host_window_parameters"):
+                 "whole_masters"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]
+    command += ["--host-window-parameters", host_window]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
                 for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
@@ -1277,7 +1288,7 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.settings)
+                                     run.step_parameters, run.settings, run.host_window)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

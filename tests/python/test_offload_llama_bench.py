@@ -227,7 +227,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", settings=()):
+                 gradient_class="", log_suffix="", step_parameters="", settings=(), host_window=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -379,3 +379,29 @@ def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
             bench.run_mode(args, "offload", 1 << 30, settings=run.settings)
     bench.run_mode(args, "offload", 1 << 30)
     assert seen == [*values.split(","), None]  # not given: the library's default
+
+
+def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch):
+    """Note [The CPUs' windows]: --host-window-parameters 0,N runs the offload row once for
+    each cap, named apart, and each worker is handed its own cap."""
+    argv = ["--modes", "offload", "--limits-gib", "13.3",
+            "--host-window-parameters", "0,268435456"]
+    assert names(argv) == ["bandwidth", "offload_13.3GiB_cpuwin0M",
+                           "offload_13.3GiB_cpuwin256M"]
+    with pytest.raises(ValueError, match="--host-window-parameters 'many'"):
+        names(["--modes", "offload", "--host-window-parameters", "many"])
+    handed = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        handed.append(command[command.index("--host-window-parameters") + 1])
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(argv)
+    for planned in bench.plan_runs(args):
+        if planned.mode == "offload":
+            bench.run_mode(args, "offload", 1 << 30, host_window=planned.host_window)
+    assert handed == ["0", "268435456"]

@@ -90,7 +90,7 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: few milliseconds more before the first window's gradients are on the host and after the
 #: last one's copies. The merge is correct on the GPU (tests/python/test_host_step.py, whose
 #: windows merge at any cap), but its speed is not measured yet, so it is off by default (0:
-#: each window alone); the bench's --host-window-parameters sets it.
+#: each window alone); the bench's --host-window-parameters 0,N runs both side by side.
 HOST_WINDOW_PARAMETERS = 0
 
 ON_HOST = ("host", "host_unmapped")
