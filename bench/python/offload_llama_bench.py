@@ -633,12 +633,14 @@ def format_main_table(results: dict) -> str:
                               f" GiB of parameters, CPUs {overlap['host_s'] / overlap['steps']:.3f}"
                               f" s/step), {overlap['host_refused']} refused")
                     if "host_call_s" in overlap:  # where the CPUs' windows spend their time
-                        per = {name: overlap[name] / overlap["steps"] for name in (
-                            "host_call_s", "host_copy_wait_s", "host_gradient_wait_s",
-                            "host_run_s")}
+                        per = {name: overlap.get(name, 0.0) / overlap["steps"] for name in (
+                            "host_call_s", "host_copy_wait_s", "host_write_s",
+                            "host_gradient_wait_s", "host_queue_s", "host_run_s")}
                         notes += (f" (in library calls {per['host_call_s']:.3f}, waiting for "
-                                  f"copies {per['host_copy_wait_s']:.3f} and gradients "
-                                  f"{per['host_gradient_wait_s']:.3f}; runs {per['host_run_s']:.3f}"
+                                  f"copies {per['host_copy_wait_s']:.3f}, queueing copies back "
+                                  f"{per['host_write_s']:.3f}; waiting for gradients "
+                                  f"{per['host_gradient_wait_s']:.3f}, queueing their copies "
+                                  f"{per['host_queue_s']:.3f}; runs {per['host_run_s']:.3f}"
                                   " s/step start to end)")
                     if overlap.get("host_behind_steps"):  # Note [The host step finishes
                         notes += (f"; finished behind the forward in "  # behind the forward]

@@ -167,12 +167,14 @@ class HostStep:
         self.behind: "Behind | None" = None
         self.gradients = None
         # host_s: the CPUs' windows, from each one's gradients on the host to its copies
-        # queued; of it, host_call_s inside the library's calls and host_copy_wait_s waiting
-        # for a pinned buffer's last copies. host_gradient_wait_s: waiting for a window's
-        # gradients, before host_s. host_run_s: each run's wall time, start to end.
+        # queued; of it, host_call_s inside the library's calls, host_copy_wait_s waiting
+        # for a pinned buffer's last copies and host_write_s queueing the copies back.
+        # host_gradient_wait_s: waiting for a window's gradients, before host_s;
+        # host_queue_s: queueing the gradients' copies. host_run_s: each run's wall time,
+        # start to end.
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
-                        "host_call_s": 0.0, "host_copy_wait_s": 0.0,
-                        "host_gradient_wait_s": 0.0, "host_run_s": 0.0,
+                        "host_call_s": 0.0, "host_copy_wait_s": 0.0, "host_write_s": 0.0,
+                        "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -433,6 +435,7 @@ class HostStep:
                 with torch.cuda.device(device):
                     copies: dict = {}
                     for turn, (number, hosted) in enumerate(chosen):
+                        queueing = time.perf_counter()
                         if every is not None:
                             copies[number] = every.pop(number)
                         else:
@@ -442,6 +445,7 @@ class HostStep:
                                 following, its_hosted = chosen[turn + 1]
                                 copies[following] = self.copy_gradients(
                                     stepper, its_hosted, (turn + 1) % 2, after)
+                        self.figures["host_queue_s"] += time.perf_counter() - queueing
                         run.done = turn
                         views = copies.pop(number)
                         refused = self.step(stepper, hosted, views, groups, settings,
@@ -546,7 +550,9 @@ class HostStep:
                 self.stepped.extend(p for p, _ in members)
                 self.figures["host_bytes"] += sum(p.numel() * 4 for p, _ in members)
                 if master:
+                    writing = time.perf_counter()
                     self.write_working(stepper, members, outputs, slot)
+                    self.figures["host_write_s"] += time.perf_counter() - writing
         finally:
             self.figures["host_s"] += time.perf_counter() - started
         if len(refused) < len(window):
