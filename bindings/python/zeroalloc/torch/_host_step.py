@@ -88,9 +88,10 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: gives 0.21 to 0.24 s (H100, bench/RESULTS.md). The CPUs can therefore step consecutive
 #: host windows merged, up to window_parameters parameters each: fewer, larger calls, at a
 #: few milliseconds more before the first window's gradients are on the host and after the
-#: last one's copies. The merge is correct on the GPU (tests/python/test_host_step.py, whose
-#: windows merge at any cap), but its speed is not measured yet, so it is off by default (0:
-#: each window alone); the bench's --host-window-parameters 0,N runs both side by side.
+#: last one's copies. Merged at 128 M, the host step's GPU tests passed (tests/python/
+#: test_host_step.py, whose small model's windows all merge; bench/RESULTS.md). Its speed is
+#: not measured yet, so it is off by default (0: each window alone); the bench's
+#: --host-window-parameters 0,N runs both side by side.
 HOST_WINDOW_PARAMETERS = 0
 
 ON_HOST = ("host", "host_unmapped")
