@@ -136,6 +136,8 @@ else:
     zt.offload(model, optimizer, hint_group_bytes=8 << 20, window_bytes=64 << 20,
                overlap_bytes=0, master_weights=True)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    if os.environ.get("MERGE") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.window_parameters = int(os.environ["MERGE"])
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
@@ -247,6 +249,20 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
     hosted = masters_on_the_host_against(plain, tmp_path, ZEROALLOC_ACCESS="hinted")
     figures = ast.literal_eval(field(hosted, "figures"))
     assert figures["host_behind_steps"] > 0, figures
+
+
+@pytest.mark.parametrize("access", ["any", "hinted"])
+def test_merged_cpu_windows_train_as_the_windows_alone(tmp_path, access):
+    """Note [The CPUs' windows]: the CPUs step the host's windows merged into fewer, within
+    rounding of the plain recipe, as the windows alone do."""
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    alone = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access), "figures"))
+    merged = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access, MERGE=str(128 << 20)), "figures"))
+    print("windows alone:", alone, "merged:", merged)
+    assert 0 < merged["host_windows"] < alone["host_windows"], (alone, merged)
+    assert merged["host_bytes"] == alone["host_bytes"], (alone, merged)
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])
