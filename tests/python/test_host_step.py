@@ -262,7 +262,6 @@ def test_merged_cpu_windows_train_as_the_windows_alone(tmp_path, access):
         plain, tmp_path, ZEROALLOC_ACCESS=access, MERGE=str(128 << 20)), "figures"))
     print("windows alone:", alone, "merged:", merged)
     assert 0 < merged["host_windows"] < alone["host_windows"], (alone, merged)
-    assert merged["host_bytes"] == alone["host_bytes"], (alone, merged)
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])
