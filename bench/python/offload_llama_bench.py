@@ -145,6 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="the workers' sys.setswitchinterval in seconds (0: Python's 0.005): "
+                        "how long the host step's thread may wait for the interpreter while "
+                        "the training thread runs Python")
     parser.add_argument("--host-window-parameters", default="",
                         help="offload mode: the most parameters the CPUs step in one merged "
                         "window (Note [The CPUs' windows]; 0, the default: each window "
@@ -723,6 +727,8 @@ def worker(args) -> int:
         return deepspeed_worker(args)
     if mode == "bandwidth":
         return bandwidth_worker()
+    if args.switch_interval > 0:
+        sys.setswitchinterval(args.switch_interval)
     import torch
     zt = zeroalloc = None
     if mode in ("zeroalloc", "offload"):
@@ -1219,7 +1225,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command = [sys.executable, __file__, "--worker", mode]
     for name in ("steps", "warmup", "fsdp2_steps", "hidden", "intermediate", "layers", "heads",
                  "vocab", "batch", "seq", "profile_dir", "accumulate", "stage_after",
-                 "whole_masters"):
+                 "whole_masters", "switch_interval"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]
