@@ -825,9 +825,20 @@ class WindowedStep:
             succeeded = True
         finally:
             self.finish(run, succeeded)
+        if run.windows and self.host is not None and self.host.settle_first:
+            self.settle_first_step(run)
         self.pass_boundary()
         self.learn_from(run)
         return loss
+
+    def settle_first_step(self, run: "StepRun") -> None:
+        """Note [Settled after the first step] (_host_step.py): once, after the step that
+        made the states, the trade of whole masters runs at once."""
+        self.host.settle_first = False
+        self.write_back_kept(wait=True)  # the states' own tensors hold their values again
+        places = {id(value): residency_or_foreign(value) for window in run.windows
+                  for parameter in window for _, value in self.items(parameter)}
+        self.host.whole_on_host(self, run.windows, places, self.groups_of(run))
 
     def hooked_parameters(self) -> list:
         """The parameters whose hooks tell about this optimizer's: its own, or for a master
