@@ -188,8 +188,8 @@ def message(measured_s: float, predicted_s: float, memory: Memory, step: int) ->
     gib = 1 << 30
     return (f"zeroalloc: step {step} moved memory to stay under the {memory.limit_bytes / gib:.1f}"
             f" GiB limit and took {measured_s:.2f} s. With ZEROALLOC_RECIPE=fast it would take "
-            f"at most about {predicted_s:.2f} s (the step model's prediction from this run, "
-            "which counts this run's waits for moves as compute). That "
+            f"about {predicted_s:.2f} s (the step model's prediction from this run; it counts "
+            "this run's waits for moves as compute, so the step may well be faster). That "
             "recipe trains the model in bf16 against fp32 master weights, and the CPUs step "
             "the masters the host holds: the numbers differ from native by bf16 and by the "
             "CPUs' rounding. Set ZEROALLOC_RECIPE=exact to keep native numbers and this message "
