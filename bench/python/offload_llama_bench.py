@@ -149,7 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="offload mode: the trade of whole masters right after the first "
                         "step (Note [Settled after the first step])")
     parser.add_argument("--switch-interval", type=float, default=0.0,
-                        help="the workers' sys.setswitchinterval in seconds (0: Python's 0.005): "
+                        help="zeroalloc's workers' sys.setswitchinterval in seconds (0: Python's "
+                        "0.005): "
                         "how long the host step's thread may wait for the interpreter while "
                         "the training thread runs Python")
     parser.add_argument("--host-window-parameters", default="",
@@ -352,7 +353,7 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
-            merged = f"_cpuwin{int(merge or 0) >> 20}M" if len(merges) > 1 else ""
+            merged = f"_cpuwin{int(merge or 0)}" if len(merges) > 1 else ""
             name += merged
             tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
                            in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)

@@ -21,12 +21,22 @@ def test_consecutive_host_windows_merge_up_to_the_cap_in_their_order():
     host = HostStep()
     host.window_parameters = 100
     tensors = [torch.empty(n) for n in (40, 30, 20, 50, 60, 10)]
-    chosen = [(0, tensors[0:2]), (2, tensors[2:3]), (3, tensors[3:4]), (5, tensors[4:6])]
+    chosen = [(0, tensors[0:2]), (1, tensors[2:3]), (2, tensors[3:4]), (3, tensors[4:6])]
     turns = host.merged(chosen)
     # 40+30 and 20 fit in 100; 50 does not fit beside them; 60+10 does not fit beside 50.
-    assert sizes(turns) == [(0, [40, 30, 20]), (3, [50]), (5, [60, 10])]
+    assert sizes(turns) == [(0, [40, 30, 20]), (2, [50]), (3, [60, 10])]
     stepped = [p for _, hosted in turns for p in hosted]
     assert [id(p) for p in stepped] == [id(p) for p in tensors]  # each once, in order
+
+
+def test_windows_the_device_steps_between_are_not_jumped_over():
+    """Window 1 steps on the device: the CPUs' windows 0 and 2 stay apart, so a forward
+    behind the CPUs does not wait at window 0 for window 2."""
+    host = HostStep()
+    host.window_parameters = 100
+    small = torch.empty(5)
+    assert sizes(host.merged([(0, [small]), (2, [small]), (3, [small])])) == [
+        (0, [5]), (2, [5, 5])]
 
 
 def test_a_window_larger_than_the_cap_is_stepped_alone_and_one_means_no_merge():

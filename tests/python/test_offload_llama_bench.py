@@ -386,8 +386,8 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
     each cap, named apart, and each worker is handed its own cap."""
     argv = ["--modes", "offload", "--limits-gib", "13.3",
             "--host-window-parameters", "0,268435456"]
-    assert names(argv) == ["bandwidth", "offload_13.3GiB_cpuwin0M",
-                           "offload_13.3GiB_cpuwin256M"]
+    assert names(argv) == ["bandwidth", "offload_13.3GiB_cpuwin0",
+                           "offload_13.3GiB_cpuwin268435456"]
     with pytest.raises(ValueError, match="--host-window-parameters 'many'"):
         names(["--modes", "offload", "--host-window-parameters", "many"])
     handed = []

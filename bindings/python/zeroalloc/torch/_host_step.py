@@ -201,17 +201,21 @@ class HostStep:
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
-        order) with consecutive entries merged up to window_parameters parameters each (the
-        first one's number; 0: none merged); a window larger than that stays alone."""
-        turns, counted = [], 0
+        order) with windows of consecutive numbers merged up to window_parameters parameters
+        each (the first one's number; 0: none merged); a window larger than that stays alone.
+        Windows the device steps between two are not jumped over: a forward behind the CPUs
+        would wait at the first for the second."""
+        turns, counted, last = [], 0, None
         for number, hosted in chosen:
             count = sum(p.numel() for p in hosted)
-            if turns and self.window_parameters and counted + count <= self.window_parameters:
+            if (turns and self.window_parameters and number == last + 1
+                    and counted + count <= self.window_parameters):
                 turns[-1] = (turns[-1][0], turns[-1][1] + list(hosted))
                 counted += count
             else:
                 turns.append((number, list(hosted)))
                 counted = count
+            last = number
         return turns
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:

@@ -825,16 +825,17 @@ class WindowedStep:
             succeeded = True
         finally:
             self.finish(run, succeeded)
-        if run.windows and self.host is not None and self.host.settle_first:
-            self.settle_first_step(run)
         self.pass_boundary()
         self.learn_from(run)
+        if run.windows and self.host is not None and self.host.settle_first:
+            self.settle_first_step(run)
         return loss
 
     def settle_first_step(self, run: "StepRun") -> None:
         """Note [Settled after the first step] (_host_step.py): once, after the step that
         made the states, the trade of whole masters runs at once."""
         self.host.settle_first = False
+        self.host.finish_behind()  # the CPUs let go of what the trade moves
         self.write_back_kept(wait=True)  # the states' own tensors hold their values again
         places = {id(value): residency_or_foreign(value) for window in run.windows
                   for parameter in window for _, value in self.items(parameter)}
