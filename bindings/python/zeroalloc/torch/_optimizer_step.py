@@ -561,8 +561,7 @@ class WindowedStep:
             return
         if self.next_window is None or self.next_window.number != number:
             # Asked once per window (a library call per state), not on every attempt.
-            places = {id(value): residency_or_foreign(value) for parameter in window
-                      for _, value in self.items(parameter)}
+            places = self.state_places([window])
             self.next_window = WindowPlaces(number, places, self.scratch_bytes(window, places))
         places, need = self.next_window.places, self.next_window.scratch_bytes
         if need and self.hosts_states(places):
@@ -837,9 +836,13 @@ class WindowedStep:
         self.host.settle_first = False
         self.host.finish_behind()  # the CPUs let go of what the trade moves
         self.write_back_kept(wait=True)  # the states' own tensors hold their values again
-        places = {id(value): residency_or_foreign(value) for window in run.windows
-                  for parameter in window for _, value in self.items(parameter)}
-        self.host.whole_on_host(self, run.windows, places, self.groups_of(run))
+        self.host.whole_on_host(self, run.windows, self.state_places(run.windows),
+                                self.groups_of(run))
+
+    def state_places(self, windows) -> dict:
+        """Where each state of the windows' parameters is (by id): a library call each."""
+        return {id(value): residency_or_foreign(value) for window in windows
+                for parameter in window for _, value in self.items(parameter)}
 
     def hooked_parameters(self) -> list:
         """The parameters whose hooks tell about this optimizer's: its own, or for a master
@@ -928,8 +931,7 @@ class WindowedStep:
         # meanwhile comes back in copy_in's order, which the step waits for (stage()).
         unstaged = [window for number, window in enumerate(found)
                     if number >= len(staged) or staged[number] is None]
-        places = {id(value): residency_or_foreign(value) for window in unstaged
-                  for parameter in window for _, value in self.items(parameter)}
+        places = self.state_places(unstaged)
         if self.bounce_parameters:
             places.update({id(parameter): residency_or_foreign(parameter)
                            for window in unstaged for parameter in window})
