@@ -1,6 +1,7 @@
 """Note [The CPUs' windows] (zeroalloc/torch/_host_step.py): the CPUs can step the step's
 host windows merged, in their order, up to a number of parameters each, so that a step
-spends fewer of its milliseconds per window on its own bookkeeping. Off by default."""
+spends fewer of its milliseconds per window on its own bookkeeping. On by default, at 512 M
+parameters a window."""
 
 import sys
 from pathlib import Path
@@ -51,6 +52,11 @@ def test_a_window_larger_than_the_cap_is_stepped_alone_and_one_means_no_merge():
     assert host.merged([]) == []
 
 
-def test_by_default_each_window_is_stepped_alone():
-    assert sizes(HostStep().merged([(0, [torch.empty(5)]), (1, [torch.empty(5)])])) == [
-        (0, [5]), (1, [5])]
+def test_by_default_windows_merge_up_to_512_m_parameters_and_zero_turns_it_off():
+    host = HostStep()
+    assert host.window_parameters == 512 << 20
+    small = [torch.empty(5) for _ in range(3)]
+    assert sizes(host.merged([(0, small[:1]), (1, small[1:2]), (2, small[2:])])) == [
+        (0, [5, 5, 5])]
+    host.window_parameters = 0
+    assert sizes(host.merged([(0, small[:1]), (1, small[1:2])])) == [(0, [5]), (1, [5])]

@@ -88,11 +88,11 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: gives 0.21 to 0.24 s (H100, bench/RESULTS.md). The CPUs can therefore step consecutive
 #: host windows merged, up to window_parameters parameters each: fewer, larger calls, at a
 #: few milliseconds more before the first window's gradients are on the host and after the
-#: last one's copies. Merged at 128 M, the host step's GPU tests passed (tests/python/
-#: test_host_step.py, whose small model's windows all merge; bench/RESULTS.md). Its speed is
-#: not measured yet, so it is off by default (0: each window alone); the bench's
-#: --host-window-parameters 0,N runs both side by side.
-HOST_WINDOW_PARAMETERS = 0
+#: last one's copies. Merged at 512 M, side by side with the windows alone in one call, the
+#: fast recipe ran 1.09 x at 13.3 GiB and 1.20 x at 24.8 GiB (H100, bench/RESULTS.md). So
+#: they merge by default. The pinned buffers grow with the window: two for its gradients
+#: and two for its bf16 masters, 4 GiB at most with masters (0: each window alone).
+HOST_WINDOW_PARAMETERS = 512 << 20
 
 #: Note [Settled after the first step]: the first step makes AdamW's states, and the engine
 #: makes room for them by moving older chunks to the host: parts of masters. The next step
