@@ -155,8 +155,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the training thread runs Python")
     parser.add_argument("--host-window-parameters", default="",
                         help="offload mode: the most parameters the CPUs step in one merged "
-                        "window (Note [The CPUs' windows]; 0, the default: each window "
-                        "alone); several, comma-separated, run the offload mode once for each")
+                        "window (Note [The CPUs' windows]; 0: each window alone; the "
+                        "library's default when not given); several, comma-separated, run the "
+                        "offload mode once for each")
+    parser.add_argument("--queue-gradients-ahead", default="",
+                        help="offload mode: 1: every gradient's copy to the host queued before "
+                        "the CPUs' thread starts (Note [Gradients queued ahead]), 0: by that "
+                        "thread; 0,1 runs both")
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "
                         "gradients copied into their own allocation class once a step; auto: "
@@ -269,6 +274,7 @@ class Run:
     #: (variable, value) of each swept setting given a value (SWEPT_SETTINGS)
     settings: tuple = ()
     host_window: str = ""  # Note [The CPUs' windows]: --host-window-parameters
+    ahead: str = ""  # Note [Gradients queued ahead]: --queue-gradients-ahead
 
 
 #: Library settings the offload mode sweeps side by side: (argument, flag, variable, the
@@ -336,12 +342,17 @@ def plan_runs(args) -> list[Run]:
         if any(each and not each.isdigit() for each in merges):
             raise ValueError(f"--host-window-parameters {args.host_window_parameters!r}: "
                              "parameter counts, comma-separated")
+        aheads = (args.queue_gradients_ahead.split(",") if args.queue_gradients_ahead
+                  else [""])
+        if any(each not in ("0", "1") for each in aheads if each):
+            raise ValueError(f"--queue-gradients-ahead {args.queue_gradients_ahead!r}: "
+                             "accepted: 0, 1 or both")
         unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
         if unknown:
             raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
         swept = swept_values(args)
-        for limit, size, overlap, gradient, reach, merge, *chosen in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, merges, *swept):
+        for limit, size, overlap, gradient, reach, merge, ahead, *chosen in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, merges, aheads, *swept):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -354,6 +365,7 @@ def plan_runs(args) -> list[Run]:
             if len(reaches) > 1:
                 name += f"_{reach}"
             merged = f"_cpuwin{int(merge or 0)}" if len(merges) > 1 else ""
+            merged += f"_ahead{ahead}" if len(aheads) > 1 else ""
             name += merged
             tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
                            in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)
@@ -363,7 +375,7 @@ def plan_runs(args) -> list[Run]:
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
                             + (f"_{reach}" if len(reaches) > 1 else "") + merged + tags,
-                            reach, settings, merge))
+                            reach, settings, merge, ahead))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -777,6 +789,8 @@ def worker(args) -> int:
             if args.host_window_parameters:  # Note [The CPUs' windows]
                 optimizer._zeroalloc_stepper.host.window_parameters = int(
                     args.host_window_parameters)
+            if args.queue_gradients_ahead:  # Note [Gradients queued ahead]
+                optimizer._zeroalloc_stepper.host.queue_ahead = args.queue_gradients_ahead == "1"
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1198,7 +1212,8 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", settings: tuple = (), host_window: str = "") -> dict:
+             step_parameters: str = "", settings: tuple = (), host_window: str = "",
+             ahead: str = "") -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -1235,7 +1250,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]
-    command += ["--host-window-parameters", host_window]
+    command += ["--host-window-parameters", host_window, "--queue-gradients-ahead", ahead]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
                 for flag in ("checkpointing", "no_autocast_cache", "settle_first_step")
@@ -1303,7 +1318,8 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.settings, run.host_window)
+                                     run.step_parameters, run.settings, run.host_window,
+                                     run.ahead)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

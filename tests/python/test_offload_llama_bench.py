@@ -227,7 +227,8 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", settings=(), host_window=""):
+                 gradient_class="", log_suffix="", step_parameters="", settings=(), host_window="",
+                 ahead=""):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -405,3 +406,27 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
         if planned.mode == "offload":
             bench.run_mode(args, "offload", 1 << 30, host_window=planned.host_window)
     assert handed == ["0", "268435456"]
+
+
+def test_gradients_queued_ahead_sweep_side_by_side_and_reach_each_worker(monkeypatch):
+    """Note [Gradients queued ahead]: --queue-gradients-ahead 0,1 runs the offload row once
+    for each, named apart, and each worker is handed its own."""
+    argv = ["--modes", "offload", "--limits-gib", "13.3", "--queue-gradients-ahead", "0,1"]
+    assert names(argv) == ["bandwidth", "offload_13.3GiB_ahead0", "offload_13.3GiB_ahead1"]
+    with pytest.raises(ValueError, match="--queue-gradients-ahead 'yes'"):
+        names(["--modes", "offload", "--queue-gradients-ahead", "yes"])
+    handed = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        handed.append(command[command.index("--queue-gradients-ahead") + 1])
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(argv)
+    for planned in bench.plan_runs(args):
+        if planned.mode == "offload":
+            bench.run_mode(args, "offload", 1 << 30, ahead=planned.ahead)
+    assert handed == ["0", "1"]

@@ -106,6 +106,17 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: the trade moved into the first. So it is off; the bench's --settle-first-step turns it on.
 SETTLE_FIRST_STEP = False
 
+#: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
+#: call it makes, about four a parameter to queue a window's gradients' copies. While the
+#: step's thread steps windows on the device, each of those calls may wait for it. On the
+#: 1.3B Llama at 13.3 GiB, with merged windows, queueing took 0.16 to 0.22 s a step (H100,
+#: bench/RESULTS.md). With queue_ahead, the step's thread queues every window's copies into
+#: one pinned buffer before the CPUs' thread starts, as it does for a run that finishes
+#: behind the forward. That buffer holds every gradient the CPUs read: 2 bytes a parameter
+#: with masters, 4 without. Off by default until measured; the bench's
+#: --queue-gradients-ahead 0,1 runs both side by side.
+QUEUE_GRADIENTS_AHEAD = False
+
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
 
@@ -199,6 +210,7 @@ class HostStep:
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
         self.settle_first = SETTLE_FIRST_STEP  # Note [Settled after the first step]
+        self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
@@ -432,7 +444,11 @@ class HostStep:
         # The settings as they are now: a scheduler may change them before the CPUs are done.
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
-        every = self.copy_every_gradient(stepper, chosen, after) if behind else None
+        every = None
+        if behind or self.queue_ahead:  # Note [Gradients queued ahead]
+            queueing = time.perf_counter()
+            every = self.copy_every_gradient(stepper, chosen, after)
+            self.figures["host_queue_s"] += time.perf_counter() - queueing
         if every:
             run.gradients_copied = every[chosen[-1][0]][1]  # the last window's, on one stream
         # Behind the forward, each master's gradient on the host, for a call refused or never
