@@ -3,8 +3,9 @@
 
 Note [Host windows]: the windowed step asks, before it stages anything, which of its
 windows have every parameter and state on the host (the residency it asks anyway). Those
-windows are not bounced: their gradients are copied into pinned host buffers on a copy
-stream, one window ahead of the CPUs, and the library steps the window on the CPUs of the
+windows are not bounced: their gradients are copied into pinned host memory on a copy
+stream, all queued before the CPUs begin (Note [Gradients queued ahead]; else one window
+ahead of the CPUs), and the library steps each window on the CPUs of the
 GPU's NUMA node, reading and writing the states and parameters at their host copies. The
 parameters stay on the host; the next forward fetches them as it fetches any evicted
 parameter. A window the engine moved meanwhile (the library answers that a chunk is on the
@@ -109,13 +110,19 @@ SETTLE_FIRST_STEP = False
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
-#: 1.3B Llama at 13.3 GiB, with merged windows, queueing took 0.16 to 0.22 s a step (H100,
-#: bench/RESULTS.md). With queue_ahead, the step's thread queues every window's copies into
-#: one pinned buffer before the CPUs' thread starts, as it does for a run that finishes
-#: behind the forward. That buffer holds every gradient the CPUs read: 2 bytes a parameter
-#: with masters, 4 without. Off by default until measured; the bench's
-#: --queue-gradients-ahead 0,1 runs both side by side.
-QUEUE_GRADIENTS_AHEAD = False
+#: 1.3B Llama at 13.3 GiB, with merged windows, queueing took 0.13 to 0.22 s a step
+#: (averaged over the run, warm-up included), all of it on the CPUs' path (H100,
+#: bench/RESULTS.md). So the step's thread queues every
+#: window's copies into one pinned buffer before the CPUs' thread starts, as it does for a
+#: run that finishes behind the forward. Side by side, in either order, that ran 1.19 x and
+#: 1.22 x queueing by the CPUs' thread (8,663 against 7,301 and 9,641 against 7,892
+#: tokens/s). The buffer holds every gradient the CPUs read: 2 bytes a parameter with
+#: masters (2.7 GB for the 1.3B model), in place of two windows' worth. Only runs whose
+#: every parameter is a master queue ahead: without masters the buffer would hold 4 bytes
+#: a parameter, and a gradient the engine moved to the host is read there, not copied.
+#: False: the CPUs' thread queues each window's copies (the bench's
+#: --queue-gradients-ahead 0,1 runs both side by side).
+QUEUE_GRADIENTS_AHEAD = True
 
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
@@ -423,9 +430,10 @@ class HostStep:
               behind: bool = False) -> "HostRun":
         """Steps `chosen` ((window number, its parameters on the host), in order) on a thread
         of its own, while the caller steps the rest of the windows on the device: each
-        window's gradients are copied while the CPUs step the window before (all at once
-        when the run may finish `behind` the forward: Note [The host step finishes behind
-        the forward])."""
+        window's gradients' copies are queued here, all at once (Note [Gradients queued
+        ahead], and always when the run may finish `behind` the forward: Note [The host
+        step finishes behind the forward]), else by the thread while the CPUs step the
+        window before."""
         began = time.perf_counter()
         device = main.device
         if self.stream is None or self.stream.device != device:
@@ -445,7 +453,9 @@ class HostStep:
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
         every = None
-        if behind or self.queue_ahead:  # Note [Gradients queued ahead]
+        ahead = self.queue_ahead and all(working_of(stepper, p) is not None
+                                         for _, hosted in chosen for p in hosted)
+        if behind or ahead:  # Note [Gradients queued ahead]
             queueing = time.perf_counter()
             every = self.copy_every_gradient(stepper, chosen, after)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
