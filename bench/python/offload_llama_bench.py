@@ -606,6 +606,11 @@ def format_sweep_table(sweep: list[Run], results: dict, bandwidth: Optional[Band
     return "\n".join(lines)
 
 
+#: The host step's counters (zt.step_figures) the worker also reports over the timed steps.
+HOST_TIMED = ("host_windows", "host_bytes", "host_s", "host_call_s", "host_copy_wait_s",
+              "host_write_s", "host_gradient_wait_s", "host_queue_s", "host_run_s")
+
+
 def format_main_table(results: dict) -> str:
     """Every run side by side: step time, tokens/s, against native and FSDP2, and notes."""
     native_step = results.get("native", {}).get("step_s")
@@ -648,12 +653,17 @@ def format_main_table(results: dict) -> str:
                               f"{overlap['recipe_advice_predicted_s']:.3f} s/step against "
                               f"{overlap['recipe_advice_measured_s']:.3f} measured")
                 if "host_windows" in overlap:  # Note [Host windows]: which path ran
-                    notes += (f"; host step: {overlap['host_windows'] / overlap['steps']:.1f} "
-                              f"windows/step ({overlap['host_bytes'] / overlap['steps'] / GIB:.2f}"
-                              f" GiB of parameters, CPUs {overlap['host_s'] / overlap['steps']:.3f}"
-                              f" s/step), {overlap['host_refused']} refused")
-                    if "host_call_s" in overlap:  # where the CPUs' windows spend their time
-                        per = {name: overlap.get(name, 0.0) / overlap["steps"] for name in (
+                    # Over the timed steps where the worker counted them, else over the run.
+                    timed = result.get("timed") or {}
+                    host, steps, over = timed.get("host"), timed.get("steps"), "timed step"
+                    if not host or not steps:
+                        host, steps, over = overlap, overlap["steps"], "step of the run"
+                    notes += (f"; host step, a {over}: {host['host_windows'] / steps:.1f} "
+                              f"windows ({host['host_bytes'] / steps / GIB:.2f}"
+                              f" GiB of parameters, CPUs {host['host_s'] / steps:.3f}"
+                              f" s), {overlap['host_refused']} refused in all")
+                    if "host_call_s" in host:  # where the CPUs' windows spend their time
+                        per = {name: host.get(name, 0.0) / steps for name in (
                             "host_call_s", "host_copy_wait_s", "host_write_s",
                             "host_gradient_wait_s", "host_queue_s", "host_run_s")}
                         notes += (f" (in library calls {per['host_call_s']:.3f}, waiting for "
@@ -661,7 +671,7 @@ def format_main_table(results: dict) -> str:
                                   f"{per['host_write_s']:.3f}; waiting for gradients "
                                   f"{per['host_gradient_wait_s']:.3f}, queueing their copies "
                                   f"{per['host_queue_s']:.3f}; runs {per['host_run_s']:.3f}"
-                                  " s/step start to end)")
+                                  " s start to end)")
                     if overlap.get("host_behind_steps"):  # Note [The host step finishes
                         notes += (f"; finished behind the forward in "  # behind the forward]
                                   f"{overlap['host_behind_steps']} steps, uses waited "
@@ -872,6 +882,10 @@ def worker(args) -> int:
         if "host_bytes" in host_to:
             timed["host_params"] = (host_to["host_bytes"] - host_from.get("host_bytes", 0)) // 4
             timed["host_cpu_s"] = host_to["host_s"] - host_from.get("host_s", 0.0)
+            # The host step's counters over the timed steps alone: the run's include the
+            # warm-up, its pinned buffers allocated and its masters traded.
+            timed["host"] = {name: host_to[name] - host_from.get(name, 0)
+                             for name in HOST_TIMED if name in host_to}
     if args.profile_dir and mode == "offload":
         # Host time inside the engine's hint calls during one step, by call.
         from zeroalloc import _offload

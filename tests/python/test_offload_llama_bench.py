@@ -430,3 +430,21 @@ def test_gradients_queued_ahead_sweep_side_by_side_and_reach_each_worker(monkeyp
         if planned.mode == "offload":
             bench.run_mode(args, "offload", 1 << 30, ahead=planned.ahead)
     assert handed == ["0", "1"]
+
+
+def test_the_host_steps_figures_are_of_the_timed_steps_when_the_worker_counted_them():
+    """The run's counters include the warm-up (pinned buffers allocated, masters traded):
+    the table reads the timed steps' own where the worker reports them."""
+    result = made_up_result("offload", 14 * GIB)
+    run = {"host_windows": 30, "host_bytes": 60 * GIB, "host_s": 12.0, "host_call_s": 6.0,
+           "host_queue_s": 3.0, "host_refused": 0}
+    result["overlap"] = {"steps": 12, "staged_bytes": 0, "kept_bytes": 0, **run}
+    result["timed"]["host"] = {"host_windows": 16, "host_bytes": 32 * GIB, "host_s": 3.2,
+                               "host_call_s": 2.4, "host_queue_s": 0.08}
+    row = bench.format_main_table({"offload": result}).splitlines()[1]
+    assert ("host step, a timed step: 2.0 windows (4.00 GiB of parameters, CPUs 0.400 s)"
+            in row), row
+    assert "in library calls 0.300" in row and "queueing their copies 0.010" in row, row
+    del result["timed"]["host"]  # an older worker: the run's, said so
+    row = bench.format_main_table({"offload": result}).splitlines()[1]
+    assert "host step, a step of the run: 2.5 windows (5.00 GiB" in row, row
