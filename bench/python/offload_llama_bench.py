@@ -145,9 +145,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the host stay so (bounced); 1: each goes there whole; 2: the last masters go there
     # whole, the others come back (last_on_host, the default).
     parser.add_argument("--whole-masters", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--settle-first-step", action="store_true",
-                        help="offload mode: the trade of whole masters right after the first "
-                        "step (Note [Settled after the first step])")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="zeroalloc's workers' sys.setswitchinterval in seconds (0: Python's "
                         "0.005): "
@@ -794,8 +791,6 @@ def worker(args) -> int:
         if optimizer._zeroalloc_stepper.host is not None:
             optimizer._zeroalloc_stepper.host.completing = args.whole_masters > 0
             optimizer._zeroalloc_stepper.host.last_on_host = args.whole_masters == 2
-            if args.settle_first_step:  # Note [Settled after the first step]
-                optimizer._zeroalloc_stepper.host.settle_first = True
             if args.host_window_parameters:  # Note [The CPUs' windows]
                 optimizer._zeroalloc_stepper.host.window_parameters = int(
                     args.host_window_parameters)
@@ -1267,7 +1262,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command += ["--host-window-parameters", host_window, "--queue-gradients-ahead", ahead]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
-                for flag in ("checkpointing", "no_autocast_cache", "settle_first_step")
+                for flag in ("checkpointing", "no_autocast_cache")
                 if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)

@@ -138,8 +138,6 @@ else:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     if os.environ.get("MERGE") is not None and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.window_parameters = int(os.environ["MERGE"])
-    if os.environ.get("SETTLE") and optimizer._zeroalloc_stepper.host is not None:
-        optimizer._zeroalloc_stepper.host.settle_first = True
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
@@ -181,8 +179,6 @@ for number, (x, y) in enumerate(data):
         model.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-        if number == 0:  # what the trade of whole masters moved by the first step's end
-            print("traded_by_the_first", zt.step_figures(optimizer).get("host_completed_bytes", 0))
         if os.environ.get("DROP") and number == len(data) - 1:
             # Dropped as soon as the last step returns, the CPUs still on its windows.
             host = optimizer._zeroalloc_stepper.host
@@ -266,17 +262,6 @@ def test_merged_cpu_windows_train_as_the_windows_alone(tmp_path, access):
         plain, tmp_path, ZEROALLOC_ACCESS=access), "figures"))
     print("windows alone:", alone, "merged:", merged)
     assert 0 < merged["host_windows"] < alone["host_windows"], (alone, merged)
-
-
-def test_settled_after_the_first_step_the_masters_trade_at_once(tmp_path):
-    """Note [Settled after the first step]: the trade of whole masters runs right after the
-    step that made the states, not when the second step begins; training stays within
-    rounding of the plain recipe."""
-    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
-    usual = masters_on_the_host_against(plain, tmp_path)
-    settled = masters_on_the_host_against(plain, tmp_path, SETTLE="1")
-    assert int(field(usual, "traded_by_the_first")) == 0, usual  # traded when the second step began
-    assert int(field(settled, "traded_by_the_first")) > 0, settled
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])

@@ -95,18 +95,6 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: and two for its bf16 masters, 4 GiB at most with masters (0: each window alone).
 HOST_WINDOW_PARAMETERS = 512 << 20
 
-#: Note [Settled after the first step]: the first step makes AdamW's states, and the engine
-#: makes room for them by moving older chunks to the host: parts of masters. The next step
-#: trades them for whole last masters (Note [Whole masters on the host]) only when it
-#: begins, after its own forward and backward ran over that first placement. On the 1.3B
-#: Llama under the fast recipe, that second step took 3.9 x the steady step at 13.3 GiB
-#: and 6.8 x at 24.8 GiB, where it moved 8.3 GB out and 4.0 GB back (H100, bench/
-#: RESULTS.md). With settle_first, the trade runs once right after the first step, so the
-#: second runs over the placement of the steps after it. Measured side by side, it did not
-#: shorten the second step (3.23 s against 3.32 s at 13.3 GiB, 1.98 against 1.79 at 24.8):
-#: the trade moved into the first. So it is off; the bench's --settle-first-step turns it on.
-SETTLE_FIRST_STEP = False
-
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
@@ -216,7 +204,6 @@ class HostStep:
         self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
-        self.settle_first = SETTLE_FIRST_STEP  # Note [Settled after the first step]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
 
     def merged(self, chosen: list) -> list:

@@ -826,18 +826,7 @@ class WindowedStep:
             self.finish(run, succeeded)
         self.pass_boundary()
         self.learn_from(run)
-        if run.windows and self.host is not None and self.host.settle_first:
-            self.settle_first_step(run)
         return loss
-
-    def settle_first_step(self, run: "StepRun") -> None:
-        """Note [Settled after the first step] (_host_step.py): once, after the step that
-        made the states, the trade of whole masters runs at once."""
-        self.host.settle_first = False
-        self.host.finish_behind()  # the CPUs let go of what the trade moves
-        self.write_back_kept(wait=True)  # the states' own tensors hold their values again
-        self.host.whole_on_host(self, run.windows, self.state_places(run.windows),
-                                self.groups_of(run))
 
     def state_places(self, windows) -> dict:
         """Where each state of the windows' parameters is (by id): a library call each."""
