@@ -150,15 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "0.005): "
                         "how long the host step's thread may wait for the interpreter while "
                         "the training thread runs Python")
-    parser.add_argument("--host-window-parameters", default="",
-                        help="offload mode: the most parameters the CPUs step in one merged "
-                        "window (Note [The CPUs' windows]; 0: each window alone; the "
-                        "library's default when not given); several, comma-separated, run the "
-                        "offload mode once for each")
-    parser.add_argument("--queue-gradients-ahead", default="",
-                        help="offload mode: 1: every gradient's copy to the host queued before "
-                        "the CPUs' thread starts (Note [Gradients queued ahead]), 0: by that "
-                        "thread; 0,1 runs both")
+    for _, flag, _, _, _, described in HOST_SETTINGS:
+        parser.add_argument(flag, default="", help=f"offload mode: {described}; the "
+                            "library's default when not given; several, comma-separated, run "
+                            "the offload mode once for each")
     parser.add_argument("--gradient-class", default="",
                         help="offload mode: zt.offload's gradient_class, 0, 1 or auto (1: "
                         "gradients copied into their own allocation class once a step; auto: "
@@ -270,8 +265,8 @@ class Run:
     step_parameters: str = ""
     #: (variable, value) of each swept setting given a value (SWEPT_SETTINGS)
     settings: tuple = ()
-    host_window: str = ""  # Note [The CPUs' windows]: --host-window-parameters
-    ahead: str = ""  # Note [Gradients queued ahead]: --queue-gradients-ahead
+    #: (argument, value) of each host step's setting given a value (HOST_SETTINGS)
+    host: tuple = ()
 
 
 #: Library settings the offload mode sweeps side by side: (argument, flag, variable, the
@@ -286,6 +281,35 @@ SWEPT_SETTINGS = (
     ("master_weights", "--master-weights", "ZEROALLOC_MASTER_WEIGHTS", ("none", "bf16"), "mw"),
     ("recipe", "--recipe", "ZEROALLOC_RECIPE", ("exact", "fast"), "recipe"),
 )
+
+
+#: The host step's own settings the offload mode sweeps side by side: (argument, flag, the
+#: HostStep attribute the worker sets, the values accepted (a test of one), the run name's
+#: tag, what the flag is for).
+HOST_SETTINGS = (
+    ("host_window_parameters", "--host-window-parameters", "window_parameters", str.isdigit,
+     "cpuwin", "the most parameters the CPUs step in one merged window (Note [The CPUs' "
+     "windows]; 0: each window alone)"),
+    ("queue_gradients_ahead", "--queue-gradients-ahead", "queue_ahead", ("0", "1").__contains__,
+     "ahead", "1: every gradient's copy to the host queued before the CPUs' thread starts "
+     "(Note [Gradients queued ahead]), 0: by that thread"),
+    ("prepare_windows_ahead", "--prepare-windows-ahead", "prepare_ahead",
+     ("0", "1").__contains__, "prepared", "1: every window's library calls prepared before "
+     "the CPUs' thread starts (Note [Windows prepared ahead]), 0: by that thread"),
+)
+
+
+def host_values(args) -> list:
+    """Per host step's setting, the values asked for ([""] when none: the library's)."""
+    values = []
+    for attribute, flag, _, accepted, _, _ in HOST_SETTINGS:
+        given = getattr(args, attribute)
+        asked = given.split(",") if given else [""]
+        if not all(accepted(each) for each in asked if each) or "" in asked and given:
+            raise ValueError(f"{flag} {given!r}: not a value it takes, or several "
+                             "comma-separated")
+        values.append(asked)
+    return values
 
 
 def swept_values(args) -> list:
@@ -334,22 +358,14 @@ def plan_runs(args) -> list[Run]:
         overlaps = args.overlap_bytes.split(",") if args.overlap_bytes else [""]
         gradients = args.gradient_class.split(",") if args.gradient_class else [""]
         reaches = args.step_parameters.split(",") if args.step_parameters else [""]
-        merges = (args.host_window_parameters.split(",") if args.host_window_parameters
-                  else [""])
-        if any(each and not each.isdigit() for each in merges):
-            raise ValueError(f"--host-window-parameters {args.host_window_parameters!r}: "
-                             "parameter counts, comma-separated")
-        aheads = (args.queue_gradients_ahead.split(",") if args.queue_gradients_ahead
-                  else [""])
-        if any(each not in ("0", "1") for each in aheads if each):
-            raise ValueError(f"--queue-gradients-ahead {args.queue_gradients_ahead!r}: "
-                             "accepted: 0, 1 or both")
+        hosts = host_values(args)
         unknown = [each for each in reaches if each not in ("", "bounce", "fetch")]
         if unknown:
             raise ValueError(f"--step-parameters {args.step_parameters!r}: accepted: bounce, fetch")
         swept = swept_values(args)
-        for limit, size, overlap, gradient, reach, merge, ahead, *chosen in itertools.product(
-                limits, sizes, overlaps, gradients, reaches, merges, aheads, *swept):
+        for limit, size, overlap, gradient, reach, host, chosen in itertools.product(
+                limits, sizes, overlaps, gradients, reaches, itertools.product(*hosts),
+                itertools.product(*swept)):
             name = "offload"
             if sweep:
                 name += f"_{limit.label}" + ("GiB" if limit.gib is not None else "")
@@ -361,8 +377,8 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
-            merged = f"_cpuwin{int(merge or 0)}" if len(merges) > 1 else ""
-            merged += f"_ahead{ahead}" if len(aheads) > 1 else ""
+            merged = "".join(f"_{tag}{value}" for (_, _, _, _, tag, _), value, values
+                             in zip(HOST_SETTINGS, host, hosts) if len(values) > 1)
             name += merged
             tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
                            in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)
@@ -372,7 +388,9 @@ def plan_runs(args) -> list[Run]:
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
                             + (f"_{reach}" if len(reaches) > 1 else "") + merged + tags,
-                            reach, settings, merge, ahead))
+                            reach, settings,
+                            tuple((attribute, value) for (attribute, *_), value
+                                  in zip(HOST_SETTINGS, host) if value)))
     if "fsdp2" in modes:
         runs.append(Run("fsdp2", "fsdp2"))
     return runs
@@ -791,11 +809,10 @@ def worker(args) -> int:
         if optimizer._zeroalloc_stepper.host is not None:
             optimizer._zeroalloc_stepper.host.completing = args.whole_masters > 0
             optimizer._zeroalloc_stepper.host.last_on_host = args.whole_masters == 2
-            if args.host_window_parameters:  # Note [The CPUs' windows]
-                optimizer._zeroalloc_stepper.host.window_parameters = int(
-                    args.host_window_parameters)
-            if args.queue_gradients_ahead:  # Note [Gradients queued ahead]
-                optimizer._zeroalloc_stepper.host.queue_ahead = args.queue_gradients_ahead == "1"
+            for argument, _, attribute, _, _, _ in HOST_SETTINGS:  # one value each here
+                if getattr(args, argument):
+                    setattr(optimizer._zeroalloc_stepper.host, attribute,
+                            int(getattr(args, argument)))
         if args.step_parameters:  # Note [Parameters stepped where they are], or not
             optimizer._zeroalloc_stepper.bounce_parameters = args.step_parameters == "bounce"
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -1221,8 +1238,7 @@ def libaio_environment(env: dict) -> dict:
 
 def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
              overlap_bytes: str = "", gradient_class: str = "", log_suffix: str = "",
-             step_parameters: str = "", settings: tuple = (), host_window: str = "",
-             ahead: str = "") -> dict:
+             step_parameters: str = "", settings: tuple = (), host: tuple = ()) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZEROALLOC_")}
     env["ZEROALLOC_LIBRARY"] = str(Path(args.library).resolve())
     env["ZEROALLOC_DEVICE"] = "cuda"
@@ -1259,7 +1275,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--window-bytes", window_bytes, "--overlap-bytes", overlap_bytes]
     command += ["--gradient-class", gradient_class, "--step-parameters", step_parameters]
-    command += ["--host-window-parameters", host_window, "--queue-gradients-ahead", ahead]
+    flags = {argument: flag for argument, flag, *_ in HOST_SETTINGS}
+    command += [each for argument, value in host for each in (flags[argument], value)]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
                 for flag in ("checkpointing", "no_autocast_cache")
@@ -1327,8 +1344,7 @@ def main() -> int:
                 continue
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.settings, run.host_window,
-                                     run.ahead)
+                                     run.step_parameters, run.settings, run.host)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None

@@ -138,6 +138,8 @@ else:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     if os.environ.get("MERGE") is not None and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.window_parameters = int(os.environ["MERGE"])
+    if os.environ.get("PREPARE") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.prepare_ahead = True
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
@@ -262,6 +264,20 @@ def test_merged_cpu_windows_train_as_the_windows_alone(tmp_path, access):
         plain, tmp_path, ZEROALLOC_ACCESS=access), "figures"))
     print("windows alone:", alone, "merged:", merged)
     assert 0 < merged["host_windows"] < alone["host_windows"], (alone, merged)
+
+
+@pytest.mark.parametrize("access", ["any", "hinted"])
+def test_windows_prepared_ahead_train_as_those_prepared_by_the_cpus_thread(tmp_path, access):
+    """Note [Windows prepared ahead]: the library calls prepared before the CPUs' thread
+    starts, the counts raised and the copies back queued in one call each, train within
+    rounding of the plain recipe, as the calls the CPUs' thread prepares do."""
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    usual = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access), "figures"))
+    prepared = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access, PREPARE="1"), "figures"))
+    print("prepared by the CPUs' thread:", usual, "ahead:", prepared)
+    assert usual["host_prepare_s"] == 0 < prepared["host_prepare_s"], (usual, prepared)
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])

@@ -60,3 +60,46 @@ def test_by_default_windows_merge_up_to_512_m_parameters_and_zero_turns_it_off()
         (0, [5, 5, 5])]
     host.window_parameters = 0
     assert sizes(host.merged([(0, small[:1]), (1, small[1:2])])) == [(0, [5]), (1, [5])]
+
+
+class Stepper:
+    """What HostStep.plan reads of the windowed step: the optimizer, and no masters."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.masters = None
+
+
+def test_a_windows_calls_are_one_per_group_and_step_count_with_their_addresses():
+    """Note [Windows prepared ahead]: the plan the CPUs' thread calls with, made before it
+    starts or by it, is the same: one call per group and step count, in the window's
+    order, each pointing at the parameters', gradients' and states' memory."""
+    from zeroalloc.torch._host_step import adamw_settings
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 4, 5, 6)]
+    optimizer = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the states exist, each at step 1
+    optimizer.state[params[2]]["step"] += 1  # one parameter a step ahead (added later, say)
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    settings = {id(g): adamw_settings(optimizer, g) for g in optimizer.param_groups}
+    views = [torch.zeros(p.numel()) for p in params]
+    calls = HostStep().plan(Stepper(optimizer), params, views, groups, settings, 0)
+    assert [(c.count, [p.numel() for p, _ in c.members]) for c in calls] == [
+        (2, [3, 4]), (3, [5]), (2, [6])]
+    first = calls[0]
+    states = [optimizer.state[p] for p in params[:2]]
+    assert first.arguments == ([p.untyped_storage().data_ptr() for p in params[:2]],
+                               [v.data_ptr() for v in views[:2]],
+                               [s["exp_avg"].untyped_storage().data_ptr() for s in states],
+                               [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
+    assert first.counts == [3, 4] and first.outputs is None and not first.master
+    assert first.settings == settings[id(optimizer.param_groups[0])]
+
+
+def test_step_counts_rise_by_one_batched_or_not():
+    from zeroalloc.torch._host_step import count_steps
+    for batched in (False, True):
+        states = [{"step": torch.tensor(4.0)}, {"step": 7}, {"step": torch.tensor(1.0)}]
+        count_steps(states, batched)
+        assert [float(s["step"]) for s in states] == [5.0, 8.0, 2.0]

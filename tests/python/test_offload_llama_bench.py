@@ -227,8 +227,7 @@ def test_the_parent_prints_both_tables_from_the_workers_results(monkeypatch, cap
     asked = []
 
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
-                 gradient_class="", log_suffix="", step_parameters="", settings=(), host_window="",
-                 ahead=""):
+                 gradient_class="", log_suffix="", step_parameters="", settings=(), host=()):
         asked.append((mode, limit_bytes, log_suffix))
         if mode == "ds3":
             return {"mode": mode, "error": "Traceback ...\nRuntimeError: out of memory\n"}
@@ -389,7 +388,7 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
             "--host-window-parameters", "0,268435456"]
     assert names(argv) == ["bandwidth", "offload_13.3GiB_cpuwin0",
                            "offload_13.3GiB_cpuwin268435456"]
-    with pytest.raises(ValueError, match="--host-window-parameters 'many'"):
+    with pytest.raises(ValueError, match="--host-window-parameters 'many': not a value"):
         names(["--modes", "offload", "--host-window-parameters", "many"])
     handed = []
 
@@ -404,7 +403,7 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
     args = bench.parse_args(argv)
     for planned in bench.plan_runs(args):
         if planned.mode == "offload":
-            bench.run_mode(args, "offload", 1 << 30, host_window=planned.host_window)
+            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
     assert handed == ["0", "268435456"]
 
 
@@ -413,7 +412,7 @@ def test_gradients_queued_ahead_sweep_side_by_side_and_reach_each_worker(monkeyp
     for each, named apart, and each worker is handed its own."""
     argv = ["--modes", "offload", "--limits-gib", "13.3", "--queue-gradients-ahead", "0,1"]
     assert names(argv) == ["bandwidth", "offload_13.3GiB_ahead0", "offload_13.3GiB_ahead1"]
-    with pytest.raises(ValueError, match="--queue-gradients-ahead 'yes'"):
+    with pytest.raises(ValueError, match="--queue-gradients-ahead 'yes': not a value"):
         names(["--modes", "offload", "--queue-gradients-ahead", "yes"])
     handed = []
 
@@ -428,7 +427,7 @@ def test_gradients_queued_ahead_sweep_side_by_side_and_reach_each_worker(monkeyp
     args = bench.parse_args(argv)
     for planned in bench.plan_runs(args):
         if planned.mode == "offload":
-            bench.run_mode(args, "offload", 1 << 30, ahead=planned.ahead)
+            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
     assert handed == ["0", "1"]
 
 
@@ -448,3 +447,31 @@ def test_the_host_steps_figures_are_of_the_timed_steps_when_the_worker_counted_t
     del result["timed"]["host"]  # an older worker: the run's, said so
     row = bench.format_main_table({"offload": result}).splitlines()[1]
     assert "host step, a step of the run: 2.5 windows (5.00 GiB" in row, row
+
+
+def test_the_host_steps_settings_sweep_together_and_each_worker_sets_its_own(monkeypatch):
+    """HOST_SETTINGS: two of them, two values each, make four rows named apart; a setting
+    not given is left out of the worker's command (the library's default)."""
+    argv = ["--modes", "offload", "--limits-gib", "13.3", "--queue-gradients-ahead", "0,1",
+            "--prepare-windows-ahead", "0,1", "--host-window-parameters", "7"]
+    assert names(argv) == ["bandwidth", "offload_13.3GiB_ahead0_prepared0",
+                           "offload_13.3GiB_ahead0_prepared1", "offload_13.3GiB_ahead1_prepared0",
+                           "offload_13.3GiB_ahead1_prepared1"]
+    with pytest.raises(ValueError, match="--prepare-windows-ahead '1,': not a value"):
+        names(["--modes", "offload", "--prepare-windows-ahead", "1,"])
+    handed = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        handed.append([each for each in command if each in (
+            "--host-window-parameters", "--queue-gradients-ahead", "--prepare-windows-ahead")])
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(["--modes", "offload", "--prepare-windows-ahead", "1"])
+    for planned in bench.plan_runs(args):
+        if planned.mode == "offload":
+            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
+    assert handed == [["--prepare-windows-ahead"]]

@@ -73,6 +73,7 @@ import atexit
 import threading
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -111,6 +112,17 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: False: the CPUs' thread queues each window's copies (the bench's
 #: --queue-gradients-ahead 0,1 runs both side by side).
 QUEUE_GRADIENTS_AHEAD = True
+
+#: Note [Windows prepared ahead]: with the copies queued ahead, the CPUs' thread still makes
+#: about six PyTorch calls a parameter of its own: the step count read, the storages'
+#: addresses, the views of the pinned buffer for the bf16 masters, the count raised after
+#: the call, and the copy of the bf16 master into its working copy. Each may wait for the
+#: interpreter while the step's thread runs the device's windows. With prepare_ahead, the
+#: step's thread prepares every window's calls (their arguments and buffer views) before
+#: the CPUs' thread starts, and that thread raises the counts and queues the copies back
+#: with one PyTorch call a library call. Only with the copies queued ahead. Off by default
+#: until measured; the bench's --prepare-windows-ahead 0,1 runs both side by side.
+PREPARE_WINDOWS_AHEAD = False
 
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
@@ -194,6 +206,7 @@ class HostStep:
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_call_s": 0.0, "host_copy_wait_s": 0.0, "host_write_s": 0.0,
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
+                        "host_prepare_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -205,6 +218,7 @@ class HostStep:
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
+        self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
@@ -446,6 +460,11 @@ class HostStep:
             queueing = time.perf_counter()
             every = self.copy_every_gradient(stepper, chosen, after)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
+        plans = {}
+        if every is not None and self.prepare_ahead:  # Note [Windows prepared ahead]
+            preparing = time.perf_counter()
+            plans = self.plan_every(stepper, chosen, every, groups, settings)
+            self.figures["host_prepare_s"] += time.perf_counter() - preparing
         if every:
             run.gradients_copied = every[chosen[-1][0]][1]  # the last window's, on one stream
         # Behind the forward, each master's gradient on the host, for a call refused or never
@@ -480,7 +499,7 @@ class HostStep:
                         run.done = turn
                         views = copies.pop(number)
                         refused = self.step(stepper, hosted, views, groups, settings,
-                                            turn % 2)
+                                            turn % 2, plans.pop(number, None))
                         with run.changed:
                             if refused:
                                 if behind:
@@ -526,17 +545,10 @@ class HostStep:
         run.thread.start()
         return run
 
-    def step(self, stepper, window, gradients: tuple, groups: dict, settings: dict,
-             slot: int = 0) -> list:
-        """Steps the window on the CPUs once its gradients are on the host, one library call
-        per group, step count (the bias corrections differ between counts) and kind (masters
-        or not), each all or nothing; returns the parameters of the calls the library refused
-        (a part on the device: nothing of theirs changed)."""
-        views, copied = gradients
-        waited = time.perf_counter()
-        copied.synchronize()
-        started = time.perf_counter()
-        self.figures["host_gradient_wait_s"] += started - waited
+    def plan(self, stepper, window, views: list, groups: dict, settings: dict,
+             slot: int) -> list:
+        """The window's library calls: one per group, step count (the bias corrections
+        differ between counts) and kind (masters or not), each with its arguments."""
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -546,43 +558,90 @@ class HostStep:
             master = working_of(stepper, parameter) is not None
             batches.setdefault((id(group), count, master), (group, []))[1].append(
                 (parameter, view))
+        planned = []
+        for (_, count, master), (group, members) in batches.items():
+            states = [stepper.optimizer.state[p] for p, _ in members]
+            arguments = ([p.untyped_storage().data_ptr() for p, _ in members],
+                         [view.data_ptr() for _, view in members],
+                         [s["exp_avg"].untyped_storage().data_ptr() for s in states],
+                         [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
+            outputs = self.output_views(members, slot) if master else None
+            if master:
+                arguments += ([o.data_ptr() for o in outputs],)
+            planned.append(HostCall(settings[id(group)], count, master, members, states,
+                                    arguments, [p.numel() for p, _ in members], outputs, []))
+        return planned
+
+    def plan_ahead(self, stepper, window, views: list, groups: dict, settings: dict,
+                   slot: int) -> list:
+        """Note [Windows prepared ahead]: plan(), with each master's working copy flattened
+        for the copy back."""
+        planned = self.plan(stepper, window, views, groups, settings, slot)
+        for call in planned:
+            if call.master:
+                call.targets.extend(working_of(stepper, p).data.view(-1)
+                                    for p, _ in call.members)
+        return planned
+
+    def plan_every(self, stepper, chosen: list, every: dict, groups: dict,
+                   settings: dict) -> dict:
+        """Note [Windows prepared ahead]: per window number, its library calls, prepared
+        before the CPUs' thread starts (each pinned buffer grown first to the largest of
+        the windows that use it, so that no window's views outlive a buffer replaced)."""
+        for slot in (0, 1):
+            largest = max((sum(aligned(p.numel() * 2) for p in hosted
+                               if working_of(stepper, p) is not None)
+                           for turn, (_, hosted) in enumerate(chosen) if turn % 2 == slot),
+                          default=0)
+            self.grow_copies(slot, largest)
+        return {number: self.plan_ahead(stepper, hosted, every[number][0], groups, settings,
+                                        turn % 2)
+                for turn, (number, hosted) in enumerate(chosen)}
+
+    def step(self, stepper, window, gradients: tuple, groups: dict, settings: dict,
+             slot: int = 0, planned: "list | None" = None) -> list:
+        """Steps the window on the CPUs once its gradients are on the host, with the calls
+        `planned` (else planned here), each all or nothing; returns the parameters of the
+        calls the library refused (a part on the device: nothing of theirs changed)."""
+        views, copied = gradients
+        waited = time.perf_counter()
+        copied.synchronize()
+        started = time.perf_counter()
+        self.figures["host_gradient_wait_s"] += started - waited
+        batched = planned is not None  # Note [Windows prepared ahead]
+        if planned is None:
+            planned = self.plan(stepper, window, views, groups, settings, slot)
         refused = []
         self.stepped = []  # what this window's finished calls stepped
         try:
-            for (_, count, master), (group, members) in batches.items():
-                chosen = settings[id(group)]
-                states = [stepper.optimizer.state[p] for p, _ in members]
-                arguments = ([p.untyped_storage().data_ptr() for p, _ in members],
-                             [view.data_ptr() for _, view in members],
-                             [s["exp_avg"].untyped_storage().data_ptr() for s in states],
-                             [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
-                counts = [p.numel() for p, _ in members]
-                outputs = self.copy_buffers(members, slot) if master else None
+            for call in planned:
+                members = call.members
+                if call.master:
+                    self.wait_copies(slot)
                 calling = time.perf_counter()
-                if master:
+                if call.master:
                     stepped = _offload.adamw_on_host_bf16(
-                        *arguments, [o.data_ptr() for o in outputs], counts, step=count,
-                        stream=self.fence.cuda_stream, **chosen)
+                        *call.arguments, call.counts, step=call.count,
+                        stream=self.fence.cuda_stream, **call.settings)
                 else:
-                    stepped = _offload.adamw_on_host(*arguments, counts, step=count,
-                                                     stream=self.fence.cuda_stream, **chosen)
+                    stepped = _offload.adamw_on_host(*call.arguments, call.counts,
+                                                     step=call.count,
+                                                     stream=self.fence.cuda_stream,
+                                                     **call.settings)
                 self.figures["host_call_s"] += time.perf_counter() - calling
                 if not stepped:
                     self.figures["host_refused"] += 1
                     refused.extend(p for p, _ in members)
                     continue
-                for state in states:
-                    if torch.is_tensor(state["step"]):
-                        state["step"] += 1
-                    else:
-                        state["step"] = state["step"] + 1
+                count_steps(call.states, batched)
                 # Stepped, whatever follows: a failure below must not hand them to the device
                 # to be stepped again.
                 self.stepped.extend(p for p, _ in members)
-                self.figures["host_bytes"] += sum(p.numel() * 4 for p, _ in members)
-                if master:
+                self.figures["host_bytes"] += sum(call.counts) * 4
+                if call.master:
                     writing = time.perf_counter()
-                    self.write_working(stepper, members, outputs, slot)
+                    self.write_working(stepper, members, call.outputs, slot,
+                                       call.targets if batched else None)
                     self.figures["host_write_s"] += time.perf_counter() - writing
         finally:
             self.figures["host_s"] += time.perf_counter() - started
@@ -680,18 +739,26 @@ class HostStep:
         finally:
             behind.stepping = False
 
-    def copy_buffers(self, members: list, slot: int) -> list:
-        """Views of pinned buffer `slot` for the bf16 copies of `members`' masters, once the
-        buffer's last copies to the device are done."""
+    def wait_copies(self, slot: int) -> None:
+        """Waits for pinned buffer `slot`'s last copies to the device: the CPUs write it."""
         if self.copied[slot] is not None:
             waited = time.perf_counter()
             self.copied[slot].synchronize()
             self.figures["host_copy_wait_s"] += time.perf_counter() - waited
             self.copied[slot] = None
-        total = sum(aligned(p.numel() * 2) for p, _ in members)
+
+    def grow_copies(self, slot: int, nbytes: int) -> None:
+        """Pinned buffer `slot` holds at least `nbytes` (a buffer replaced lives on in the
+        views and copies that still use it)."""
         buffer = self.copies[slot]
-        if buffer is None or buffer.numel() < total:
-            buffer = self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        if nbytes and (buffer is None or buffer.numel() < nbytes):
+            self.copies[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def output_views(self, members: list, slot: int) -> list:
+        """Views of pinned buffer `slot` for the bf16 copies of `members`' masters (written
+        only once wait_copies(slot) returned)."""
+        self.grow_copies(slot, sum(aligned(p.numel() * 2) for p, _ in members))
+        buffer = self.copies[slot]
         views, offset = [], 0
         for parameter, _ in members:
             nbytes = parameter.numel() * 2
@@ -699,15 +766,19 @@ class HostStep:
             offset += aligned(nbytes)
         return views
 
-    def write_working(self, stepper, members: list, outputs: list, slot: int) -> None:
+    def write_working(self, stepper, members: list, outputs: list, slot: int,
+                      targets: "list | None" = None) -> None:
         """Queues the copies of the updated masters' bf16 values into their working copies
         on the copy stream (each a use of the working copy); the step's stream waits for
-        that stream after the host's windows."""
+        that stream after the host's windows. With `targets` (the working copies flattened,
+        Note [Windows prepared ahead]), in one PyTorch call."""
         workings = [working_of(stepper, p) for p, _ in members]
         _use_hints.begin(workings, self.stream.cuda_stream)
         try:
             with torch.cuda.stream(self.stream):
-                for working, output in zip(workings, outputs):
+                if targets is not None:
+                    torch._foreach_copy_(targets, outputs, non_blocking=True)
+                for working, output in zip(workings, outputs) if targets is None else ():
                     working.data.view(-1).copy_(output, non_blocking=True)
         finally:
             _use_hints.end(workings, self.stream.cuda_stream)
@@ -716,6 +787,33 @@ class HostStep:
         self.copied[slot] = done
         self.written = done
         self.figures["host_copy_bytes"] += sum(o.numel() * 2 for o in outputs)
+
+
+class HostCall(NamedTuple):
+    """One library call of a window (HostStep.plan)."""
+    settings: dict  # the group's AdamW settings
+    count: int  # the step count the call steps to
+    master: bool
+    members: list  # (parameter, view of its gradient on the host)
+    states: list
+    # The parameters', gradients', exp_avg's and exp_avg_sq's addresses, and for masters
+    # the outputs'
+    arguments: tuple
+    counts: list  # elements
+    outputs: "list | None"  # views of a pinned buffer for the bf16 masters
+    targets: list  # Note [Windows prepared ahead]: the working copies, flattened
+
+
+def count_steps(states: list, batched: bool) -> None:
+    """Each state's step count, one higher; `batched`: the tensors' in one PyTorch call."""
+    tensors = [state["step"] for state in states if torch.is_tensor(state["step"])]
+    if batched and tensors:
+        torch._foreach_add_(tensors, 1)
+    for state in states:
+        if not torch.is_tensor(state["step"]):
+            state["step"] = state["step"] + 1
+        elif not batched:
+            state["step"] += 1
 
 
 def working_of(stepper, parameter):
