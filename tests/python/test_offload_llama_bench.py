@@ -407,30 +407,6 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
     assert handed == ["0", "268435456"]
 
 
-def test_gradients_queued_ahead_sweep_side_by_side_and_reach_each_worker(monkeypatch):
-    """Note [Gradients queued ahead]: --queue-gradients-ahead 0,1 runs the offload row once
-    for each, named apart, and each worker is handed its own."""
-    argv = ["--modes", "offload", "--limits-gib", "13.3", "--queue-gradients-ahead", "0,1"]
-    assert names(argv) == ["bandwidth", "offload_13.3GiB_ahead0", "offload_13.3GiB_ahead1"]
-    with pytest.raises(ValueError, match="--queue-gradients-ahead 'yes': not a value"):
-        names(["--modes", "offload", "--queue-gradients-ahead", "yes"])
-    handed = []
-
-    class Finished:
-        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
-
-    def run(command, env, **kwargs):
-        handed.append(command[command.index("--queue-gradients-ahead") + 1])
-        return Finished()
-
-    monkeypatch.setattr(bench.subprocess, "run", run)
-    args = bench.parse_args(argv)
-    for planned in bench.plan_runs(args):
-        if planned.mode == "offload":
-            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
-    assert handed == ["0", "1"]
-
-
 def test_the_host_steps_figures_are_of_the_timed_steps_when_the_worker_counted_them():
     """The run's counters include the warm-up (pinned buffers allocated, masters traded):
     the table reads the timed steps' own where the worker reports them."""
