@@ -92,8 +92,8 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: few milliseconds more before the first window's gradients are on the host and after the
 #: last one's copies. Merged at 512 M, side by side with the windows alone in one call, the
 #: fast recipe ran 1.09 x at 13.3 GiB and 1.20 x at 24.8 GiB (H100, bench/RESULTS.md). So
-#: they merge by default. The pinned buffers grow with the window: two for its gradients
-#: and two for its bf16 masters, 4 GiB at most with masters (0: each window alone).
+#: they merge by default (0: each window alone). The pinned buffers for the CPUs' bf16
+#: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
 HOST_WINDOW_PARAMETERS = 512 << 20
 
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
@@ -114,14 +114,15 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 QUEUE_GRADIENTS_AHEAD = True
 
 #: Note [Windows prepared ahead]: with the copies queued ahead, the CPUs' thread still makes
-#: about six PyTorch calls a parameter of its own: the step count read, the storages'
-#: addresses, the views of the pinned buffer for the bf16 masters, the count raised after
-#: the call, and the copy of the bf16 master into its working copy. Each may wait for the
-#: interpreter while the step's thread runs the device's windows. With prepare_ahead, the
-#: step's thread prepares every window's calls (their arguments and buffer views) before
-#: the CPUs' thread starts, and that thread raises the counts and queues the copies back
-#: with one PyTorch call a library call. Only with the copies queued ahead. Off by default
-#: until measured; the bench's --prepare-windows-ahead 0,1 runs both side by side.
+#: PyTorch calls a parameter of its own: the step count read, the views of the pinned
+#: buffer for the bf16 masters, the count raised after the call, and the copy of the bf16
+#: master into its working copy. Each of those that lets go of the interpreter may wait for
+#: it while the step's thread runs the device's windows. With prepare_ahead, the step's
+#: thread prepares every window's calls (their addresses, buffer views and the working
+#: copies flattened) before the CPUs' thread starts. That thread then raises the counts
+#: with one PyTorch call a library call, and queues the copies back with another. Only with
+#: the copies queued ahead. Off by default until measured; the bench's
+#: --prepare-windows-ahead 0,1 runs both side by side.
 PREPARE_WINDOWS_AHEAD = False
 
 ON_HOST = ("host", "host_unmapped")
@@ -201,8 +202,9 @@ class HostStep:
         # queued; of it, host_call_s inside the library's calls, host_copy_wait_s waiting
         # for a pinned buffer's last copies and host_write_s queueing the copies back.
         # host_gradient_wait_s: waiting for a window's gradients, before host_s;
-        # host_queue_s: queueing the gradients' copies. host_run_s: each run's wall time,
-        # start to end.
+        # host_queue_s: queueing the gradients' copies (by the step's thread when queued
+        # ahead); host_prepare_s: the calls prepared ahead (Note [Windows prepared ahead]).
+        # host_run_s: each run's wall time, start to end.
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_call_s": 0.0, "host_copy_wait_s": 0.0, "host_write_s": 0.0,
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
@@ -401,8 +403,9 @@ class HostStep:
         return views, copied
 
     def copy_every_gradient(self, stepper, chosen: list, after) -> dict:
-        """Note [The host step finishes behind the forward]: queues the copies of every
-        window's gradients into one pinned buffer, after the event `after`; returns, per
+        """Note [Gradients queued ahead] and Note [The host step finishes behind the
+        forward]: queues the copies of every window's gradients into one pinned buffer,
+        after the event `after`; returns, per
         window number, (views of the buffer, event after its copies)."""
         grads = {number: [stepper.gradient(p) for p in hosted] for number, hosted in chosen}
         total = sum(aligned(g.numel() * g.element_size()) for each in grads.values()
@@ -603,6 +606,9 @@ class HostStep:
         """Steps the window on the CPUs once its gradients are on the host, with the calls
         `planned` (else planned here), each all or nothing; returns the parameters of the
         calls the library refused (a part on the device: nothing of theirs changed)."""
+        # What this window's finished calls stepped: cleared first, so that a failure from
+        # here on hands the whole window to the device (work()).
+        self.stepped = []
         views, copied = gradients
         waited = time.perf_counter()
         copied.synchronize()
@@ -612,7 +618,6 @@ class HostStep:
         if planned is None:
             planned = self.plan(stepper, window, views, groups, settings, slot)
         refused = []
-        self.stepped = []  # what this window's finished calls stepped
         try:
             for call in planned:
                 members = call.members
@@ -786,7 +791,7 @@ class HostStep:
         done.record(self.stream)
         self.copied[slot] = done
         self.written = done
-        self.figures["host_copy_bytes"] += sum(o.numel() * 2 for o in outputs)
+        self.figures["host_copy_bytes"] += sum(p.numel() * 2 for p, _ in members)
 
 
 class HostCall(NamedTuple):
@@ -840,7 +845,7 @@ class HostRun:
         self.written: list = []
         self.saved: dict = {}
         self.finished = False
-        self.gradients_copied = None  # behind the forward: the event after every copy
+        self.gradients_copied = None  # queued ahead: the event after every copy
         self.optimizer = None  # held while the run may still step with it (HostStep.start)
 
     def join(self) -> list:
