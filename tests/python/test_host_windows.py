@@ -103,3 +103,33 @@ def test_step_counts_rise_by_one_batched_or_not():
         states = [{"step": torch.tensor(4.0)}, {"step": 7}, {"step": torch.tensor(1.0)}]
         count_steps(states, batched)
         assert [float(s["step"]) for s in states] == [5.0, 8.0, 2.0]
+
+
+def test_gradients_queue_ahead_for_masters_within_an_eighth_of_the_host():
+    """Note [Gradients queued ahead]: only runs of masters queue ahead, and only while their
+    bf16 gradients fit in the budget (an eighth of the host's memory); the rest queue
+    window by window."""
+
+    class Masters:
+        def __init__(self, masters):
+            self.ids = {id(m) for m in masters}
+
+        def working(self, parameter):
+            return parameter if id(parameter) in self.ids else None
+
+    tensors = [torch.empty(n) for n in (30, 20, 50)]
+    stepper = Stepper(None)
+    stepper.masters = Masters(tensors)
+    host = HostStep()
+    assert host.queue_ahead and host.ahead_bytes > 0  # on by default, within its budget
+    host.ahead_bytes = 200  # 100 parameters: 200 bytes of bf16 gradients
+    chosen = [(0, tensors[:2]), (1, tensors[2:])]
+    assert host.queues_ahead(stepper, chosen)
+    host.ahead_bytes = 199
+    assert not host.queues_ahead(stepper, chosen)
+    host.ahead_bytes = 200
+    stepper.masters = Masters(tensors[:2])  # one not a master: its gradient is fp32
+    assert not host.queues_ahead(stepper, chosen)
+    stepper.masters = Masters(tensors)
+    host.queue_ahead = False
+    assert not host.queues_ahead(stepper, chosen)

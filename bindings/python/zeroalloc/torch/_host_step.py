@@ -70,6 +70,7 @@ PCIe), else the line would move one master a step.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -106,9 +107,12 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: run that finishes behind the forward. Side by side, in either order, that ran 1.19 x and
 #: 1.22 x queueing by the CPUs' thread (8,663 against 7,301 and 9,641 against 7,892
 #: tokens/s). The buffer holds every gradient the CPUs read: 2 bytes a parameter with
-#: masters (2.7 GB for the 1.3B model), in place of two windows' worth. Only runs whose
-#: every parameter is a master queue ahead: without masters the buffer would hold 4 bytes
-#: a parameter, and a gradient the engine moved to the host is read there, not copied.
+#: masters (2.7 GB for the 1.3B model), in place of two windows' worth. Pinned memory is
+#: never swapped (Note [Host budget] in lib/tier/host_pool.hpp), so the buffer takes at most
+#: an eighth of the host's memory: a run that needs more queues window by window (a 7B
+#: model needs 13.4 GB, which a host of 128 GiB gives and one of 64 GiB does not). Only
+#: runs whose every parameter is a master queue ahead: without masters the buffer would
+#: hold 4 bytes a parameter, and a gradient the engine moved to the host is read there.
 #: False: the CPUs' thread queues each window's copies (the bench's
 #: --queue-gradients-ahead 0,1 runs both side by side).
 QUEUE_GRADIENTS_AHEAD = True
@@ -154,6 +158,14 @@ def adamw_settings(optimizer, group) -> "dict | None":
     return {"lr": lr, "betas": (beta1, beta2), "eps": float(group["eps"]),
             "weight_decay": float(group.get("weight_decay", 0.0)),
             "maximize": bool(group.get("maximize", False))}
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def place_of(tensor, places: dict) -> str:
@@ -220,6 +232,7 @@ class HostStep:
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
+        self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
 
     def merged(self, chosen: list) -> list:
@@ -402,11 +415,20 @@ class HostStep:
         copied.record(self.stream)
         return views, copied
 
+    def queues_ahead(self, stepper, chosen: list) -> bool:
+        """Note [Gradients queued ahead]: whether the run over `chosen` queues every
+        gradient's copy before the CPUs' thread starts: every parameter a master (bf16
+        gradients, 2 bytes a parameter) and the buffer within its budget."""
+        parameters = [p for _, hosted in chosen for p in hosted]
+        return (self.queue_ahead
+                and all(working_of(stepper, p) is not None for p in parameters)
+                and 2 * sum(p.numel() for p in parameters) <= self.ahead_bytes)
+
     def copy_every_gradient(self, stepper, chosen: list, after) -> dict:
         """Note [Gradients queued ahead] and Note [The host step finishes behind the
         forward]: queues the copies of every window's gradients into one pinned buffer,
-        after the event `after`; returns, per
-        window number, (views of the buffer, event after its copies)."""
+        after the event `after`; returns, per window number, (views of the buffer, event
+        after its copies)."""
         grads = {number: [stepper.gradient(p) for p in hosted] for number, hosted in chosen}
         total = sum(aligned(g.numel() * g.element_size()) for each in grads.values()
                     for g in each)
@@ -457,9 +479,7 @@ class HostStep:
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
         every = None
-        ahead = self.queue_ahead and all(working_of(stepper, p) is not None
-                                         for _, hosted in chosen for p in hosted)
-        if behind or ahead:  # Note [Gradients queued ahead]
+        if behind or self.queues_ahead(stepper, chosen):  # Note [Gradients queued ahead]
             queueing = time.perf_counter()
             every = self.copy_every_gradient(stepper, chosen, after)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
