@@ -27,7 +27,8 @@
 # --nvme-path, --nvme-size, --host-limit and a model, DeepSpeed ZeRO-Infinity beside the
 # NVMe tier) zero (two GPUs or more only: bench/python/zero_bench.py, about 5 minutes;
 # GPU_CHECK_ZERO_MODES, _ARGS)
-# baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes).
+# baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes), split
+# at spaces; GPU_CHECK_PYTEST_K: an expression for pytest's -k, whole ("merged or prepared").
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
 set -uo pipefail
@@ -188,7 +189,7 @@ else skipped trace; fi
 step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
 if [[ -z $(skipped pytest) ]]; then
   ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout ${GPU_CHECK_PYTEST_TIMEOUT:-540} python3 -m pytest -q -s -rs --durations=12 \
-    ${GPU_CHECK_PYTEST:-tests/python} \
+    ${GPU_CHECK_PYTEST:-tests/python} ${GPU_CHECK_PYTEST_K:+-k "$GPU_CHECK_PYTEST_K"} \
     >"$out/pytest.log" 2>&1 || fail pytest
   tail -22 "$out/pytest.log"
   echo "-- figures printed by the Python tests"
