@@ -377,9 +377,9 @@ def plan_runs(args) -> list[Run]:
                 name += f"_grad{gradient}"
             if len(reaches) > 1:
                 name += f"_{reach}"
-            merged = "".join(f"_{tag}{value}" for (_, _, _, _, tag, _), value, values
-                             in zip(HOST_SETTINGS, host, hosts) if len(values) > 1)
-            name += merged
+            host_tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag, _), value, values
+                                in zip(HOST_SETTINGS, host, hosts) if len(values) > 1)
+            name += host_tags
             tags = "".join(f"_{tag}{value}" for (_, _, _, _, tag), value, values
                            in zip(SWEPT_SETTINGS, chosen, swept) if len(values) > 1)
             name += tags
@@ -387,7 +387,7 @@ def plan_runs(args) -> list[Run]:
                              in zip(SWEPT_SETTINGS, chosen) if value)
             runs.append(Run(name, "offload", limit, size, overlap, gradient,
                             (f"_limit{limit.label}" if sweep else "")
-                            + (f"_{reach}" if len(reaches) > 1 else "") + merged + tags,
+                            + (f"_{reach}" if len(reaches) > 1 else "") + host_tags + tags,
                             reach, settings,
                             tuple((attribute, value) for (attribute, *_), value
                                   in zip(HOST_SETTINGS, host) if value)))
@@ -1279,8 +1279,7 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     command += [each for argument, value in host for each in (flags[argument], value)]
     command += ["--nvme-path", args.nvme_path, "--nvme-size", args.nvme_size]
     command += [f"--{flag.replace('_', '-')}"
-                for flag in ("checkpointing", "no_autocast_cache")
-                if getattr(args, flag)]
+                for flag in ("checkpointing", "no_autocast_cache") if getattr(args, flag)]
     print(f"running {mode}" + (f" (ZEROALLOC_MEMORY_LIMIT={limit_bytes})" if limit_bytes else ""),
           flush=True)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)

@@ -381,6 +381,26 @@ def test_a_setting_swept_runs_side_by_side_each_with_its_variable(
     assert seen == [*values.split(","), None]  # not given: the library's default
 
 
+def offload_commands(monkeypatch, argv) -> list:
+    """The worker commands the offload rows that `argv` plans would run, each row's host
+    step settings handed to its worker."""
+    commands = []
+
+    class Finished:
+        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
+
+    def run(command, env, **kwargs):
+        commands.append(command)
+        return Finished()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = bench.parse_args(argv)
+    for planned in bench.plan_runs(args):
+        if planned.mode == "offload":
+            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
+    return commands
+
+
 def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch):
     """Note [The CPUs' windows]: --host-window-parameters 0,N runs the offload row once for
     each cap, named apart, and each worker is handed its own cap."""
@@ -390,20 +410,8 @@ def test_merged_cpu_windows_sweep_side_by_side_and_reach_each_worker(monkeypatch
                            "offload_13.3GiB_cpuwin268435456"]
     with pytest.raises(ValueError, match="--host-window-parameters 'many': not a value"):
         names(["--modes", "offload", "--host-window-parameters", "many"])
-    handed = []
-
-    class Finished:
-        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
-
-    def run(command, env, **kwargs):
-        handed.append(command[command.index("--host-window-parameters") + 1])
-        return Finished()
-
-    monkeypatch.setattr(bench.subprocess, "run", run)
-    args = bench.parse_args(argv)
-    for planned in bench.plan_runs(args):
-        if planned.mode == "offload":
-            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
+    handed = [command[command.index("--host-window-parameters") + 1]
+              for command in offload_commands(monkeypatch, argv)]
     assert handed == ["0", "268435456"]
 
 
@@ -435,19 +443,8 @@ def test_the_host_steps_settings_sweep_together_and_each_worker_sets_its_own(mon
                            "offload_13.3GiB_ahead1_prepared1"]
     with pytest.raises(ValueError, match="--prepare-windows-ahead '1,': not a value"):
         names(["--modes", "offload", "--prepare-windows-ahead", "1,"])
-    handed = []
-
-    class Finished:
-        returncode, stdout, stderr = 0, 'result {"mode": "offload"}\n', ""
-
-    def run(command, env, **kwargs):
-        handed.append([each for each in command if each in (
-            "--host-window-parameters", "--queue-gradients-ahead", "--prepare-windows-ahead")])
-        return Finished()
-
-    monkeypatch.setattr(bench.subprocess, "run", run)
-    args = bench.parse_args(["--modes", "offload", "--prepare-windows-ahead", "1"])
-    for planned in bench.plan_runs(args):
-        if planned.mode == "offload":
-            bench.run_mode(args, "offload", 1 << 30, host=planned.host)
+    handed = [[each for each in command if each in (
+        "--host-window-parameters", "--queue-gradients-ahead", "--prepare-windows-ahead")]
+        for command in offload_commands(
+            monkeypatch, ["--modes", "offload", "--prepare-windows-ahead", "1"])]
     assert handed == [["--prepare-windows-ahead"]]

@@ -486,7 +486,9 @@ class HostStep:
         plans = {}
         if every is not None and self.prepare_ahead:  # Note [Windows prepared ahead]
             preparing = time.perf_counter()
-            plans = self.plan_every(stepper, chosen, every, groups, settings)
+            plans = {number: self.plan(stepper, hosted, every[number][0], groups, settings,
+                                       turn % 2, ahead=True)
+                     for turn, (number, hosted) in enumerate(chosen)}
             self.figures["host_prepare_s"] += time.perf_counter() - preparing
         if every:
             run.gradients_copied = every[chosen[-1][0]][1]  # the last window's, on one stream
@@ -569,9 +571,11 @@ class HostStep:
         return run
 
     def plan(self, stepper, window, views: list, groups: dict, settings: dict,
-             slot: int) -> list:
+             slot: int, ahead: bool = False) -> list:
         """The window's library calls: one per group, step count (the bias corrections
-        differ between counts) and kind (masters or not), each with its arguments."""
+        differ between counts) and kind (masters or not), each with its arguments; `ahead`
+        (Note [Windows prepared ahead]): with each master's working copy flattened for the
+        copy back."""
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -591,35 +595,12 @@ class HostStep:
             outputs = self.output_views(members, slot) if master else None
             if master:
                 arguments += ([o.data_ptr() for o in outputs],)
+            targets = ([working_of(stepper, p).data.view(-1) for p, _ in members]
+                       if master and ahead else None)
             planned.append(HostCall(settings[id(group)], count, master, members, states,
-                                    arguments, [p.numel() for p, _ in members], outputs, []))
+                                    arguments, [p.numel() for p, _ in members], outputs,
+                                    targets))
         return planned
-
-    def plan_ahead(self, stepper, window, views: list, groups: dict, settings: dict,
-                   slot: int) -> list:
-        """Note [Windows prepared ahead]: plan(), with each master's working copy flattened
-        for the copy back."""
-        planned = self.plan(stepper, window, views, groups, settings, slot)
-        for call in planned:
-            if call.master:
-                call.targets.extend(working_of(stepper, p).data.view(-1)
-                                    for p, _ in call.members)
-        return planned
-
-    def plan_every(self, stepper, chosen: list, every: dict, groups: dict,
-                   settings: dict) -> dict:
-        """Note [Windows prepared ahead]: per window number, its library calls, prepared
-        before the CPUs' thread starts (each pinned buffer grown first to the largest of
-        the windows that use it, so that no window's views outlive a buffer replaced)."""
-        for slot in (0, 1):
-            largest = max((sum(aligned(p.numel() * 2) for p in hosted
-                               if working_of(stepper, p) is not None)
-                           for turn, (_, hosted) in enumerate(chosen) if turn % 2 == slot),
-                          default=0)
-            self.grow_copies(slot, largest)
-        return {number: self.plan_ahead(stepper, hosted, every[number][0], groups, settings,
-                                        turn % 2)
-                for turn, (number, hosted) in enumerate(chosen)}
 
     def step(self, stepper, window, gradients: tuple, groups: dict, settings: dict,
              slot: int = 0, planned: "list | None" = None) -> list:
@@ -665,8 +646,7 @@ class HostStep:
                 self.figures["host_bytes"] += sum(call.counts) * 4
                 if call.master:
                     writing = time.perf_counter()
-                    self.write_working(stepper, members, call.outputs, slot,
-                                       call.targets if batched else None)
+                    self.write_working(stepper, members, call.outputs, slot, call.targets)
                     self.figures["host_write_s"] += time.perf_counter() - writing
         finally:
             self.figures["host_s"] += time.perf_counter() - started
@@ -772,18 +752,14 @@ class HostStep:
             self.figures["host_copy_wait_s"] += time.perf_counter() - waited
             self.copied[slot] = None
 
-    def grow_copies(self, slot: int, nbytes: int) -> None:
-        """Pinned buffer `slot` holds at least `nbytes` (a buffer replaced lives on in the
-        views and copies that still use it)."""
-        buffer = self.copies[slot]
-        if nbytes and (buffer is None or buffer.numel() < nbytes):
-            self.copies[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
     def output_views(self, members: list, slot: int) -> list:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters (written
-        only once wait_copies(slot) returned)."""
-        self.grow_copies(slot, sum(aligned(p.numel() * 2) for p, _ in members))
+        only once wait_copies(slot) returned). A buffer replaced by a larger one lives on in
+        the views and copies that still use it."""
+        total = sum(aligned(p.numel() * 2) for p, _ in members)
         buffer = self.copies[slot]
+        if buffer is None or buffer.numel() < total:
+            buffer = self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         views, offset = [], 0
         for parameter, _ in members:
             nbytes = parameter.numel() * 2
@@ -826,7 +802,7 @@ class HostCall(NamedTuple):
     arguments: tuple
     counts: list  # elements
     outputs: "list | None"  # views of a pinned buffer for the bf16 masters
-    targets: list  # Note [Windows prepared ahead]: the working copies, flattened
+    targets: "list | None"  # Note [Windows prepared ahead]: the working copies, flattened
 
 
 def count_steps(states: list, batched: bool) -> None:
