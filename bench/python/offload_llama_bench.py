@@ -296,6 +296,9 @@ HOST_SETTINGS = (
     ("prepare_windows_ahead", "--prepare-windows-ahead", "prepare_ahead",
      ("0", "1").__contains__, "prepared", "1: every window's library calls prepared before "
      "the CPUs' thread starts (Note [Windows prepared ahead]), 0: by that thread"),
+    ("pin_buffers_ahead", "--pin-buffers-ahead", "pin_ahead", ("0", "1").__contains__,
+     "pinned", "1: the host step's pinned buffers made by the library from the first forward "
+     "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
 )
 
 

@@ -425,6 +425,29 @@ int zeroalloc_adamw_on_host_bf16(void* const* masters, const void* const* gradie
  */
 int zeroalloc_host_adamw_rate(int device, size_t parameters, double* parameters_per_second);
 
+/**
+ * Pinned host memory for copies between the host and `device`: at least `bytes` (a whole
+ * number of the host's pages) of page-locked memory, on the device's NUMA node where the host
+ * lets it, that the CPUs read and write at `*address` and copies on the device's streams
+ * reach as they reach cudaHostAlloc's memory. It may take seconds (about 0.25 s a GiB), and
+ * other threads run meanwhile: make it ahead, on a thread of its own. Returns 0, or -1 with
+ * zeroalloc_last_error() set (and `*address` untouched) when `bytes` is 0, the device does
+ * not exist, the buffer would leave the host less memory than the reserve it keeps (pinned
+ * memory cannot be swapped), or the driver refuses to pin it.
+ */
+int zeroalloc_pinned_create(int device, size_t bytes, void** address);
+
+/**
+ * Releases a buffer zeroalloc_pinned_create made, once the work queued so far on `stream`
+ * (the copies into and out of it) is done. Use it no more after this call. Returns 0, or -1
+ * with zeroalloc_last_error() set when `address` is not such a buffer.
+ */
+int zeroalloc_pinned_release(void* address, zeroalloc_stream_t stream);
+
+/** Bytes of pinned memory zeroalloc_pinned_create holds for `device` now (released buffers
+ *  whose copies are still queued included), or -1 with zeroalloc_last_error() set. */
+int64_t zeroalloc_pinned_bytes(int device);
+
 /** Severities of zeroalloc_log, as ZEROALLOC_LOG_LEVEL names them. */
 typedef enum zeroalloc_log_level {
   ZEROALLOC_LOG_DEBUG = 1,

@@ -782,6 +782,30 @@ ZA_EXPORT int zeroalloc_host_adamw_rate(int device, size_t parameters,
   });
 }
 
+ZA_EXPORT int zeroalloc_pinned_create(int device, size_t bytes, void** address) {
+  return guarded("zeroalloc_pinned_create", -1, [&] {
+    ZA_REQUIRE(address != nullptr, "address is NULL");
+    *address = runtime::get().pinned(device).create(bytes);  // pinned() checks `device`
+    return 0;
+  });
+}
+
+ZA_EXPORT int zeroalloc_pinned_release(void* address, zeroalloc_stream_t stream) {
+  return guarded("zeroalloc_pinned_release", -1, [&] {
+    zeroalloc::pinned_buffers* owner = runtime::get().pinned_owner(address);
+    ZA_REQUIRE(owner != nullptr, "pointer ", address,
+               " is not a pinned buffer zeroalloc_pinned_create made, or was released already");
+    owner->release(address, device_stream(stream));
+    return 0;
+  });
+}
+
+ZA_EXPORT int64_t zeroalloc_pinned_bytes(int device) {
+  return guarded("zeroalloc_pinned_bytes", int64_t{-1}, [&] {
+    return static_cast<int64_t>(runtime::get().pinned(device).held_bytes());
+  });
+}
+
 ZA_EXPORT int zeroalloc_log(int level, const char* message) {
   return guarded("zeroalloc_log", -1, [&] {
     ZA_REQUIRE(message != nullptr, "message is NULL");

@@ -404,6 +404,22 @@ host_workers& runtime::host_step_workers(int ordinal) {
   return *workers;
 }
 
+pinned_buffers& runtime::pinned(int ordinal) {
+  caching_allocator& owner = allocator(ordinal);  // checks the ordinal
+  std::lock_guard lock(create_mutex_);
+  std::unique_ptr<pinned_buffers>& buffers = pinned_[ordinal];
+  if (!buffers) buffers = std::make_unique<pinned_buffers>(owner.backing());
+  return *buffers;
+}
+
+pinned_buffers* runtime::pinned_owner(const void* address) {
+  std::lock_guard lock(create_mutex_);
+  for (const std::unique_ptr<pinned_buffers>& buffers : pinned_) {
+    if (buffers && buffers->owns(address)) return buffers.get();
+  }
+  return nullptr;
+}
+
 offload_engine* runtime::engine_of(const void* pointer) {
   caching_allocator* owner = owner_of(pointer);
   if (owner == nullptr) return nullptr;

@@ -16,6 +16,7 @@
 #include "profile/report.hpp"
 #include "tier/host_step.hpp"
 #include "tier/offload_engine.hpp"
+#include "tier/pinned_buffers.hpp"
 
 namespace zeroalloc {
 
@@ -50,6 +51,11 @@ class runtime {
   /// The threads of the host step for the device `ordinal` (Note [Stepped on the host] in
   /// tier/host_step.hpp), bound to the CPUs of its NUMA node; made on first use.
   host_workers& host_step_workers(int ordinal);
+  /// The host step's pinned buffers for the device `ordinal` (Note [Pinned buffers made
+  /// ahead] in tier/pinned_buffers.hpp); made on first use.
+  pinned_buffers& pinned(int ordinal);
+  /// The device's pinned buffers that hold the buffer at `address`, or nullptr.
+  pinned_buffers* pinned_owner(const void* address);
   /// The offload figures of `ordinal` as a JSON object, or "null" when offload is off.
   nlohmann::ordered_json offload_json(int ordinal);
   /// Stops the host tiers' background creation of pinned memory and the engines' prefetch
@@ -97,6 +103,7 @@ class runtime {
   std::vector<std::unique_ptr<paging_listener>> owned_listeners_;
   std::unique_ptr<reporter> reporter_;
   std::array<std::unique_ptr<host_workers>, kMaxDevices> host_step_workers_;  // create_mutex_
+  std::array<std::unique_ptr<pinned_buffers>, kMaxDevices> pinned_;  // create_mutex_
 };
 
 }  // namespace zeroalloc

@@ -2,10 +2,14 @@
 
 #include <dlfcn.h>
 #include <numa.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
+#include <vector>
 
 namespace zeroalloc {
 namespace {
@@ -77,5 +81,25 @@ std::uint64_t host_available_bytes() {
 std::uint64_t host_reserve_bytes() {
   return std::max<std::uint64_t>(host_memory_bytes() / 16, std::uint64_t{512} << 20);
 }
+
+std::size_t host_page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+
+void* map_host_pages(std::size_t bytes, int node) {
+  void* address = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (address == MAP_FAILED) return nullptr;
+  // The node preferred for the range's pages (MPOL_PREFERRED), through the system call:
+  // libnuma's numa_tonode_memory prints its failures. Placement is best effort (memory on
+  // another node is slower for the CPUs, not wrong), so a refusal is ignored.
+  if (node >= 0) {
+    constexpr int kPreferred = 1;  // MPOL_PREFERRED
+    constexpr std::size_t kBits = sizeof(unsigned long) * CHAR_BIT;
+    std::vector<unsigned long> mask(static_cast<std::size_t>(node) / kBits + 1, 0);
+    mask[static_cast<std::size_t>(node) / kBits] = 1UL << (static_cast<std::size_t>(node) % kBits);
+    (void)::syscall(SYS_mbind, address, bytes, kPreferred, mask.data(), mask.size() * kBits + 1, 0);
+  }
+  return address;
+}
+
+void unmap_host_pages(void* address, std::size_t bytes) { ::munmap(address, bytes); }
 
 }  // namespace zeroalloc

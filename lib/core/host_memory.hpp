@@ -1,6 +1,7 @@
 // The host's memory, per NUMA node, for the host tier's default budget (Note [Host budget]
 // in tier/host_pool.hpp).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace zeroalloc {
@@ -21,5 +22,15 @@ namespace zeroalloc {
 /// of the host's memory, at least 512 MiB (the background creation leaves four times that:
 /// Note [Host budget] in tier/host_pool.hpp).
 [[nodiscard]] std::uint64_t host_reserve_bytes();
+
+/// The host's page size: what map_host_pages rounds to.
+[[nodiscard]] std::size_t host_page_bytes();
+
+/// `bytes` (a multiple of host_page_bytes()) of anonymous host memory whose pages, when first
+/// touched, are placed on NUMA node `node` (through libnuma; anywhere where libnuma is missing
+/// or `node` is negative or not a node). nullptr with errno set when the host refuses.
+[[nodiscard]] void* map_host_pages(std::size_t bytes, int node);
+/// Gives back what map_host_pages returned.
+void unmap_host_pages(void* address, std::size_t bytes);
 
 }  // namespace zeroalloc

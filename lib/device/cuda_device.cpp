@@ -1,14 +1,17 @@
 #include "device/cuda_device.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <memory>
 #include <mutex>
 #include <numeric>
 
 #include "core/errors.hpp"
+#include "core/host_memory.hpp"
 #include "core/units.hpp"
 #include "device/cuda_driver.hpp"
 
@@ -298,6 +301,34 @@ bool cuda_device::open_to_host(std::uintptr_t address, std::size_t bytes) {
   access.location.id = host_on_any_node_ ? 0 : host_numa_node_;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   return driver_.pfn_cuMemSetAccess(address, bytes, &access, 1) == CUDA_SUCCESS;
+}
+
+void* cuda_device::create_pinned(std::size_t bytes) {
+  void* address = map_host_pages(bytes, host_on_any_node_ ? -1 : host_numa_node_);
+  if (address == nullptr) {
+    throw device_error(detail::concat("mapping ", format_bytes(bytes),
+                                      " of host memory to pin for cuda:", ordinal_,
+                                      " failed: the host refused it (", std::strerror(errno), ")"),
+                       kDeviceOutOfMemoryCode);
+  }
+  const auto scope = enter_context();
+  const CUresult result =
+      driver_.pfn_cuMemHostRegister(address, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+  if (result != CUDA_SUCCESS) [[unlikely]] {
+    unmap_host_pages(address, bytes);
+    throw_cuda_error(result, detail::concat("cuMemHostRegister of ", format_bytes(bytes),
+                                            " for cuda:", ordinal_));
+  }
+  return address;
+}
+
+void cuda_device::release_pinned(void* address, std::size_t bytes) {
+  {
+    const auto scope = enter_context();
+    check_range(driver_.pfn_cuMemHostUnregister(address), "cuMemHostUnregister", ordinal_,
+                reinterpret_cast<std::uintptr_t>(address), bytes);
+  }
+  unmap_host_pages(address, bytes);
 }
 
 void cuda_device::unmap(std::uintptr_t address, std::size_t bytes) {

@@ -68,6 +68,10 @@ class cuda_device final : public device {
   void map(std::uintptr_t address, physical_handle handle) override;
   bool open_to_host(std::uintptr_t address, std::size_t bytes) override;
   void unmap(std::uintptr_t address, std::size_t bytes) override;
+  /// Anonymous pages on the GPU's NUMA node, registered with the driver (cuMemHostRegister,
+  /// portable): copies treat them as cudaHostAlloc's.
+  void* create_pinned(std::size_t bytes) override;
+  void release_pinned(void* address, std::size_t bytes) override;
 
   /// A non-blocking stream: it does not wait for, or hold up, the legacy default stream.
   stream_handle create_stream() override;

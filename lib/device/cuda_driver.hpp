@@ -61,6 +61,8 @@ inline constexpr int kCudaAbiVersion = 13000;
   X(cuMemUnmap, 10020)                    \
   X(cuMemSetAccess, 10020)                \
   X(cuMemGetAllocationGranularity, 10020) \
+  X(cuMemHostRegister, 6050)              \
+  X(cuMemHostUnregister, 4000)            \
   X(cuStreamCreate, 2000)                 \
   X(cuStreamDestroy, 4000)                \
   X(cuStreamSynchronize, 2000)            \

@@ -89,6 +89,16 @@ class device {
   /// the range must have completed: unmap does not order itself against streams.
   virtual void unmap(std::uintptr_t address, std::size_t bytes) = 0;
 
+  /// Page-locked host memory of `bytes` (a multiple of the host's page size) at an address of
+  /// its own, outside the reserved ranges: the CPUs read and write it there, and copies on
+  /// this device's streams reach it at the link's rate, as they reach cudaHostAlloc's memory.
+  /// Its pages lie on host_numa_node() where the host lets them (Note [Pinned buffers made
+  /// ahead] in tier/pinned_buffers.hpp).
+  virtual void* create_pinned(std::size_t bytes) = 0;
+  /// Releases what create_pinned returned. Work still queued that touches it must have
+  /// completed.
+  virtual void release_pinned(void* address, std::size_t bytes) = 0;
+
   // Streams and events.
   virtual stream_handle create_stream() = 0;
   virtual void destroy_stream(stream_handle stream) = 0;

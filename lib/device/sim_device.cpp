@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/errors.hpp"
+#include "core/host_memory.hpp"
 #include "core/units.hpp"
 
 namespace zeroalloc {
@@ -256,6 +257,21 @@ void sim_device::map(std::uintptr_t address, physical_handle handle) {
   if (mapped == MAP_FAILED) throw_errno("map (mmap)", errno);
   mappings_[address] = mapping_record{bytes, handle.value};
   ++record->second.mappings;
+}
+
+void* sim_device::create_pinned(std::size_t bytes) {
+  void* address = map_host_pages(bytes, -1);
+  if (address == nullptr) {
+    const int code = errno;
+    throw device_error(detail::concat("simulated device: mapping ", format_bytes(bytes),
+                                      " of host memory to pin failed (", std::strerror(code), ")"),
+                       code);
+  }
+  return address;
+}
+
+void sim_device::release_pinned(void* address, std::size_t bytes) {
+  unmap_host_pages(address, bytes);
 }
 
 void sim_device::unmap(std::uintptr_t address, std::size_t bytes) {

@@ -46,6 +46,9 @@ class sim_device final : public device {
   /// A mapping is host memory the process maps itself: the CPU reaches it already.
   bool open_to_host(std::uintptr_t /*address*/, std::size_t /*bytes*/) override { return true; }
   void unmap(std::uintptr_t address, std::size_t bytes) override;
+  /// Anonymous host pages: the simulated device's streams copy to and from any host memory.
+  void* create_pinned(std::size_t bytes) override;
+  void release_pinned(void* address, std::size_t bytes) override;
 
   stream_handle create_stream() override;
   void destroy_stream(stream_handle stream) override;

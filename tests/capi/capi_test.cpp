@@ -188,6 +188,31 @@ TEST_F(CApiTest, TheHostStepsRateIsMeasuredAndBadArgumentsAreNamed) {
       << zeroalloc_last_error();
 }
 
+// Note [Pinned buffers made ahead]: the host step's buffers, made and released through the
+// C ABI; what cannot be made or released is named.
+TEST_F(CApiTest, PinnedBuffersAreMadeCountedAndReleased) {
+  const std::int64_t before = zeroalloc_pinned_bytes(0);
+  ASSERT_GE(before, 0) << zeroalloc_last_error();
+  void* buffer = nullptr;
+  ASSERT_EQ(zeroalloc_pinned_create(0, 5000, &buffer), 0) << zeroalloc_last_error();
+  ASSERT_NE(buffer, nullptr);
+  std::memset(buffer, 0x7E, 5000);  // the CPUs write it
+  EXPECT_GE(zeroalloc_pinned_bytes(0), before + 5000);
+  EXPECT_EQ(zeroalloc_pinned_release(buffer, nullptr), 0) << zeroalloc_last_error();
+  EXPECT_EQ(zeroalloc_pinned_release(buffer, nullptr), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("was released already"), std::string::npos)
+      << zeroalloc_last_error();
+  int marker = 0;
+  void* untouched = &marker;
+  EXPECT_EQ(zeroalloc_pinned_create(0, std::size_t{1} << 50, &untouched), -1);
+  EXPECT_NE(std::string(zeroalloc_last_error()).find("keeps in reserve"), std::string::npos)
+      << zeroalloc_last_error();
+  EXPECT_EQ(untouched, &marker);
+  EXPECT_EQ(zeroalloc_pinned_create(999, 4096, &buffer), -1);
+  EXPECT_EQ(zeroalloc_pinned_create(0, 4096, nullptr), -1);
+  EXPECT_EQ(zeroalloc_pinned_bytes(999), -1);
+}
+
 TEST_F(CApiTest, TheLogTakesAMessageAtALevelAndNamesAnUnknownLevel) {
   EXPECT_EQ(zeroalloc_log(ZEROALLOC_LOG_DEBUG, "below the default level: dropped"), 0);
   EXPECT_EQ(zeroalloc_log(0, "no such level"), -1);

@@ -140,6 +140,8 @@ else:
         optimizer._zeroalloc_stepper.host.window_parameters = int(os.environ["MERGE"])
     if os.environ.get("PREPARE") and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.prepare_ahead = True
+    if os.environ.get("PINNED") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.pin_ahead = True
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
@@ -267,17 +269,22 @@ def test_merged_cpu_windows_train_as_the_windows_alone(tmp_path, access):
 
 
 @pytest.mark.parametrize("access", ["any", "hinted"])
-def test_windows_prepared_ahead_train_as_those_prepared_by_the_cpus_thread(tmp_path, access):
+def test_what_the_step_prepares_or_pins_ahead_trains_as_the_usual_step(tmp_path, access):
     """Note [Windows prepared ahead]: the library calls prepared before the CPUs' thread
-    starts, the counts raised and the copies back queued in one call each, train within
-    rounding of the plain recipe, as the calls the CPUs' thread prepares do."""
+    starts, the counts raised and the copies back queued in one call each. Note [Pinned
+    buffers made ahead]: the gradients' and the bf16 masters' pinned buffers made by the
+    library from the first forward on, and used by the CPUs' runs. Each trains within
+    rounding of the plain recipe, as the usual step does."""
     plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
-    usual = ast.literal_eval(field(masters_on_the_host_against(
-        plain, tmp_path, ZEROALLOC_ACCESS=access), "figures"))
-    prepared = ast.literal_eval(field(masters_on_the_host_against(
-        plain, tmp_path, ZEROALLOC_ACCESS=access, PREPARE="1"), "figures"))
-    print("prepared by the CPUs' thread:", usual, "ahead:", prepared)
+    usual, prepared, pinned = (ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access, **setting), "figures"))
+        for setting in ({}, {"PREPARE": "1"}, {"PINNED": "1"}))
+    print("usual:", usual, "prepared ahead:", prepared, "pinned ahead:", pinned)
     assert usual["host_prepare_s"] == 0 < prepared["host_prepare_s"], (usual, prepared)
+    assert usual["host_pinned_ahead_bytes"] == 0, usual
+    # Every master's bf16 gradient (24 of them, 96 MiB in all) and two buffers for the bf16
+    # masters of a merged window (all of them: the model is smaller than the cap).
+    assert pinned["host_pinned_ahead_bytes"] >= 3 * 96 * 2**20, pinned
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])

@@ -376,3 +376,50 @@ def test_the_trade_settles_on_chunks_shared_by_masters(monkeypatch, chunk_floats
     assert all(whole[first:]), whole  # the last masters, whole
     host_bytes = chunks.count("host") * chunk_floats * 4
     assert host_bytes <= evicted + max(sizes) * 12 + 2 * chunk_floats * 4, (host_bytes, evicted)
+
+
+def test_pinned_buffers_made_ahead_are_exact_writable_and_go_back_with_their_last_view():
+    """Note [Pinned buffers made ahead]: the library's pinned buffers, as tensors: of the
+    size asked (a whole number of pages held), written and read by the CPUs, counted while
+    any view lives, released after it; made on a thread of their own; one the host cannot
+    spare is left to the step, saying why in the log."""
+    result = run_python("""
+        import gc, os, threading, time
+        import torch
+        from zeroalloc import _offload
+        from zeroalloc.torch._host_step import PinnedAhead, pinned_tensor
+        before = _offload.pinned_bytes(0)
+        buffer = pinned_tensor(0, 10_000, [0])
+        assert buffer.dtype == torch.uint8 and buffer.numel() == 10_000
+        page = os.sysconf("SC_PAGE_SIZE")
+        held = -(-10_000 // page) * page  # whole pages
+        assert _offload.pinned_bytes(0) - before == held, _offload.pinned_bytes(0)
+        view = buffer[4096:4104].view(torch.bfloat16)
+        view.copy_(torch.arange(4, dtype=torch.bfloat16))
+        del buffer
+        gc.collect()
+        assert _offload.pinned_bytes(0) - before == held  # the view holds it
+        assert view.tolist() == [0.0, 1.0, 2.0, 3.0]
+        del view
+        gc.collect()
+        for _ in range(100):  # released once the stream's work is done: collected later
+            probe = _offload.pinned_create(0, 1)  # a page; the call collects
+            held = _offload.pinned_bytes(0) - page
+            _offload.pinned_release(probe, 0)
+            if held == before:
+                break
+            time.sleep(0.01)
+        assert held == before, held
+        making = PinnedAhead(0, {"gradients": 5000, "copies": 3000}, [0])
+        made = making.take()
+        assert made["gradients"].numel() == 5000, made
+        assert [c.numel() for c in made["copies"]] == [3000, 3000], made
+        assert not any(t.name == "zeroalloc-pinned-buffers" for t in threading.enumerate())
+        refused = PinnedAhead(0, {"gradients": 1 << 50}, [0]).take()
+        assert refused == {}, refused
+        print("ok")
+    """, ZEROALLOC_LOG_LEVEL="info")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok" in result.stdout, result.stdout
+    assert "pinned buffers were not made ahead" in result.stderr, result.stderr
+    assert "keeps in reserve" in result.stderr, result.stderr

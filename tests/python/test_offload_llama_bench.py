@@ -444,7 +444,10 @@ def test_the_host_steps_settings_sweep_together_and_each_worker_sets_its_own(mon
     with pytest.raises(ValueError, match="--prepare-windows-ahead '1,': not a value"):
         names(["--modes", "offload", "--prepare-windows-ahead", "1,"])
     handed = [[each for each in command if each in (
-        "--host-window-parameters", "--queue-gradients-ahead", "--prepare-windows-ahead")]
+        "--host-window-parameters", "--queue-gradients-ahead", "--prepare-windows-ahead",
+        "--pin-buffers-ahead")]
         for command in offload_commands(
             monkeypatch, ["--modes", "offload", "--prepare-windows-ahead", "1"])]
     assert handed == [["--prepare-windows-ahead"]]
+    assert names(["--modes", "offload", "--limits-gib", "13.3", "--pin-buffers-ahead",
+                  "0,1"]) == ["bandwidth", "offload_13.3GiB_pinned0", "offload_13.3GiB_pinned1"]

@@ -107,6 +107,10 @@ class faulty_device final : public device {
     return inner_->open_to_host(address, bytes);
   }
   [[nodiscard]] bool maps_slices() override { return inner_->maps_slices(); }
+  void* create_pinned(std::size_t bytes) override { return inner_->create_pinned(bytes); }
+  void release_pinned(void* address, std::size_t bytes) override {
+    inner_->release_pinned(address, bytes);
+  }
   void unmap(std::uintptr_t address, std::size_t bytes) override {
     {
       std::lock_guard lock(mutex_);

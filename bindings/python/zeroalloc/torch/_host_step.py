@@ -70,10 +70,12 @@ PCIe), else the line would move one master a step.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import threading
 import time
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -128,6 +130,19 @@ QUEUE_GRADIENTS_AHEAD = True
 #: the copies queued ahead. Off by default until measured; the bench's
 #: --prepare-windows-ahead 0,1 runs both side by side.
 PREPARE_WINDOWS_AHEAD = False
+
+#: Note [Pinned buffers made ahead] (lib/tier/pinned_buffers.hpp): PyTorch's pinned
+#: allocator rounds each buffer up to a power of two and pins it on the step's path: the
+#: first host step of the 1.3B Llama at 13.3 GiB spent about 2 s making 8 GiB for 4.7 GB of
+#: buffers (host_queue_s 1.31 s, and most of host_s's 1.31 s against 0.27 s in the steps
+#: after, H100). With pin_ahead, the library makes them exact, on the GPU's NUMA node, on a
+#: thread of their own from the first forward on: every master's bf16 gradient (the buffer
+#: of Note [Gradients queued ahead], within its budget) and the two buffers for the bf16
+#: masters of a merged window (Note [The CPUs' windows]). The step takes them when it first
+#: needs them, waiting for the thread if it has not finished. A buffer the host cannot spare
+#: is left to the step, as before. Off by default until measured; the bench's
+#: --pin-buffers-ahead 0,1 runs both side by side.
+PIN_BUFFERS_AHEAD = False
 
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
@@ -221,6 +236,7 @@ class HostStep:
                         "host_call_s": 0.0, "host_copy_wait_s": 0.0, "host_write_s": 0.0,
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
                         "host_prepare_s": 0.0,
+                        "host_pinned_ahead_bytes": 0, "host_pinned_wait_s": 0.0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -234,6 +250,50 @@ class HostStep:
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
+        # Note [Pinned buffers made ahead]: asked for, the thread making them (once), and
+        # the stream the copies through them run on, for their release.
+        self.pin_ahead = PIN_BUFFERS_AHEAD
+        self.asked_ahead = False
+        self.making: "PinnedAhead | None" = None
+        self.released_after = [0]
+
+    def make_ahead(self, stepper) -> None:
+        """Note [Pinned buffers made ahead]: starts making, once, the pinned buffers the CPUs'
+        runs of masters need: one for every master's bf16 gradient (within ahead_bytes, and
+        only when the copies are queued ahead) and two for a merged window's bf16 masters."""
+        if self.asked_ahead or not self.pin_ahead or stepper.masters is None:
+            return
+        self.asked_ahead = True
+        masters = [p for group in stepper.optimizer.param_groups for p in group["params"]
+                   if working_of(stepper, p) is not None]
+        if not masters or not masters[0].is_cuda:
+            return
+        total = sum(aligned(p.numel() * 2) for p in masters)
+        sizes = {}
+        if self.queue_ahead and 2 * sum(p.numel() for p in masters) <= self.ahead_bytes:
+            sizes["gradients"] = total
+        if self.window_parameters:  # a merged window's call: at most this many, aligned each
+            sizes["copies"] = min(total, 2 * self.window_parameters + 64 * len(masters))
+        self.making = PinnedAhead(masters[0].device.index, sizes, self.released_after)
+
+    def take_made(self) -> None:
+        """Note [Pinned buffers made ahead]: the buffers made ahead, waited for once, take the
+        place of any smaller one."""
+        making = self.making
+        if making is None or making.taken:
+            return
+        waited = time.perf_counter()
+        made = making.take()
+        self.figures["host_pinned_wait_s"] += time.perf_counter() - waited
+        gradients = made.get("gradients")
+        if gradients is not None and (self.gradients is None
+                                      or self.gradients.numel() < gradients.numel()):
+            self.gradients = gradients
+            self.figures["host_pinned_ahead_bytes"] += gradients.numel()
+        for slot, copies in enumerate(made.get("copies", [])):
+            if self.copies[slot] is None or self.copies[slot].numel() < copies.numel():
+                self.copies[slot] = copies
+                self.figures["host_pinned_ahead_bytes"] += copies.numel()
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
@@ -464,9 +524,11 @@ class HostStep:
         device = main.device
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
+            self.released_after[0] = self.stream.cuda_stream  # the pinned buffers' copies
             # What the library waits for before the CPUs read (the backward's end), apart
             # from the copies: waiting for the copy stream would wait for the next window's.
             self.fence = torch.cuda.Stream(device)
+        self.take_made()  # Note [Pinned buffers made ahead]
         after = torch.cuda.Event()
         after.record(main)  # the backward's end: the copies need nothing main queues later
         self.fence.wait_event(after)
@@ -788,6 +850,60 @@ class HostStep:
         self.copied[slot] = done
         self.written = done
         self.figures["host_copy_bytes"] += sum(p.numel() * 2 for p, _ in members)
+
+
+class PinnedAhead:
+    """Note [Pinned buffers made ahead]: the library's pinned buffers of `sizes` ("gradients":
+    one of that many bytes; "copies": two), made on a thread of their own for `device`, as
+    CPU tensors. They are released when the last of this object's tensors is gone, once the
+    work queued on the stream `released_after[0]` names is done (their copies run there)."""
+
+    def __init__(self, device: int, sizes: dict, released_after: list):
+        self.made: dict = {}
+        self.taken = False
+        self.thread = threading.Thread(target=self.make, args=(device, sizes, released_after),
+                                       name="zeroalloc-pinned-buffers", daemon=True)
+        self.thread.start()
+
+    def make(self, device: int, sizes: dict, released_after: list) -> None:
+        try:
+            if "gradients" in sizes:
+                self.made["gradients"] = pinned_tensor(device, sizes["gradients"],
+                                                       released_after)
+            if "copies" in sizes:
+                self.made["copies"] = [pinned_tensor(device, sizes["copies"], released_after)
+                                       for _ in range(2)]
+        except ZeroallocError as error:  # the host cannot spare it: the step makes its own
+            try:
+                _offload.log("info", f"zeroalloc: the host step's pinned buffers were not made "
+                                     f"ahead ({error}); the step makes them when it needs them")
+            except ZeroallocError:
+                pass
+
+    def take(self) -> dict:
+        """The buffers made (those that could be), once the thread is done."""
+        self.thread.join()
+        self.taken = True
+        made, self.made = self.made, {}
+        return made
+
+
+def pinned_tensor(device: int, nbytes: int, released_after: list):
+    """A uint8 CPU tensor of `nbytes` over a pinned buffer the library made for `device`
+    (Note [Pinned buffers made ahead]); the buffer goes back once no tensor uses it, after the
+    work queued on the stream released_after[0] names (0 until the step has one)."""
+    address = _offload.pinned_create(device, nbytes)
+    array = (ctypes.c_uint8 * nbytes).from_address(address)
+    release = weakref.finalize(array, release_pinned, address, released_after)
+    release.atexit = False  # the process's end gives the memory back
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
+def release_pinned(address: int, released_after: list) -> None:
+    try:
+        _offload.pinned_release(address, released_after[0])
+    except ZeroallocError as error:  # called by the collector: never raise
+        warnings.warn(f"zeroalloc: releasing a pinned buffer of the host step failed: {error}")
 
 
 class HostCall(NamedTuple):

@@ -499,6 +499,8 @@ class WindowedStep:
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
     def module_hint(self, own: list, forward: bool) -> None:
         self.hinted = True
+        if self.host is not None and self.host.pin_ahead and not self.host.asked_ahead:
+            self.host.make_ahead(self)  # Note [Pinned buffers made ahead] (_host_step.py)
         if forward and self.advice.state == "watching":
             # Note [The fast recipe, advised]: told only to forwards under autocast.
             self.advice.saw_forward(torch.is_autocast_enabled("cuda"))
