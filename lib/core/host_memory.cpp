@@ -87,6 +87,9 @@ std::size_t host_page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PA
 void* map_host_pages(std::size_t bytes, int node) {
   void* address = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (address == MAP_FAILED) return nullptr;
+  // A forked child (a DataLoader's worker) does not inherit the range: the kernel would copy
+  // every pinned page into it at the fork, and the child never uses them.
+  (void)::madvise(address, bytes, MADV_DONTFORK);
   // The node preferred for the range's pages (MPOL_PREFERRED), through the system call:
   // libnuma's numa_tonode_memory prints its failures. Placement is best effort (memory on
   // another node is slower for the CPUs, not wrong), so a refusal is ignored.

@@ -26,9 +26,10 @@ namespace zeroalloc {
 /// The host's page size: what map_host_pages rounds to.
 [[nodiscard]] std::size_t host_page_bytes();
 
-/// `bytes` (a multiple of host_page_bytes()) of anonymous host memory whose pages, when first
-/// touched, are placed on NUMA node `node` (through libnuma; anywhere where libnuma is missing
-/// or `node` is negative or not a node). nullptr with errno set when the host refuses.
+/// `bytes` (a multiple of host_page_bytes()) of anonymous host memory that a forked child does
+/// not inherit. Its pages, when first touched, go to NUMA node `node` where the host lets
+/// them (the mbind system call; anywhere when `node` is negative). nullptr with errno set
+/// when the host refuses.
 [[nodiscard]] void* map_host_pages(std::size_t bytes, int node);
 /// Gives back what map_host_pages returned.
 void unmap_host_pages(void* address, std::size_t bytes);

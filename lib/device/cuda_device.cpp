@@ -153,8 +153,8 @@ cuda_device::cuda_device(int ordinal) : driver_(cuda_driver_table()), ordinal_(o
   }
   // -1 means the system has no NUMA, and then cuMemCreate wants node 0; a driver older than
   // the attribute (CUDA 12.2) cannot create HOST_NUMA memory anyway.
-  host_numa_node_ =
-      std::max(0, attribute_or(driver_, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device_, 0));
+  pinned_numa_node_ = attribute_or(driver_, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device_, -1);
+  host_numa_node_ = std::max(0, pinned_numa_node_);
   host_allocations_supported_ =
       attribute_or(driver_, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                    device_, 0) != 0;
@@ -304,11 +304,12 @@ bool cuda_device::open_to_host(std::uintptr_t address, std::size_t bytes) {
 }
 
 void* cuda_device::create_pinned(std::size_t bytes) {
-  void* address = map_host_pages(bytes, host_on_any_node_ ? -1 : host_numa_node_);
+  void* address = map_host_pages(bytes, host_on_any_node_ ? -1 : pinned_numa_node_);
   if (address == nullptr) {
+    const int code = errno;
     throw device_error(detail::concat("mapping ", format_bytes(bytes),
                                       " of host memory to pin for cuda:", ordinal_,
-                                      " failed: the host refused it (", std::strerror(errno), ")"),
+                                      " failed: the host refused it (", std::strerror(code), ")"),
                        kDeviceOutOfMemoryCode);
   }
   const auto scope = enter_context();

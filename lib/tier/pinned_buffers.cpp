@@ -9,43 +9,29 @@
 namespace zeroalloc {
 
 pinned_buffers::~pinned_buffers() {
-  std::vector<released> gone;
   {
     std::lock_guard lock(mutex_);
-    gone.swap(pending_);
-    for (const auto& [address, bytes] : live_) {
-      gone.push_back({reinterpret_cast<void*>(address), bytes, nullptr});
-    }
-    live_.clear();
+    stopping_ = true;
   }
-  for (const released& each : gone) {
-    try {
-      if (each.done != nullptr) device_.synchronize_event(each.done);
-    } catch (const std::exception& failure) {
-      log().error("waiting for the copies of a pinned buffer failed: {}", failure.what());
-    }
+  released_.notify_all();
+  if (reaper_.joinable()) reaper_.join();  // it frees what was released first
+  for (const auto& [address, bytes] : live_) {
+    free_buffer({reinterpret_cast<void*>(address), bytes, nullptr});
   }
-  free_all(gone);
 }
 
 void* pinned_buffers::create(std::size_t bytes) {
   ZA_REQUIRE(bytes != 0, "a pinned buffer of 0 bytes");
   const std::size_t page = host_page_bytes();
   const std::size_t size = (bytes + page - 1) / page * page;
-  std::vector<released> done;
-  {
-    std::lock_guard lock(mutex_);
-    done = take_done_locked();
-  }
-  free_all(done);
   const std::uint64_t available = host_available_bytes();
   const std::uint64_t reserve = host_reserve_bytes();
   if (available < reserve || size > available - reserve) {
     ZA_THROW(host_memory_exhausted, "pinning ", format_bytes(size),
              " for the host step's buffers would leave the host less than the ",
              format_bytes(reserve), " it keeps in reserve (", format_bytes(available),
-             " available): pinned memory cannot be swapped. The step does without them; "
-             "free host memory, or lower ZEROALLOC_HOST_LIMIT, to have them.");
+             " available): pinned memory cannot be swapped. The step does without them. "
+             "Free host memory, or lower ZEROALLOC_HOST_LIMIT, to have them.");
   }
   // Without the lock: pinning takes about a quarter of a second a GiB.
   void* address = device_.create_pinned(size);
@@ -56,33 +42,34 @@ void* pinned_buffers::create(std::size_t bytes) {
 }
 
 void pinned_buffers::release(void* address, stream_handle stream) {
-  std::size_t bytes = 0;
+  const auto key = reinterpret_cast<std::uintptr_t>(address);
+  released gone{address, 0, nullptr};
   {
     std::lock_guard lock(mutex_);
-    const auto found = live_.find(reinterpret_cast<std::uintptr_t>(address));
+    const auto found = live_.find(key);
     ZA_REQUIRE(found != live_.end(), "pointer ", address,
                " is not a pinned buffer zeroalloc made, or was released already");
-    bytes = found->second;
-    live_.erase(found);
+    gone.bytes = found->second;
   }
-  released gone{address, bytes, nullptr};
+  // Still live until the event is recorded: a failure leaves the buffer the caller's.
+  gone.done = device_.create_event();
   try {
-    gone.done = device_.create_event();
     device_.record_event(gone.done, stream);
   } catch (...) {
-    // Not released: the caller may try again.
-    if (gone.done != nullptr) device_.destroy_event(gone.done);
-    std::lock_guard lock(mutex_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(address), bytes);
+    try {
+      device_.destroy_event(gone.done);
+    } catch (const std::exception& failure) {
+      log().error("destroying an event of a pinned buffer failed: {}", failure.what());
+    }
     throw;
   }
-  std::vector<released> done;
   {
     std::lock_guard lock(mutex_);
+    live_.erase(key);
     pending_.push_back(gone);
-    done = take_done_locked();
+    if (!reaper_.joinable()) reaper_ = std::thread([this] { reap(); });
   }
-  free_all(done);
+  released_.notify_one();
 }
 
 bool pinned_buffers::owns(const void* address) const {
@@ -100,33 +87,42 @@ std::size_t pinned_buffers::pending() const {
   return pending_.size();
 }
 
-std::vector<pinned_buffers::released> pinned_buffers::take_done_locked() {
-  std::vector<released> done;
-  std::vector<released> waiting;
-  for (const released& each : pending_) {
-    bool complete = false;
+void pinned_buffers::reap() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    released_.wait(lock, [this] { return stopping_ || !pending_.empty(); });
+    if (pending_.empty()) return;  // stopping, and nothing left to free
+    const released gone = pending_.front();
+    lock.unlock();
+    bool done = true;
     try {
-      complete = device_.event_completed(each.done);
+      device_.synchronize_event(gone.done);
     } catch (const std::exception& failure) {
-      // Held, never freed: memory a copy may still reach must not go back to the host.
-      log().error("asking whether a pinned buffer's copies are done failed: {}", failure.what());
+      // Held for good: memory a copy may still reach must not go back to the host.
+      log().error("waiting for the copies of a pinned buffer of {} failed ({}); it stays pinned",
+                  format_bytes(gone.bytes), failure.what());
+      done = false;
     }
-    (complete ? done : waiting).push_back(each);
+    if (done) free_buffer(gone);
+    lock.lock();
+    pending_.pop_front();
+    if (done) held_bytes_ -= gone.bytes;
   }
-  pending_.swap(waiting);
-  for (const released& each : done) held_bytes_ -= each.bytes;
-  return done;
 }
 
-void pinned_buffers::free_all(const std::vector<released>& gone) {
-  for (const released& each : gone) {
+void pinned_buffers::free_buffer(const released& gone) {
+  if (gone.done != nullptr) {
     try {
-      if (each.done != nullptr) device_.destroy_event(each.done);
-      device_.release_pinned(each.address, each.bytes);
+      device_.destroy_event(gone.done);
     } catch (const std::exception& failure) {
-      log().error("releasing a pinned buffer of {} failed: {}", format_bytes(each.bytes),
-                  failure.what());
+      log().error("destroying an event of a pinned buffer failed: {}", failure.what());
     }
+  }
+  try {
+    device_.release_pinned(gone.address, gone.bytes);
+  } catch (const std::exception& failure) {
+    log().error("releasing a pinned buffer of {} failed: {}", format_bytes(gone.bytes),
+                failure.what());
   }
 }
 

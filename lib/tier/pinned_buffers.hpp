@@ -1,28 +1,30 @@
 // Pinned host memory of the host step's own: the buffers its copies go through.
 //
 // Note [Pinned buffers made ahead]: the host step copies every gradient the CPUs read into
-// pinned host memory, and the CPUs write each updated master, rounded to bf16, into pinned
-// memory that the device copies from (Note [Host windows] in the Python package). Made by
-// PyTorch's pinned allocator on the step's path, those buffers cost the first host step about
-// 2 s on the 1.3B Llama at 13.3 GiB (H100, bench/RESULTS.md): that allocator rounds each size
-// up to a power of two (2.7 GB of gradients took 4 GiB, a 1 GiB window's copies 2 GiB), and
-// pinning costs about 0.25 s a GiB. These buffers are exact (a whole number of pages), their
-// pages lie on the GPU's NUMA node, where the CPUs that read and write them run, and they are
-// made by a call that lets other threads run meanwhile, so the caller can make them on a
-// thread of its own before the step needs them.
+// pinned host memory. The CPUs write each updated master, rounded to bf16, into pinned memory
+// too, and the device copies it from there (Note [Host windows] in the Python package).
+// PyTorch's pinned allocator makes those buffers on the step's path. It rounds each size up
+// to a power of two, and pinning costs about 0.25 s a GiB: the first host step of the 1.3B
+// Llama spent about 2 s on it (bench/RESULTS.md, "Where step 1 goes"). These buffers hold a
+// whole number of pages, no more. Their pages lie on the GPU's NUMA node, where the CPUs that
+// read and write them run. They are made by a call that lets other threads run meanwhile, so
+// the caller can make them on a thread of its own before the step needs them.
 //
-// Pinned memory is never swapped (Note [Host budget] in tier/host_pool.hpp), so a buffer that
+// Pinned memory is never swapped (Note [Host budget] in tier/host_pool.hpp). So a buffer that
 // would leave the host less than its reserve (host_reserve_bytes) is refused with
-// host_memory_exhausted, naming both: the caller then does without. A buffer is released
-// once the work queued so far on the stream its caller names (the copies into and out of it)
-// is done: at once when it is, else at a later call of this object's.
+// host_memory_exhausted, naming both. The caller then does without. A released buffer goes
+// back to the host once the work queued so far on the stream its caller names is done: a
+// thread of this object's waits for that. The buffers are not inherited by a forked child
+// (MADV_DONTFORK): the kernel would otherwise copy every pinned page into each child.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
-#include <vector>
 
 #include "device/device.hpp"
 
@@ -41,8 +43,9 @@ class pinned_buffers {
   /// host_memory_exhausted when it would leave the host less than its reserve, device_error
   /// when the driver refuses to pin it.
   [[nodiscard]] void* create(std::size_t bytes);
-  /// Releases the buffer at `address` once the work queued so far on `stream` is done.
-  /// Throws invalid_argument when `address` is not a buffer of this object's.
+  /// Releases the buffer at `address` once the work queued so far on `stream` is done (a
+  /// thread of this object's waits for it). Throws invalid_argument when `address` is not a
+  /// buffer of this object's.
   void release(void* address, stream_handle stream);
 
   /// True when `address` is the start of a buffer of this object's, not released.
@@ -58,16 +61,19 @@ class pinned_buffers {
     std::size_t bytes = 0;
     event_handle done = nullptr;
   };
-  // Takes the released buffers whose work is done out of pending_ (with the lock held): the
-  // caller frees them without it.
-  std::vector<released> take_done_locked();
-  void free_all(const std::vector<released>& gone);
+  // The reaper: frees each released buffer once its event has completed, in order.
+  void reap();
+  // Gives the buffer back to the host; logs a failure (the bytes then stay pinned).
+  void free_buffer(const released& gone);
 
   device& device_;
   mutable std::mutex mutex_;
+  std::condition_variable released_;  // a buffer released, or stopping_
   std::unordered_map<std::uintptr_t, std::size_t> live_;  // address -> bytes
-  std::vector<released> pending_;
+  std::deque<released> pending_;
   std::uint64_t held_bytes_ = 0;
+  bool stopping_ = false;
+  std::thread reaper_;  // started with the first release
 };
 
 }  // namespace zeroalloc

@@ -80,7 +80,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroalloc import _offload
+from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _use_hints
 from zeroalloc.torch._step_records import residency_or_foreign
@@ -132,16 +132,16 @@ QUEUE_GRADIENTS_AHEAD = True
 PREPARE_WINDOWS_AHEAD = False
 
 #: Note [Pinned buffers made ahead] (lib/tier/pinned_buffers.hpp): PyTorch's pinned
-#: allocator rounds each buffer up to a power of two and pins it on the step's path: the
-#: first host step of the 1.3B Llama at 13.3 GiB spent about 2 s making 8 GiB for 4.7 GB of
-#: buffers (host_queue_s 1.31 s, and most of host_s's 1.31 s against 0.27 s in the steps
-#: after, H100). With pin_ahead, the library makes them exact, on the GPU's NUMA node, on a
-#: thread of their own from the first forward on: every master's bf16 gradient (the buffer
-#: of Note [Gradients queued ahead], within its budget) and the two buffers for the bf16
-#: masters of a merged window (Note [The CPUs' windows]). The step takes them when it first
-#: needs them, waiting for the thread if it has not finished. A buffer the host cannot spare
-#: is left to the step, as before. Off by default until measured; the bench's
-#: --pin-buffers-ahead 0,1 runs both side by side.
+#: allocator makes the host step's buffers in the first host step, each rounded up to a
+#: power of two. With pin_ahead, the library makes them instead, from the first forward on,
+#: on a thread of their own: one for every master's bf16 gradient (the buffer of Note
+#: [Gradients queued ahead], within its budget), and two for a merged window's bf16 masters
+#: (Note [The CPUs' windows]). That is every master, not only those the host will hold: the
+#: first forward cannot know which. So they are made only when the masters, their moments,
+#: working copies and gradients (16 bytes a parameter) exceed the device's limit. The step
+#: takes them when it first needs them, and waits for the thread if it has not finished. A
+#: buffer the host cannot spare is left to the step. The bench's --pin-buffers-ahead 0,1
+#: runs both side by side.
 PIN_BUFFERS_AHEAD = False
 
 ON_HOST = ("host", "host_unmapped")
@@ -268,13 +268,17 @@ class HostStep:
                    if working_of(stepper, p) is not None]
         if not masters or not masters[0].is_cuda:
             return
+        device = masters[0].device.index
+        limit = _stats.raw_stats(device).get("limit_bytes", 0)
+        if not limit or 16 * sum(p.numel() for p in masters) <= limit:
+            return  # the device may hold them all: the step makes what it needs
         total = sum(aligned(p.numel() * 2) for p in masters)
         sizes = {}
         if self.queue_ahead and 2 * sum(p.numel() for p in masters) <= self.ahead_bytes:
             sizes["gradients"] = total
         if self.window_parameters:  # a merged window's call: at most this many, aligned each
             sizes["copies"] = min(total, 2 * self.window_parameters + 64 * len(masters))
-        self.making = PinnedAhead(masters[0].device.index, sizes, self.released_after)
+        self.making = PinnedAhead(device, sizes, self.released_after)
 
     def take_made(self) -> None:
         """Note [Pinned buffers made ahead]: the buffers made ahead, waited for once, take the
@@ -523,6 +527,8 @@ class HostStep:
         began = time.perf_counter()
         device = main.device
         if self.stream is None or self.stream.device != device:
+            if self.stream is not None:  # the pinned buffers' copies ran there: done first
+                self.stream.synchronize()
             self.stream = torch.cuda.Stream(device)
             self.released_after[0] = self.stream.cuda_stream  # the pinned buffers' copies
             # What the library waits for before the CPUs read (the backward's end), apart
@@ -861,8 +867,9 @@ class PinnedAhead:
     def __init__(self, device: int, sizes: dict, released_after: list):
         self.made: dict = {}
         self.taken = False
+        # Not a daemon: the process's end waits for it, not the driver's teardown.
         self.thread = threading.Thread(target=self.make, args=(device, sizes, released_after),
-                                       name="zeroalloc-pinned-buffers", daemon=True)
+                                       name="zeroalloc-pinned-buffers")
         self.thread.start()
 
     def make(self, device: int, sizes: dict, released_after: list) -> None:
