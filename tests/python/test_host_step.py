@@ -67,6 +67,7 @@ for x, y in data:
     optimizer.zero_grad(set_to_none=True)
     losses.append(loss.item())
 print("losses", " ".join(f"{value!r}" for value in losses))
+print("stale", " ".join(str(count) for count in stale))
 if offload:
     print("figures", zt.step_figures(optimizer))
 if os.environ.get("REFUSE"):
@@ -142,13 +143,15 @@ else:
         optimizer._zeroalloc_stepper.host.prepare_ahead = True
     if os.environ.get("PINNED") and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.pin_ahead = True
+    if os.environ.get("GUARD") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.guard_behind = True
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 / (done + 1))
 data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda"))
         for _ in range(8)]
-losses, second = [], None
+losses, second, stale = [], None, []
 for number, (x, y) in enumerate(data):
     if os.environ.get("PARTLY") and number == 0:
         optimizer._zeroalloc_stepper.host.last_on_host = os.environ["PARTLY"] == "last"
@@ -183,6 +186,12 @@ for number, (x, y) in enumerate(data):
         model.zero_grad(set_to_none=True)
     else:
         optimizer.step()
+        if os.environ.get("SNAPSHOT"):
+            # Right after the step, with no hint, as an EMA reads: the CPUs may still be on it.
+            early = [w.detach().clone() for w in model.parameters()]
+            optimizer.state_dict()  # the CPUs finish
+            stale.append(sum(not torch.equal(a, w.detach())
+                             for a, w in zip(early, model.parameters())))
         if os.environ.get("DROP") and number == len(data) - 1:
             # Dropped as soon as the last step returns, the CPUs still on its windows.
             host = optimizer._zeroalloc_stepper.host
@@ -192,6 +201,7 @@ for number, (x, y) in enumerate(data):
     scheduler.step()
     losses.append(loss.item())
 print("losses", " ".join(f"{value!r}" for value in losses))
+print("stale", " ".join(str(count) for count in stale))
 if os.environ.get("DROP"):
     import gc, threading, weakref
     dropped = weakref.ref(optimizer)
@@ -285,6 +295,23 @@ def test_what_the_step_prepares_or_pins_ahead_trains_as_the_usual_step(tmp_path,
     # Every master's bf16 gradient (24 of them, 96 MiB in all) and two buffers for the bf16
     # masters of a merged window (all of them: the model is smaller than the cap).
     assert pinned["host_pinned_ahead_bytes"] >= 3 * 96 * 2**20, pinned
+
+
+def test_guarded_runs_finish_behind_the_forward_under_any_and_every_read_waits(tmp_path):
+    """Note [Behind the forward, guarded]: under ZEROALLOC_ACCESS=any, with guard_behind, the
+    CPUs finish behind the forward; a read right after optimizer.step() with no hint (what an
+    EMA does) sees the weights the step wrote, never the ones before; and the run trains as
+    the plain recipe does."""
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    snapshots = masters_on_the_host_against(plain, tmp_path, GUARD="1", SNAPSHOT="1")
+    figures = ast.literal_eval(field(snapshots, "figures"))
+    stale = [int(count) for count in field(snapshots, "stale").split()]
+    print("guarded, read right after each step:", figures, "stale working copies:", stale)
+    assert figures["host_guarded_steps"] > 0 and figures["host_behind_steps"] > 0, figures
+    assert len(stale) == 8 and not any(stale), stale
+    behind = ast.literal_eval(field(masters_on_the_host_against(plain, tmp_path, GUARD="1"),
+                                    "figures"))
+    assert behind["host_guarded_steps"] > 0, behind
 
 
 @pytest.mark.parametrize("behind", ["1", "0"])

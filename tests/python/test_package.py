@@ -307,6 +307,7 @@ def test_every_c_abi_function_is_declared_for_ctypes():
                                       "zeroalloc_residency", "zeroalloc_room", "zeroalloc_moved_bytes",
                                       "zeroalloc_adamw_on_host", "zeroalloc_adamw_on_host_bf16",
                                       "zeroalloc_host_adamw_rate", "zeroalloc_log",
+                                      "zeroalloc_pinned_create", "zeroalloc_pinned_release",
                                       "zeroalloc_last_error_code", "zeroalloc_free_if_owned",
                                       "zeroalloc_memory_info", "zeroalloc_forget_stream",
                                       "zeroalloc_group_join", "zeroalloc_group_rank",

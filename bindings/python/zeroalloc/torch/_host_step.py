@@ -72,6 +72,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import sys
 import threading
 import time
 import warnings
@@ -143,6 +144,23 @@ PREPARE_WINDOWS_AHEAD = False
 #: buffer the host cannot spare is left to the step. The bench's --pin-buffers-ahead 0,1
 #: runs both side by side.
 PIN_BUFFERS_AHEAD = False
+
+#: Note [Behind the forward, guarded]: under ZEROALLOC_ACCESS=any the CPUs finish within the
+#: step, because a read the hints do not see (an EMA, a norm for a log) could find a working
+#: copy not yet written. With guard_behind, a run of masters may finish behind the next
+#: forward under `any` too, where the step can show that every read goes through the
+#: parameter object. Each working copy of the run is then of class GuardedParameter until
+#: the run's copies are done. Its __torch_function__ sees every PyTorch call that takes it,
+#: on any thread, and makes the call wait for the copy's window and order its stream after
+#: the window's copies (calls that read no bytes, such as .grad or .shape, do not wait).
+#: What the step shows first (guard_proof): each working copy is a plain nn.Parameter, no
+#: other tensor holds its storage (a view kept across steps, .data held in a list: the
+#: storage's use count), no CUDA graph is being captured, and torch.compile has
+#: compiled nothing in this process (a compiled graph takes parameters as inputs and would
+#: see the class change). Raw pointers taken outside PyTorch's calls (a C++ extension
+#: called through pybind11 with a parameter, outside its module's forward) are not seen.
+#: Off by default; the bench's --guard-behind 0,1 runs both side by side.
+GUARD_BEHIND = False
 
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
@@ -237,6 +255,7 @@ class HostStep:
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
                         "host_prepare_s": 0.0,
                         "host_pinned_ahead_bytes": 0, "host_pinned_wait_s": 0.0,
+                        "host_guarded_steps": 0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -253,6 +272,7 @@ class HostStep:
         # Note [Pinned buffers made ahead]: asked for, the thread making them (once), and
         # the stream the copies through them run on, for their release.
         self.pin_ahead = PIN_BUFFERS_AHEAD
+        self.guard_behind = GUARD_BEHIND  # Note [Behind the forward, guarded]
         self.asked_ahead = False
         self.making: "PinnedAhead | None" = None
         self.released_after = [0]
@@ -746,11 +766,19 @@ class HostStep:
             return  # the CPUs' own writes into the working copies
         needed = -1
         for tensor in tensors:
-            turn = behind.window_of.get(tensor.untyped_storage().data_ptr())
+            # A guarded parameter by its identity: asking it for its storage is a call the
+            # guard would wait in (Note [Behind the forward, guarded]).
+            turn = (behind.turn_of.get(id(tensor)) if type(tensor) is GuardedParameter
+                    else behind.window_of.get(tensor.untyped_storage().data_ptr()))
             if turn is not None and turn > needed:
                 needed = turn
         if needed < 0:
             return
+        self.wait_window(behind, needed, stream)
+
+    def wait_window(self, behind: "Behind", needed: int, stream: int) -> None:
+        """Waits until the run behind has written window `needed`, and orders `stream` (0:
+        the current one) after its copies."""
         stream = stream or torch.cuda.current_stream(behind.device).cuda_stream
         if behind.ordered.get(stream, -1) >= needed:
             return
@@ -773,11 +801,13 @@ class HostStep:
         with run.changed:
             done = run.finished and not run.refused and run.error is None
         if done and needed == behind.turns - 1 and not behind.stepping:
+            behind.settle([])
             self.forget_behind()  # every window waited for: nothing left to hold
 
     def finish_behind(self) -> None:
         """Waits for the run behind the forward, orders the current stream after its copies,
         steps what the library refused on the device, and raises the thread's error."""
+        unguard_settled()  # a run forgotten while its last copies still ran
         behind = self.behind
         if behind is None:
             return
@@ -786,10 +816,38 @@ class HostStep:
         behind.run.join()
         self.figures["host_behind_s"] += time.perf_counter() - started
         torch.cuda.current_stream(behind.device).wait_stream(self.stream)
-        self.step_refused(behind)
+        try:
+            self.step_refused(behind)
+        finally:
+            behind.settle(behind.stepped_after)
+            if behind.guarded:  # every copy and step of the run done, on every stream
+                for event in behind.final_events:
+                    event.synchronize()
+                unguard(behind)
         behind.run.optimizer = None  # what the run left is stepped: it needs it no more
         if behind.run.error is not None:
             raise behind.run.error
+
+    def guard_wait(self, behind: "Behind", tensor) -> None:
+        """Note [Behind the forward, guarded]: a call on the current stream takes `tensor`, a
+        working copy of `behind`. It waits for the tensor's window while the run is behind;
+        once the run is settled, the stream is ordered after all of it (once), and the
+        working copies are plain again when its copies are done."""
+        current = threading.current_thread()
+        if current is behind.run.thread or current is behind.stepping_thread:
+            return  # the run's own writes, or the refused parameters' steps
+        if self.behind is behind:
+            self.wait_window(behind, behind.turn_of[id(tensor)], 0)
+            if self.behind is behind:
+                return
+        behind.settled.wait()  # finish_behind, or the last window waited for, settles it
+        stream = torch.cuda.current_stream(behind.device)
+        if stream.cuda_stream not in behind.finally_ordered:
+            for event in behind.final_events:
+                stream.wait_event(event)
+            behind.finally_ordered.add(stream.cuda_stream)
+        if behind.guarded and all(event.query() for event in behind.final_events):
+            unguard(behind)
 
     def step_refused(self, behind: "Behind") -> None:
         """The parameters of refused calls (or left by a failure) so far, stepped on the device
@@ -797,6 +855,7 @@ class HostStep:
         if behind.stepping:  # a use the steps below hint: the outer call goes on
             return
         behind.stepping = True
+        behind.stepping_thread = threading.current_thread()
         try:
             while True:
                 with behind.run.changed:
@@ -805,12 +864,17 @@ class HostStep:
                     parameters = behind.run.refused.pop(0)
                 try:
                     behind.stepper.step_behind(behind, parameters)
+                    if behind.guarded:  # other streams order after these writes too
+                        stepped = torch.cuda.Event()
+                        stepped.record(torch.cuda.current_stream(behind.device))
+                        behind.stepped_after.append(stepped)
                 except BaseException:
                     with behind.run.changed:  # not stepped: still to do
                         behind.run.refused.insert(0, parameters)
                     raise
         finally:
             behind.stepping = False
+            behind.stepping_thread = None
 
     def wait_copies(self, slot: int) -> None:
         """Waits for pinned buffer `slot`'s last copies to the device: the CPUs write it."""
@@ -985,19 +1049,45 @@ class Behind:
         self.run = run
         self.device = device
         self.turns = len(chosen)
-        # The storage of each working copy of the run, and its window's turn.
+        # The storage of each working copy of the run, and its window's turn; each working
+        # copy's turn by its identity, and the working copies.
         self.window_of = {}
+        self.turn_of: dict = {}
+        self.workings: list = []
         for turn, (_, hosted) in enumerate(chosen):
             for master in hosted:
                 working = working_of(stepper, master)
                 if working is not None:
                     self.window_of[working.untyped_storage().data_ptr()] = turn
+                    self.turn_of[id(working)] = turn
+                    self.workings.append(working)
         self.ordered: dict = {}  # stream -> the last turn it was ordered after
+        # Note [Behind the forward, guarded]: whether the working copies are guarded, the
+        # streams ordered after the whole run since it finished, and the events after the
+        # refused parameters' steps on the device.
+        self.guarded = False
+        self.finally_ordered: set = set()
+        self.stepped_after: list = []
+        self.stepping_thread = None
+        # Set once nothing of the run is left to do on the host: what every stream orders
+        # after from then on (its last copies, the refused parameters' steps).
+        self.settled = threading.Event()
+        self.final_events: list = []
         self.stepping = False  # refused parameters are being stepped on the device
         # Each group's settings as the step saw them (a scheduler changes them after it):
         # refused parameters step on the device with these.
         self.settings = [{key: value for key, value in group.items() if key != "params"}
                          for group in stepper.optimizer.param_groups]
+
+    def settle(self, stepped_after: list) -> None:
+        """Nothing of the run is left on the host: the events after its last copies and
+        `stepped_after` are what a stream orders after from now on."""
+        if self.settled.is_set():
+            return
+        with self.run.changed:
+            last = self.run.written[-1] if self.run.written else None
+        self.final_events = ([last] if last is not None else []) + list(stepped_after)
+        self.settled.set()
 
 
 #: Note [The host step finishes behind the forward]: the host steps with a run behind.
@@ -1011,8 +1101,137 @@ def wait_behind(tensors: list, stream: int) -> None:
         host.before_use(tensors, stream)
 
 
+def _present(names, getter: bool) -> list:
+    """The Tensor attributes of `names` this PyTorch has: their getters, or themselves."""
+    found = [getattr(torch.Tensor, name, None) for name in names]
+    return [item.__get__ if getter else item for item in found if item is not None]
+
+
+#: id(working copy) -> (its HostStep, the Behind that guards it)
+guarded: dict = {}
+#: Note [Behind the forward, guarded]: the class of guarded working copies, and the calls that
+#: read no bytes of a tensor, which it lets through without waiting. Made at the first
+#: guard (guarded_class): this module may be imported while PyTorch itself is, before
+#: torch.nn exists.
+GuardedParameter = None
+NO_BYTES: frozenset = frozenset()
+
+
+def guarded_class():
+    """GuardedParameter, made on first use."""
+    global GuardedParameter, NO_BYTES
+    if GuardedParameter is not None:
+        return GuardedParameter
+    NO_BYTES = frozenset(
+        _present(("grad", "requires_grad", "shape", "dtype", "device", "is_cuda", "ndim",
+                  "is_leaf", "grad_fn", "layout", "is_sparse", "is_quantized", "is_meta",
+                  "_version"), getter=True)
+        + [torch.Tensor.grad.__set__, torch.Tensor.requires_grad.__set__]
+        + _present(("size", "dim", "numel", "nelement", "element_size", "stride",
+                    "is_contiguous", "storage_offset", "get_device", "__hash__", "__len__",
+                    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+                    "is_floating_point", "is_complex", "is_pinned"), getter=False))
+
+    class Guarded(torch.nn.Parameter):
+        """Note [Behind the forward, guarded]: a working copy that a run behind the forward
+        may still write. A call that takes it waits for its window first, on any thread."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func not in NO_BYTES:
+                for tensor in guarded_in(args, kwargs):
+                    owner = guarded.get(id(tensor))
+                    if owner is not None:
+                        owner[0].guard_wait(owner[1], tensor)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def __repr__(self, *args, **kwargs):
+            """As a plain nn.Parameter's, once its window is written."""
+            return repr(torch.nn.Parameter(self.data, self.requires_grad))
+
+        def __deepcopy__(self, memo):
+            """As nn.Parameter's, of nn.Parameter: a copy (an EMA model) is not guarded."""
+            if id(self) not in memo:
+                memo[id(self)] = torch.nn.Parameter(
+                    self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+            return memo[id(self)]
+
+    Guarded.__name__ = Guarded.__qualname__ = "GuardedParameter"
+    GuardedParameter = Guarded
+    return Guarded
+
+
+def guarded_in(args, kwargs):
+    """The guarded parameters among a call's arguments, and in its lists and tuples (the
+    foreach calls)."""
+    for value in (*args, *kwargs.values()):
+        if type(value) is GuardedParameter:
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if type(item) is GuardedParameter:
+                    yield item
+
+
+def guard_proof(workings: list) -> bool:
+    """Note [Behind the forward, guarded]: whether every read of `workings` goes through the
+    parameters themselves: plain nn.Parameters whose storages nothing else holds, no graph
+    being captured, nothing compiled by torch.compile in this process."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        counters = getattr(getattr(dynamo, "utils", None), "counters", {})
+        if counters.get("stats", {}).get("unique_graphs", 0):
+            return False
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    for working in workings:
+        if type(working) is not torch.nn.Parameter:
+            return False
+        # The parameter's own reference and the storage object asked here: no other.
+        if use_count(working.untyped_storage()._cdata) != 2:
+            return False
+    return True
+
+
+def guard(behind: "Behind") -> None:
+    """The run's working copies guarded until its copies are done."""
+    host = behind.stepper.host
+    kind = guarded_class()
+    for working in behind.workings:
+        working.__class__ = kind
+        guarded[id(working)] = (host, behind)
+    behind.guarded = True
+
+
+def unguard(behind: "Behind") -> None:
+    """The run's working copies plain nn.Parameters again."""
+    for working in behind.workings:
+        if guarded.get(id(working), (None, None))[1] is behind:
+            del guarded[id(working)]
+        if type(working) is GuardedParameter:
+            working.__class__ = torch.nn.Parameter
+    behind.guarded = False
+
+
+def unguard_settled() -> None:
+    """Note [Behind the forward, guarded]: runs with nothing left on the host whose working
+    copies are still guarded (their last copies ran when last asked) are waited for and
+    unguarded."""
+    for _, behind in list({id(b): (h, b) for h, b in guarded.values()}.values()):
+        if behind.settled.is_set():
+            for event in behind.final_events:
+                event.synchronize()
+            unguard(behind)
+
+
 def finish_every_behind() -> None:
     """Every run still on the CPUs finishes (refused parameters stepped on the device)."""
+    unguard_settled()
     for host in list(behind_steps):
         host.finish_behind()
 

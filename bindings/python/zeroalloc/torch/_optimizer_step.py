@@ -14,7 +14,7 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _adoption, _module_hints, _settings, _use_hints
-from zeroalloc.torch._host_step import PARTLY_ON_HOST, Behind, HostStep
+from zeroalloc.torch._host_step import PARTLY_ON_HOST, Behind, HostStep, guard, guard_proof
 from zeroalloc.torch._master_weights import masters_of
 from zeroalloc.torch._backward_uses import BackwardUses, backward_uses, graph_task
 from zeroalloc.torch._gradient_choice import GradientChoice
@@ -978,7 +978,11 @@ class WindowedStep:
             raise
         finally:
             if behind:  # Note [The host step finishes behind the forward]
-                self.host.defer(Behind(self, run, host_run, turns, main.device))
+                deferred = Behind(self, run, host_run, turns, main.device)
+                self.host.defer(deferred)
+                if not self.behind_allowed:  # Note [Behind the forward, guarded]
+                    guard(deferred)
+                    self.host.figures["host_guarded_steps"] += 1
                 # The gradients' copies are queued: what comes after the step (zeroed in
                 # place, an accumulation into them) waits for them.
                 main.wait_event(host_run.gradients_copied)
@@ -997,12 +1001,21 @@ class WindowedStep:
 
     def may_finish_behind(self, chosen: list) -> bool:
         """Note [The host step finishes behind the forward]: whether the CPUs' windows may
-        finish after the step returns: asked for, module hints ran since the last step (they
-        are what waits), and every parameter the CPUs step is a master."""
-        return (self.behind_allowed and self.listeners.hints != self.hints_seen
-                and self.masters is not None
-                and all(self.masters.working(p) is not None
-                        for _, hosted in chosen for p in hosted))
+        finish after the step returns: asked for (under ZEROALLOC_ACCESS=hinted, or guarded:
+        Note [Behind the forward, guarded]), module hints ran since the last step (they are
+        what waits), and every parameter the CPUs step is a master."""
+        if (self.listeners.hints == self.hints_seen or self.masters is None
+                or not all(self.masters.working(p) is not None
+                           for _, hosted in chosen for p in hosted)):
+            return False
+        return self.behind_allowed or self.guards_behind(chosen)
+
+    def guards_behind(self, chosen: list) -> bool:
+        """Note [Behind the forward, guarded] (_host_step.py): under ZEROALLOC_ACCESS=any,
+        asked for, and shown safe for the run's working copies."""
+        return (self.host.guard_behind and _settings.any_access()
+                and guard_proof([self.masters.working(p) for _, hosted in chosen
+                                 for p in hosted]))
 
     def step_behind(self, behind: "Behind", parameters: list) -> None:
         """Note [The host step finishes behind the forward]: masters whose host call was
