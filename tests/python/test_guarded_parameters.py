@@ -146,3 +146,19 @@ def test_guard_and_unguard_swap_the_class_and_the_register():
     _host_step.unguard(behind)
     assert not behind.guarded and all(type(w) is torch.nn.Parameter for w in workings)
     assert not any(id(w) in guarded for w in workings)
+
+
+def test_a_graph_captured_once_keeps_every_later_run_unguarded(monkeypatch):
+    """A CUDA graph's replays read the weights through pointers no guard sees: once one was
+    captured in the process, no run is guarded."""
+    workings = [torch.nn.Parameter(torch.randn(4))]
+    monkeypatch.setattr(_host_step, "captured", [False])
+    assert guard_proof(workings)
+    _host_step.captured[0] = True
+    assert not guard_proof(workings)
+
+
+def test_rebuilding_a_guarded_parameter_from_its_class_gives_a_plain_one(guarded_pair):
+    kept, _, _ = guarded_pair
+    rebuilt = type(kept)(torch.zeros(2))  # as libraries that move parameters do
+    assert type(rebuilt) is torch.nn.Parameter and id(rebuilt) not in guarded

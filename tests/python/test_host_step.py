@@ -67,7 +67,6 @@ for x, y in data:
     optimizer.zero_grad(set_to_none=True)
     losses.append(loss.item())
 print("losses", " ".join(f"{value!r}" for value in losses))
-print("stale", " ".join(str(count) for count in stale))
 if offload:
     print("figures", zt.step_figures(optimizer))
 if os.environ.get("REFUSE"):

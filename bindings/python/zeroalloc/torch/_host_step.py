@@ -155,10 +155,12 @@ PIN_BUFFERS_AHEAD = False
 #: the window's copies (calls that read no bytes, such as .grad or .shape, do not wait).
 #: What the step shows first (guard_proof): each working copy is a plain nn.Parameter, no
 #: other tensor holds its storage (a view kept across steps, .data held in a list: the
-#: storage's use count), no CUDA graph is being captured, and torch.compile has
-#: compiled nothing in this process (a compiled graph takes parameters as inputs and would
-#: see the class change). Raw pointers taken outside PyTorch's calls (a C++ extension
-#: called through pybind11 with a parameter, outside its module's forward) are not seen.
+#: storage's use count), no CUDA graph was ever captured in this process (its replays read
+#: through pointers), and torch.compile has compiled nothing in it (a compiled graph takes
+#: parameters as inputs and would see the class change). Not seen: raw pointers taken outside
+#: PyTorch's calls (a C++ extension called through pybind11 with a parameter outside its
+#: module's forward), torch.distributed's collectives on a parameter, a storage object held
+#: across steps.
 #: Off by default; the bench's --guard-behind 0,1 runs both side by side.
 GUARD_BEHIND = False
 
@@ -273,6 +275,7 @@ class HostStep:
         # the stream the copies through them run on, for their release.
         self.pin_ahead = PIN_BUFFERS_AHEAD
         self.guard_behind = GUARD_BEHIND  # Note [Behind the forward, guarded]
+        watch_captures()
         self.asked_ahead = False
         self.making: "PinnedAhead | None" = None
         self.released_after = [0]
@@ -796,12 +799,17 @@ class HostStep:
         if event is not None:
             torch.cuda.ExternalStream(stream, device=behind.device).wait_event(event)
         behind.ordered[stream] = needed
-        if refused:
+        if refused or behind.stepping:
             self.step_refused(behind)
+            if behind.stepping_thread is not threading.current_thread():
+                with behind.steps_done:  # another thread steps them: after its steps
+                    behind.steps_done.wait_for(lambda: not behind.stepping)
+            for event in list(behind.stepped_after):  # the refused parameters' steps, too
+                torch.cuda.ExternalStream(stream, device=behind.device).wait_event(event)
         with run.changed:
             done = run.finished and not run.refused and run.error is None
         if done and needed == behind.turns - 1 and not behind.stepping:
-            behind.settle([])
+            behind.settle(behind.stepped_after)
             self.forget_behind()  # every window waited for: nothing left to hold
 
     def finish_behind(self) -> None:
@@ -812,13 +820,15 @@ class HostStep:
         if behind is None:
             return
         self.forget_behind()  # first: the steps below hint uses of the same working copies
-        started = time.perf_counter()
-        behind.run.join()
-        self.figures["host_behind_s"] += time.perf_counter() - started
-        torch.cuda.current_stream(behind.device).wait_stream(self.stream)
         try:
+            started = time.perf_counter()
+            behind.run.join()
+            self.figures["host_behind_s"] += time.perf_counter() - started
+            torch.cuda.current_stream(behind.device).wait_stream(self.stream)
             self.step_refused(behind)
         finally:
+            if not behind.run.finished:  # interrupted: the thread's end settles it
+                behind.run.join()
             behind.settle(behind.stepped_after)
             if behind.guarded:  # every copy and step of the run done, on every stream
                 for event in behind.final_events:
@@ -852,10 +862,11 @@ class HostStep:
     def step_refused(self, behind: "Behind") -> None:
         """The parameters of refused calls (or left by a failure) so far, stepped on the device
         from the gradients the run kept on the host."""
-        if behind.stepping:  # a use the steps below hint: the outer call goes on
-            return
-        behind.stepping = True
-        behind.stepping_thread = threading.current_thread()
+        with behind.steps_done:
+            if behind.stepping:  # a use the steps below hint, or another thread's steps
+                return
+            behind.stepping = True
+            behind.stepping_thread = threading.current_thread()
         try:
             while True:
                 with behind.run.changed:
@@ -873,8 +884,10 @@ class HostStep:
                         behind.run.refused.insert(0, parameters)
                     raise
         finally:
-            behind.stepping = False
-            behind.stepping_thread = None
+            with behind.steps_done:
+                behind.stepping = False
+                behind.stepping_thread = None
+                behind.steps_done.notify_all()
 
     def wait_copies(self, slot: int) -> None:
         """Waits for pinned buffer `slot`'s last copies to the device: the CPUs write it."""
@@ -1069,6 +1082,7 @@ class Behind:
         self.finally_ordered: set = set()
         self.stepped_after: list = []
         self.stepping_thread = None
+        self.steps_done = threading.Condition()  # stepping and stepping_thread change under it
         # Set once nothing of the run is left to do on the host: what every stream orders
         # after from then on (its last copies, the refused parameters' steps).
         self.settled = threading.Event()
@@ -1107,8 +1121,9 @@ def _present(names, getter: bool) -> list:
     return [item.__get__ if getter else item for item in found if item is not None]
 
 
-#: id(working copy) -> (its HostStep, the Behind that guards it)
+#: id(working copy) -> (its HostStep, the Behind that guards it); changed under guard_lock
 guarded: dict = {}
+guard_lock = threading.Lock()
 #: Note [Behind the forward, guarded]: the class of guarded working copies, and the calls that
 #: read no bytes of a tensor, which it lets through without waiting. Made at the first
 #: guard (guarded_class): this module may be imported while PyTorch itself is, before
@@ -1135,6 +1150,10 @@ def guarded_class():
     class Guarded(torch.nn.Parameter):
         """Note [Behind the forward, guarded]: a working copy that a run behind the forward
         may still write. A call that takes it waits for its window first, on any thread."""
+
+        def __new__(cls, data=None, requires_grad=True):
+            # type(p)(data), as some libraries rebuild a parameter: a plain one.
+            return torch.nn.Parameter(data, requires_grad)
 
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -1179,7 +1198,7 @@ def guard_proof(workings: list) -> bool:
     """Note [Behind the forward, guarded]: whether every read of `workings` goes through the
     parameters themselves: plain nn.Parameters whose storages nothing else holds, no graph
     being captured, nothing compiled by torch.compile in this process."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if captured[0] or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return False
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
@@ -1189,40 +1208,68 @@ def guard_proof(workings: list) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return False
+    # What a parameter no other tensor shares reads on this PyTorch (the parameter's own
+    # reference, and the storage object asked for it, where that counts).
+    alone = torch.nn.Parameter(torch.empty(1, device=workings[0].device if workings else None))
+    baseline = use_count(alone.untyped_storage()._cdata)
     for working in workings:
         if type(working) is not torch.nn.Parameter:
             return False
-        # The parameter's own reference and the storage object asked here: no other.
-        if use_count(working.untyped_storage()._cdata) != 2:
+        if use_count(working.untyped_storage()._cdata) != baseline:
             return False
     return True
+
+
+#: Whether a CUDA graph was ever captured in this process (watch_captures): its replays read
+#: the weights through pointers no guard sees.
+captured = [False]
+
+
+def watch_captures() -> None:
+    """Notes every capture of a CUDA graph from now on (torch.cuda.CUDAGraph.capture_begin,
+    which torch.cuda.graph, make_graphed_callables and CUDA graph trees call)."""
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    begin = getattr(graph, "capture_begin", None)
+    if begin is None or getattr(begin, "_zeroalloc_watched", False):
+        return
+
+    def capture_begin(self, *args, **kwargs):
+        captured[0] = True
+        return begin(self, *args, **kwargs)
+
+    capture_begin._zeroalloc_watched = True
+    graph.capture_begin = capture_begin
 
 
 def guard(behind: "Behind") -> None:
     """The run's working copies guarded until its copies are done."""
     host = behind.stepper.host
     kind = guarded_class()
-    for working in behind.workings:
-        working.__class__ = kind
-        guarded[id(working)] = (host, behind)
-    behind.guarded = True
+    with guard_lock:
+        for working in behind.workings:
+            guarded[id(working)] = (host, behind)
+            working.__class__ = kind
+        behind.guarded = True
 
 
 def unguard(behind: "Behind") -> None:
     """The run's working copies plain nn.Parameters again."""
-    for working in behind.workings:
-        if guarded.get(id(working), (None, None))[1] is behind:
-            del guarded[id(working)]
-        if type(working) is GuardedParameter:
-            working.__class__ = torch.nn.Parameter
-    behind.guarded = False
+    with guard_lock:
+        for working in behind.workings:
+            if guarded.get(id(working), (None, None))[1] is behind:
+                guarded.pop(id(working), None)
+                if type(working) is GuardedParameter:
+                    working.__class__ = torch.nn.Parameter
+        behind.guarded = False
 
 
 def unguard_settled() -> None:
     """Note [Behind the forward, guarded]: runs with nothing left on the host whose working
     copies are still guarded (their last copies ran when last asked) are waited for and
     unguarded."""
-    for _, behind in list({id(b): (h, b) for h, b in guarded.values()}.values()):
+    with guard_lock:
+        behinds = list({id(b): b for _, b in guarded.values()}.values())
+    for behind in behinds:
         if behind.settled.is_set():
             for event in behind.final_events:
                 event.synchronize()
