@@ -801,9 +801,8 @@ ZA_EXPORT int zeroalloc_pinned_release(void* address, zeroalloc_stream_t stream)
 }
 
 ZA_EXPORT int64_t zeroalloc_pinned_bytes(int device) {
-  return guarded("zeroalloc_pinned_bytes", int64_t{-1}, [&] {
-    return static_cast<int64_t>(runtime::get().pinned(device).held_bytes());
-  });
+  return guarded("zeroalloc_pinned_bytes", int64_t{-1},
+                 [&] { return static_cast<int64_t>(runtime::get().pinned(device).held_bytes()); });
 }
 
 ZA_EXPORT int zeroalloc_log(int level, const char* message) {

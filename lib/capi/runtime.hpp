@@ -103,7 +103,7 @@ class runtime {
   std::vector<std::unique_ptr<paging_listener>> owned_listeners_;
   std::unique_ptr<reporter> reporter_;
   std::array<std::unique_ptr<host_workers>, kMaxDevices> host_step_workers_;  // create_mutex_
-  std::array<std::unique_ptr<pinned_buffers>, kMaxDevices> pinned_;  // create_mutex_
+  std::array<std::unique_ptr<pinned_buffers>, kMaxDevices> pinned_;           // create_mutex_
 };
 
 }  // namespace zeroalloc

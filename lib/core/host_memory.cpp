@@ -85,7 +85,8 @@ std::uint64_t host_reserve_bytes() {
 std::size_t host_page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
 
 void* map_host_pages(std::size_t bytes, int node) {
-  void* address = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* address =
+      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (address == MAP_FAILED) return nullptr;
   // A forked child (a DataLoader's worker) does not inherit the range: the kernel would copy
   // every pinned page into it at the fork, and the child never uses them.

@@ -116,7 +116,7 @@ class cuda_device final : public device {
   CUctx_st* primary_context_ = nullptr;  // retained by the constructor
   std::size_t granularity_ = 0;
   int host_numa_node_ = 0;
-  int pinned_numa_node_ = -1;  // the driver's answer as it is: -1 when it has none
+  int pinned_numa_node_ = -1;                  // the driver's answer as it is: -1 when it has none
   std::atomic<bool> host_on_any_node_{false};  // CU_MEM_LOCATION_TYPE_HOST instead of HOST_NUMA //
                                                // where memory_location::host handles live
   bool host_allocations_supported_ = false;    // HOST_NUMA VMM allocations work

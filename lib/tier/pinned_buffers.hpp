@@ -68,7 +68,7 @@ class pinned_buffers {
 
   device& device_;
   mutable std::mutex mutex_;
-  std::condition_variable released_;  // a buffer released, or stopping_
+  std::condition_variable released_;                      // a buffer released, or stopping_
   std::unordered_map<std::uintptr_t, std::size_t> live_;  // address -> bytes
   std::deque<released> pending_;
   std::uint64_t held_bytes_ = 0;

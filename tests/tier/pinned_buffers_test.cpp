@@ -96,8 +96,8 @@ TEST_F(PinnedBuffersTest, BytesTheCpusWriteReachTheDeviceAndComeBack) {
   }
   if (!device_->is_simulated()) {
     unsigned int type = 0;
-    ASSERT_EQ(cuda_driver_table().pfn_cuPointerGetAttribute(
-                  &type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, reinterpret_cast<CUdeviceptr>(out)),
+    ASSERT_EQ(cuda_driver_table().pfn_cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                            reinterpret_cast<CUdeviceptr>(out)),
               CUDA_SUCCESS);
     EXPECT_EQ(type, CU_MEMORYTYPE_HOST);
   }

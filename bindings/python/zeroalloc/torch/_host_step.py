@@ -964,8 +964,9 @@ class HostStep:
             with torch.cuda.stream(self.stream):
                 if targets is not None:
                     torch._foreach_copy_(targets, outputs, non_blocking=True)
-                for working, output in zip(workings, outputs) if targets is None else ():
-                    working.data.view(-1).copy_(output, non_blocking=True)
+                else:
+                    for working, output in zip(workings, outputs):
+                        working.data.view(-1).copy_(output, non_blocking=True)
         finally:
             _use_hints.end(workings, self.stream.cuda_stream)
         done = torch.cuda.Event()
@@ -1248,10 +1249,10 @@ def guard_proof(workings: list) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return False
-    # What a parameter no other tensor shares reads on this PyTorch (the parameter's own
-    # reference, and the storage object asked for it, where that counts).
-    alone = torch.nn.Parameter(torch.empty(1, device=workings[0].device if workings else None))
-    baseline = use_count(alone.untyped_storage()._cdata)
+    if not alone_uses:  # what a parameter no other tensor shares reads on this PyTorch
+        alone = torch.nn.Parameter(torch.empty(1))
+        alone_uses.append(use_count(alone.untyped_storage()._cdata))
+    baseline = alone_uses[0]
     for working in workings:
         if type(working) is not torch.nn.Parameter:
             return False
@@ -1260,6 +1261,10 @@ def guard_proof(workings: list) -> bool:
     return True
 
 
+#: The storage use count of a parameter no other tensor shares (the parameter's own reference,
+#: and the storage object asked for it where that counts), read once.
+alone_uses: list = []
+
 #: Whether a CUDA graph was ever captured in this process (watch_captures): its replays read
 #: the weights through pointers no guard sees.
 captured = [False]
@@ -1267,7 +1272,9 @@ captured = [False]
 
 def watch_captures() -> None:
     """Notes every capture of a CUDA graph from now on (torch.cuda.CUDAGraph.capture_begin,
-    which torch.cuda.graph, make_graphed_callables and CUDA graph trees call)."""
+    which torch.cuda.graph, make_graphed_callables and CUDA graph trees call). Under the swap
+    a capture is refused anyway (Note [CUDA graphs under the swap] in _swap.py); with
+    LD_PRELOAD and zt.offload it is not."""
     graph = getattr(torch.cuda, "CUDAGraph", None)
     begin = getattr(graph, "capture_begin", None)
     if begin is None or getattr(begin, "_zeroalloc_watched", False):

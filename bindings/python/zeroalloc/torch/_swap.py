@@ -43,8 +43,6 @@ def install() -> None:
             "Call it at the top of the script, or use zeroalloc.torch.mem_pool() to route "
             "chosen tensors instead.")
     torch.cuda.memory.change_current_allocator(pluggable_allocator())
-    from zeroalloc.torch._host_step import watch_captures
-    watch_captures()  # Note [Behind the forward, guarded]
     _installed = True
     compile_without_cuda_graphs()
     refuse_cuda_graph_capture()
