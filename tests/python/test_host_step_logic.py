@@ -420,3 +420,28 @@ def test_pinned_buffers_made_ahead_are_exact_writable_and_go_back_with_their_las
     assert "ok" in result.stdout, result.stdout
     assert "pinned buffers were not made ahead" in result.stderr, result.stderr
     assert "keeps in reserve" in result.stderr, result.stderr
+
+
+def test_a_step_that_overlaps_nothing_still_hears_the_first_module_hint_once():
+    """Note [Pinned buffers made ahead]: the buffers are made from the first forward on,
+    also for a step made with overlap_bytes=0, which the hints otherwise never reach."""
+    result = run_python("""
+        from zeroalloc.torch._step_listeners import WindowedSteps
+        heard = []
+
+        class Step:
+            def first_hint(self):
+                heard.append("first")
+
+            def module_hint(self, own, forward):
+                heard.append("hint")
+
+        listeners = WindowedSteps()
+        step = Step()
+        listeners.first_hint.add(step)
+        for _ in range(3):
+            listeners.module_hint([], True)
+        print(heard, listeners.hints)
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split("\n")[0] == "['first'] 3", result.stdout

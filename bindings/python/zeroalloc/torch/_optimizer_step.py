@@ -273,6 +273,8 @@ class WindowedStep:
         self.no_room_bytes = NO_ROOM_UNKNOWN  # the smallest scratch refused in this step
         if overlap_bytes > 0:
             listeners.overlapping.add(self)
+        if self.host is not None:  # Note [Pinned buffers made ahead] (_host_step.py)
+            listeners.first_hint.add(self)
 
     # -- helpers ---------------------------------------------------------------------------
     @property
@@ -497,10 +499,14 @@ class WindowedStep:
             copy_in.wait_event(free[slot])  # the slot's last step and write-back
 
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
+    def first_hint(self) -> None:
+        """The first module hint after this step was made, whatever it overlaps: the host
+        step's pinned buffers may be made from here on (Note [Pinned buffers made ahead])."""
+        if self.host is not None:
+            self.host.make_ahead(self)
+
     def module_hint(self, own: list, forward: bool) -> None:
         self.hinted = True
-        if self.host is not None and self.host.pin_ahead and not self.host.asked_ahead:
-            self.host.make_ahead(self)  # Note [Pinned buffers made ahead] (_host_step.py)
         if forward and self.advice.state == "watching":
             # Note [The fast recipe, advised]: told only to forwards under autocast.
             self.advice.saw_forward(torch.is_autocast_enabled("cuda"))

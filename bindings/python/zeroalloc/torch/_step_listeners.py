@@ -12,7 +12,7 @@ class WindowedSteps:
     """The windowed steps the hooks reach, held weakly: a dropped optimizer takes its step,
     its states and their scratch along."""
 
-    __slots__ = ("overlapping", "writing_back", "kept_states", "hints")
+    __slots__ = ("overlapping", "writing_back", "kept_states", "hints", "first_hint")
 
     def __init__(self):
         #: Steps that move states between steps: module hints and accumulations reach them.
@@ -25,6 +25,9 @@ class WindowedSteps:
         #: Module hints so far (Note [The host step finishes behind the forward]: a step may
         #: leave work behind only where hints ran since the last one).
         self.hints = 0
+        #: Steps told of the first module hint after them, whatever they overlap (Note
+        #: [Pinned buffers made ahead] in _host_step.py: made from the first forward on).
+        self.first_hint: "weakref.WeakSet" = weakref.WeakSet()
 
     def __deepcopy__(self, memo):
         return self  # one per process: a copy of a hook holding it (a model's) shares it
@@ -35,6 +38,10 @@ class WindowedSteps:
         forward of their own model outside any backward (not a checkpointed layer's
         recomputation) drops what was staged for a step that did not come."""
         self.hints += 1
+        if self.first_hint:
+            for stepper in tuple(self.first_hint):
+                self.first_hint.discard(stepper)
+                stepper.first_hint()
         if not self.overlapping:  # asked on every hinted module: no iteration when empty
             return
         for stepper in tuple(self.overlapping):
