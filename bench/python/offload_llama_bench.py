@@ -299,9 +299,6 @@ HOST_SETTINGS = (
     ("pin_buffers_ahead", "--pin-buffers-ahead", "pin_ahead", ("0", "1").__contains__,
      "pinned", "1: the host step's pinned buffers made by the library from the first forward "
      "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
-    ("host_edge_parameters", "--host-edge-parameters", "edge_parameters", str.isdigit,
-     "edge", "the most parameters of the CPUs' first and last turns split off as turns of "
-     "their own (Note [The run's edges]; 0: none)"),
     ("guard_behind", "--guard-behind", "guard_behind", ("0", "1").__contains__, "guarded",
      "1: under ZEROALLOC_ACCESS=any, the CPUs finish behind the next forward, the working "
      "copies guarded (Note [Behind the forward, guarded]), 0: within the step"),

@@ -133,28 +133,3 @@ def test_gradients_queue_ahead_for_masters_within_an_eighth_of_the_host():
     stepper.masters = Masters(tensors)
     host.queue_ahead = False
     assert not host.queues_ahead(stepper, chosen)
-
-
-def test_the_runs_edges_split_off_the_first_and_last_parameters_up_to_their_cap():
-    """Note [The run's edges]: with edge_parameters, the first turn's leading parameters and
-    the last turn's trailing ones, up to that many each, become turns of their own, every
-    parameter once and in order; a turn of at most twice the cap stays whole."""
-    host = HostStep()
-    assert host.edge_parameters == 0  # off by default
-    tensors = [torch.empty(n) for n in (10, 30, 20, 40, 5, 25, 15)]
-    chosen = [(0, tensors[:4]), (1, tensors[4:])]
-    host.window_parameters = 100
-    assert sizes(host.merged(chosen)) == [(0, [10, 30, 20, 40]), (1, [5, 25, 15])]
-    host.edge_parameters = 25  # the last turn, 45, is at most twice that: whole
-    turns = host.merged(chosen)
-    assert sizes(turns) == [((0, 0), [10]), ((0, 1), [30, 20, 40]), (1, [5, 25, 15])]
-    assert [p for _, hosted in turns for p in hosted] == tensors
-    host.edge_parameters = 20
-    turns = host.merged(chosen)
-    assert sizes(turns) == [((0, 0), [10]), ((0, 1), [30, 20, 40]),
-                            ((1, 0), [5, 25]), ((1, 1), [15])]
-    assert [p for _, hosted in turns for p in hosted] == tensors
-    host.window_parameters = 200  # one turn: only its head splits off
-    assert sizes(host.merged(chosen)) == [((0, 0), [10]), ((0, 1), [30, 20, 40, 5, 25, 15])]
-    keys = [key for key, _ in host.merged(chosen)]
-    assert len(set(keys)) == len(keys)

@@ -100,16 +100,6 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
 HOST_WINDOW_PARAMETERS = 512 << 20
 
-#: Note [The run's edges]: the CPUs' run begins once its first turn's gradients are on the
-#: host, and the step (under ZEROALLOC_ACCESS=any) or the forward waits, after the CPUs'
-#: last turn, for that turn's copies back. With turns merged up to 512 M parameters, each
-#: edge is about a gigabyte over PCIe: 30 ms a step on the 1.3B Llama, where the run's
-#: windows took 0.26 s (H100, bench/RESULTS.md). With edge_parameters, the first turn's
-#: leading parameters and the last turn's trailing ones, up to that many each, are turns
-#: of their own. Off (0) by default; the bench's --host-edge-parameters 0,N runs both side
-#: by side.
-EDGE_PARAMETERS = 0
-
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
@@ -278,7 +268,6 @@ class HostStep:
         self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
-        self.edge_parameters = EDGE_PARAMETERS  # Note [The run's edges]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -350,36 +339,7 @@ class HostStep:
                 turns.append((number, list(hosted)))
                 counted = count
             last = number
-        return self.edged(turns) if self.edge_parameters else turns
-
-    def edged(self, turns: list) -> list:
-        """Note [The run's edges]: the first turn's leading parameters and the last turn's
-        trailing ones, up to edge_parameters each, split off as turns of their own (keys
-        (number, 0) and (number, 1)); a turn of at most twice that stays whole."""
-        def split(hosted: list, leading: bool) -> tuple:
-            ordered = hosted if leading else hosted[::-1]
-            edge, counted = [], 0
-            for parameter in ordered:
-                if edge and counted + parameter.numel() > self.edge_parameters:
-                    break
-                edge.append(parameter)
-                counted += parameter.numel()
-            rest = ordered[len(edge):]
-            return (edge, rest) if leading else (rest[::-1], edge[::-1])
-
-        def large(hosted: list) -> bool:
-            return sum(p.numel() for p in hosted) > 2 * self.edge_parameters
-
-        edged = list(turns)
-        if edged and large(edged[0][1]):
-            number, hosted = edged[0]
-            head, rest = split(hosted, leading=True)
-            edged[0:1] = [((number, 0), head), ((number, 1), rest)]
-        if len(edged) > 1 and large(edged[-1][1]) and not isinstance(edged[-1][0], tuple):
-            number, hosted = edged[-1]
-            rest, tail = split(hosted, leading=False)
-            edged[-1:] = [((number, 0), rest), ((number, 1), tail)]
-        return edged
+        return turns
 
     def eligible(self, stepper, parameter, places: dict, groups: dict) -> bool:
         """Whether the parameter can be stepped on the host: AdamW settings it runs, fp32
