@@ -408,7 +408,19 @@ pinned_buffers& runtime::pinned(int ordinal) {
   caching_allocator& owner = allocator(ordinal);  // checks the ordinal
   std::lock_guard lock(create_mutex_);
   std::unique_ptr<pinned_buffers>& buffers = pinned_[ordinal];
-  if (!buffers) buffers = std::make_unique<pinned_buffers>(owner.backing());
+  if (!buffers) {
+    buffers = std::make_unique<pinned_buffers>(owner.backing());
+    // Note [Pinned buffers made ahead]: the host tier's growth to its limit stays free. The
+    // tier outlives the buffers (pinned_ is declared after owned_host_pools_).
+    if (host_pool* pool = host_pools_[ordinal].load(std::memory_order_acquire)) {
+      buffers->set_kept([pool] {
+        const host_pool_figures figures = pool->figures();
+        return figures.limit_bytes > figures.created_bytes
+                   ? figures.limit_bytes - figures.created_bytes
+                   : std::uint64_t{0};
+      });
+    }
+  }
   return *buffers;
 }
 

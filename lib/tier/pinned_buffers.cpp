@@ -20,16 +20,31 @@ pinned_buffers::~pinned_buffers() {
   }
 }
 
+void pinned_buffers::set_kept(std::function<std::uint64_t()> kept) {
+  std::lock_guard lock(mutex_);
+  kept_ = std::move(kept);
+}
+
 void* pinned_buffers::create(std::size_t bytes) {
   ZA_REQUIRE(bytes != 0, "a pinned buffer of 0 bytes");
   const std::size_t page = host_page_bytes();
   const std::size_t size = (bytes + page - 1) / page * page;
+  std::function<std::uint64_t()> kept_for;
+  {
+    std::lock_guard lock(mutex_);
+    kept_for = kept_;
+  }
   const std::uint64_t available = host_available_bytes();
   const std::uint64_t reserve = host_reserve_bytes();
-  if (available < reserve || size > available - reserve) {
+  const std::uint64_t kept = kept_for ? kept_for() : 0;
+  if (available < reserve + kept || size > available - reserve - kept) {
     ZA_THROW(host_memory_exhausted, "pinning ", format_bytes(size),
              " for the host step's buffers would leave the host less than the ",
-             format_bytes(reserve), " it keeps in reserve (", format_bytes(available),
+             format_bytes(reserve), " it keeps in reserve",
+             kept == 0 ? std::string()
+                       : " and the " + format_bytes(kept) +
+                             " its host tier may still take up to ZEROALLOC_HOST_LIMIT",
+             " (", format_bytes(available),
              " available): pinned memory cannot be swapped. The step does without them. "
              "Free host memory, or lower ZEROALLOC_HOST_LIMIT, to have them.");
   }

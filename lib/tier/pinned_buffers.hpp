@@ -12,7 +12,11 @@
 //
 // Pinned memory is never swapped (Note [Host budget] in tier/host_pool.hpp). So a buffer that
 // would leave the host less than its reserve (host_reserve_bytes) is refused with
-// host_memory_exhausted, naming both. The caller then does without. A released buffer goes
+// host_memory_exhausted, naming both. The caller then does without. The host tier may still
+// grow to its limit (ZEROALLOC_HOST_LIMIT) after a buffer is made, as the engine moves the
+// states out: a 7B model at 24 GiB had its buffers made first, and the host tier then
+// refused thousands of offloads at the reserve (bench/RESULTS.md, 2026-12-06). So a buffer
+// must also leave what the tier may still take (set_kept). A released buffer goes
 // back to the host once the work queued so far on the stream its caller names is done: a
 // thread of this object's waits for that. The buffers are not inherited by a forked child
 // (MADV_DONTFORK): the kernel would otherwise copy every pinned page into each child.
@@ -22,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -38,10 +43,14 @@ class pinned_buffers {
   pinned_buffers(const pinned_buffers&) = delete;
   pinned_buffers& operator=(const pinned_buffers&) = delete;
 
+  /// What the host must keep beside its reserve for the rest of the library, asked at each
+  /// create(): the host tier's growth to its limit (runtime::pinned sets it).
+  void set_kept(std::function<std::uint64_t()> kept);
+
   /// A pinned buffer of at least `bytes` (rounded up to the host's page size), on the
   /// device's NUMA node where the host lets it. Throws invalid_argument for 0 bytes,
-  /// host_memory_exhausted when it would leave the host less than its reserve, device_error
-  /// when the driver refuses to pin it.
+  /// host_memory_exhausted when it would leave the host less than its reserve and what
+  /// set_kept names, device_error when the driver refuses to pin it.
   [[nodiscard]] void* create(std::size_t bytes);
   /// Releases the buffer at `address` once the work queued so far on `stream` is done (a
   /// thread of this object's waits for it). Throws invalid_argument when `address` is not a
@@ -72,6 +81,7 @@ class pinned_buffers {
   std::unordered_map<std::uintptr_t, std::size_t> live_;  // address -> bytes
   std::deque<released> pending_;
   std::uint64_t held_bytes_ = 0;
+  std::function<std::uint64_t()> kept_;  // mutex_
   bool stopping_ = false;
   std::thread reaper_;  // started with the first release
 };

@@ -445,3 +445,20 @@ def test_a_step_that_overlaps_nothing_still_hears_the_first_module_hint_once():
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split("\n")[0] == "['first'] 3", result.stdout
+
+
+def test_pinned_buffers_leave_what_the_host_tier_may_still_take():
+    """Note [Pinned buffers made ahead]: with the host tier allowed all the host's memory, a
+    buffer made ahead would take room the engine's moves may need later: it is refused,
+    saying why, and the step does without it."""
+    result = run_python("""
+        from zeroalloc import ZeroallocError, _offload
+        try:
+            _offload.pinned_create(0, 1 << 20)
+            print("made")
+        except ZeroallocError as refused:
+            print("refused:", refused)
+    """, ZEROALLOC_HOST_LIMIT="1TiB")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refused:" in result.stdout, result.stdout
+    assert "host tier may still take up to ZEROALLOC_HOST_LIMIT" in result.stdout, result.stdout

@@ -149,6 +149,24 @@ TEST_F(PinnedBuffersTest, ABufferTheHostCannotSpareIsRefusedNamingItsReserve) {
   EXPECT_THROW((void)buffers.create(0), invalid_argument);
 }
 
+TEST_F(PinnedBuffersTest, ABufferLeavesWhatTheHostTierMayStillTake) {
+  pinned_buffers buffers(*device_);
+  // The host tier may still grow by all the host has: not even a page is left.
+  buffers.set_kept([] { return host_available_bytes(); });
+  try {
+    (void)buffers.create(4096);
+    FAIL() << "a buffer was made in the room the host tier may still take";
+  } catch (const host_memory_exhausted& refused) {
+    EXPECT_NE(std::string(refused.what()).find("host tier may still take"), std::string::npos)
+        << refused.what();
+  }
+  EXPECT_EQ(buffers.held_bytes(), 0U);
+  buffers.set_kept([] { return std::uint64_t{0}; });  // the tier at its limit: room again
+  void* made = buffers.create(4096);
+  EXPECT_TRUE(buffers.owns(made));
+  buffers.release(made, nullptr);
+}
+
 TEST_F(PinnedBuffersTest, ReleasingWhatIsNotABufferOrReleasedTwiceIsRefused) {
   pinned_buffers buffers(*device_);
   void* buffer = buffers.create(4096);

@@ -141,8 +141,11 @@ PREPARE_WINDOWS_AHEAD = False
 #: first forward cannot know which. So they are made only when the masters, their moments,
 #: working copies and gradients (16 bytes a parameter) exceed the device's limit. The step
 #: takes them when it first needs them, and waits for the thread if it has not finished. A
-#: buffer the host cannot spare is left to the step. The bench's --pin-buffers-ahead 0,1
-#: runs both side by side.
+#: buffer the host cannot spare beside its reserve and what the host tier may still take up
+#: to its limit is left to the step. The bench's --pin-buffers-ahead 0,1 runs both side by
+#: side. Measured on the H100 (bench/RESULTS.md, 2026-12-06): the 1.3B Llama's step 1 fell
+#: from 2.85 to 1.13 s and its step 0 rose from 3.17 to 4.27 s; the 7B at 24 GiB, before
+#: the host tier's room was kept, ran at a quarter of its speed. Off until measured again.
 PIN_BUFFERS_AHEAD = False
 
 #: Note [Behind the forward, guarded]: under ZEROALLOC_ACCESS=any the CPUs finish within the
