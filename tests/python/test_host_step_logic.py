@@ -462,3 +462,30 @@ def test_pinned_buffers_leave_what_the_host_tier_may_still_take():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "refused:" in result.stdout, result.stdout
     assert "host tier may still take up to ZEROALLOC_HOST_LIMIT" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("settings, guarded", [
+    ({}, False),
+    ({"ZEROALLOC_HOST_STEP_GUARDED": "1"}, True),
+    ({"ZEROALLOC_HOST_STEP_GUARDED": "1", "ZEROALLOC_HOST_STEP_OVERLAP": "0"}, False),
+    # Under hinted the CPUs finish behind the forward unguarded: the hooks see every read.
+    ({"ZEROALLOC_HOST_STEP_GUARDED": "1", "ZEROALLOC_ACCESS": "hinted"}, False),
+])
+def test_the_guarded_step_is_asked_for_by_its_variable_under_any(settings, guarded):
+    """Note [Behind the forward, guarded]: ZEROALLOC_HOST_STEP_GUARDED=1 asks for it."""
+    result = run_python("""
+        from zeroalloc.torch._host_step import HostStep
+        print(HostStep().guard_behind)
+    """, **settings)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == [str(guarded)], result.stdout + result.stderr
+
+
+def test_a_malformed_guarded_setting_is_told_naming_the_variable():
+    result = run_python("""
+        from zeroalloc.torch._host_step import HostStep
+        HostStep()
+    """, ZEROALLOC_HOST_STEP_GUARDED="sometimes")
+    assert result.returncode != 0
+    assert "ZEROALLOC_HOST_STEP_GUARDED" in result.stderr and "sometimes" in result.stderr, \
+        result.stderr

@@ -83,7 +83,7 @@ import torch
 
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
-from zeroalloc.torch import _use_hints
+from zeroalloc.torch import _settings, _use_hints
 from zeroalloc.torch._step_records import residency_or_foreign
 
 #: Note [The CPUs' windows]: the step's windows are sized for device scratch (at most a
@@ -164,7 +164,8 @@ PIN_BUFFERS_AHEAD = False
 #: PyTorch's calls (a C++ extension called through pybind11 with a parameter outside its
 #: module's forward), torch.distributed's collectives on a parameter, a storage object held
 #: across steps.
-#: Off by default; the bench's --guard-behind 0,1 runs both side by side.
+#: Off by default: ZEROALLOC_HOST_STEP_GUARDED=1 asks for it. The bench's --guard-behind 0,1
+#: runs both side by side.
 GUARD_BEHIND = False
 
 ON_HOST = ("host", "host_unmapped")
@@ -277,7 +278,8 @@ class HostStep:
         # Note [Pinned buffers made ahead]: asked for, the thread making them (once), and
         # the stream the copies through them run on, for their release.
         self.pin_ahead = PIN_BUFFERS_AHEAD
-        self.guard_behind = GUARD_BEHIND  # Note [Behind the forward, guarded]
+        # Note [Behind the forward, guarded]
+        self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
         self.asked_ahead = False
         self.making: "PinnedAhead | None" = None

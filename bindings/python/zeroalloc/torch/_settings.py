@@ -105,6 +105,14 @@ def host_step_overlap() -> bool:
     return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
 
 
+def host_step_guarded() -> bool:
+    """ZEROALLOC_HOST_STEP_GUARDED (default 0) under ZEROALLOC_ACCESS=any: whether the CPUs
+    may finish behind the next forward where the step shows every read goes through the
+    parameter object (Note [Behind the forward, guarded] in _host_step.py)."""
+    return (any_access() and enabled("ZEROALLOC_HOST_STEP_GUARDED", "0")
+            and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1"))
+
+
 def require_offload_engine() -> None:
     if offload_setting() != "host":
         raise ZeroallocError(
