@@ -299,6 +299,9 @@ HOST_SETTINGS = (
     ("pin_buffers_ahead", "--pin-buffers-ahead", "pin_ahead", ("0", "1").__contains__,
      "pinned", "1: the host step's pinned buffers made by the library from the first forward "
      "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
+    ("host_device_percent", "--host-device-percent", "device_percent", str.isdigit, "devshare",
+     "the share of the host's parameters, in percent, whose first windows step on the device "
+     "while the CPUs step the rest (Note [The device's share]; 0: none)"),
     ("guard_behind", "--guard-behind", "guard_behind", ("0", "1").__contains__, "guarded",
      "1: under ZEROALLOC_ACCESS=any, the CPUs finish behind the next forward, the working "
      "copies guarded (Note [Behind the forward, guarded]), 0: within the step"),

@@ -133,3 +133,22 @@ def test_gradients_queue_ahead_for_masters_within_an_eighth_of_the_host():
     stepper.masters = Masters(tensors)
     host.queue_ahead = False
     assert not host.queues_ahead(stepper, chosen)
+
+
+def test_the_devices_share_is_the_first_whole_windows_up_to_its_percent():
+    """Note [The device's share]: with device_percent, the first host windows holding at
+    most that share of the host's parameters are left to the device, whole."""
+    host = HostStep()
+    assert host.device_percent == 0  # off by default
+    tensors = [torch.empty(n) for n in (10, 20, 30, 40)]
+    chosen = [(number, [tensor]) for number, tensor in enumerate(tensors)]
+    assert host.shared(chosen) == chosen
+    host.device_percent = 30  # 30 of 100: windows 0 and 1
+    assert sizes(host.shared(chosen)) == [(2, [30]), (3, [40])]
+    host.device_percent = 25  # 10 fits, 10 + 20 does not
+    assert sizes(host.shared(chosen)) == [(1, [20]), (2, [30]), (3, [40])]
+    host.device_percent = 5  # not even the first window
+    assert host.shared(chosen) == chosen
+    host.device_percent = 100
+    assert host.shared(chosen) == []
+    assert host.shared([]) == []

@@ -100,6 +100,18 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
 HOST_WINDOW_PARAMETERS = 512 << 20
 
+#: Note [The device's share]: under a limit the CPUs' AdamW is the step's long pole (0.265 s
+#: of a 0.402 s step for the 1.3B Llama at 13.3 GiB on the H100, bench/RESULTS.md,
+#: 2026-12-06) while the device and PCIe wait for it. With device_percent, the first
+#: windows on the host that hold up to that share of its parameters step on the device
+#: instead: their masters and moments are copied into scratch and back (12 bytes a
+#: parameter each way), while the CPUs step the rest. PCIe at about 70 GB/s both ways moves
+#: about 2.9 G parameters a second, the CPUs step 5.2 G: about a third balances them, if
+#: the host's memory serves both. The first windows go, so that a run behind the forward
+#: (Note [Behind the forward, guarded]) starts on windows the forward needs later. Off (0)
+#: by default until measured; the bench's --host-device-percent 0,N runs both side by side.
+DEVICE_PERCENT = 0
+
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
@@ -272,6 +284,7 @@ class HostStep:
         self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
+        self.device_percent = DEVICE_PERCENT  # Note [The device's share]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -326,6 +339,20 @@ class HostStep:
             if self.copies[slot] is None or self.copies[slot].numel() < copies.numel():
                 self.copies[slot] = copies
                 self.figures["host_pinned_ahead_bytes"] += copies.numel()
+
+    def shared(self, chosen: list) -> list:
+        """Note [The device's share]: `chosen` ((window number, its parameters on the host),
+        in order) less its first windows, whole, that hold at most device_percent of its
+        parameters; those step on the device."""
+        if not self.device_percent or not chosen:
+            return chosen
+        counts = [sum(p.numel() for p in hosted) for _, hosted in chosen]
+        goal = sum(counts) * min(self.device_percent, 100) / 100
+        taken = given = 0
+        while given < len(chosen) and taken + counts[given] <= goal:
+            taken += counts[given]
+            given += 1
+        return chosen[given:]
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in

@@ -1090,7 +1090,7 @@ class WindowedStep:
                           if self.host.eligible(self, p, scratch.places, groups)]
                 if hosted:
                     chosen.append((number, hosted))
-        return chosen
+        return self.host.shared(chosen)  # Note [The device's share] (_host_step.py)
 
     def groups_of(self, run: "StepRun") -> dict:
         return {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
