@@ -410,16 +410,20 @@ pinned_buffers& runtime::pinned(int ordinal) {
   std::unique_ptr<pinned_buffers>& buffers = pinned_[ordinal];
   if (!buffers) {
     buffers = std::make_unique<pinned_buffers>(owner.backing());
-    // Note [Pinned buffers made ahead]: the host tier's growth to its limit stays free. The
-    // tier outlives the buffers (pinned_ is declared after owned_host_pools_).
-    if (host_pool* pool = host_pools_[ordinal].load(std::memory_order_acquire)) {
-      buffers->set_kept([pool] {
+    // Note [Pinned buffers made ahead]: every host tier's growth to its limit stays free
+    // (each device's of this process: they share the host). The runtime is never destroyed.
+    buffers->set_kept([this] {
+      std::uint64_t kept = 0;
+      for (const std::atomic<host_pool*>& each : host_pools_) {
+        const host_pool* pool = each.load(std::memory_order_acquire);
+        if (pool == nullptr) continue;
         const host_pool_figures figures = pool->figures();
-        return figures.limit_bytes > figures.created_bytes
-                   ? figures.limit_bytes - figures.created_bytes
-                   : std::uint64_t{0};
-      });
-    }
+        if (figures.limit_bytes > figures.created_bytes) {
+          kept += figures.limit_bytes - figures.created_bytes;
+        }
+      }
+      return kept;
+    });
   }
   return *buffers;
 }

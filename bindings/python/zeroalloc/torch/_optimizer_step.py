@@ -502,8 +502,13 @@ class WindowedStep:
     def first_hint(self) -> None:
         """The first module hint after this step was made, whatever it overlaps: the host
         step's pinned buffers may be made from here on (Note [Pinned buffers made ahead])."""
-        if self.host is not None:
+        if self.host is None:
+            return
+        try:
             self.host.make_ahead(self)
+        except Exception as error:  # noqa: BLE001  the user's forward runs on: the step makes them
+            warnings.warn(f"zeroalloc: the host step's pinned buffers were not made ahead "
+                          f"({error}); the step makes them when it needs them")
 
     def module_hint(self, own: list, forward: bool) -> None:
         self.hinted = True
