@@ -152,3 +152,8 @@ def test_the_devices_share_is_the_first_whole_windows_up_to_its_percent():
     host.device_percent = 100
     assert host.shared(chosen) == []
     assert host.shared([]) == []
+    host.device_last = True  # the last windows instead
+    host.device_percent = 45  # 40 fits, 40 + 30 does not
+    assert sizes(host.shared(chosen)) == [(0, [10]), (1, [20]), (2, [30])]
+    host.device_percent = 70
+    assert sizes(host.shared(chosen)) == [(0, [10]), (1, [20])]

@@ -108,8 +108,12 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: parameter each way), while the CPUs step the rest. PCIe at about 70 GB/s both ways moves
 #: about 2.9 G parameters a second, the CPUs step 5.2 G: about a third balances them, if
 #: the host's memory serves both. The first windows go, so that a run behind the forward
-#: (Note [Behind the forward, guarded]) starts on windows the forward needs later. Off (0)
-#: by default until measured; the bench's --host-device-percent 0,N runs both side by side.
+#: (Note [Behind the forward, guarded]) starts on windows the forward needs later. With
+#: device_last, the last windows go instead: within the step (under ZEROALLOC_ACCESS=any) the
+#: step may keep their moments in scratch and write them back during the next forward (Note
+#: [Overlapping the step]), so fewer of their bytes cross PCIe inside the step. Off (0) by
+#: default until measured; the bench's --host-device-percent 0,N and --host-device-last 0,1
+#: run them side by side.
 DEVICE_PERCENT = 0
 
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
@@ -285,6 +289,7 @@ class HostStep:
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
         self.device_percent = DEVICE_PERCENT  # Note [The device's share]
+        self.device_last = False
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -342,17 +347,18 @@ class HostStep:
 
     def shared(self, chosen: list) -> list:
         """Note [The device's share]: `chosen` ((window number, its parameters on the host),
-        in order) less its first windows, whole, that hold at most device_percent of its
-        parameters; those step on the device."""
+        in order) less its first windows (its last, with device_last), whole, that hold at
+        most device_percent of its parameters; those step on the device."""
         if not self.device_percent or not chosen:
             return chosen
-        counts = [sum(p.numel() for p in hosted) for _, hosted in chosen]
+        ordered = chosen[::-1] if self.device_last else chosen
+        counts = [sum(p.numel() for p in hosted) for _, hosted in ordered]
         goal = sum(counts) * min(self.device_percent, 100) / 100
         taken = given = 0
-        while given < len(chosen) and taken + counts[given] <= goal:
+        while given < len(ordered) and taken + counts[given] <= goal:
             taken += counts[given]
             given += 1
-        return chosen[given:]
+        return chosen[:len(chosen) - given] if self.device_last else chosen[given:]
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
