@@ -302,6 +302,9 @@ HOST_SETTINGS = (
     ("host_device_percent", "--host-device-percent", "device_percent", str.isdigit, "devshare",
      "the share of the host's parameters, in percent, whose first windows step on the device "
      "while the CPUs step the rest (Note [The device's share]; 0: none)"),
+    ("host_device_balance", "--host-device-balance", "device_balance",
+     ("0", "1").__contains__, "devbal", "1: the device's share moves after each step toward "
+     "the side that finished first (Note [The device's share], balanced), 0: it stays"),
     ("host_device_last", "--host-device-last", "device_last", ("0", "1").__contains__,
      "devlast", "1: the device's share is the host's last windows, 0: its first (Note [The "
      "device's share])"),

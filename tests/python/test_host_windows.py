@@ -157,3 +157,46 @@ def test_the_devices_share_is_the_first_whole_windows_up_to_its_percent():
     assert sizes(host.shared(chosen)) == [(0, [10]), (1, [20]), (2, [30])]
     host.device_percent = 70
     assert sizes(host.shared(chosen)) == [(0, [10]), (1, [20])]
+
+
+class FakeEvent:
+    """A CUDA event's query and elapsed_time, for the balance."""
+
+    def __init__(self, done=True, at_ms=0.0):
+        self.done, self.at_ms = done, at_ms
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return end.at_ms - self.at_ms
+
+
+def test_the_balanced_share_moves_toward_the_side_that_finished_first():
+    """Note [The device's share], balanced: a step whose CPUs took longer than the device's
+    windows gives the device more of the host's windows next time, and the other way round;
+    within the slack, or before the device's events are done, it stays."""
+    host = HostStep()
+    assert not host.device_balance  # off by default
+    host.device_balance = True
+    host.balancing = (FakeEvent(), FakeEvent(at_ms=100.0), 0.250)  # CPUs 0.25 s, device 0.1
+    host.balance_last()
+    assert host.device_percent == 5 and host.balancing is None
+    for _ in range(20):
+        host.balance(0.3, 0.1)
+    assert host.device_percent == 60  # at most BALANCE_MOST
+    host.balance(0.1, 0.3)
+    assert host.device_percent == 55
+    host.balance(0.2, 0.205)  # within the slack
+    assert host.device_percent == 55
+    host.balancing = (FakeEvent(), FakeEvent(done=False, at_ms=900.0), 0.1)
+    host.balance_last()  # the device's windows not done: nothing learned
+    assert host.device_percent == 55
+    host.device_balance = False
+    host.balancing = (FakeEvent(), FakeEvent(at_ms=900.0), 0.1)
+    host.balance_last()  # asked for no more: the share stays
+    assert host.device_percent == 55
+    for _ in range(20):
+        host.device_balance = True
+        host.balance(0.1, 0.3)
+    assert host.device_percent == 0

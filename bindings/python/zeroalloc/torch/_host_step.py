@@ -116,6 +116,16 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: run them side by side.
 DEVICE_PERCENT = 0
 
+#: Note [The device's share], balanced: with device_balance, the share moves after each step
+#: whose CPUs finished within it toward the side that finished first, BALANCE_POINTS at a
+#: time, up to BALANCE_MOST. The CPUs' time is their run's, less its waits for gradients;
+#: the device's is its windows' time on the GPU (CUDA events, read at the next step). A side
+#: within BALANCE_SLACK of the other leaves the share as it is. Off by default until
+#: measured; the bench's --host-device-balance 0,1 runs both side by side.
+BALANCE_POINTS = 5
+BALANCE_MOST = 60
+BALANCE_SLACK = 0.05
+
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
@@ -277,7 +287,7 @@ class HostStep:
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
                         "host_prepare_s": 0.0,
                         "host_pinned_ahead_bytes": 0, "host_pinned_wait_s": 0.0,
-                        "host_guarded_steps": 0,
+                        "host_guarded_steps": 0, "host_device_shared": 0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -290,6 +300,10 @@ class HostStep:
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
         self.device_percent = DEVICE_PERCENT  # Note [The device's share]
         self.device_last = False
+        self.device_balance = False
+        # The last step's (device windows' start and end events, the CPUs' busy seconds),
+        # read at the next step (Note [The device's share], balanced).
+        self.balancing: "tuple | None" = None
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -358,7 +372,26 @@ class HostStep:
         while given < len(ordered) and taken + counts[given] <= goal:
             taken += counts[given]
             given += 1
+        self.figures["host_device_shared"] += taken  # parameters, over the steps
         return chosen[:len(chosen) - given] if self.device_last else chosen[given:]
+
+    def balance(self, cpu_s: float, device_s: float) -> None:
+        """Note [The device's share], balanced: moves device_percent toward the side that
+        finished first."""
+        if cpu_s > device_s * (1 + BALANCE_SLACK):
+            self.device_percent = min(BALANCE_MOST, self.device_percent + BALANCE_POINTS)
+        elif device_s > cpu_s * (1 + BALANCE_SLACK):
+            self.device_percent = max(0, self.device_percent - BALANCE_POINTS)
+
+    def balance_last(self) -> None:
+        """Note [The device's share], balanced: the last step's times, once its device
+        windows are done (they are long done by the next step)."""
+        last, self.balancing = self.balancing, None
+        if last is None or not self.device_balance:
+            return
+        began, ended, cpu_s = last
+        if ended.query():
+            self.balance(cpu_s, began.elapsed_time(ended) / 1000)
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
@@ -634,6 +667,8 @@ class HostStep:
                 copied.synchronize()
                 run.saved[id(parameter)] = view.clone()
 
+        waits_before = self.figures["host_gradient_wait_s"]
+
         def work() -> None:
             try:
                 with torch.cuda.device(device):
@@ -685,6 +720,8 @@ class HostStep:
                         run.refused.extend(left)
             finally:
                 self.figures["host_run_s"] += time.perf_counter() - began
+                run.busy_s = (time.perf_counter() - began
+                              - (self.figures["host_gradient_wait_s"] - waits_before))
                 held = None
                 with run.changed:
                     run.finished = True
@@ -1082,6 +1119,7 @@ class HostRun:
         self.finished = False
         self.gradients_copied = None  # queued ahead: the event after every copy
         self.optimizer = None  # held while the run may still step with it (HostStep.start)
+        self.busy_s = 0.0  # start to end less the waits for gradients, once finished
 
     def join(self) -> list:
         """Waits for the thread; returns what is left to step on the device (the caller
