@@ -187,7 +187,18 @@ def test_the_balanced_share_moves_toward_the_side_that_finished_first():
     assert host.device_percent == 60  # at most BALANCE_MOST
     host.balance(0.1, 0.3)
     assert host.device_percent == 55
+    host.device_percent = 80  # set above the cap: the CPUs' being slower keeps it there
+    host.balance(0.3, 0.1)
+    assert host.device_percent == 80
+    host.device_percent = 55
     host.balance(0.2, 0.205)  # within the slack
+    assert host.device_percent == 55
+    unrecorded = FakeEvent(at_ms=900.0)
+    unrecorded.elapsed_time = lambda end: (_ for _ in ()).throw(
+        RuntimeError("Both events must be recorded before calculating elapsed time."))
+    host.balancing = (unrecorded, FakeEvent(at_ms=900.0), 0.1)
+    with pytest.warns(UserWarning, match="not balanced"):
+        host.balance_last()  # timing never fails a step
     assert host.device_percent == 55
     host.balancing = (FakeEvent(), FakeEvent(done=False, at_ms=900.0), 0.1)
     host.balance_last()  # the device's windows not done: nothing learned

@@ -973,7 +973,7 @@ class WindowedStep:
         if self.host is not None and self.host.unavailable:
             self.host = None  # the library never steps on the host on this driver
         behind = False
-        balancing = None
+        balancing, timed = None, False
         if self.host is not None and not kwargs:
             self.host.balance_last()  # Note [The device's share], balanced (_host_step.py)
             chosen = self.host_parts(run, scratch)
@@ -992,6 +992,7 @@ class WindowedStep:
             self.step_device_parts(run, scratch, left, main, kwargs)
             if balancing is not None:
                 balancing[1].record(main)
+                timed = True
         except BaseException:
             behind = False  # the step raises: the CPUs' part ends within it
             raise
@@ -1010,7 +1011,7 @@ class WindowedStep:
                 refused = host_run.join() if host_run is not None else []
                 if host_run is not None:  # Note [Master weights]: the working copies it wrote
                     main.wait_stream(self.host.stream)
-                    if balancing is not None and not refused and host_run.error is None:
+                    if timed and not refused and host_run.error is None:
                         self.host.balancing = (*balancing, host_run.busy_s)
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
