@@ -301,8 +301,7 @@ HOST_SETTINGS = (
      "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
     ("host_device_percent", "--host-device-percent", "device_percent", str.isdigit, "devshare",
      "the share of the host's parameters, in percent, whose first (or last) windows step on "
-     "the device "
-     "while the CPUs step the rest (Note [The device's share]; 0: none)"),
+     "the device while the CPUs step the rest (Note [The device's share]; 0: none)"),
     ("host_device_balance", "--host-device-balance", "device_balance",
      ("0", "1").__contains__, "devbal", "1: the device's share moves after each step toward "
      "the side that finished first (Note [The device's share], balanced), 0: it stays"),

@@ -113,9 +113,8 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: step may keep their moments in scratch and write them back during the next forward (Note
 #: [Overlapping the step]), so fewer of their bytes cross PCIe inside the step. A run behind
 #: the forward then begins on the windows the forward needs first: device_last is for runs
-#: within the step. Off (0) by
-#: default until measured; the bench's --host-device-percent 0,N and --host-device-last 0,1
-#: run them side by side.
+#: within the step. Off (0) by default until measured; the bench's --host-device-percent 0,N
+#: and --host-device-last 0,1 run them side by side.
 DEVICE_PERCENT = 0
 
 #: Note [The device's share], balanced: with device_balance, the share moves after each step
