@@ -2,8 +2,10 @@
 """What the driver's virtual memory management allows and costs, for the offload engine's
 design: can a slice (non-zero offset) or a prefix (smaller size) of a physical allocation be
 mapped, for host-located and device-located memory; and how long cuMemMap + cuMemSetAccess
-and cuMemUnmap take for a 2 MiB and a 64 MiB allocation of each kind. Driver API via ctypes;
-needs a GPU.
+and cuMemUnmap take for a 2 MiB and a 64 MiB allocation of each kind; and what the CPUs' first
+touch of host memory mapped this way costs against their second (one read per 4 KiB page, then
+a whole pass), the question behind a process's first host step. Driver API via ctypes; needs a
+GPU.
 
     python3 bench/python/vmm_map_probe.py
 """
@@ -116,6 +118,32 @@ def time_remap(kind: str, size: int, rounds: int = 20) -> dict:
             "unmap_us": statistics.median(unmaps) * 1e6}
 
 
+def time_cpu_touch(size: int) -> dict:
+    """Host-located memory mapped and opened to the device and the CPUs, as the host tier
+    maps its slabs: the CPUs read one byte per 4 KiB page twice, then sum it all twice."""
+    import numpy
+    handle = create("host", size)
+    address = reserve(size)
+    check("cuMemMap", address, size_t(size), size_t(0), handle, ctypes.c_ulonglong(0))
+    descs = (AccessDesc * 2)(AccessDesc(Location(LOCATION_DEVICE, 0), READ_WRITE),
+                             AccessDesc(Location(LOCATION_HOST_NUMA, 0), READ_WRITE))
+    check("cuMemSetAccess", address, size_t(size), descs, size_t(2))
+    words = numpy.frombuffer((ctypes.c_uint64 * (size // 8)).from_address(address.value),
+                             dtype=numpy.uint64)
+    timings = {}
+    for name, read in (("pages", lambda: int(words[::512].sum())),
+                       ("whole", lambda: int(words.sum()))):
+        for turn in ("first", "second"):
+            started = time.perf_counter()
+            read()
+            timings[f"{name}_{turn}_s"] = time.perf_counter() - started
+    del words
+    call("cuMemUnmap", address, size_t(size))
+    call("cuMemAddressFree", address, size_t(size))
+    call("cuMemRelease", handle)
+    return timings
+
+
 def main() -> int:
     check("cuInit", 0)
     device, context = ctypes.c_int(), ctypes.c_void_p()
@@ -130,9 +158,12 @@ def main() -> int:
     for kind in ("host", "device"):
         for size in (2 * mib, 64 * mib):
             results[f"{kind} {size // mib} MiB remap"] = time_remap(kind, size)
+    results["CPU touch of 4 GiB of host memory"] = time_cpu_touch(4 << 30)
     width = max(len(k) for k in results)
     for key, value in results.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "pages_first_s" in value:
+            value = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in value.items())
+        elif isinstance(value, dict):
             value = (f"map + set access {value['map_and_access_us']:.0f} us, "
                      f"unmap {value['unmap_us']:.0f} us")
         print(f"{key:<{width}}  {value}")
