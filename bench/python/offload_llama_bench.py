@@ -299,15 +299,6 @@ HOST_SETTINGS = (
     ("pin_buffers_ahead", "--pin-buffers-ahead", "pin_ahead", ("0", "1").__contains__,
      "pinned", "1: the host step's pinned buffers made by the library from the first forward "
      "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
-    ("host_device_percent", "--host-device-percent", "device_percent", str.isdigit, "devshare",
-     "the share of the host's parameters, in percent, whose first (or last) windows step on "
-     "the device while the CPUs step the rest (Note [The device's share]; 0: none)"),
-    ("host_device_balance", "--host-device-balance", "device_balance",
-     ("0", "1").__contains__, "devbal", "1: the device's share moves after each step toward "
-     "the side that finished first (Note [The device's share], balanced), 0: it stays"),
-    ("host_device_last", "--host-device-last", "device_last", ("0", "1").__contains__,
-     "devlast", "1: the device's share is the host's last windows, 0: its first (Note [The "
-     "device's share])"),
     ("guard_behind", "--guard-behind", "guard_behind", ("0", "1").__contains__, "guarded",
      "1: under ZEROALLOC_ACCESS=any, the CPUs finish behind the next forward, the working "
      "copies guarded (Note [Behind the forward, guarded]), 0: within the step"),

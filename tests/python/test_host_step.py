@@ -144,10 +144,6 @@ else:
         optimizer._zeroalloc_stepper.host.pin_ahead = True
     if os.environ.get("GUARD") and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.guard_behind = True
-    if os.environ.get("DEVICE_PERCENT") and optimizer._zeroalloc_stepper.host is not None:
-        optimizer._zeroalloc_stepper.host.device_percent = int(os.environ["DEVICE_PERCENT"])
-        optimizer._zeroalloc_stepper.host.device_last = os.environ.get("DEVICE_LAST") == "1"
-        optimizer._zeroalloc_stepper.host.device_balance = os.environ.get("BALANCE") == "1"
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
@@ -298,28 +294,6 @@ def test_what_the_step_prepares_or_pins_ahead_trains_as_the_usual_step(tmp_path,
     # Every master's bf16 gradient (24 of them, 96 MiB in all) and two buffers for the bf16
     # masters of a merged window (all of them: the model is smaller than the cap).
     assert pinned["host_pinned_ahead_bytes"] >= 3 * 96 * 2**20, pinned
-
-
-@pytest.mark.parametrize("access, last", [("any", "0"), ("any", "1"), ("hinted", "0")])
-def test_the_devices_share_of_the_host_windows_trains_as_the_cpus_alone(tmp_path, access,
-                                                                          last):
-    """Note [The device's share]: the first (or last) host windows holding half of the
-    host's parameters step on the device, their states copied through scratch, while the
-    CPUs step the rest; within rounding of the plain recipe, as the CPUs alone, and so when
-    the share moves from step to step (balanced; how far it moves is the host's business)."""
-    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
-    alone, shared, balanced = (ast.literal_eval(field(masters_on_the_host_against(
-        plain, tmp_path, ZEROALLOC_ACCESS=access, **setting), "figures"))
-        for setting in ({}, {"DEVICE_PERCENT": "50", "DEVICE_LAST": last},
-                        {"DEVICE_PERCENT": "0", "BALANCE": "1", "DEVICE_LAST": last}))
-    print("the CPUs alone:", alone, "the device's share:", shared, "balanced:", balanced)
-    if access == "any":  # the CPUs finish within the step: each step after the first balances
-        assert balanced["host_balanced_steps"] > 0, balanced
-    assert alone["host_device_shared"] == 0 < shared["host_device_shared"], (alone, shared)
-    assert 0 < shared["host_bytes"] <= alone["host_bytes"] * 0.6, (alone, shared)
-    # The device read the host's states through scratch, or in place where it had no room.
-    assert (shared["bounced_state_bytes"] + shared["in_place_bytes"]
-            > alone["bounced_state_bytes"] + alone["in_place_bytes"]), (alone, shared)
 
 
 def test_guarded_runs_finish_behind_the_forward_under_any_and_every_read_waits(tmp_path):

@@ -18,7 +18,9 @@ copies on the same stream, which the step's stream waits for.
 
 Note [The host step finishes behind the forward]: with master weights the CPUs' windows
 are the step's long pole (28 bytes of host memory a parameter), and the device idles
-meanwhile. So optimizer.step() returns once the device's windows are done
+meanwhile. Stepping some of the host's windows on the device instead gained nothing: their
+copies up and back move 24 bytes a parameter through the same host memory, and the CPUs
+slowed by as much as they were spared (bench/RESULTS.md, 2026-12-06). So optimizer.step() returns once the device's windows are done
 (ZEROALLOC_HOST_STEP_OVERLAP, default 1), and the CPUs finish theirs while the next forward
 runs. The forward reads only the working copies, each written on the copy stream after its
 window: a hinted use of one (a module's forward, zt.using) first waits for the CPUs to finish
@@ -99,33 +101,6 @@ from zeroalloc.torch._step_records import residency_or_foreign
 #: they merge by default (0: each window alone). The pinned buffers for the CPUs' bf16
 #: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
 HOST_WINDOW_PARAMETERS = 512 << 20
-
-#: Note [The device's share]: under a limit the CPUs' AdamW is the step's long pole (0.265 s
-#: of a 0.402 s step for the 1.3B Llama at 13.3 GiB on the H100, bench/RESULTS.md,
-#: 2026-12-06) while the device and PCIe wait for it. With device_percent, the first
-#: windows on the host that hold up to that share of its parameters step on the device
-#: instead: their masters and moments are copied into scratch and back (12 bytes a
-#: parameter each way), while the CPUs step the rest. PCIe at about 70 GB/s both ways moves
-#: about 2.9 G parameters a second, the CPUs step 5.2 G: about a third balances them, if
-#: the host's memory serves both. The first windows go, so that a run behind the forward
-#: (Note [Behind the forward, guarded]) starts on windows the forward needs later. With
-#: device_last, the last windows go instead: within the step (under ZEROALLOC_ACCESS=any) the
-#: step may keep their moments in scratch and write them back during the next forward (Note
-#: [Overlapping the step]), so fewer of their bytes cross PCIe inside the step. A run behind
-#: the forward then begins on the windows the forward needs first: device_last is for runs
-#: within the step. Off (0) by default until measured; the bench's --host-device-percent 0,N
-#: and --host-device-last 0,1 run them side by side.
-DEVICE_PERCENT = 0
-
-#: Note [The device's share], balanced: with device_balance, the share moves after each step
-#: whose CPUs finished within it toward the side that finished first, BALANCE_POINTS at a
-#: time, up to BALANCE_MOST. The CPUs' time is their run's, less its waits for gradients;
-#: the device's is its windows' time on the GPU (CUDA events, read at the next step). A side
-#: within BALANCE_SLACK of the other leaves the share as it is. Off by default until
-#: measured; the bench's --host-device-balance 0,1 runs both side by side.
-BALANCE_POINTS = 5
-BALANCE_MOST = 60
-BALANCE_SLACK = 0.05
 
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
@@ -288,8 +263,7 @@ class HostStep:
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
                         "host_prepare_s": 0.0,
                         "host_pinned_ahead_bytes": 0, "host_pinned_wait_s": 0.0,
-                        "host_guarded_steps": 0, "host_device_shared": 0,
-                        "host_balanced_steps": 0,
+                        "host_guarded_steps": 0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0}
@@ -300,12 +274,6 @@ class HostStep:
         self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
-        self.device_percent = DEVICE_PERCENT  # Note [The device's share]
-        self.device_last = False
-        self.device_balance = False
-        # The last step's (device windows' start and end events, the CPUs' busy seconds),
-        # read at the next step (Note [The device's share], balanced).
-        self.balancing: "tuple | None" = None
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -360,45 +328,6 @@ class HostStep:
             if self.copies[slot] is None or self.copies[slot].numel() < copies.numel():
                 self.copies[slot] = copies
                 self.figures["host_pinned_ahead_bytes"] += copies.numel()
-
-    def shared(self, chosen: list) -> list:
-        """Note [The device's share]: `chosen` ((window number, its parameters on the host),
-        in order) less its first windows (its last, with device_last), whole, that hold at
-        most device_percent of its parameters; those step on the device."""
-        if not self.device_percent or not chosen:
-            return chosen
-        ordered = chosen[::-1] if self.device_last else chosen
-        counts = [sum(p.numel() for p in hosted) for _, hosted in ordered]
-        goal = sum(counts) * min(self.device_percent, 100) / 100
-        taken = given = 0
-        while given < len(ordered) and taken + counts[given] <= goal:
-            taken += counts[given]
-            given += 1
-        self.figures["host_device_shared"] += taken  # parameters, over the steps
-        return chosen[:len(chosen) - given] if self.device_last else chosen[given:]
-
-    def balance(self, cpu_s: float, device_s: float) -> None:
-        """Note [The device's share], balanced: moves device_percent toward the side that
-        finished first."""
-        self.figures["host_balanced_steps"] += 1
-        if cpu_s > device_s * (1 + BALANCE_SLACK):  # a share set above the cap stays there
-            self.device_percent = min(max(BALANCE_MOST, self.device_percent),
-                                      self.device_percent + BALANCE_POINTS)
-        elif device_s > cpu_s * (1 + BALANCE_SLACK):
-            self.device_percent = max(0, self.device_percent - BALANCE_POINTS)
-
-    def balance_last(self) -> None:
-        """Note [The device's share], balanced: the last step's times, once its device
-        windows are done (they are long done by the next step)."""
-        last, self.balancing = self.balancing, None
-        if last is None or not self.device_balance:
-            return
-        began, ended, cpu_s = last
-        try:
-            if ended.query():
-                self.balance(cpu_s, began.elapsed_time(ended) / 1000)
-        except RuntimeError as error:  # timing never fails a step: the share stays
-            warnings.warn(f"zeroalloc: the device's share was not balanced: {error}")
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in
@@ -674,8 +603,6 @@ class HostStep:
                 copied.synchronize()
                 run.saved[id(parameter)] = view.clone()
 
-        waits_before = self.figures["host_gradient_wait_s"]
-
         def work() -> None:
             try:
                 with torch.cuda.device(device):
@@ -727,8 +654,6 @@ class HostStep:
                         run.refused.extend(left)
             finally:
                 self.figures["host_run_s"] += time.perf_counter() - began
-                run.busy_s = (time.perf_counter() - began
-                              - (self.figures["host_gradient_wait_s"] - waits_before))
                 held = None
                 with run.changed:
                     run.finished = True
@@ -1126,7 +1051,6 @@ class HostRun:
         self.finished = False
         self.gradients_copied = None  # queued ahead: the event after every copy
         self.optimizer = None  # held while the run may still step with it (HostStep.start)
-        self.busy_s = 0.0  # start to end less the waits for gradients, once finished
 
     def join(self) -> list:
         """Waits for the thread; returns what is left to step on the device (the caller

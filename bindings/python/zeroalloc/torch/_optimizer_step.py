@@ -973,9 +973,7 @@ class WindowedStep:
         if self.host is not None and self.host.unavailable:
             self.host = None  # the library never steps on the host on this driver
         behind = False
-        balancing, timed = None, False
         if self.host is not None and not kwargs:
-            self.host.balance_last()  # Note [The device's share], balanced (_host_step.py)
             chosen = self.host_parts(run, scratch)
             turns = self.host.merged(chosen)  # Note [The CPUs' windows] (_host_step.py)
             behind = bool(turns) and self.may_finish_behind(turns)
@@ -984,15 +982,8 @@ class WindowedStep:
             for number, hosted in chosen:
                 ids = {id(p) for p in hosted}
                 left[number] = [p for p in run.windows[number] if id(p) not in ids]
-        if host_run is not None and not behind and self.host.device_balance:
-            balancing = (torch.cuda.Event(enable_timing=True),
-                         torch.cuda.Event(enable_timing=True))
-            balancing[0].record(main)
         try:
             self.step_device_parts(run, scratch, left, main, kwargs)
-            if balancing is not None:
-                balancing[1].record(main)
-                timed = True
         except BaseException:
             behind = False  # the step raises: the CPUs' part ends within it
             raise
@@ -1011,8 +1002,6 @@ class WindowedStep:
                 refused = host_run.join() if host_run is not None else []
                 if host_run is not None:  # Note [Master weights]: the working copies it wrote
                     main.wait_stream(self.host.stream)
-                    if timed and not refused and host_run.error is None:
-                        self.host.balancing = (*balancing, host_run.busy_s)
         # Moved to the device meanwhile, or left by a failure: stepped there, where they are.
         for parameters in refused:
             self.step_pinned(run, parameters, main, kwargs)
@@ -1106,7 +1095,7 @@ class WindowedStep:
                           if self.host.eligible(self, p, scratch.places, groups)]
                 if hosted:
                     chosen.append((number, hosted))
-        return self.host.shared(chosen)  # Note [The device's share] (_host_step.py)
+        return chosen
 
     def groups_of(self, run: "StepRun") -> dict:
         return {id(p): group for group, params in zip(self.optimizer.param_groups, run.saved)
