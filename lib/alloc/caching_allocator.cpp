@@ -79,8 +79,11 @@ void* caching_allocator::make_room_and_allocate(std::size_t needed, std::size_t 
                                                 allocation_class cls, bool& on_host,
                                                 paging_listener* listener) {
   std::uint64_t released = release_cached(needed);
-  log().info("allocating {} of {} on {} needed new memory: released {} of cache and retrying",
-             format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
+  // Told at info only when the cache gave something back: a model's first allocations each
+  // find an empty cache, hundreds of lines that say nothing.
+  log().log(released > 0 ? spdlog::level::info : spdlog::level::debug,
+            "allocating {} of {} on {} needed new memory: released {} of cache and retrying",
+            format_bytes(rounded_bytes), class_name(cls), device_.name(), format_bytes(released));
   if (void* pointer =
           heap_for(cls, rounded_bytes).allocate(rounded_bytes, requested_bytes, stream, &on_host))
     return pointer;
