@@ -652,6 +652,11 @@ def format_main_table(results: dict) -> str:
                      f"{figures['bytes_to_device'] / GIB:.1f} GiB in; hit rate "
                      f"{figures['prefetch_hit_rate']:.3f}; device waited "
                      f"{figures['device_waited_ns'] / 1e9 / max(1, figures['steps']):.3f} s/step")
+            timed = result.get("timed") or {}
+            if timed.get("steps") and "in_place_host_bytes" in timed:
+                # Kernels that used a chunk where it lay on the host read it over PCIe.
+                notes += (f"; used in place on the host "
+                          f"{timed['in_place_host_bytes'] / timed['steps'] / GIB:.2f} GiB/step")
             if figures.get("disk_capacity_bytes"):
                 steps = max(1, figures["steps"])
                 notes += (f"; disk holds {figures['disk_resident_bytes'] / GIB:.1f} GiB, wrote "
@@ -744,7 +749,7 @@ def build(args, torch, device, context=None):
 # (raw_stats' `offload` at the end counts the warmup steps too).
 TIMED_COUNTERS = ("bytes_to_host", "bytes_to_device", "device_waited_ns", "uses", "prefetch_hits",
                   "bytes_to_host_parameter", "bytes_to_device_parameter", "remap_ns",
-                  "chunks_parked", "chunks_unparked", "in_place_fetches",
+                  "chunks_parked", "chunks_unparked", "in_place_fetches", "in_place_host_bytes",
                   "bytes_to_disk", "bytes_from_disk", "disk_ns", "disk_prefetches")
 
 

@@ -376,6 +376,7 @@ nlohmann::ordered_json runtime::offload_json(int ordinal) {
       {"steps", uses.steps},
       {"learned_order_chunks", uses.learned_order_chunks},
       {"in_place_uses", uses.in_place_uses},
+      {"in_place_host_bytes", uses.in_place_host_bytes},
       {"headroom_searches", uses.headroom_searches},
       {"headroom_search_ns", uses.headroom_search_ns},
       {"chunks_in_use", uses.chunks_in_use}};

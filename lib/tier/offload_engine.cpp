@@ -544,6 +544,7 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
       if (migrator_.where(chunk.address) == residency::host) {
         std::lock_guard lock(mutex_);
         chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
+        figures_.in_place_host_bytes += chunk.handle.bytes;
       }
     } catch (...) {
       if (!first_failure) first_failure = std::current_exception();

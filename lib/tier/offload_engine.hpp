@@ -167,6 +167,8 @@ struct offload_figures {
   std::uint64_t steps = 0;                 ///< step boundaries seen
   std::uint64_t learned_order_chunks = 0;  ///< positions (uses) in the order in use
   std::uint64_t in_place_uses = 0;         ///< use-in-place hints (per chunk)
+  std::uint64_t in_place_host_bytes = 0;   ///< bytes of the chunks those uses found on the
+                                           ///< host: the kernels read them over PCIe
   std::uint64_t headroom_searches = 0;     ///< searches for chunks to evict ahead of need
   std::uint64_t headroom_search_ns = 0;    ///< host time those searches took
   std::uint64_t chunks_in_use = 0;         ///< chunks with a use open now

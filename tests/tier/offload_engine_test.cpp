@@ -1508,6 +1508,12 @@ TEST_F(OffloadEngineTest, StatesUsedInPlaceStayWhereTheyAreAndArePinnedDuringThe
   EXPECT_EQ(engine.figures().learned_order_chunks, 1u) << "states in the device's order";
   EXPECT_EQ(engine.figures().prefetches, 0u) << "a state used in place was fetched";
   EXPECT_EQ(engine.figures().in_place_uses, 3 * spanned.size());
+  // Only the state used where it lies on the host was read over PCIe, each step.
+  std::vector<chunk_info> away_chunks;
+  allocator_->chunks_of_allocation(away, away_chunks);
+  std::uint64_t away_bytes = 0;
+  for (const chunk_info& chunk : away_chunks) away_bytes += chunk.handle.bytes;
+  EXPECT_EQ(engine.figures().in_place_host_bytes, 3 * away_bytes);
   EXPECT_TRUE(holds(away, 0x32, kChunkBytes));
   EXPECT_TRUE(holds(here, 0x42, kChunkBytes));
   for (void* pointer : {layer, away, here}) allocator_->deallocate(pointer);
