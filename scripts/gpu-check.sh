@@ -20,7 +20,7 @@
 # about 4 minutes for one mode, 7 for three at PROGRAMS_JOBS=12 on an H100; GPU_CHECK_PROGRAMS
 # names some, GPU_CHECK_PROGRAMS_TIMEOUT bounds them, PROGRAMS_MODES=automatic,explicit,preload
 # runs each mode against one native run) alloc_bench hint migration remap torch_empty
-# preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 15 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
+# preload_overhead trace wheel (the package and doctor, about 40 s) pytest host_step (about 30 s) demo (about 40 s) optimizer_step (about 60 s) llama (about
 # 140 s) disk (about 30 s) big (the 16B model on three tiers, about 5 minutes;
 # GPU_CHECK_BIG_LAYERS, _TIMEOUT) sweep (about 7 minutes, DeepSpeed ZeRO-2 and ZeRO-3 offload beside it; GPU_CHECK_SWEEP_MODES, _LIMITS,
 # _WARMUP, _STEPS, _ARGS; with GPU_CHECK_SWEEP_MODES=offload,ds3nvme and _ARGS naming
@@ -210,7 +210,11 @@ skipped llama || python3 bench/python/offload_llama_bench.py \
   --library build/libzeroalloc.so --warmup 8 --steps 8 --overlap-bytes 0,2147483648 --log-dir "$out/llama" 2>&1 | tee "$out/llama.txt" | grep -v '^{' | tail -6
 
 step "the host step's AdamW on this machine's CPUs, by thread count (Note [Stepped on the host])"
-skipped host_step || build/bench/host_step_bench --millions 256 --rounds 3 2>&1 | tee "$out/host_step.txt" | tail -8
+# Both forms of the step: fp32 gradients, and master weights (bf16 gradient and copy), each
+# beside the same bytes with no arithmetic (how near the step runs to the memory's bound).
+skipped host_step || for form in "" --masters; do
+  build/bench/host_step_bench --millions 256 --rounds 3 $form 2>&1 | tee -a "$out/host_step.txt" | tail -7
+done
 
 step "the NVMe tier's disk store against plain O_DIRECT I/O on this machine's disk"
 if [[ -z $(skipped disk) ]]; then

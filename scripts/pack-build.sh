@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Packs this machine's build (build/, configured with ZEROALLOC_BUILD_TESTS=ON) into
+# Packs this machine's build (build/, configured with ZEROALLOC_BUILD_TESTS=ON, and with
+# the benchmarks where ZEROALLOC_BUILD_BENCH=ON built them) into
 # .prebuilt/ for scripts/gpu-check.sh on a GPU machine of the same CUDA major version
 # (GPU_CHECK_PREBUILT=.prebuilt): its test binaries, libzeroalloc.so, the CTest files,
 # the shared libraries they need that such a machine may lack, and the path it was built
@@ -13,7 +14,15 @@ cp build/libzeroalloc.so build/CTestTestfile.cmake "$pack/build/"
 cp build/demo/CTestTestfile.cmake "$pack/build/demo/"
 find build/tests -maxdepth 1 -type f \( -perm -u+x -o -name "*.cmake" \) \
   -exec cp {} "$pack/build/tests/" \;
-for binary in build/libzeroalloc.so build/tests/*_test; do ldd "$binary"; done |
+# The benchmarks, where the build has them (ZEROALLOC_BUILD_BENCH=ON): the GPU check's
+# bench steps run them from build/bench.
+benches=()
+if [[ -d build/bench ]]; then
+  mkdir -p "$pack/build/bench"
+  while IFS= read -r bench; do benches+=("$bench"); cp "$bench" "$pack/build/bench/"; done \
+    < <(find build/bench -maxdepth 1 -type f -perm -u+x)
+fi
+for binary in build/libzeroalloc.so build/tests/*_test "${benches[@]}"; do ldd "$binary"; done |
   awk '$3 ~ /^\// {print $3}' | sort -u |
   grep -E "libspdlog|libfmt|liburing|libcudart|libnuma|libgtest|libbenchmark" |
   while read -r library; do cp -L "$library" "$pack/lib/"; done

@@ -2,69 +2,159 @@
 // machine's CPUs: one step over `--millions` million fp32 parameters (parameter, gradient and
 // both moments in plain host memory, first touched by the threads that step them), on 1, 2,
 // 4 ... threads up to the CPUs of NUMA node `--node` (default 0), and the rate of the host's
-// memory it reaches (28 bytes read or written per parameter). No GPU.
+// memory it reaches (28 bytes read or written per parameter). With `--masters`, the step of
+// master weights instead: a bf16 gradient in and a bf16 copy out (also 28 bytes), and the
+// same step with its copies streamed past the cache (Note [Copies streamed past the cache]
+// in lib/tier/host_step.hpp). Beside each, the same bytes with almost no arithmetic (each state
+// plus the gradient, in place, on the same threads): the rate the node's memory gives that access
+// pattern. AdamW near it is bound by the host's memory, not by its arithmetic. No GPU.
 //
-//   build/bench/host_step_bench [--millions 256] [--node 0] [--rounds 3]
+//   build/bench/host_step_bench [--millions 256] [--node 0] [--rounds 3] [--masters]
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "tier/host_step.hpp"
 
+namespace {
+
+// The AdamW step's reads and writes with almost none of its arithmetic: every state read,
+// one addition, written back where it was; with master weights, the bf16 forms the step
+// reads and writes.
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void same_bytes(float* __restrict parameter, const float* __restrict gradient,
+                float* __restrict exp_avg, float* __restrict exp_avg_sq, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) {
+    exp_avg[i] += gradient[i];
+    exp_avg_sq[i] += gradient[i];
+    parameter[i] += gradient[i];
+  }
+}
+
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void same_master_bytes(float* __restrict parameter, const std::uint16_t* __restrict gradient,
+                       float* __restrict exp_avg, float* __restrict exp_avg_sq,
+                       std::uint16_t* __restrict copy, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const float g = static_cast<float>(gradient[i]);
+    exp_avg[i] += g;
+    exp_avg_sq[i] += g;
+    const float p = parameter[i] + g;
+    parameter[i] = p;
+    copy[i] = static_cast<std::uint16_t>(p);
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   std::size_t millions = 256;
   int node = 0;
   int rounds = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool masters = false;
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--millions") {
+    if (flag == "--masters") {
+      masters = true;
+      --i;  // takes no value
+    } else if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s needs a value\n", argv[i]);
+      return 2;
+    } else if (flag == "--millions") {
       millions = std::strtoull(argv[i + 1], nullptr, 10);
     } else if (flag == "--node") {
       node = std::atoi(argv[i + 1]);
     } else if (flag == "--rounds") {
       rounds = std::atoi(argv[i + 1]);
     } else {
-      std::fprintf(stderr, "unknown flag %s (--millions N, --node N, --rounds N)\n", argv[i]);
+      std::fprintf(stderr, "unknown flag %s (--millions N, --node N, --rounds N, --masters)\n",
+                   argv[i]);
       return 2;
     }
   }
   const std::size_t count = millions * 1000 * 1000;
-  std::vector<float> parameter(count, 1.0F), gradient(count, 0.01F), exp_avg(count, 0.0F),
-      exp_avg_sq(count, 0.0F);
+  std::vector<float> parameter(count, 1.0F), exp_avg(count, 0.0F), exp_avg_sq(count, 0.0F);
+  std::vector<float> gradient(masters ? 0 : count, 0.01F);
+  std::vector<std::uint16_t> bf16_gradient(masters ? count : 0, zeroalloc::float_to_bf16(0.01F));
+  std::vector<std::uint16_t> bf16_copy(masters ? count : 0, 0);
   // Tensors of 64 Mi elements, as a model's large weights.
   std::vector<zeroalloc::adamw_span> spans;
   constexpr std::size_t kTensor = std::size_t{1} << 26;
   for (std::size_t at = 0; at < count; at += kTensor) {
     const std::size_t n = std::min(kTensor, count - at);
-    spans.push_back({parameter.data() + at, gradient.data() + at, exp_avg.data() + at,
-                     exp_avg_sq.data() + at, n});
+    if (masters) {
+      spans.push_back({parameter.data() + at, nullptr, exp_avg.data() + at, exp_avg_sq.data() + at,
+                       n, bf16_gradient.data() + at, bf16_copy.data() + at});
+    } else {
+      spans.push_back({parameter.data() + at, gradient.data() + at, exp_avg.data() + at,
+                       exp_avg_sq.data() + at, n});
+    }
   }
+  constexpr std::size_t kPiece = std::size_t{1} << 18;
+  const std::size_t pieces = (count + kPiece - 1) / kPiece;
   const std::vector<int> cpus = zeroalloc::host_step_cpus(node);
-  std::printf("host step: %zu M fp32 parameters (%.2f GB touched a step), CPUs of node %d: %zu\n",
-              millions, 28.0 * static_cast<double>(count) / 1e9, node, cpus.size());
-  std::printf("%8s %10s %12s %10s\n", "threads", "step s", "params/s", "GB/s");
+  std::printf("host step: %zu M %s parameters (%.2f GB touched a step), CPUs of node %d: %zu\n",
+              millions, masters ? "master (bf16 gradient and copy)" : "fp32",
+              28.0 * static_cast<double>(count) / 1e9, node, cpus.size());
+  std::printf("%8s %10s %12s %10s %14s %12s %14s\n", "threads", "step s", "params/s", "GB/s",
+              masters ? "streamed GB/s" : "", "same GB/s", "AdamW/same");
+  // The median of `rounds` timed passes of `pass`, after one that warms the pages.
+  auto median_of = [&](const std::function<void(int)>& pass) {
+    std::vector<double> times;
+    for (int round = 0; round <= rounds; ++round) {
+      const auto started = std::chrono::steady_clock::now();
+      pass(round);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+      if (round > 0) times.push_back(took.count());
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  auto rate = [&](double seconds) { return 28.0 * static_cast<double>(count) / seconds / 1e9; };
   std::vector<std::size_t> counts;
   for (std::size_t threads = 1; threads < cpus.size(); threads *= 2) counts.push_back(threads);
   counts.push_back(cpus.size());
   for (std::size_t threads : counts) {
     zeroalloc::host_workers workers(std::vector<int>(cpus.begin(), cpus.begin() + threads));
     zeroalloc::adamw_settings settings;
-    std::vector<double> times;
-    for (int round = 0; round <= rounds; ++round) {  // round 0 warms the pages
+    auto adamw = [&](int round) {
       settings.step = round + 1;
-      const auto started = std::chrono::steady_clock::now();
       zeroalloc::adamw_on_host(workers, spans, settings);
-      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
-      if (round > 0) times.push_back(took.count());
+    };
+    const double median = median_of(adamw);
+    std::string streamed;  // Note [Copies streamed past the cache]: the same step, streamed
+    if (masters) {
+      zeroalloc::set_streamed_copies(true);
+      streamed = std::to_string(rate(median_of(adamw)));
+      streamed.resize(streamed.find('.') + 2);
+      zeroalloc::set_streamed_copies(false);
     }
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
-    std::printf("%8zu %10.3f %12.3e %10.1f\n", threads, median, static_cast<double>(count) / median,
-                28.0 * static_cast<double>(count) / median / 1e9);
+    const double plain = median_of([&](int) {
+      workers.run(pieces, [&](std::size_t index) {
+        const std::size_t at = index * kPiece;
+        const std::size_t n = std::min(kPiece, count - at);
+        if (masters) {
+          same_master_bytes(parameter.data() + at, bf16_gradient.data() + at, exp_avg.data() + at,
+                            exp_avg_sq.data() + at, bf16_copy.data() + at, n);
+        } else {
+          same_bytes(parameter.data() + at, gradient.data() + at, exp_avg.data() + at,
+                     exp_avg_sq.data() + at, n);
+        }
+      });
+    });
+    std::printf("%8zu %10.3f %12.3e %10.1f %14s %12.1f %13.0f%%\n", threads, median,
+                static_cast<double>(count) / median, rate(median), streamed.c_str(), rate(plain),
+                100.0 * rate(median) / rate(plain));
   }
   return 0;
 }

@@ -3,7 +3,12 @@
 #include <pthread.h>
 #include <sched.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -103,9 +108,52 @@ void update_master_elements(
   }
 }
 
+// Note [Copies streamed past the cache]: see set_streamed_copies in host_step.hpp.
+std::atomic<bool> streamed_copies{false};
+
+// `count` bf16 values from `source` (in the cache) to `destination`, past the cache where
+// the CPU allows: 16-byte stores once the destination is aligned to them.
+void stream_copy(std::uint16_t* destination, const std::uint16_t* source, std::size_t count) {
+#if defined(__x86_64__)
+  std::size_t i = 0;
+  while (i < count && (reinterpret_cast<std::uintptr_t>(destination + i) & 15U) != 0) {
+    destination[i] = source[i];
+    ++i;
+  }
+  for (; i + 8 <= count; i += 8) {
+    const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + i));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + i), eight);
+  }
+  for (; i < count; ++i) destination[i] = source[i];
+#else
+  std::memcpy(destination, source, count * sizeof(std::uint16_t));
+#endif
+}
+
+// The master path with its copies streamed: each block's copies are made in a buffer the
+// cache holds, then stored past the cache; the fence makes them visible before the worker
+// reports the piece done (and so before the copy to the device is queued).
+void update_master_streamed(const adamw_span& span, const adamw_factors& f) {
+  constexpr std::size_t kBlock = 2048;  // 4 KiB of copies: well inside the first-level cache
+  alignas(64) std::uint16_t block[kBlock];
+  for (std::size_t at = 0; at < span.count; at += kBlock) {
+    const std::size_t count = std::min(kBlock, span.count - at);
+    update_master_elements(span.parameter + at, span.bf16_gradient + at, span.exp_avg + at,
+                           span.exp_avg_sq + at, block, count, f);
+    stream_copy(span.bf16_copy + at, block, count);
+  }
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 // One span (or piece of one) with whichever gradient it carries.
 void update_span(const adamw_span& span, const adamw_factors& f) {
   if (span.bf16_gradient != nullptr && span.bf16_copy != nullptr) {
+    if (streamed_copies.load(std::memory_order_relaxed)) {
+      update_master_streamed(span, f);
+      return;
+    }
     update_master_elements(span.parameter, span.bf16_gradient, span.exp_avg, span.exp_avg_sq,
                            span.bf16_copy, span.count, f);
     return;
@@ -228,6 +276,10 @@ void host_workers::run(std::size_t tasks, const std::function<void(std::size_t)>
   task_ = nullptr;
   tasks_ = 0;  // a worker that wakes late finds nothing to take
 }
+
+void set_streamed_copies(bool on) { streamed_copies.store(on, std::memory_order_relaxed); }
+
+bool streamed_copies_on() { return streamed_copies.load(std::memory_order_relaxed); }
 
 void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
                    const adamw_settings& settings) {

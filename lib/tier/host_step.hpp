@@ -100,6 +100,15 @@ class host_workers {
   std::vector<std::thread> threads_;
 };
 
+/// Note [Copies streamed past the cache]: with master weights each parameter's update reads
+/// and writes 28 bytes of host memory, and the step is bound by the host's memory, not by
+/// its arithmetic. The bf16 copy is the one write to a line the update has not read, so an
+/// ordinary store first reads that line (2 more bytes a parameter). Streamed, the copies
+/// are stored past the cache (non-temporal stores) and that read goes. Off by default until
+/// measured on the GPU machine's CPUs: bench/tier/host_step_bench --masters runs both.
+void set_streamed_copies(bool on);
+[[nodiscard]] bool streamed_copies_on();
+
 /// Steps every span, spread over `workers` in pieces of about a megabyte per tensor.
 void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
                    const adamw_settings& settings);

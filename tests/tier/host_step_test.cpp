@@ -166,6 +166,40 @@ TEST(HostStep, MasterWeightsStepFromBf16GradientsAndWriteTheirBf16Copies) {
   EXPECT_GT(differs, kCount / 2);  // the copy is rounded, the master keeps its fp32 bits
 }
 
+TEST(HostStep, CopiesStreamedPastTheCacheHoldWhatOrdinaryStoresWrite) {
+  // Note [Copies streamed past the cache]: the same masters, moments and copies, bit for
+  // bit, whatever the copies' alignment (a copy starting 1 to 7 values past 16 bytes) and
+  // length (a block and a ragged end).
+  constexpr std::size_t kCount = 2 * 2048 + 13;
+  const adamw_settings settings{1e-3, 0.9, 0.95, 1e-8, 0.1, 3, false};
+  const std::vector<int> cpus = host_step_cpus(0);
+  host_workers workers({cpus[0], cpus[0]});
+  for (std::size_t offset = 0; offset < 8; ++offset) {
+    tensors plain(kCount, 21);
+    tensors streamed(kCount, 21);
+    std::vector<std::uint16_t> gradient(kCount);
+    for (std::size_t i = 0; i < kCount; ++i) gradient[i] = float_to_bf16(plain.gradient[i]);
+    std::vector<std::uint16_t> plain_copy(kCount + 8, 0), streamed_copy(kCount + 8, 0);
+    auto master_span = [&](tensors& t, std::vector<std::uint16_t>& copy) {
+      adamw_span span = t.span();
+      span.gradient = nullptr;
+      span.bf16_gradient = gradient.data();
+      span.bf16_copy = copy.data() + offset;
+      return span;
+    };
+    set_streamed_copies(false);
+    adamw_on_host(workers, {master_span(plain, plain_copy)}, settings);
+    set_streamed_copies(true);
+    adamw_on_host(workers, {master_span(streamed, streamed_copy)}, settings);
+    set_streamed_copies(false);
+    EXPECT_EQ(streamed.parameter, plain.parameter) << offset;
+    EXPECT_EQ(streamed.exp_avg, plain.exp_avg) << offset;
+    EXPECT_EQ(streamed.exp_avg_sq, plain.exp_avg_sq) << offset;
+    EXPECT_EQ(streamed_copy, plain_copy) << offset;  // the values around it untouched too
+    EXPECT_NE(plain_copy[offset + kCount / 2], 0) << "nothing was written";
+  }
+}
+
 TEST(HostStep, CpusOfANodeThatDoesNotExistAreEveryAllowedCpu) {
   const std::vector<int> all = host_step_cpus(-1);
   EXPECT_FALSE(all.empty());
