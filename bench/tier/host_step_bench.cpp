@@ -46,12 +46,16 @@ void same_master_bytes(float* __restrict parameter, const std::uint16_t* __restr
                        float* __restrict exp_avg, float* __restrict exp_avg_sq,
                        std::uint16_t* __restrict copy, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
-    const float g = static_cast<float>(gradient[i]);
+    const std::uint32_t wide = static_cast<std::uint32_t>(gradient[i]) << 16U;  // bf16 bits
+    float g = 0.0F;
+    std::memcpy(&g, &wide, sizeof(g));
     exp_avg[i] += g;
     exp_avg_sq[i] += g;
     const float p = parameter[i] + g;
     parameter[i] = p;
-    copy[i] = static_cast<std::uint16_t>(p);
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &p, sizeof(bits));
+    copy[i] = static_cast<std::uint16_t>(bits >> 16U);  // truncated: no rounding's arithmetic
   }
 }
 

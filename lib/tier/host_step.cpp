@@ -279,8 +279,6 @@ void host_workers::run(std::size_t tasks, const std::function<void(std::size_t)>
 
 void set_streamed_copies(bool on) { streamed_copies.store(on, std::memory_order_relaxed); }
 
-bool streamed_copies_on() { return streamed_copies.load(std::memory_order_relaxed); }
-
 void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
                    const adamw_settings& settings) {
   // Pieces of 256 Ki elements (a megabyte of each tensor): enough to stream at full rate,

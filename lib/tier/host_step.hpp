@@ -107,7 +107,6 @@ class host_workers {
 /// are stored past the cache (non-temporal stores) and that read goes. Off by default until
 /// measured on the GPU machine's CPUs: bench/tier/host_step_bench --masters runs both.
 void set_streamed_copies(bool on);
-[[nodiscard]] bool streamed_copies_on();
 
 /// Steps every span, spread over `workers` in pieces of about a megabyte per tensor.
 void adamw_on_host(host_workers& workers, const std::vector<adamw_span>& spans,
