@@ -418,9 +418,12 @@ pinned_buffers& runtime::pinned(int ordinal) {
       for (const std::atomic<host_pool*>& each : host_pools_) {
         const host_pool* pool = each.load(std::memory_order_acquire);
         if (pool == nullptr) continue;
+        // What it may still hold, not only what it may still create: the sim device's
+        // slabs take none of the host's available memory until touched, so counting the
+        // created ones as taken made the answer depend on how far the prefill had got.
         const host_pool_figures figures = pool->figures();
-        if (figures.limit_bytes > figures.created_bytes) {
-          kept += figures.limit_bytes - figures.created_bytes;
+        if (figures.limit_bytes > figures.in_use_bytes) {
+          kept += figures.limit_bytes - figures.in_use_bytes;
         }
       }
       return kept;
