@@ -299,6 +299,10 @@ HOST_SETTINGS = (
     ("pin_buffers_ahead", "--pin-buffers-ahead", "pin_ahead", ("0", "1").__contains__,
      "pinned", "1: the host step's pinned buffers made by the library from the first forward "
      "on (Note [Pinned buffers made ahead]), 0: by the step when it first needs them"),
+    ("moments_on_host", "--moments-on-host", "make_states_on_host", ("0", "1").__contains__,
+     "moments", "1: the first step makes the moments of the masters the host holds there and "
+     "the CPUs step them in that step (Note [States made where the CPUs step them]), 0: "
+     "AdamW makes them on the device"),
     ("guard_behind", "--guard-behind", "guard_behind", ("0", "1").__contains__, "guarded",
      "1: under ZEROALLOC_ACCESS=any, the CPUs finish behind the next forward, the working "
      "copies guarded (Note [Behind the forward, guarded]), 0: within the step"),
@@ -706,6 +710,9 @@ def format_main_table(results: dict) -> str:
                         notes += (f"; masters made whole: "
                                   f"{overlap['host_completed_bytes'] / GIB:.2f} GiB to the host,"
                                   f" {overlap.get('host_returned_bytes', 0) / GIB:.2f} back, in all")
+                    if overlap.get("host_made_state_bytes"):  # Note [States made where
+                        notes += (f"; moments made on the host: "  # the CPUs step them]
+                                  f"{overlap['host_made_state_bytes'] / GIB:.2f} GiB")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "

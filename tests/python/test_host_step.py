@@ -144,13 +144,15 @@ else:
         optimizer._zeroalloc_stepper.host.pin_ahead = True
     if os.environ.get("GUARD") and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.guard_behind = True
+    if os.environ.get("STATES") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.make_states_on_host = os.environ["STATES"] == "1"
 # A learning rate that changes every step: the CPUs and any parameter refused to them step
 # with the rate of their step, whenever they finish (it falls, which also keeps two bf16
 # runs from drifting apart as fast as a constant rate lets them).
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 / (done + 1))
 data = [(torch.randn(256, 2048, device="cuda"), torch.randn(256, 2048, device="cuda"))
         for _ in range(8)]
-losses, second, stale = [], None, []
+losses, first, second, stale = [], None, None, []
 for number, (x, y) in enumerate(data):
     if os.environ.get("PARTLY") and number == 0:
         optimizer._zeroalloc_stepper.host.last_on_host = os.environ["PARTLY"] == "last"
@@ -166,12 +168,17 @@ for number, (x, y) in enumerate(data):
             for name, p in model.named_parameters():
                 with zt.using(p):
                     before[name] = p.detach().to("cpu")
-    if number == 2:  # after the second step, the first the host can take (states exist)
+    if number in (1, 2):  # after the first step, and after the second
         if plain:
-            second = [m.detach().to("cpu") for m in masters]
+            after = [m.detach().to("cpu") for m in masters]
         else:
-            second = [m.detach().to("cpu")
-                      for m in optimizer.state_dict()["zeroalloc_master_weights"]]
+            after = [m.detach().to("cpu")
+                     for m in optimizer.state_dict()["zeroalloc_master_weights"]]
+        first, second = (after, second) if number == 1 else (first, after)
+    if number == 1:  # the states the first step made, as the optimizer's state_dict has them
+        saved = optimizer.state_dict()["state"]
+        print("made", " ".join(f"{key}:{value.dtype}:{value.device.type}:{tuple(value.shape)}"
+                               for key, value in sorted(saved[len(saved) - 1].items())))
     loss = torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
     loss.backward()
     if plain:
@@ -231,7 +238,8 @@ if not plain:
 if os.environ.get("REFUSE"):
     print("refused", refusals[1], "of", refusals[0])
 with torch.no_grad():
-    values = {"masters": [m.detach().to("cpu") for m in masters], "second": second}
+    values = {"masters": [m.detach().to("cpu") for m in masters], "first": first,
+              "second": second}
     for name, p in model.named_parameters():
         with zt.using(p):
             values[name] = p.detach().to("cpu")
@@ -250,7 +258,7 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
     reference = torch.load(tmp_path / "plain.pt")
     on_device = torch.load(tmp_path / "device.pt")
     for name, value in reference.items():
-        if name in ("masters", "second"):
+        if name in ("masters", "first", "second"):
             assert all(torch.equal(a, b) for a, b in zip(value, on_device[name]))
         else:
             assert value.dtype == torch.bfloat16 and torch.equal(value, on_device[name]), name
@@ -262,6 +270,24 @@ def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_t
     hosted = masters_on_the_host_against(plain, tmp_path, ZEROALLOC_ACCESS="hinted")
     figures = ast.literal_eval(field(hosted, "figures"))
     assert figures["host_behind_steps"] > 0, figures
+
+
+def test_the_first_step_makes_the_moments_on_the_host_and_the_cpus_step_it(tmp_path):
+    """Note [States made where the CPUs step them]: by default the first step makes the
+    moments of the masters the host holds there, as AdamW makes them (the same keys, dtypes,
+    devices and shapes in the optimizer's state_dict), and the CPUs step them from that
+    step on: one more step on the CPUs than when AdamW makes them on the device."""
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    hosted = masters_on_the_host_against(plain, tmp_path)
+    made = ast.literal_eval(field(hosted, "figures"))
+    on_device = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, STATES="0"), "figures"))
+    print("made on the host:", made, "made on the device:", on_device)
+    assert made["host_made_state_bytes"] > 0 == on_device["host_made_state_bytes"], made
+    assert field(hosted, "made") == field(plain, "made"), (field(hosted, "made"),
+                                                           field(plain, "made"))
+    # The host's windows of the first step are stepped by the CPUs, not the device.
+    assert made["host_windows"] > on_device["host_windows"], (made, on_device)
 
 
 @pytest.mark.parametrize("access", ["any", "hinted"])
@@ -394,11 +420,14 @@ def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:
     got = [float(v) for v in field(hosted, "losses").split()]
     worst_loss = max(abs(a - b) / abs(a) for a, b in zip(expected, got))
     stepped = torch.load(tmp_path / "hosted.pt")
-    # One host step from the same values (the first step creates the states on the device,
-    # bit for bit): fp32 rounding apart. Later steps read bf16 gradients of working copies
-    # that a rounding flip made differ, and drift apart as any two bf16 runs do.
+    # One host step from the same values: fp32 rounding apart. That is the first step when
+    # it made the states on the host (Note [States made where the CPUs step them]), else the
+    # second (the first made them on the device, bit for bit). Later steps read bf16
+    # gradients of working copies that a rounding flip made differ, and drift apart as any
+    # two bf16 runs do.
+    one = "first" if figures["host_made_state_bytes"] else "second"
     second = max(((b - a).abs().max() / a.abs().max()).item()
-                 for a, b in zip(reference["second"], stepped["second"]))
+                 for a, b in zip(reference[one], stepped[one]))
     worst = max(((b - a).abs().max() / a.abs().max()).item()
                 for a, b in zip(reference["masters"], stepped["masters"]))
     print(f"worst relative loss difference {worst_loss:.2e}; worst master difference after "
@@ -407,7 +436,8 @@ def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:
     assert second < 1e-5
     assert worst_loss < 1e-3, (expected, got)
     # Whatever the drift, every working copy the host wrote is its master rounded.
-    working = [value for name, value in stepped.items() if name not in ("masters", "second")]
+    working = [value for name, value in stepped.items()
+               if name not in ("masters", "first", "second")]
     assert len(working) == len(stepped["masters"]) == 24
     for value, master in zip(working, stepped["masters"]):
         assert torch.equal(value, master.to(torch.bfloat16))

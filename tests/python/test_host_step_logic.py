@@ -489,3 +489,27 @@ def test_a_malformed_guarded_setting_is_told_naming_the_variable():
     assert result.returncode != 0
     assert "ZEROALLOC_HOST_STEP_GUARDED" in result.stderr and "sometimes" in result.stderr, \
         result.stderr
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
+def test_a_step_count_made_ahead_is_the_one_adamw_makes(default_dtype):
+    """Note [States made where the CPUs step them]: the first step's count, made by the
+    host step for the moments it makes on the host, has the dtype, device and value of the
+    one torch.optim.AdamW makes in its first step (float64 under a float64 default)."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch._host_step import step_count_zero
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        parameter = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.AdamW([parameter])
+        made = step_count_zero()
+        parameter.grad = torch.ones(3)
+        optimizer.step()
+    finally:
+        torch.set_default_dtype(before)
+    expected = optimizer.state[parameter]["step"] - 1
+    assert made.dtype == expected.dtype == (torch.float64 if default_dtype == torch.float64
+                                            else torch.float32)
+    assert made.device == expected.device and made.shape == expected.shape
+    assert torch.equal(made, expected)

@@ -170,6 +170,25 @@ PIN_BUFFERS_AHEAD = False
 #: runs both side by side.
 GUARD_BEHIND = False
 
+#: Note [States made where the CPUs step them]: torch.optim's AdamW makes a parameter's
+#: moments in its first step, on the parameter's device. So the first step stepped every
+#: master on the device, and the next forward moved the moments of the masters the host
+#: holds out to the host (7 GB for the 1.3B Llama at 13.3 GiB). The step after paid for the
+#: CPUs' first run as well: their pinned buffers, and the first pass over the moments. On
+#: the H100 that step took 8.8 x the steady step, and 2.6 x with the buffers pinned ahead
+#: (bench/RESULTS.md, 2026-12-06). With make_states_on_host, the first step makes the
+#: moments of each master that is whole on the host itself, as AdamW makes them (a step
+#: count of 0 on the CPU, zeros shaped as the master), in the optimizer-state class, and
+#: moves them to the host at once. The CPUs then step those masters in the first step, and every cost of
+#: their first run lands there. Only masters whose AdamW settings the CPUs run (the first
+#: step would make exactly these states), and only while the host tier takes the moves:
+#: a refusal warns once, and the states left on the device step there. The bench's
+#: --moments-on-host 0,1 runs both side by side.
+MAKE_STATES_ON_HOST = True
+#: Device memory the moments of one batch take before they move (Note [States made where
+#: the CPUs step them]).
+STATE_BATCH_BYTES = 512 << 20
+
 ON_HOST = ("host", "host_unmapped")
 PARTLY_ON_HOST = ON_HOST + ("split",)  # "split" with a chunk on disk is never all on the host
 
@@ -229,6 +248,15 @@ def whole(tensor, dtype) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
+def step_count_zero():
+    """A step count as torch.optim's Adam and AdamW make it for a group neither fused nor
+    capturable: a CPU scalar of the optimizers' scalar dtype."""
+    from torch.optim import optimizer as optimizers
+    scalar_dtype = getattr(optimizers, "_get_scalar_dtype", None)
+    return torch.tensor(0.0, dtype=scalar_dtype() if scalar_dtype is not None
+                        else torch.float32)
+
+
 def aligned(nbytes: int) -> int:
     return (nbytes + 63) // 64 * 64
 
@@ -266,7 +294,7 @@ class HostStep:
                         "host_guarded_steps": 0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
-                        "host_returned_bytes": 0}
+                        "host_returned_bytes": 0, "host_made_state_bytes": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
         # last_on_host (the default) the last masters go to the host (else each partial one
         # goes there whole, where it is).
@@ -280,6 +308,8 @@ class HostStep:
         # Note [Pinned buffers made ahead]: asked for, the thread making them (once), and
         # the stream the copies through them run on, for their release.
         self.pin_ahead = PIN_BUFFERS_AHEAD
+        # Note [States made where the CPUs step them]
+        self.make_states_on_host = MAKE_STATES_ON_HOST
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -328,6 +358,73 @@ class HostStep:
             if self.copies[slot] is None or self.copies[slot].numel() < copies.numel():
                 self.copies[slot] = copies
                 self.figures["host_pinned_ahead_bytes"] += copies.numel()
+
+    def make_states(self, stepper, windows: list, groups: dict, stream) -> None:
+        """Note [States made where the CPUs step them]: the moments of each master in
+        `windows` that has none yet, whose AdamW settings the CPUs run, and whose every byte
+        is on the host, made as AdamW makes them and moved to the host, a batch of at most
+        STATE_BATCH_BYTES at a time (device memory for one batch)."""
+        if not self.make_states_on_host or stepper.masters is None:
+            return
+        state = stepper.optimizer.state
+        chosen = []
+        for window in windows:
+            for parameter in window:
+                group = groups.get(id(parameter))
+                grad = stepper.gradient(parameter)
+                if (state.get(parameter) or working_of(stepper, parameter) is None
+                        or group is None or adamw_settings(stepper.optimizer, group) is None
+                        or grad is None or not grad.is_cuda or not whole(grad, torch.bfloat16)
+                        or not whole_fp32(parameter)
+                        or residency_or_foreign(parameter) not in ON_HOST):
+                    continue
+                chosen.append(parameter)
+        batches, batch_bytes = [[]], 0
+        for parameter in chosen:
+            if batch_bytes >= STATE_BATCH_BYTES:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append(parameter)
+            batch_bytes += 2 * parameter.untyped_storage().nbytes()
+        try:
+            for batch in batches:
+                if batch:
+                    self.make_batch(stepper, batch, stream)
+        except ZeroallocError as error:  # the host tier is full, say: the rest as AdamW does
+            self.make_states_on_host = False
+            warnings.warn(f"zeroalloc: moving new optimizer states to the host failed "
+                          f"({error}); the optimizer makes the rest on the device")
+        finally:
+            stepper.forget(chosen)
+
+    def make_batch(self, stepper, parameters: list, stream) -> None:
+        """Makes the moments of `parameters` in the optimizer-state class, zeroes them on
+        `stream` (their first touch, hinted, as move_into_class's copy is) and moves them to
+        the host."""
+        made = []
+        with _stats.allocation_class("optimizer_state"):
+            for parameter in parameters:
+                made.append((torch.empty_like(parameter, memory_format=torch.preserve_format),
+                             torch.empty_like(parameter, memory_format=torch.preserve_format)))
+        moments = [moment for pair in made for moment in pair]
+        _use_hints.hint(_offload.use_in_place_many, moments, stream.cuda_stream)
+        try:
+            with torch.cuda.stream(stream):
+                torch._foreach_zero_(moments)
+        finally:
+            _use_hints.hint(_offload.use_ends_many, moments, stream.cuda_stream)
+        state = stepper.optimizer.state
+        for parameter, (exp_avg, exp_avg_sq) in zip(parameters, made):
+            state[parameter]["step"] = step_count_zero()
+            state[parameter]["exp_avg"] = exp_avg
+            state[parameter]["exp_avg_sq"] = exp_avg_sq
+        pointers = [moment.untyped_storage().data_ptr() for moment in moments]
+        for pointer in pointers:  # all queued first, then waited for: they overlap
+            _offload.offload_pointer(pointer, wait=False)
+        for pointer in pointers:
+            _offload.offload_pointer(pointer, wait=True)
+        self.figures["host_made_state_bytes"] += sum(m.untyped_storage().nbytes()
+                                                     for m in moments)
 
     def merged(self, chosen: list) -> list:
         """Note [The CPUs' windows]: `chosen` ((window number, its parameters on the host), in

@@ -965,6 +965,8 @@ class WindowedStep:
         # A step with arguments (a GradScaler's, say) is the optimizer's own business.
         hosting = self.host is not None and not self.host.unavailable and not kwargs
         self.no_room_bytes = NO_ROOM_UNKNOWN  # what staging in backward met is not now's
+        if hosting:  # Note [States made where the CPUs step them] (_host_step.py)
+            self.host.make_states(self, run.windows, self.groups_of(run), main)
         scratch = self.prepare_scratch(run, main, hosting)
         # Note [Host windows]: the parameters on the host step there, on a thread, while
         # the device steps the rest of each window (run.windows stays as planned: the next
