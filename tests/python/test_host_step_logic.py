@@ -513,3 +513,30 @@ def test_a_step_count_made_ahead_is_the_one_adamw_makes(default_dtype):
                                             else torch.float32)
     assert made.device == expected.device and made.shape == expected.shape
     assert torch.equal(made, expected)
+
+
+@pytest.mark.parametrize("available_gib, made", [(40, True), (25, False)])
+def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers(
+        monkeypatch, available_gib, made):
+    """Note [States made where the CPUs step them]: the first step makes the moments on the
+    host only when the host can pin the host step's buffers (rounded up to powers of two)
+    beside what the host tier may still create up to its limit and its reserve. A 7B model
+    at 24 GiB needs 20 GiB of buffers; with 10 GiB of the tier's growth and a reserve of 8
+    GiB ahead, 40 GiB available leaves room and 25 GiB does not."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    gib = 1 << 30
+    masters = [torch.empty(0) for _ in range(2)]
+    counts = {id(masters[0]): 6_000_000_000, id(masters[1]): 740_000_000}  # 6.74 G
+    stepper = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(param_groups=[{"params": masters}]),
+        masters=types.SimpleNamespace(working=lambda p: p))
+    monkeypatch.setattr(torch.Tensor, "numel", lambda self: counts[id(self)])
+    monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
+        "offload": {"host_limit_bytes": 100 * gib, "host_created_bytes": 90 * gib}})
+    monkeypatch.setattr(_host_step, "available_host_bytes", lambda: available_gib * gib)
+    monkeypatch.setattr(_host_step, "host_memory_bytes", lambda: 128 * gib)
+    host = _host_step.HostStep()
+    host.ahead_bytes = 16 * gib
+    # Two 2 GiB buffers for a merged window's bf16 masters, 16 GiB for every gradient.
+    assert host.room_for_buffers(stepper, 0) is made

@@ -182,8 +182,14 @@ GUARD_BEHIND = False
 #: moves them to the host at once. The CPUs then step those masters in the first step, and every cost of
 #: their first run lands there. Only masters whose AdamW settings the CPUs run (the first
 #: step would make exactly these states), and only while the host tier takes the moves:
-#: a refusal warns once, and the states left on the device step there. The bench's
-#: --moments-on-host 0,1 runs both side by side.
+#: a refusal warns once, and the states left on the device step there. The host step's
+#: pinned buffers (PyTorch's) are then made in the first step too, before the host tier
+#: grows in the second step's backward. A 7B model at 24 GiB, with the host tier's limit
+#: at 100 of 126 GiB, then ran the host out of memory in its second step. So the moments
+#: are made on the host only when the host can pin those buffers and still leave what the
+#: tier may create up to its limit, and the tier's reserve; else AdamW makes them, and the
+#: buffers come in the second step, as before. The bench's --moments-on-host 0,1 runs both
+#: side by side.
 MAKE_STATES_ON_HOST = True
 #: Device memory the moments of one batch take before they move (Note [States made where
 #: the CPUs step them]).
@@ -226,6 +232,23 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):
         return 0
+
+
+def available_host_bytes() -> int:
+    """The host's available memory (MemAvailable; 0 where the system does not say)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def power_of_two(nbytes: int) -> int:
+    """The least power of two at least `nbytes` (1 for 0)."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def place_of(tensor, places: dict) -> str:
@@ -379,6 +402,8 @@ class HostStep:
                         or residency_or_foreign(parameter) not in ON_HOST):
                     continue
                 chosen.append(parameter)
+        if not chosen or not self.room_for_buffers(stepper, chosen[0].device.index):
+            return
         batches, batch_bytes = [[]], 0
         for parameter in chosen:
             if batch_bytes >= STATE_BATCH_BYTES:
@@ -396,6 +421,21 @@ class HostStep:
                           f"({error}); the optimizer makes the rest on the device")
         finally:
             stepper.forget(chosen)
+
+    def room_for_buffers(self, stepper, device: int) -> bool:
+        """Note [States made where the CPUs step them]: whether the host can pin the host
+        step's buffers now (each rounded up to a power of two by PyTorch's pinned allocator)
+        and still leave what its host tier may create up to its limit, and the tier's reserve
+        of a sixteenth of the host."""
+        count = sum(p.numel() for group in stepper.optimizer.param_groups
+                    for p in group["params"] if working_of(stepper, p) is not None)
+        need = 2 * power_of_two(2 * min(count, self.window_parameters or count))
+        if self.queue_ahead and 2 * count <= self.ahead_bytes:
+            need += power_of_two(2 * count)
+        offload = _stats.raw_stats(device).get("offload") or {}
+        growth = max(0, offload.get("host_limit_bytes", 0)
+                     - offload.get("host_created_bytes", 0))
+        return available_host_bytes() - growth - host_memory_bytes() // 16 >= need
 
     def make_batch(self, stepper, parameters: list, stream) -> None:
         """Makes the moments of `parameters` in the optimizer-state class, zeroes them on
