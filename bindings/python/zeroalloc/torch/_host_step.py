@@ -86,7 +86,7 @@ import torch
 from zeroalloc import _offload, _stats
 from zeroalloc._library import ZeroallocError
 from zeroalloc.torch import _settings, _use_hints
-from zeroalloc.torch._step_records import residency_or_foreign
+from zeroalloc.torch._step_records import is_out_of_memory, residency_or_foreign
 
 #: Note [The CPUs' windows]: the step's windows are sized for device scratch (at most a
 #: sixteenth of the limit), which the CPUs need none of, and each window the CPUs step costs
@@ -415,9 +415,13 @@ class HostStep:
             for batch in batches:
                 if batch:
                     self.make_batch(stepper, batch, stream)
-        except ZeroallocError as error:  # the host tier is full, say: the rest as AdamW does
+        except (ZeroallocError, RuntimeError) as error:
+            # The host tier is full, or the device has no room for a batch: AdamW makes the
+            # rest, as without this.
+            if not isinstance(error, ZeroallocError) and not is_out_of_memory(error):
+                raise
             self.make_states_on_host = False
-            warnings.warn(f"zeroalloc: moving new optimizer states to the host failed "
+            warnings.warn(f"zeroalloc: making new optimizer states on the host failed "
                           f"({error}); the optimizer makes the rest on the device")
         finally:
             stepper.forget(chosen)

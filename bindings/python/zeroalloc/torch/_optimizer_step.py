@@ -22,7 +22,8 @@ from zeroalloc.torch._recipe_advice import RecipeAdvice, why_not
 from zeroalloc.torch._step_listeners import WindowedSteps, windowed_steps
 from zeroalloc.torch._step_records import (
     CopyStreams, StagedWindow, StateEntry, StepRun, StepScratch, WindowPlaces, copied_bytes,
-    current, is_bounced, is_parameter, padded, put, residency_or_foreign, scratch_size)
+    current, is_bounced, is_out_of_memory, is_parameter, padded, put, residency_or_foreign,
+    scratch_size)
 from zeroalloc.torch._weak_methods import BoundWeakly, unbound
 
 
@@ -157,14 +158,6 @@ NO_ROOM_UNKNOWN = 1 << 62  # no scratch size was refused yet
 class NoRoom(RuntimeError):
     """A window's scratch the device limit could not serve (Note [Stepped in place without
     room])."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation the device limit could not serve: PyTorch's OutOfMemoryError, or the
-    RuntimeError that carries zeroalloc_malloc's out-of-memory message (a device error that
-    quotes the driver's "out of memory" is not one)."""
-    return (isinstance(error, torch.cuda.OutOfMemoryError)
-            or "zeroalloc_malloc: out of memory on " in str(error))
 
 
 def on_gpu(device) -> bool:

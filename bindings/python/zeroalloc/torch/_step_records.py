@@ -124,3 +124,11 @@ def is_bounced(tensor, places) -> bool:
     """Whether a state is copied through scratch: off the device, and laid out so that a
     contiguous copy has the same strides (else the kernels reach it where it is)."""
     return tensor.is_contiguous() and places[id(tensor)] not in ("device", "foreign")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation the device limit could not serve: PyTorch's OutOfMemoryError, or the
+    RuntimeError that carries zeroalloc_malloc's out-of-memory message (a device error that
+    quotes the driver's "out of memory" is not one)."""
+    return (isinstance(error, torch.cuda.OutOfMemoryError)
+            or "zeroalloc_malloc: out of memory on " in str(error))
