@@ -540,3 +540,49 @@ def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers
     host.ahead_bytes = 16 * gib
     # Two 2 GiB buffers for a merged window's bf16 masters, 16 GiB for every gradient.
     assert host.room_for_buffers(stepper, 0) is made
+
+
+def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there(monkeypatch):
+    """Note [States made where the CPUs step them]: the first step makes moments for the
+    masters wholly on the host that have none yet and whose AdamW settings the CPUs run, in
+    batches of at most STATE_BATCH_BYTES; none for a master with states, one on the device,
+    a parameter that is not a master, or a group with amsgrad. Nothing when turned off."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+
+    def gradient(count):  # a whole bf16 gradient on the device, as the step reads it
+        return types.SimpleNamespace(
+            is_cuda=True, dtype=torch.bfloat16, is_contiguous=lambda: True,
+            storage_offset=lambda: 0, numel=lambda: count, element_size=lambda: 2,
+            untyped_storage=lambda: types.SimpleNamespace(nbytes=lambda: 2 * count))
+
+    names = ("first", "stated", "on_device", "not_master", "second", "amsgrad")
+    tensors = {name: torch.nn.Parameter(torch.zeros(1024)) for name in names}
+    optimizer = torch.optim.AdamW([{"params": [tensors[n] for n in names[:5]]},
+                                   {"params": [tensors["amsgrad"]], "amsgrad": True}])
+    optimizer.state[tensors["stated"]]["step"] = torch.tensor(1.0)
+    places = {id(t): "host" for t in tensors.values()}
+    places[id(tensors["on_device"])] = "device"
+    stepper = types.SimpleNamespace(
+        optimizer=optimizer,
+        masters=types.SimpleNamespace(
+            working=lambda p: None if p is tensors["not_master"] else p,
+            gradient=lambda p: gradient(p.numel())),
+        gradient=lambda p: gradient(p.numel()),
+        forget=lambda parameters: forgotten.extend(parameters))
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    batches, forgotten = [], []
+    monkeypatch.setattr(_host_step, "residency_or_foreign", lambda t: places[id(t)])
+    monkeypatch.setattr(_host_step, "STATE_BATCH_BYTES", 8 * 1024)  # one master's moments
+    monkeypatch.setattr(_host_step.HostStep, "room_for_buffers", lambda *_: True)
+    monkeypatch.setattr(_host_step.HostStep, "make_batch",
+                        lambda self, stepper, batch, stream: batches.append(batch))
+    host = _host_step.HostStep()
+    host.make_states(stepper, [list(tensors.values())], groups, None)
+    assert [[p is tensors[n] for p in batch] for batch, n in zip(batches, ("first", "second"))
+            ] == [[True], [True]], batches
+    assert {id(p) for p in forgotten} == {id(tensors["first"]), id(tensors["second"])}
+    batches.clear()
+    host.make_states_on_host = False
+    host.make_states(stepper, [list(tensors.values())], groups, None)
+    assert batches == []
