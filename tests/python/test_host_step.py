@@ -160,8 +160,8 @@ for number, (x, y) in enumerate(data):
         # One moment of the first master to the host, the master and its other moment left
         # on the device: the CPUs can step it only once the rest follows.
         from zeroalloc import _offload
-        first = optimizer.param_groups[0]["params"][0]
-        _offload.offload_pointer(optimizer.state[first]["exp_avg"].untyped_storage().data_ptr())
+        moved = optimizer.param_groups[0]["params"][0]
+        _offload.offload_pointer(optimizer.state[moved]["exp_avg"].untyped_storage().data_ptr())
     if os.environ.get("DROP") and number == len(data) - 1:  # the weights before the last step
         with torch.no_grad():
             before = {}
@@ -176,9 +176,10 @@ for number, (x, y) in enumerate(data):
                      for m in optimizer.state_dict()["zeroalloc_master_weights"]]
         first, second = (after, second) if number == 1 else (first, after)
     if number == 1:  # the states the first step made, as the optimizer's state_dict has them
-        saved = optimizer.state_dict()["state"]
-        print("made", " ".join(f"{key}:{value.dtype}:{value.device.type}:{tuple(value.shape)}"
-                               for key, value in sorted(saved[len(saved) - 1].items())))
+        print("made", " | ".join(
+            f"{index} " + " ".join(f"{key}:{value.dtype}:{value.device.type}:{tuple(value.shape)}"
+                                   for key, value in entry.items())
+            for index, entry in optimizer.state_dict()["state"].items()))
     loss = torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y)
     loss.backward()
     if plain:

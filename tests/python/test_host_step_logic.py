@@ -515,38 +515,42 @@ def test_a_step_count_made_ahead_is_the_one_adamw_makes(default_dtype):
     assert torch.equal(made, expected)
 
 
-@pytest.mark.parametrize("available_gib, made", [(40, True), (25, False)])
+@pytest.mark.parametrize("available_gib, ahead_gib, behind, made", [
+    (38, 16, False, True), (37, 16, False, False),  # every gradient's buffer, queued ahead
+    (37, 1, True, False),  # the same buffer for a run that may finish behind the forward
+    (22, 1, False, True), (21, 1, False, False)])  # the windows' buffers alone
 def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers(
-        monkeypatch, available_gib, made):
+        monkeypatch, available_gib, ahead_gib, behind, made):
     """Note [States made where the CPUs step them]: the first step makes the moments on the
     host only when the host can pin the host step's buffers (rounded up to powers of two)
-    beside what the host tier may still create up to its limit and its reserve. A 7B model
-    at 24 GiB needs 20 GiB of buffers; with 10 GiB of the tier's growth and a reserve of 8
-    GiB ahead, 40 GiB available leaves room and 25 GiB does not."""
+    beside what the host tier may still create up to its limit and its reserve. For a 7B
+    model: two 2 GiB buffers for a merged window's bf16 masters, and 16 GiB for every bf16
+    gradient when they are queued ahead or the run may finish behind the forward; the tier
+    may grow by 10 GiB, and keeps 8 GiB of the host's 128 GiB."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
     gib = 1 << 30
-    masters = [torch.empty(0) for _ in range(2)]
-    counts = {id(masters[0]): 6_000_000_000, id(masters[1]): 740_000_000}  # 6.74 G
+    masters = [types.SimpleNamespace(numel=lambda: 6_000_000_000),
+               types.SimpleNamespace(numel=lambda: 740_000_000)]
     stepper = types.SimpleNamespace(
         optimizer=types.SimpleNamespace(param_groups=[{"params": masters}]),
-        masters=types.SimpleNamespace(working=lambda p: p))
-    monkeypatch.setattr(torch.Tensor, "numel", lambda self: counts[id(self)])
+        masters=types.SimpleNamespace(working=lambda p: p), behind_allowed=behind)
     monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
         "offload": {"host_limit_bytes": 100 * gib, "host_created_bytes": 90 * gib}})
     monkeypatch.setattr(_host_step, "available_host_bytes", lambda: available_gib * gib)
     monkeypatch.setattr(_host_step, "host_memory_bytes", lambda: 128 * gib)
     host = _host_step.HostStep()
-    host.ahead_bytes = 16 * gib
-    # Two 2 GiB buffers for a merged window's bf16 masters, 16 GiB for every gradient.
+    host.ahead_bytes = ahead_gib * gib
     assert host.room_for_buffers(stepper, 0) is made
 
 
 def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there(monkeypatch):
     """Note [States made where the CPUs step them]: the first step makes moments for the
-    masters wholly on the host that have none yet and whose AdamW settings the CPUs run, in
-    batches of at most STATE_BATCH_BYTES; none for a master with states, one on the device,
-    a parameter that is not a master, or a group with amsgrad. Nothing when turned off."""
+    masters wholly on the host that have none yet and that the CPUs can step, in batches of
+    about STATE_BATCH_BYTES; none for a master with states, one on the device, a parameter
+    that is not a master, or a group with amsgrad. The optimizer's state lists every
+    parameter in param_groups' order, as AdamW's first step does. Nothing when turned
+    off."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
 
@@ -563,10 +567,12 @@ def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there
     optimizer.state[tensors["stated"]]["step"] = torch.tensor(1.0)
     places = {id(t): "host" for t in tensors.values()}
     places[id(tensors["on_device"])] = "device"
+    working = types.SimpleNamespace(dtype=torch.bfloat16, is_contiguous=lambda: True,
+                                    is_cuda=True)  # a bf16 working copy on the device
     stepper = types.SimpleNamespace(
         optimizer=optimizer,
         masters=types.SimpleNamespace(
-            working=lambda p: None if p is tensors["not_master"] else p,
+            working=lambda p: None if p is tensors["not_master"] else working,
             gradient=lambda p: gradient(p.numel())),
         gradient=lambda p: gradient(p.numel()),
         forget=lambda parameters: forgotten.extend(parameters))
@@ -582,7 +588,48 @@ def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there
     assert [[p is tensors[n] for p in batch] for batch, n in zip(batches, ("first", "second"))
             ] == [[True], [True]], batches
     assert {id(p) for p in forgotten} == {id(tensors["first"]), id(tensors["second"])}
+    assert [id(p) for p in optimizer.state] == [id(tensors[n]) for n in (
+        "stated", "first", "on_device", "not_master", "second", "amsgrad")]
     batches.clear()
     host.make_states_on_host = False
     host.make_states(stepper, [list(tensors.values())], groups, None)
     assert batches == []
+
+
+@pytest.mark.parametrize("raised, told", [
+    ("refused", True), ("out of memory", True), ("other", False)])
+def test_moments_the_host_tier_or_the_device_cannot_take_are_left_to_adamw(
+        monkeypatch, raised, told):
+    """Note [States made where the CPUs step them]: a move the host tier refuses, or a batch
+    the device has no room for, warns once and leaves the rest to AdamW from then on; any
+    other error propagates. The step's cache forgets the masters either way."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc._library import ZeroallocError
+    from zeroalloc.torch import _host_step
+    errors = {"refused": ZeroallocError("the host tier cannot offload a chunk"),
+              "out of memory": RuntimeError("zeroalloc_malloc: out of memory on sim:0"),
+              "other": RuntimeError("an unrelated failure")}
+    parameter = torch.nn.Parameter(torch.zeros(8))
+    optimizer = torch.optim.AdamW([parameter])
+    forgotten = []
+    stepper = types.SimpleNamespace(
+        optimizer=optimizer, masters=object(), gradient=lambda p: p,
+        forget=lambda parameters: forgotten.extend(parameters))
+
+    def make_batch(self, stepper, batch, stream):
+        raise errors[raised]
+
+    monkeypatch.setattr(_host_step.HostStep, "master_steppable", lambda *_: True)
+    monkeypatch.setattr(_host_step, "residency_or_foreign", lambda t: "host")
+    monkeypatch.setattr(_host_step.HostStep, "room_for_buffers", lambda *_: True)
+    monkeypatch.setattr(_host_step.HostStep, "make_batch", make_batch)
+    host = _host_step.HostStep()
+    groups = {id(parameter): optimizer.param_groups[0]}
+    if told:
+        with pytest.warns(UserWarning, match="the optimizer makes the rest on the device"):
+            host.make_states(stepper, [[parameter]], groups, None)
+        assert host.make_states_on_host is False
+    else:
+        with pytest.raises(RuntimeError, match="an unrelated failure"):
+            host.make_states(stepper, [[parameter]], groups, None)
+    assert forgotten == [parameter]

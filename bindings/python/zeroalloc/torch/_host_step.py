@@ -20,9 +20,11 @@ Note [The host step finishes behind the forward]: with master weights the CPUs' 
 are the step's long pole (28 bytes of host memory a parameter), and the device idles
 meanwhile. Stepping some of the host's windows on the device instead gained nothing: their
 copies up and back move 24 bytes a parameter through the same host memory, and the CPUs
-slowed by as much as they were spared (bench/RESULTS.md, 2026-12-06). So optimizer.step() returns once the device's windows are done
-(ZEROALLOC_HOST_STEP_OVERLAP, default 1), and the CPUs finish theirs while the next forward
-runs. The forward reads only the working copies, each written on the copy stream after its
+slowed by as much as they were spared (bench/RESULTS.md, 2026-12-06). The CPUs' pass runs
+at the host's memory bandwidth: AdamW at 102% of the rate of moving its bytes with no
+arithmetic (host_step_bench --masters, same). So optimizer.step() returns once the device's
+windows are done (ZEROALLOC_HOST_STEP_OVERLAP, default 1), and the CPUs finish theirs while
+the next forward runs. The forward reads only the working copies, each written on the copy stream after its
 window: a hinted use of one (a module's forward, zt.using) first waits for the CPUs to finish
 its window, then orders its stream after that window's copies. The CPUs step the windows in
 the order of the parameters, which is about the order of the forward, so the forward runs
@@ -172,27 +174,29 @@ GUARD_BEHIND = False
 
 #: Note [States made where the CPUs step them]: torch.optim's AdamW makes a parameter's
 #: moments in its first step, on the parameter's device. So the first step stepped every
-#: master on the device, and the next forward moved the moments of the masters the host
-#: holds out to the host (7 GB for the 1.3B Llama at 13.3 GiB). The step after paid for the
-#: CPUs' first run as well: their pinned buffers, and the first pass over the moments. On
+#: master on the device. The next forward then moved the moments of the masters the host
+#: holds out to the host (7 GB for the 1.3B Llama at 13.3 GiB). The step after also paid
+#: for the CPUs' first run: their pinned buffers, and the first pass over the moments. On
 #: the H100 that step took 8.8 x the steady step, and 2.6 x with the buffers pinned ahead
-#: (bench/RESULTS.md, 2026-12-06). With make_states_on_host, the first step makes the
-#: moments of each master that is whole on the host itself, as AdamW makes them (a step
-#: count of 0 on the CPU, zeros shaped as the master), in the optimizer-state class, and
-#: moves them to the host at once. The CPUs then step those masters in the first step, and every cost of
-#: their first run lands there. Only masters whose AdamW settings the CPUs run (the first
-#: step would make exactly these states), and only while the host tier takes the moves:
-#: a refusal warns once, and the states left on the device step there. The host step's
-#: pinned buffers (PyTorch's) are then made in the first step too, before the host tier
-#: grows in the second step's backward. A 7B model at 24 GiB, with the host tier's limit
-#: at 100 of 126 GiB, then ran the host out of memory in its second step. So the moments
-#: are made on the host only when the host can pin those buffers and still leave what the
-#: tier may create up to its limit, and the tier's reserve; else AdamW makes them, and the
-#: buffers come in the second step, as before. The bench's --moments-on-host 0,1 runs both
-#: side by side.
+#: (bench/RESULTS.md, 2026-12-06). With make_states_on_host, the first step makes these
+#: moments itself, as AdamW makes them: a step count of 0 on the CPU, and zeros shaped as
+#: the master, in the optimizer-state class. It moves them to the host at once. The CPUs
+#: then step those masters in the first step, and every cost of their first run lands
+#: there. Only masters wholly on the host, without states, that the CPUs can step (their
+#: AdamW settings, a bf16 working copy and gradient): AdamW would make exactly these
+#: states. Every parameter the step will make states for gets its entry in the optimizer's
+#: state first, in the order of param_groups, so its state_dict lists them as AdamW's own
+#: first step does. A move the host tier refuses warns once, and AdamW makes the rest.
+#: The host step's pinned buffers (PyTorch's) are then made in the first step too, before
+#: the host tier grows in the second step's backward. A 7B model at 24 GiB, with the host
+#: tier's limit at 100 of 126 GiB, then ran the host out of memory in its second step. So
+#: the first step makes the moments only when the host can pin those buffers and still
+#: leave two things: what the tier may create up to its limit, and the tier's reserve. Else
+#: AdamW makes them, and the buffers come in the second step, as before. The bench's
+#: --moments-on-host 0,1 runs both side by side.
 MAKE_STATES_ON_HOST = True
-#: Device memory the moments of one batch take before they move (Note [States made where
-#: the CPUs step them]).
+#: About the device memory the moments of one batch take before they move (Note [States
+#: made where the CPUs step them]); a batch holds one master at least.
 STATE_BATCH_BYTES = 512 << 20
 
 ON_HOST = ("host", "host_unmapped")
@@ -383,10 +387,10 @@ class HostStep:
                 self.figures["host_pinned_ahead_bytes"] += copies.numel()
 
     def make_states(self, stepper, windows: list, groups: dict, stream) -> None:
-        """Note [States made where the CPUs step them]: the moments of each master in
-        `windows` that has none yet, whose AdamW settings the CPUs run, and whose every byte
-        is on the host, made as AdamW makes them and moved to the host, a batch of at most
-        STATE_BATCH_BYTES at a time (device memory for one batch)."""
+        """Note [States made where the CPUs step them]: the moments of the masters in
+        `windows` that have none yet, that the CPUs can step, and that are wholly on the
+        host. They are made as AdamW makes them and moved to the host, in batches of about
+        STATE_BATCH_BYTES."""
         if not self.make_states_on_host or stepper.masters is None:
             return
         state = stepper.optimizer.state
@@ -394,23 +398,27 @@ class HostStep:
         for window in windows:
             for parameter in window:
                 group = groups.get(id(parameter))
-                grad = stepper.gradient(parameter)
-                if (state.get(parameter) or working_of(stepper, parameter) is None
-                        or group is None or adamw_settings(stepper.optimizer, group) is None
-                        or grad is None or not grad.is_cuda or not whole(grad, torch.bfloat16)
-                        or not whole_fp32(parameter)
+                if (state.get(parameter) or group is None
+                        or adamw_settings(stepper.optimizer, group) is None
+                        or not self.master_steppable(stepper, parameter)
                         or residency_or_foreign(parameter) not in ON_HOST):
                     continue
                 chosen.append(parameter)
         if not chosen or not self.room_for_buffers(stepper, chosen[0].device.index):
             return
+        # AdamW's first step would add these entries in param_groups' order.
+        for group in stepper.optimizer.param_groups:
+            for parameter in group["params"]:
+                if stepper.gradient(parameter) is not None and parameter not in state:
+                    state[parameter] = {}
         batches, batch_bytes = [[]], 0
         for parameter in chosen:
-            if batch_bytes >= STATE_BATCH_BYTES:
+            cost = 2 * parameter.untyped_storage().nbytes()
+            if batches[-1] and batch_bytes + cost > STATE_BATCH_BYTES:
                 batches.append([])
                 batch_bytes = 0
             batches[-1].append(parameter)
-            batch_bytes += 2 * parameter.untyped_storage().nbytes()
+            batch_bytes += cost
         try:
             for batch in batches:
                 if batch:
@@ -426,15 +434,31 @@ class HostStep:
         finally:
             stepper.forget(chosen)
 
+    def master_steppable(self, stepper, parameter) -> bool:
+        """Whether the CPUs can step `parameter` as a master once it has moments: an fp32
+        whole tensor with a bf16 working copy on the device and its whole bf16 gradient
+        (what steppable() asks, states apart)."""
+        working = working_of(stepper, parameter)
+        grad = stepper.gradient(parameter)
+        return (working is not None and grad is not None and grad.is_cuda
+                and whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
+                and working.is_contiguous() and working.is_cuda and whole_fp32(parameter))
+
     def room_for_buffers(self, stepper, device: int) -> bool:
         """Note [States made where the CPUs step them]: whether the host can pin the host
-        step's buffers now (each rounded up to a power of two by PyTorch's pinned allocator)
-        and still leave what its host tier may create up to its limit, and the tier's reserve
-        of a sixteenth of the host."""
-        count = sum(p.numel() for group in stepper.optimizer.param_groups
-                    for p in group["params"] if working_of(stepper, p) is not None)
-        need = 2 * power_of_two(2 * min(count, self.window_parameters or count))
-        if self.queue_ahead and 2 * count <= self.ahead_bytes:
+        step's buffers now and still leave what its host tier may create up to its limit,
+        and the tier's reserve of a sixteenth of the host. PyTorch's pinned allocator rounds
+        each buffer up to a power of two."""
+        masters = [p for group in stepper.optimizer.param_groups for p in group["params"]
+                   if working_of(stepper, p) is not None]
+        count = sum(p.numel() for p in masters)
+        # Two buffers for a merged window's bf16 masters, each aligned (make_ahead's sizes).
+        need = 2 * power_of_two(2 * min(count, self.window_parameters or count)
+                                + 64 * len(masters))
+        # One for every gradient when the copies are queued ahead, or when the run may
+        # finish behind the forward (start() queues them all then).
+        behind = getattr(stepper, "behind_allowed", False) or self.guard_behind
+        if behind or self.queue_ahead and 2 * count <= self.ahead_bytes:
             need += power_of_two(2 * count)
         offload = _stats.raw_stats(device).get("offload") or {}
         growth = max(0, offload.get("host_limit_bytes", 0)
@@ -459,9 +483,8 @@ class HostStep:
             _use_hints.hint(_offload.use_ends_many, moments, stream.cuda_stream)
         state = stepper.optimizer.state
         for parameter, (exp_avg, exp_avg_sq) in zip(parameters, made):
-            state[parameter]["step"] = step_count_zero()
-            state[parameter]["exp_avg"] = exp_avg
-            state[parameter]["exp_avg_sq"] = exp_avg_sq
+            state[parameter].update({"step": step_count_zero(), "exp_avg": exp_avg,
+                                     "exp_avg_sq": exp_avg_sq})
         pointers = [moment.untyped_storage().data_ptr() for moment in moments]
         for pointer in pointers:  # all queued first, then waited for: they overlap
             _offload.offload_pointer(pointer, wait=False)
