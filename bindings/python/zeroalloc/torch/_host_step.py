@@ -24,8 +24,8 @@ slowed by as much as they were spared (bench/RESULTS.md, 2026-12-06). The CPUs' 
 at the host's memory bandwidth: AdamW at 102% of the rate of moving its bytes with no
 arithmetic (host_step_bench --masters, same). So optimizer.step() returns once the device's
 windows are done (ZEROALLOC_HOST_STEP_OVERLAP, default 1), and the CPUs finish theirs while
-the next forward runs. The forward reads only the working copies, each written on the copy stream after its
-window: a hinted use of one (a module's forward, zt.using) first waits for the CPUs to finish
+the next forward runs. The forward reads only the working copies, each written on the copy
+stream after its window: a hinted use of one (a module's forward, zt.using) first waits for the CPUs to finish
 its window, then orders its stream after that window's copies. The CPUs step the windows in
 the order of the parameters, which is about the order of the forward, so the forward runs
 right behind them. Everything else that reads or writes what the CPUs hold waits for all of
