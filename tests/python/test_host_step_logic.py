@@ -515,18 +515,20 @@ def test_a_step_count_made_ahead_is_the_one_adamw_makes(default_dtype):
     assert torch.equal(made, expected)
 
 
-@pytest.mark.parametrize("available_gib, ahead_gib, behind, made", [
-    (38, 16, False, True), (37, 16, False, False),  # every gradient's buffer, queued ahead
-    (37, 1, True, False),  # the same buffer for a run that may finish behind the forward
-    (22, 1, False, True), (21, 1, False, False)])  # the windows' buffers alone
+@pytest.mark.parametrize("available_gib, ahead_gib, behind, held, made", [
+    (38, 16, False, False, True), (37, 16, False, False, False),  # every gradient's buffer
+    (37, 1, True, False, False),  # the same buffer for a run that may finish behind
+    (22, 1, False, False, True), (21, 1, False, False, False),  # the windows' buffers alone
+    (18, 16, False, True, True)])  # every buffer held already: room for the tier alone
 def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers(
-        monkeypatch, available_gib, ahead_gib, behind, made):
+        monkeypatch, available_gib, ahead_gib, behind, held, made):
     """Note [States made where the CPUs step them]: the first step makes the moments on the
     host only when the host can pin the host step's buffers (rounded up to powers of two)
     beside what the host tier may still create up to its limit and its reserve. For a 7B
     model: two 2 GiB buffers for a merged window's bf16 masters, and 16 GiB for every bf16
     gradient when they are queued ahead or the run may finish behind the forward; the tier
-    may grow by 10 GiB, and keeps 8 GiB of the host's 128 GiB."""
+    may grow by 10 GiB, and keeps 8 GiB of the host's 128 GiB. Buffers held already count
+    for nothing."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
     gib = 1 << 30
@@ -541,6 +543,9 @@ def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers
     monkeypatch.setattr(_host_step, "host_memory_bytes", lambda: 128 * gib)
     host = _host_step.HostStep()
     host.ahead_bytes = ahead_gib * gib
+    if held:  # made ahead by the library, or by an earlier step
+        host.gradients = types.SimpleNamespace(numel=lambda: 16 * gib)
+        host.copies = [types.SimpleNamespace(numel=lambda: 2 * gib)] * 2
     assert host.room_for_buffers(stepper, 0) is made
 
 

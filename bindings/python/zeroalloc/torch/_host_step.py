@@ -448,18 +448,23 @@ class HostStep:
         """Note [States made where the CPUs step them]: whether the host can pin the host
         step's buffers now and still leave what its host tier may create up to its limit,
         and the tier's reserve of a sixteenth of the host. PyTorch's pinned allocator rounds
-        each buffer up to a power of two."""
+        each buffer up to a power of two. A buffer held already, made ahead by the library
+        (Note [Pinned buffers made ahead]) or by an earlier step, needs nothing more."""
+        self.take_made()  # the buffers made ahead, if asked for: waited for once
         masters = [p for group in stepper.optimizer.param_groups for p in group["params"]
                    if working_of(stepper, p) is not None]
         count = sum(p.numel() for p in masters)
         # Two buffers for a merged window's bf16 masters, each aligned (make_ahead's sizes).
-        need = 2 * power_of_two(2 * min(count, self.window_parameters or count)
-                                + 64 * len(masters))
+        window = 2 * min(count, self.window_parameters or count) + 64 * len(masters)
+        need = sum(power_of_two(window) for copies in self.copies
+                   if copies is None or copies.numel() < window)
         # One for every gradient when the copies are queued ahead, or when the run may
         # finish behind the forward (start() queues them all then).
         behind = getattr(stepper, "behind_allowed", False) or self.guard_behind
-        if behind or self.queue_ahead and 2 * count <= self.ahead_bytes:
-            need += power_of_two(2 * count)
+        gradients = 2 * count + 64 * len(masters)
+        if ((behind or self.queue_ahead and 2 * count <= self.ahead_bytes)
+                and (self.gradients is None or self.gradients.numel() < gradients)):
+            need += power_of_two(gradients)
         offload = _stats.raw_stats(device).get("offload") or {}
         growth = max(0, offload.get("host_limit_bytes", 0)
                      - offload.get("host_created_bytes", 0))
