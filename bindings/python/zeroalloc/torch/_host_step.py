@@ -192,8 +192,9 @@ GUARD_BEHIND = False
 #: tier's limit at 100 of 126 GiB, then ran the host out of memory in its second step. So
 #: the first step makes the moments only when the host can pin those buffers and still
 #: leave two things: what the tier may create up to its limit, and the tier's reserve. Else
-#: AdamW makes them, and the buffers come in the second step, as before. The bench's
-#: --moments-on-host 0,1 runs both side by side.
+#: AdamW makes them, and the buffers come in the second step, as before. Buffers the
+#: library made ahead (Note [Pinned buffers made ahead]) are held already and need no room.
+#: The bench's --moments-on-host 0,1 runs both side by side.
 MAKE_STATES_ON_HOST = True
 #: About the device memory the moments of one batch take before they move (Note [States
 #: made where the CPUs step them]); a batch holds one master at least.
