@@ -461,7 +461,8 @@ def pcie_bound_step_s(native_step_s: float, native_peak_reserved: int, limit_byt
 
 STEP_MODEL_NOTE = ("model s: the step time of Note [The step's time model] (zeroalloc/"
                    "_step_model.py) from the native run's phases, the pinned bandwidth and the "
-                   "CPUs' AdamW rate in the run, with the masters the trade puts on the host; "
+                   "CPUs' AdamW rate in the run, with the masters the trade puts on the host, "
+                   "in the run's ordering (the CPUs behind the forward, or within the step); "
                    "only for master weights with the host step (else nan)")
 
 
@@ -485,11 +486,12 @@ def modelled_step(result: dict, native: dict, bandwidth: Optional[Bandwidth],
                   shape: Optional[dict]) -> dict:
     """Note [The step's time model] for one offload run, {} where it does not apply: a run
     with master weights and the host step (the trade), a native run's phases, the bandwidth
-    and the model's shape (hidden, intermediate, layers, vocab) known."""
+    and the model's shape (hidden, intermediate, layers, vocab) known. Its ordering is the
+    run's: the CPUs behind the forward where they ran behind it, else within the step."""
     timed = result.get("timed") or {}
     phases = native.get("phases_s")
     behind = (result.get("overlap") or {}).get("host_behind_steps", 0) > 0
-    if not (result.get("masters_traded") and behind and timed.get("host_params")
+    if not (result.get("masters_traded") and timed.get("host_params")
             and timed.get("host_cpu_s") and phases and bandwidth is not None and shape
             and "peak_reserved" in result):
         return {}
@@ -500,7 +502,7 @@ def modelled_step(result: dict, native: dict, bandwidth: Optional[Bandwidth],
     parameters = step_model.llama_parameters(**shape)
     on_host = step_model.plan_host(parameters, result["peak_reserved"], result["limit_bytes"],
                                    prefetch_headroom_bytes())
-    return step_model.predict_step(parameters, on_host, costs)
+    return step_model.predict_step(parameters, on_host, costs, behind)
 
 
 def sweep_figures(result: dict, native: dict, bandwidth: Optional[Bandwidth],

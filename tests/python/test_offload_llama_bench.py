@@ -140,7 +140,8 @@ def test_a_sweep_row_counts_the_timed_steps_alone():
 def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
     """Note [The step's time model]: a run with master weights and the host step (the
     trade) gets the model's step beside its own, from the native run's phases, the
-    bandwidth and the CPUs' rate in the run; any other run gets nan."""
+    bandwidth and the CPUs' rate in the run, in the run's ordering (the CPUs behind the
+    forward, or within the step); any other run gets nan."""
     native = {**made_up_result("native"),
               "phases_s": {"forward": 0.045, "backward": 0.072, "step": 0.029}}
     shape = {"hidden": 2048, "intermediate": 5504, "layers": 24, "vocab": 32000}
@@ -157,8 +158,15 @@ def test_a_host_step_row_has_the_step_models_time_and_other_rows_none():
     assert figures["model_s"] == pytest.approx(expected)
     assert 0.146 < figures["model_s"] < 0.2  # the native step and the CPUs' 0.09 s after it
     assert figures["step_over_model"] == pytest.approx(0.25 / expected)
-    for unmodelled in ({**traded, "masters_traded": False}, made_up_result("offload", 24 * GIB),
-                       {**traded, "overlap": {"host_behind_steps": 0}}):
+    # The CPUs within the step (under `any`): the forward waits for every working copy.
+    within = bench.sweep_figures({**traded, "overlap": {"host_behind_steps": 0}}, native,
+                                 BANDWIDTH, {}, shape)
+    assert within["model_s"] == pytest.approx(bench.step_model.predict_step(
+        parameters, bench.step_model.plan_host(parameters, int(28.3 * GIB),
+                                               int(24.8 * GIB), 512 << 20),
+        bench.step_model.Costs(0.045, 0.072, 0.029, 50e9, 50e9, 4e9), behind=False)["step_s"])
+    assert within["model_s"] > figures["model_s"]
+    for unmodelled in ({**traded, "masters_traded": False}, made_up_result("offload", 24 * GIB)):
         figures = bench.sweep_figures(unmodelled, native, BANDWIDTH, {}, shape)
         assert math.isnan(figures["model_s"]) and math.isnan(figures["step_over_model"])
     assert math.isnan(bench.sweep_figures(traded, native, BANDWIDTH, {})["model_s"])  # no shape

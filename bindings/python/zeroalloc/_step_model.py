@@ -20,7 +20,9 @@ the CPUs finishing behind the forward), the step's time follows from a few figur
   the host's are copied, and the CPUs step theirs in the order of the parameters as their
   gradients arrive; the step returns when the device's windows are done, and the next
   forward runs each parameter's layer once the CPUs have written its working copy back
-  (on the copy stream, after every gradient's copy).
+  (on the copy stream, after every gradient's copy). Under ZEROALLOC_ACCESS=any (the
+  default) the step returns only once every working copy is back, so the forward starts
+  after all of them (`behind=False`).
 
 `predict_step` replays that timeline parameter by parameter. It leaves out what the step
 adds around the kernels (the hooks' host time, the windowed step's bookkeeping) and any
@@ -108,11 +110,13 @@ def plan_host(parameters: list, reserved_bytes: int, limit_bytes: int,
     return on_host
 
 
-def predict_step(parameters: list, on_host: list, costs: Costs) -> dict:
+def predict_step(parameters: list, on_host: list, costs: Costs, behind: bool = True) -> dict:
     """Note [The step's time model]: the step time the timeline gives, with its parts:
     `step_s`, `cpu_s` (when the CPUs are done, from the step's start, their waits for the
     gradients included), `forward_wait_s` (the forward waiting for the working copies),
-    `host_params`, `device_step_s`."""
+    `host_params`, `device_step_s`. `behind`: the CPUs finish behind the next forward (under
+    ZEROALLOC_ACCESS=hinted); else the step returns once every working copy is back (under
+    `any`), and the forward waits for all of them."""
     total = sum(p.count for p in parameters)
     host_params = sum(p.count for p, there in zip(parameters, on_host) if there)
     # The device steps its masters (the native step scaled to their share) while the copy
@@ -137,6 +141,9 @@ def predict_step(parameters: list, on_host: list, costs: Costs) -> dict:
     # working copy is back.
     clock = device_step_s
     waited = 0.0
+    if not behind:  # the step itself waits for every working copy
+        back = max(ready, default=0.0)
+        waited, clock = max(0.0, back - clock), max(clock, back)
     for parameter, back in zip(parameters, ready):
         if back > clock:
             waited += back - clock
