@@ -618,13 +618,14 @@ def test_moments_the_host_tier_or_the_device_cannot_take_are_left_to_adamw(
     optimizer = torch.optim.AdamW([parameter])
     forgotten = []
     stepper = types.SimpleNamespace(
-        optimizer=optimizer, masters=object(), gradient=lambda p: p,
+        optimizer=optimizer, masters=types.SimpleNamespace(working=lambda p: p),
+        gradient=lambda p: p,
         forget=lambda parameters: forgotten.extend(parameters))
 
     def make_batch(self, stepper, batch, stream):
         raise errors[raised]
 
-    monkeypatch.setattr(_host_step.HostStep, "master_steppable", lambda *_: True)
+    monkeypatch.setattr(_host_step.HostStep, "gradient_steppable", lambda *_: True)
     monkeypatch.setattr(_host_step, "residency_or_foreign", lambda t: "host")
     monkeypatch.setattr(_host_step.HostStep, "room_for_buffers", lambda *_: True)
     monkeypatch.setattr(_host_step.HostStep, "make_batch", make_batch)

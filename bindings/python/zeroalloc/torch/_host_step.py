@@ -352,21 +352,31 @@ class HostStep:
         if self.asked_ahead or not self.pin_ahead or stepper.masters is None:
             return
         self.asked_ahead = True
-        masters = [p for group in stepper.optimizer.param_groups for p in group["params"]
-                   if working_of(stepper, p) is not None]
+        masters = all_masters(stepper)
         if not masters or not masters[0].is_cuda:
             return
         device = masters[0].device.index
         limit = _stats.raw_stats(device).get("limit_bytes", 0)
         if not limit or 16 * sum(p.numel() for p in masters) <= limit:
             return  # the device may hold them all: the step makes what it needs
-        total = sum(aligned(p.numel() * 2) for p in masters)
-        sizes = {}
-        if self.queue_ahead and 2 * sum(p.numel() for p in masters) <= self.ahead_bytes:
-            sizes["gradients"] = total
-        if self.window_parameters:  # a merged window's call: at most this many, aligned each
-            sizes["copies"] = min(total, 2 * self.window_parameters + 64 * len(masters))
+        sizes = self.buffer_sizes(masters, behind=False)
+        if not self.window_parameters:  # each window alone: its size is the step's to learn
+            sizes.pop("copies")
         self.making = PinnedAhead(device, sizes, self.released_after)
+
+    def buffer_sizes(self, masters: list, behind: bool) -> dict:
+        """The bytes of the host step's pinned buffers for runs of `masters`. "gradients":
+        one for every bf16 gradient, when the copies are queued ahead within ahead_bytes or
+        when the run may finish behind the forward (start() queues them all then). "copies":
+        each of the two for a window's bf16 masters, aligned each; a merged window holds at
+        most window_parameters (without merging, every master bounds it)."""
+        count = sum(p.numel() for p in masters)
+        total = sum(aligned(p.numel() * 2) for p in masters)
+        sizes = {"copies": min(total, 2 * self.window_parameters + 64 * len(masters))
+                 if self.window_parameters else total}
+        if behind or self.queue_ahead and 2 * count <= self.ahead_bytes:
+            sizes["gradients"] = total
+        return sizes
 
     def take_made(self) -> None:
         """Note [Pinned buffers made ahead]: the buffers made ahead, waited for once, take the
@@ -400,8 +410,9 @@ class HostStep:
             for parameter in window:
                 group = groups.get(id(parameter))
                 if (state.get(parameter) or group is None
+                        or working_of(stepper, parameter) is None
                         or adamw_settings(stepper.optimizer, group) is None
-                        or not self.master_steppable(stepper, parameter)
+                        or not self.gradient_steppable(stepper, parameter)
                         or residency_or_foreign(parameter) not in ON_HOST):
                     continue
                 chosen.append(parameter)
@@ -435,16 +446,6 @@ class HostStep:
         finally:
             stepper.forget(chosen)
 
-    def master_steppable(self, stepper, parameter) -> bool:
-        """Whether the CPUs can step `parameter` as a master once it has moments: an fp32
-        whole tensor with a bf16 working copy on the device and its whole bf16 gradient
-        (what steppable() asks, states apart)."""
-        working = working_of(stepper, parameter)
-        grad = stepper.gradient(parameter)
-        return (working is not None and grad is not None and grad.is_cuda
-                and whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
-                and working.is_contiguous() and working.is_cuda and whole_fp32(parameter))
-
     def room_for_buffers(self, stepper, device: int) -> bool:
         """Note [States made where the CPUs step them]: whether the host can pin the host
         step's buffers now and still leave what its host tier may create up to its limit,
@@ -452,19 +453,12 @@ class HostStep:
         each buffer up to a power of two. A buffer held already, made ahead by the library
         (Note [Pinned buffers made ahead]) or by an earlier step, needs nothing more."""
         self.take_made()  # the buffers made ahead, if asked for: waited for once
-        masters = [p for group in stepper.optimizer.param_groups for p in group["params"]
-                   if working_of(stepper, p) is not None]
-        count = sum(p.numel() for p in masters)
-        # Two buffers for a merged window's bf16 masters, each aligned (make_ahead's sizes).
-        window = 2 * min(count, self.window_parameters or count) + 64 * len(masters)
-        need = sum(power_of_two(window) for copies in self.copies
-                   if copies is None or copies.numel() < window)
-        # One for every gradient when the copies are queued ahead, or when the run may
-        # finish behind the forward (start() queues them all then).
         behind = getattr(stepper, "behind_allowed", False) or self.guard_behind
-        gradients = 2 * count + 64 * len(masters)
-        if ((behind or self.queue_ahead and 2 * count <= self.ahead_bytes)
-                and (self.gradients is None or self.gradients.numel() < gradients)):
+        sizes = self.buffer_sizes(all_masters(stepper), behind)
+        need = sum(power_of_two(sizes["copies"]) for copies in self.copies
+                   if copies is None or copies.numel() < sizes["copies"])
+        gradients = sizes.get("gradients", 0)
+        if gradients and (self.gradients is None or self.gradients.numel() < gradients):
             need += power_of_two(gradients)
         offload = _stats.raw_stats(device).get("offload") or {}
         growth = max(0, offload.get("host_limit_bytes", 0)
@@ -532,21 +526,26 @@ class HostStep:
         if group is None or adamw_settings(stepper.optimizer, group) is None:
             return None
         state = stepper.optimizer.state.get(parameter, {})
-        grad = stepper.gradient(parameter)
-        if (grad is None or "exp_avg" not in state or "exp_avg_sq" not in state
-                or "step" not in state or not grad.is_cuda):
+        if ("exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state
+                or not self.gradient_steppable(stepper, parameter)):
             return None
         tensors = (parameter, state["exp_avg"], state["exp_avg_sq"])
-        working = working_of(stepper, parameter)
-        if working is not None:  # a master: a bf16 gradient, written back into bf16
-            if not (whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
-                    and working.is_contiguous() and working.is_cuda):
-                return None
-        elif not whole_fp32(grad):
-            return None
-        if not all(whole_fp32(t) for t in tensors):
+        if not all(whole_fp32(t) for t in tensors[1:]):
             return None
         return tensors
+
+    def gradient_steppable(self, stepper, parameter) -> bool:
+        """Whether the CPUs can step `parameter` once it has moments: an fp32 whole tensor
+        with a whole gradient on the device, fp32, or bf16 for a master, whose bf16 working
+        copy on the device takes the result."""
+        grad = stepper.gradient(parameter)
+        if grad is None or not grad.is_cuda or not whole_fp32(parameter):
+            return False
+        working = working_of(stepper, parameter)
+        if working is None:
+            return whole_fp32(grad)
+        return (whole(grad, torch.bfloat16) and working.dtype == torch.bfloat16
+                and working.is_contiguous() and working.is_cuda)
 
     def whole_on_host(self, stepper, windows: list, places: dict, groups: dict) -> None:
         """Note [Whole masters on the host]: what the host holds of masters is traded for the
@@ -1193,6 +1192,12 @@ def count_steps(states: list, batched: bool) -> None:
             state["step"] = state["step"] + 1
         elif not batched:
             state["step"] += 1
+
+
+def all_masters(stepper) -> list:
+    """The optimizer's parameters that are masters (Note [Master weights]), in order."""
+    return [p for group in stepper.optimizer.param_groups for p in group["params"]
+            if working_of(stepper, p) is not None]
 
 
 def working_of(stepper, parameter):
