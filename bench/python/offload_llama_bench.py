@@ -715,6 +715,10 @@ def format_main_table(results: dict) -> str:
                     if overlap.get("host_made_state_bytes"):  # Note [States made where
                         notes += (f"; moments made on the host: "  # the CPUs step them]
                                   f"{overlap['host_made_state_bytes'] / GIB:.2f} GiB")
+                    elif overlap.get("host_state_room_short_bytes"):
+                        notes += (f"; moments left to AdamW: the host step's buffers "
+                                  f"{overlap['host_state_room_short_bytes'] / GIB:.2f} GiB "
+                                  "short of room")
         elif result.get("deepspeed"):
             setup = result["deepspeed"]
             notes = (f"DeepSpeed {setup['version']} ZeRO-{setup['stage']}, "

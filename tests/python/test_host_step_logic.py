@@ -549,6 +549,39 @@ def test_moments_go_to_the_host_in_the_first_step_only_with_room_for_the_buffers
     assert host.room_for_buffers(stepper, 0) is made
 
 
+@pytest.mark.parametrize("available_gib, created_gib, short_gib, told", [
+    (37, 90, 1, "ZEROALLOC_HOST_LIMIT=99GiB or less leaves the room"),
+    (20, 99.5, 8.5, "Freeing host memory leaves the room")])
+def test_a_first_step_without_room_for_the_buffers_tells_the_log_once_what_is_missing(
+        monkeypatch, available_gib, created_gib, short_gib, told):
+    """Note [States made where the CPUs step them]: without room for the buffers, the log
+    is told once what the buffers need, what is missing, and the host tier's limit in whole
+    GiB that leaves the room, unless the tier has created that much already. The step's
+    figures hold what is missing."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    gib = 1 << 30
+    masters = [types.SimpleNamespace(numel=lambda: 6_740_000_000)]
+    stepper = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(param_groups=[{"params": masters}]),
+        masters=types.SimpleNamespace(working=lambda p: p), behind_allowed=False)
+    monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
+        "offload": {"host_limit_bytes": 100 * gib, "host_created_bytes": int(created_gib * gib)}})
+    monkeypatch.setattr(_host_step, "available_host_bytes", lambda: available_gib * gib)
+    monkeypatch.setattr(_host_step, "host_memory_bytes", lambda: 128 * gib)
+    logged = []
+    monkeypatch.setattr(_host_step._offload, "log",
+                        lambda level, text: logged.append((level, text)))
+    host = _host_step.HostStep()
+    host.ahead_bytes = 16 * gib  # every gradient's buffer (16 GiB) and two of 2 GiB: 20 GiB
+    assert host.room_for_buffers(stepper, 0) is False
+    assert host.room_for_buffers(stepper, 0) is False
+    assert len(logged) == 1 and logged[0][0] == "warn", logged
+    assert "buffers need 20.0 GiB" in logged[0][1] and f"{short_gib:.1f} GiB are missing" \
+        in logged[0][1] and told in logged[0][1], logged[0][1]
+    assert host.figures["host_state_room_short_bytes"] == int(short_gib * gib)
+
+
 def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there(monkeypatch):
     """Note [States made where the CPUs step them]: the first step makes moments for the
     masters wholly on the host that have none yet and that the CPUs can step, in batches of

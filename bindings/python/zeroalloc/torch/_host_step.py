@@ -192,7 +192,10 @@ GUARD_BEHIND = False
 #: tier's limit at 100 of 126 GiB, then ran the host out of memory in its second step. So
 #: the first step makes the moments only when the host can pin those buffers and still
 #: leave two things: what the tier may create up to its limit, and the tier's reserve. Else
-#: AdamW makes them, and the buffers come in the second step, as before. Buffers the
+#: AdamW makes them, and the buffers come in the second step, as before. The log is then
+#: told once what is missing, and which ZEROALLOC_HOST_LIMIT leaves the room. The same 7B
+#: with the limit at 88 GiB made its moments on the host, and its second step took 1.1 x a
+#: later one, against 4.6 x with the limit at 100 GiB (bench/RESULTS.md). Buffers the
 #: library made ahead (Note [Pinned buffers made ahead]) are held already and need no room.
 #: The bench's --moments-on-host 0,1 runs both side by side.
 MAKE_STATES_ON_HOST = True
@@ -254,6 +257,49 @@ def available_host_bytes() -> int:
 def power_of_two(nbytes: int) -> int:
     """The least power of two at least `nbytes` (1 for 0)."""
     return 1 << max(0, nbytes - 1).bit_length()
+
+
+class BufferRoom(NamedTuple):
+    """What room_for_buffers weighs, in bytes: the buffers still to pin, the host's
+    available memory, the host tier's limit and what it created, and its reserve."""
+
+    need: int
+    available: int
+    limit: int
+    created: int
+    reserve: int
+
+    @property
+    def growth(self) -> int:
+        """What the host tier may still create up to its limit."""
+        return max(0, self.limit - self.created)
+
+    @property
+    def short(self) -> int:
+        """The bytes missing for the buffers (0 when they fit)."""
+        return max(0, self.need - (self.available - self.growth - self.reserve))
+
+
+def room_message(room: BufferRoom) -> str:
+    """Note [States made where the CPUs step them]: the log's line when the first step
+    leaves the moments to AdamW for want of room for the buffers. It names the limit (whole
+    GiB) that would leave the room, where one above what the tier holds would."""
+    gib = 1 << 30
+    lines = ["zeroalloc: the first step leaves the new optimizer states to AdamW on the "
+             f"device. The host step's pinned buffers need {room.need / gib:.1f} GiB. "
+             f"The host has {room.available / gib:.1f} GiB available. "
+             f"The host tier may still create {room.growth / gib:.1f} GiB up to "
+             f"ZEROALLOC_HOST_LIMIT, and keeps {room.reserve / gib:.1f} GiB in reserve. "
+             f"So {room.short / gib:.1f} GiB are missing. "
+             f"The second step then moves these states to the host, and takes several times "
+             f"a later step."]
+    limit = (room.limit - room.short) // gib
+    if limit * gib > room.created:
+        lines.append(f"ZEROALLOC_HOST_LIMIT={limit}GiB or less leaves the room, if the host "
+                     f"tier still holds what the model puts there.")
+    else:
+        lines.append("Freeing host memory leaves the room.")
+    return " ".join(lines)
 
 
 def place_of(tensor, places: dict) -> str:
@@ -322,7 +368,8 @@ class HostStep:
                         "host_guarded_steps": 0,
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
-                        "host_returned_bytes": 0, "host_made_state_bytes": 0}
+                        "host_returned_bytes": 0, "host_made_state_bytes": 0,
+                        "host_state_room_short_bytes": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
         # last_on_host (the default) the last masters go to the host (else each partial one
         # goes there whole, where it is).
@@ -338,6 +385,7 @@ class HostStep:
         self.pin_ahead = PIN_BUFFERS_AHEAD
         # Note [States made where the CPUs step them]
         self.make_states_on_host = MAKE_STATES_ON_HOST
+        self.told_room = False  # room_for_buffers told the log once that room was missing
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -451,7 +499,22 @@ class HostStep:
         step's buffers now and still leave what its host tier may create up to its limit,
         and the tier's reserve of a sixteenth of the host. PyTorch's pinned allocator rounds
         each buffer up to a power of two. A buffer held already, made ahead by the library
-        (Note [Pinned buffers made ahead]) or by an earlier step, needs nothing more."""
+        (Note [Pinned buffers made ahead]) or by an earlier step, needs nothing more. When
+        there is no room, the log is told once what is missing and which limit leaves it."""
+        room = self.buffer_room(stepper, device)
+        if room.short == 0:
+            return True
+        self.figures["host_state_room_short_bytes"] = room.short
+        if not self.told_room:
+            self.told_room = True
+            try:
+                _offload.log("warn", room_message(room))
+            except ZeroallocError:
+                pass
+        return False
+
+    def buffer_room(self, stepper, device: int) -> "BufferRoom":
+        """The host's room for the host step's buffers (room_for_buffers), asked now."""
         self.take_made()  # the buffers made ahead, if asked for: waited for once
         behind = getattr(stepper, "behind_allowed", False) or self.guard_behind
         sizes = self.buffer_sizes(all_masters(stepper), behind)
@@ -461,9 +524,10 @@ class HostStep:
         if gradients and (self.gradients is None or self.gradients.numel() < gradients):
             need += power_of_two(gradients)
         offload = _stats.raw_stats(device).get("offload") or {}
-        growth = max(0, offload.get("host_limit_bytes", 0)
-                     - offload.get("host_created_bytes", 0))
-        return available_host_bytes() - growth - host_memory_bytes() // 16 >= need
+        return BufferRoom(need=need, available=available_host_bytes(),
+                          limit=offload.get("host_limit_bytes", 0),
+                          created=offload.get("host_created_bytes", 0),
+                          reserve=host_memory_bytes() // 16)
 
     def make_batch(self, stepper, parameters: list, stream) -> None:
         """Makes the moments of `parameters` in the optimizer-state class, zeroes them on
