@@ -290,6 +290,10 @@ HOST_SETTINGS = (
     ("host_window_parameters", "--host-window-parameters", "window_parameters", str.isdigit,
      "cpuwin", "the most parameters the CPUs step in one merged window (Note [The CPUs' "
      "windows]; 0: each window alone)"),
+    ("host_piece_parameters", "--host-piece-parameters", "piece_parameters", str.isdigit,
+     "pieces", "the least parameters of the first piece of the CPUs' first window and of the "
+     "last piece of their last, each stepped apart (Note [The run's ends in pieces]; 0: "
+     "none)"),
     ("queue_gradients_ahead", "--queue-gradients-ahead", "queue_ahead", ("0", "1").__contains__,
      "ahead", "1: every gradient's copy to the host queued before the CPUs' thread starts "
      "(Note [Gradients queued ahead]), 0: by that thread"),
@@ -712,6 +716,9 @@ def format_main_table(results: dict) -> str:
                         notes += (f"; masters made whole: "
                                   f"{overlap['host_completed_bytes'] / GIB:.2f} GiB to the host,"
                                   f" {overlap.get('host_returned_bytes', 0) / GIB:.2f} back, in all")
+                    if overlap.get("host_pieces"):  # Note [The run's ends in pieces]
+                        notes += (f"; in pieces: {overlap['host_pieces'] / overlap['steps']:.1f}"
+                                  " more a step")
                     if overlap.get("host_made_state_bytes"):  # Note [States made where
                         notes += (f"; moments made on the host: "  # the CPUs step them]
                                   f"{overlap['host_made_state_bytes'] / GIB:.2f} GiB")

@@ -138,6 +138,8 @@ else:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     if os.environ.get("MERGE") is not None and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.window_parameters = int(os.environ["MERGE"])
+    if os.environ.get("PIECES") and optimizer._zeroalloc_stepper.host is not None:
+        optimizer._zeroalloc_stepper.host.piece_parameters = int(os.environ["PIECES"])
     if os.environ.get("PREPARE") and optimizer._zeroalloc_stepper.host is not None:
         optimizer._zeroalloc_stepper.host.prepare_ahead = True
     if os.environ.get("PINNED") and optimizer._zeroalloc_stepper.host is not None:
@@ -321,6 +323,18 @@ def test_what_the_step_prepares_or_pins_ahead_trains_as_the_usual_step(tmp_path,
     # Every master's bf16 gradient (24 of them, 96 MiB in all) and two buffers for the bf16
     # masters of a merged window (all of them: the model is smaller than the cap).
     assert pinned["host_pinned_ahead_bytes"] >= 3 * 96 * 2**20, pinned
+
+
+@pytest.mark.parametrize("access", ["any", "hinted"])
+def test_the_runs_ends_in_pieces_train_as_the_usual_step(tmp_path, access):
+    """Note [The run's ends in pieces]: the first piece of the CPUs' first window, stepped
+    as soon as its own gradients are on the host, and the last piece of their last, stepped
+    apart, train within rounding of the plain recipe, as the usual step does."""
+    plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
+    pieces = ast.literal_eval(field(masters_on_the_host_against(
+        plain, tmp_path, ZEROALLOC_ACCESS=access, PIECES=str(4 << 20)), "figures"))
+    print("in pieces:", pieces)
+    assert pieces["host_pieces"] > 0, pieces
 
 
 def test_guarded_runs_finish_behind_the_forward_under_any_and_every_read_waits(tmp_path):

@@ -491,6 +491,73 @@ def test_a_malformed_guarded_setting_is_told_naming_the_variable():
         result.stderr
 
 
+@pytest.mark.parametrize("counts, first, last, size, ends", [
+    ([4, 4, 4, 4], True, False, 5, [2, 4]),  # the first piece: at least 5 elements
+    ([4, 4, 4, 4], False, True, 5, [2, 4]),  # the last piece: at least 5, from the end
+    ([4, 4, 4, 4, 4, 4], True, True, 4, [1, 5, 6]),  # one window, the run's only one
+    ([4, 4, 4, 4], True, True, 8, [2, 4]),  # a last piece would overlap the first
+    ([4, 4], True, False, 8, [2]),  # a piece as large as the window: none
+    ([4, 4, 4], True, True, 0, [3]),  # off
+    ([4, 4, 4], False, False, 4, [3]),  # a window between: whole
+    ([], True, True, 4, [0])])
+def test_the_runs_ends_are_cut_into_pieces_of_at_least_the_size_asked(
+        counts, first, last, size, ends):
+    """Note [The run's ends in pieces]: the run's first window gets a first piece and its
+    last a last piece, each of at least the size asked, never the whole window and never
+    overlapping."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch._host_step import piece_ends
+    assert piece_ends(counts, first, last, size) == ends
+
+
+def test_a_window_in_pieces_steps_each_once_its_gradients_are_there_at_offsets_of_its_own(
+        monkeypatch):
+    """Note [The run's ends in pieces]: a window in pieces waits for each piece's own event
+    before planning and calling it, waits for its pinned buffer's last copies once, before
+    the first piece, and lays the pieces' masters out one after the other in that buffer;
+    refused parameters of every piece come back."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    host = _host_step.HostStep()
+    happened = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            happened.append(("arrived", self.name))
+
+    window = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 40)]
+    views = [f"view {n}" for n in range(4)]
+    offsets = []
+
+    def plan(stepper, part, part_views, groups, settings, slot, offset=None):
+        offsets.append(offset[0])
+        outputs = host.output_views([(p, None) for p in part], slot, offset)
+        happened.append(("planned", [p.numel() for p in part], part_views))
+        return [outputs]
+
+    def run_calls(stepper, planned, slot, batched, wait_each=True):
+        happened.append(("called", wait_each))
+        return [window[3]] if planned[0][-1].numel() == 40 else []
+
+    monkeypatch.setattr(host, "plan", plan)
+    monkeypatch.setattr(host, "run_calls", run_calls)
+    monkeypatch.setattr(host, "wait_copies", lambda slot: happened.append(("waited", slot)))
+    host.copies = [None, torch.zeros(1 << 16, dtype=torch.uint8)]
+    refused = host.step(None, window, (views, Event("window")), {}, {}, slot=1,
+                        pieces=[(1, Event("first")), (4, Event("window"))])
+    assert happened == [
+        ("arrived", "first"), ("waited", 1), ("planned", [10], ["view 0"]), ("called", False),
+        ("arrived", "window"), ("planned", [20, 30, 40], ["view 1", "view 2", "view 3"]),
+        ("called", False)]
+    a = _host_step.aligned
+    assert offsets == [0, a(20)]  # the second piece's masters begin after the first's
+    assert refused == [window[3]]
+    assert host.figures["host_pieces"] == 1 and host.figures["host_windows"] == 1
+
+
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])
 def test_a_step_count_made_ahead_is_the_one_adamw_makes(default_dtype):
     """Note [States made where the CPUs step them]: the first step's count, made by the

@@ -104,6 +104,46 @@ from zeroalloc.torch._step_records import is_out_of_memory, residency_or_foreign
 #: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
 HOST_WINDOW_PARAMETERS = 512 << 20
 
+#: Note [The run's ends in pieces]: the CPUs start a window once all its gradients are on
+#: the host, and its bf16 masters go back once the CPUs are done with it. So the copies of
+#: the first window's gradients and of the last window's masters lie bare at the step's two
+#: ends: 1 GB each way for a merged window of 512 M parameters, about 0.02 s at 55 GB/s. At
+#: 24.8 GiB the 1.3B Llama's step phase took 0.087 s for the CPUs' 0.059 s (H100,
+#: bench/RESULTS.md, 2026-12-06). In pieces, the run's first window steps its first
+#: piece_parameters parameters (at least) as soon as their own copies are done, while the
+#: rest arrive. The run's last window steps its last piece_parameters apart, so the copies
+#: back of the rest run meanwhile. A piece is one more library call per group in the same
+#: turn. The pieces of a window share its pinned buffer for the masters at distinct offsets,
+#: so no call waits for another's copies back. Splitting the ends into turns of their own
+#: ran slower (bench/RESULTS.md, 2026-12-06 00:3x). Only with the gradients queued ahead
+#: (Note [Gradients queued ahead]). Off (0) until measured: the bench's
+#: --host-piece-parameters N,0 runs both side by side.
+HOST_PIECE_PARAMETERS = 0
+
+
+def piece_ends(counts: list, first: bool, last: bool, size: int) -> list:
+    """Note [The run's ends in pieces]: where the pieces of a window end (exclusive indices
+    into its parameters, of `counts` elements each). The run's `first` window gets a first
+    piece of at least `size` elements, its `last` a last piece of at least `size`, and the
+    rest lies between. A piece that would be the whole window, or would overlap another, is
+    not made."""
+    ends = []
+    if size and first:
+        total, end = 0, 0
+        while end < len(counts) and total < size:
+            total += counts[end]
+            end += 1
+        if end < len(counts):
+            ends.append(end)
+    if size and last:
+        total, begin = 0, len(counts)
+        while begin > 0 and total < size:
+            begin -= 1
+            total += counts[begin]
+        if begin > (ends[-1] if ends else 0):
+            ends.append(begin)
+    return ends + [len(counts)]
+
 #: Note [Gradients queued ahead]: the CPUs' thread needs the interpreter for each PyTorch
 #: call it makes, about four a parameter to queue a window's gradients' copies. While the
 #: step's thread steps windows on the device, each of those calls may wait for it. On the
@@ -369,7 +409,7 @@ class HostStep:
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0, "host_made_state_bytes": 0,
-                        "host_state_room_short_bytes": 0}
+                        "host_state_room_short_bytes": 0, "host_pieces": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
         # last_on_host (the default) the last masters go to the host (else each partial one
         # goes there whole, where it is).
@@ -377,6 +417,7 @@ class HostStep:
         self.last_on_host = True
         self.returned: set = set()  # ids of the masters the trade brought back
         self.window_parameters = HOST_WINDOW_PARAMETERS  # Note [The CPUs' windows]
+        self.piece_parameters = HOST_PIECE_PARAMETERS  # Note [The run's ends in pieces]
         self.queue_ahead = QUEUE_GRADIENTS_AHEAD  # Note [Gradients queued ahead]
         self.ahead_bytes = host_memory_bytes() // 8  # the most its buffer holds
         self.prepare_ahead = PREPARE_WINDOWS_AHEAD  # Note [Windows prepared ahead]
@@ -751,11 +792,13 @@ class HostStep:
                 and all(working_of(stepper, p) is not None for p in parameters)
                 and 2 * sum(p.numel() for p in parameters) <= self.ahead_bytes)
 
-    def copy_every_gradient(self, stepper, chosen: list, after) -> dict:
+    def copy_every_gradient(self, stepper, chosen: list, after,
+                            pieces: "dict | None" = None) -> dict:
         """Note [Gradients queued ahead] and Note [The host step finishes behind the
         forward]: queues the copies of every window's gradients into one pinned buffer,
         after the event `after`; returns, per window number, (views of the buffer, event
-        after its copies)."""
+        after its copies). `pieces` (Note [The run's ends in pieces]): per window number,
+        the ends of its pieces, each replaced here by (end, event after its copies)."""
         grads = {number: [stepper.gradient(p) for p in hosted] for number, hosted in chosen}
         total = sum(aligned(g.numel() * g.element_size()) for each in grads.values()
                     for g in each)
@@ -767,16 +810,24 @@ class HostStep:
         with torch.cuda.stream(self.stream):
             for number, _ in chosen:
                 views = []
-                for grad in grads[number]:
+                ends = (pieces or {}).get(number, [])
+                marks = []
+                for index, grad in enumerate(grads[number]):
                     nbytes = grad.numel() * grad.element_size()
                     view = self.gradients[offset:offset + nbytes].view(grad.dtype)
                     grad.record_stream(self.stream)  # before the copy is queued
                     view.copy_(grad.view(-1), non_blocking=True)
                     views.append(view)
                     offset += aligned(nbytes)
+                    if index + 1 in ends[:-1]:  # a piece's end before the window's
+                        mark = torch.cuda.Event()
+                        mark.record(self.stream)
+                        marks.append((index + 1, mark))
                 copied = torch.cuda.Event()
                 copied.record(self.stream)
                 copies[number] = (views, copied)
+                if number in (pieces or {}):
+                    pieces[number] = marks + [(len(views), copied)]
         return copies
 
     def start(self, stepper, chosen: list, groups: dict, main,
@@ -810,12 +861,19 @@ class HostStep:
         settings = {id(group): adamw_settings(stepper.optimizer, group)
                     for group in {id(g): g for g in groups.values()}.values()}
         every = None
+        pieces: dict = {}  # Note [The run's ends in pieces]: per window, (end, event) each
         if behind or self.queues_ahead(stepper, chosen):  # Note [Gradients queued ahead]
             queueing = time.perf_counter()
-            every = self.copy_every_gradient(stepper, chosen, after)
+            for turn, (number, hosted) in enumerate(chosen):
+                ends = piece_ends([p.numel() for p in hosted], turn == 0,
+                                  turn + 1 == len(chosen), self.piece_parameters)
+                if len(ends) > 1:
+                    pieces[number] = ends
+            every = self.copy_every_gradient(stepper, chosen, after, pieces)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
         plans = {}
-        if every is not None and self.prepare_ahead:  # Note [Windows prepared ahead]
+        if every is not None and self.prepare_ahead and not pieces:  # Note [Windows prepared
+            # ahead]; a window in pieces plans each piece when its gradients are there.
             preparing = time.perf_counter()
             plans = {number: self.plan(stepper, hosted, every[number][0], groups, settings,
                                        turn % 2, ahead=True)
@@ -855,7 +913,8 @@ class HostStep:
                         run.done = turn
                         views = copies.pop(number)
                         refused = self.step(stepper, hosted, views, groups, settings,
-                                            turn % 2, plans.pop(number, None))
+                                            turn % 2, plans.pop(number, None),
+                                            pieces.pop(number, None))
                         with run.changed:
                             if refused:
                                 if behind:
@@ -902,11 +961,13 @@ class HostStep:
         return run
 
     def plan(self, stepper, window, views: list, groups: dict, settings: dict,
-             slot: int, ahead: bool = False) -> list:
+             slot: int, ahead: bool = False, offset: "list | None" = None) -> list:
         """The window's library calls: one per group, step count (the bias corrections
         differ between counts) and kind (masters or not), each with its arguments; `ahead`
         (Note [Windows prepared ahead]): with each master's working copy flattened for the
-        copy back."""
+        copy back. `offset` ([bytes], Note [The run's ends in pieces]): where the masters'
+        copies begin in pinned buffer `slot`, moved past them (else each call's begin at
+        its start)."""
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -923,7 +984,7 @@ class HostStep:
                          [view.data_ptr() for _, view in members],
                          [s["exp_avg"].untyped_storage().data_ptr() for s in states],
                          [s["exp_avg_sq"].untyped_storage().data_ptr() for s in states])
-            outputs = self.output_views(members, slot) if master else None
+            outputs = self.output_views(members, slot, offset) if master else None
             if master:
                 arguments += ([o.data_ptr() for o in outputs],)
             targets = ([working_of(stepper, p).data.view(-1) for p, _ in members]
@@ -934,55 +995,83 @@ class HostStep:
         return planned
 
     def step(self, stepper, window, gradients: tuple, groups: dict, settings: dict,
-             slot: int = 0, planned: "list | None" = None) -> list:
+             slot: int = 0, planned: "list | None" = None,
+             pieces: "list | None" = None) -> list:
         """Steps the window on the CPUs once its gradients are on the host, with the calls
         `planned` (else planned here), each all or nothing; returns the parameters of the
-        calls the library refused (a part on the device: nothing of theirs changed)."""
+        calls the library refused (a part on the device: nothing of theirs changed). With
+        `pieces` ((end, event after its gradients' copies) each, Note [The run's ends in
+        pieces]), piece by piece, each planned once its gradients are there."""
         # What this window's finished calls stepped: cleared first, so that a failure from
         # here on hands the whole window to the device (work()).
         self.stepped = []
         views, copied = gradients
-        waited = time.perf_counter()
-        copied.synchronize()
-        started = time.perf_counter()
-        self.figures["host_gradient_wait_s"] += started - waited
         batched = planned is not None  # Note [Windows prepared ahead]
-        if planned is None:
-            planned = self.plan(stepper, window, views, groups, settings, slot)
+        if pieces is None:
+            pieces = [(len(window), copied)]
         refused = []
-        try:
-            for call in planned:
-                members = call.members
-                if call.master:
-                    self.wait_copies(slot)
-                calling = time.perf_counter()
-                if call.master:
-                    stepped = _offload.adamw_on_host_bf16(
-                        *call.arguments, call.counts, step=call.count,
-                        stream=self.fence.cuda_stream, **call.settings)
-                else:
-                    stepped = _offload.adamw_on_host(*call.arguments, call.counts,
-                                                     step=call.count,
-                                                     stream=self.fence.cuda_stream,
-                                                     **call.settings)
-                self.figures["host_call_s"] += time.perf_counter() - calling
-                if not stepped:
-                    self.figures["host_refused"] += 1
-                    refused.extend(p for p, _ in members)
-                    continue
-                count_steps(call.states, batched)
-                # Stepped, whatever follows: a failure below must not hand them to the device
-                # to be stepped again.
-                self.stepped.extend(p for p, _ in members)
-                self.figures["host_bytes"] += sum(call.counts) * 4
-                if call.master:
-                    writing = time.perf_counter()
-                    self.write_working(stepper, members, call.outputs, slot, call.targets)
-                    self.figures["host_write_s"] += time.perf_counter() - writing
-        finally:
-            self.figures["host_s"] += time.perf_counter() - started
+        offset = [0] if len(pieces) > 1 else None  # the pieces' masters: distinct offsets
+        begin = 0
+        for end, arrived in pieces:
+            waited = time.perf_counter()
+            arrived.synchronize()
+            started = time.perf_counter()
+            self.figures["host_gradient_wait_s"] += started - waited
+            try:
+                if offset is not None:
+                    if begin == 0:  # once for the window: its calls' copies do not overlap
+                        self.wait_copies(slot)
+                    planned = self.plan(stepper, window[begin:end], views[begin:end], groups,
+                                        settings, slot, offset=offset)
+                elif planned is None:
+                    planned = self.plan(stepper, window, views, groups, settings, slot)
+                refused += self.run_calls(stepper, planned, slot, batched,
+                                          wait_each=offset is None)
+            finally:
+                self.figures["host_s"] += time.perf_counter() - started
+            begin = end
+        self.figures["host_pieces"] += len(pieces) - 1
         if len(refused) < len(window):
             self.figures["host_windows"] += 1
+        return refused
+
+    def run_calls(self, stepper, planned: list, slot: int, batched: bool,
+                  wait_each: bool = True) -> list:
+        """Makes the library calls `planned`, queueing each stepped master's copies back;
+        returns the parameters of the calls refused. With `wait_each`, the CPUs wait for
+        pinned buffer `slot`'s last copies before each master's call: each lays out its
+        masters from the buffer's start. Without it, the caller waited once for the window,
+        whose calls lay theirs out at offsets of their own (Note [The run's ends in
+        pieces])."""
+        refused = []
+        for call in planned:
+            members = call.members
+            if call.master and wait_each:
+                self.wait_copies(slot)
+            calling = time.perf_counter()
+            if call.master:
+                stepped = _offload.adamw_on_host_bf16(
+                    *call.arguments, call.counts, step=call.count,
+                    stream=self.fence.cuda_stream, **call.settings)
+            else:
+                stepped = _offload.adamw_on_host(*call.arguments, call.counts,
+                                                 step=call.count,
+                                                 stream=self.fence.cuda_stream,
+                                                 **call.settings)
+            self.figures["host_call_s"] += time.perf_counter() - calling
+            if not stepped:
+                self.figures["host_refused"] += 1
+                refused.extend(p for p, _ in members)
+                continue
+            count_steps(call.states, batched)
+            # Stepped, whatever follows: a failure below must not hand them to the device
+            # to be stepped again.
+            self.stepped.extend(p for p, _ in members)
+            self.figures["host_bytes"] += sum(call.counts) * 4
+            if call.master:
+                writing = time.perf_counter()
+                self.write_working(stepper, members, call.outputs, slot, call.targets)
+                self.figures["host_write_s"] += time.perf_counter() - writing
         return refused
 
     def defer(self, behind: "Behind") -> None:
@@ -1137,19 +1226,23 @@ class HostStep:
             self.figures["host_copy_wait_s"] += time.perf_counter() - waited
             self.copied[slot] = None
 
-    def output_views(self, members: list, slot: int) -> list:
+    def output_views(self, members: list, slot: int, at: "list | None" = None) -> list:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters (written
-        only once wait_copies(slot) returned). A buffer replaced by a larger one lives on in
-        the views and copies that still use it."""
-        total = sum(aligned(p.numel() * 2) for p, _ in members)
+        only once wait_copies(slot) returned), from its start or from `at` ([bytes], moved
+        past them). A buffer replaced by a larger one lives on in the views and copies that
+        still use it."""
+        offset = at[0] if at is not None else 0
+        total = offset + sum(aligned(p.numel() * 2) for p, _ in members)
         buffer = self.copies[slot]
         if buffer is None or buffer.numel() < total:
             buffer = self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        views, offset = [], 0
+        views = []
         for parameter, _ in members:
             nbytes = parameter.numel() * 2
             views.append(buffer[offset:offset + nbytes].view(torch.bfloat16))
             offset += aligned(nbytes)
+        if at is not None:
+            at[0] = offset
         return views
 
     def write_working(self, stepper, members: list, outputs: list, slot: int,
