@@ -4,6 +4,7 @@ torch.optim.AdamW steps the same values on the CPU, to fp32 rounding, and refuse
 nothing) while a state is on the device; the windowed step's choice of what may step there.
 Each case runs in a fresh process (the library reads its variables once)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -636,9 +637,16 @@ def test_a_first_step_without_room_for_the_buffers_tells_the_log_once_what_is_mi
         "offload": {"host_limit_bytes": 100 * gib, "host_created_bytes": int(created_gib * gib)}})
     monkeypatch.setattr(_host_step, "available_host_bytes", lambda: available_gib * gib)
     monkeypatch.setattr(_host_step, "host_memory_bytes", lambda: 128 * gib)
-    logged = []
+    logged, sections = [], []
     monkeypatch.setattr(_host_step._offload, "log",
                         lambda level, text: logged.append((level, text)))
+
+    class Library:
+        def zeroalloc_report_section(self, name, text):
+            sections.append((name.decode(), json.loads(text)))
+            return 0
+
+    monkeypatch.setattr(_host_step, "library", lambda: Library())
     host = _host_step.HostStep()
     host.ahead_bytes = 16 * gib  # every gradient's buffer (16 GiB) and two of 2 GiB: 20 GiB
     assert host.room_for_buffers(stepper, 0) is False
@@ -647,6 +655,11 @@ def test_a_first_step_without_room_for_the_buffers_tells_the_log_once_what_is_mi
     assert "buffers need 20.0 GiB" in logged[0][1] and f"{short_gib:.1f} GiB are missing" \
         in logged[0][1] and told in logged[0][1], logged[0][1]
     assert host.figures["host_state_room_short_bytes"] == int(short_gib * gib)
+    assert [name for name, _ in sections] == ["host_step"], sections  # for doctor, once
+    section = sections[0][1]
+    assert section["room_short_bytes"] == int(short_gib * gib)
+    assert section["buffers_bytes"] == 20 * gib
+    assert section["suggested_host_limit"] == ("99GiB" if "99GiB" in told else None)
 
 
 def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there(monkeypatch):

@@ -212,6 +212,32 @@ def test_doctor_names_the_recipe_and_repeats_the_last_runs_advice(tmp_path):
     assert "PASS  exact" in recipe_line(ZEROALLOC_REPORT=str(tmp_path / "run"))
 
 
+def test_doctor_repeats_a_first_step_short_of_host_memory_with_the_limit_to_set(tmp_path):
+    """Note [States made where the CPUs step them]: a run whose first host step left the new
+    optimizer states to AdamW for want of host memory to pin its buffers said so in its
+    report; doctor, run with the same ZEROALLOC_REPORT, says what was missing and which
+    ZEROALLOC_HOST_LIMIT leaves the room, or to free host memory when none would."""
+    def host_step_line(section):
+        (tmp_path / "run.rank0.json").write_text(json.dumps({"sections": {
+            "host_step": section}}))
+        result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
+                                env={**os.environ, "PYTHONPATH": str(PACKAGE),
+                                     "ZEROALLOC_OFFLOAD": "host",
+                                     "ZEROALLOC_REPORT": str(tmp_path / "run")},
+                                capture_output=True, text=True)
+        lines = result.stdout.splitlines()
+        at = [i for i, line in enumerate(lines) if line.startswith("host step ")]
+        return " ".join(lines[at[0]:at[0] + 2]) if at else ""
+
+    line = host_step_line({"room_short_bytes": 3 << 29, "suggested_host_limit": "86GiB"})
+    assert "WARN" in line and "buffers were 1.5 GiB short of host memory" in line, line
+    assert "-> set ZEROALLOC_HOST_LIMIT=86GiB" in line, line
+    line = host_step_line({"room_short_bytes": 1 << 30, "suggested_host_limit": None})
+    assert "-> free host memory" in line, line
+    assert host_step_line({"room_short_bytes": 0}) == ""  # the buffers had room: nothing
+    assert host_step_line({"x": 1}) == ""  # not a section this version wrote
+
+
 def test_doctor_fails_on_a_malformed_variable_and_names_it():
     result = subprocess.run([sys.executable, "-m", "zeroalloc", "doctor"],
                             env={**os.environ, "PYTHONPATH": str(PACKAGE),

@@ -68,6 +68,38 @@ def _option_checks(checks: list[Check]) -> None:
         checks.append(Check("ZEROALLOC_* variables", PASS, "none set: every default applies"))
 
 
+def _report_paths(options: dict) -> list[str]:
+    """The last run's memory reports (ZEROALLOC_REPORT's, each rank's), for the checks that
+    repeat what a run said."""
+    prefix = (options.get("ZEROALLOC_REPORT") or {}).get("value") or ""
+    return sorted(glob.glob(glob.escape(prefix) + ".json")
+                  + glob.glob(glob.escape(prefix) + ".rank*.json")) if prefix else []
+
+
+def _host_step_check(checks: list[Check], options: dict) -> None:
+    """The last run's first host step, when it left the new optimizer states to AdamW for
+    want of host memory to pin its buffers (Note [States made where the CPUs step them] in
+    zeroalloc/torch/_host_step.py): what was missing and the limit that leaves it."""
+    for path in _report_paths(options):
+        try:
+            with open(path) as file:
+                section = json.load(file).get("sections", {}).get("host_step") or {}
+            short = int(section.get("room_short_bytes", 0))
+            limit = section.get("suggested_host_limit")
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue  # not a report, or not one this version wrote
+        if short <= 0:
+            continue
+        checks.append(Check(
+            "host step", WARN,
+            f"the last run ({path}) left its first step's new optimizer states to AdamW on "
+            f"the device: the host step's pinned buffers were {short / (1 << 30):.1f} GiB "
+            "short of host memory, so its second step moved them and ran slow",
+            (f"set ZEROALLOC_HOST_LIMIT={limit} if the host tier still holds what the model "
+             "puts there, or free host memory") if limit else "free host memory"))
+        return
+
+
 def _recipe_check(checks: list[Check]) -> None:
     """ZEROALLOC_RECIPE, what it sets, and the advice of the last run's report (Note [The
     fast recipe, advised] in zeroalloc/torch/_recipe_advice.py)."""
@@ -84,6 +116,7 @@ def _recipe_check(checks: list[Check]) -> None:
         checks.append(Check("recipe", PASS, "exact: nothing is offloaded "
                             "(ZEROALLOC_OFFLOAD is not host)"))
         return
+    _host_step_check(checks, options)
     recipe = chosen("ZEROALLOC_RECIPE") or "exact"
     masters = chosen("ZEROALLOC_MASTER_WEIGHTS") or ("bf16" if recipe == "fast" else "none")
     host = chosen("ZEROALLOC_HOST_STEP")
@@ -93,9 +126,7 @@ def _recipe_check(checks: list[Check]) -> None:
     finding = (f"{recipe}: master weights {masters}, host step {'on' if host_step else 'off'} "
                + (f"(numbers differ from native: {', '.join(differences)})" if differences
                   else "(native numbers, bit for bit)"))
-    prefix = (options.get("ZEROALLOC_REPORT") or {}).get("value") or ""
-    paths = sorted(glob.glob(glob.escape(prefix) + ".json")
-                   + glob.glob(glob.escape(prefix) + ".rank*.json")) if prefix else []
+    paths = _report_paths(options)
     # A choice made since (any of the three variables) is not second-guessed.
     undecided = all(chosen(name) is None for name in
                     ("ZEROALLOC_RECIPE", "ZEROALLOC_MASTER_WEIGHTS", "ZEROALLOC_HOST_STEP"))

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import sys
 import threading
@@ -86,7 +87,7 @@ from typing import NamedTuple
 import torch
 
 from zeroalloc import _offload, _stats
-from zeroalloc._library import ZeroallocError
+from zeroalloc._library import ZeroallocError, library
 from zeroalloc.torch import _settings, _use_hints
 from zeroalloc.torch._step_records import is_out_of_memory, residency_or_foreign
 
@@ -320,6 +321,24 @@ class BufferRoom(NamedTuple):
         return max(0, self.need - (self.available - self.growth - self.reserve))
 
 
+def room_limit_gib(room: BufferRoom) -> "int | None":
+    """The host tier's limit, in whole GiB, that would leave `room` the buffers' bytes; None
+    when even that would be at or below what the tier created already."""
+    limit = (room.limit - room.short) // (1 << 30)
+    return limit if limit * (1 << 30) > room.created else None
+
+
+def room_section(room: BufferRoom) -> dict:
+    """The memory report's "host_step" section when the first step leaves the moments to
+    AdamW for want of room (doctor repeats it)."""
+    limit = room_limit_gib(room)
+    return {"first_step_states": "left to AdamW on the device",
+            "buffers_bytes": room.need, "room_short_bytes": room.short,
+            "available_bytes": room.available, "host_tier_growth_bytes": room.growth,
+            "reserve_bytes": room.reserve,
+            "suggested_host_limit": f"{limit}GiB" if limit is not None else None}
+
+
 def room_message(room: BufferRoom) -> str:
     """Note [States made where the CPUs step them]: the log's line when the first step
     leaves the moments to AdamW for want of room for the buffers. It names the limit (whole
@@ -333,8 +352,8 @@ def room_message(room: BufferRoom) -> str:
              f"So {room.short / gib:.1f} GiB are missing. "
              f"The second step then moves these states to the host, and takes several times "
              f"a later step."]
-    limit = (room.limit - room.short) // gib
-    if limit * gib > room.created:
+    limit = room_limit_gib(room)
+    if limit is not None:
         lines.append(f"ZEROALLOC_HOST_LIMIT={limit}GiB or less leaves the room, if the host "
                      f"tier still holds what the model puts there.")
     else:
@@ -541,7 +560,8 @@ class HostStep:
         and the tier's reserve of a sixteenth of the host. PyTorch's pinned allocator rounds
         each buffer up to a power of two. A buffer held already, made ahead by the library
         (Note [Pinned buffers made ahead]) or by an earlier step, needs nothing more. When
-        there is no room, the log is told once what is missing and which limit leaves it."""
+        there is no room, the log and the report are told once what is missing and which
+        limit leaves it."""
         room = self.buffer_room(stepper, device)
         if room.short == 0:
             return True
@@ -550,6 +570,9 @@ class HostStep:
             self.told_room = True
             try:
                 _offload.log("warn", room_message(room))
+                # The report (ZEROALLOC_REPORT) keeps it for doctor; none asked: nothing.
+                library().zeroalloc_report_section(b"host_step",
+                                                   json.dumps(room_section(room)).encode())
             except ZeroallocError:
                 pass
         return False
