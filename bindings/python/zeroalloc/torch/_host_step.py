@@ -895,8 +895,9 @@ class HostStep:
             every = self.copy_every_gradient(stepper, chosen, after, pieces)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
         plans = {}
-        if every is not None and self.prepare_ahead and not pieces:  # Note [Windows prepared
-            # ahead]; a window in pieces plans each piece when its gradients are there.
+        # Note [Windows prepared ahead]. A run in pieces plans each piece once its gradients
+        # are there (Note [The run's ends in pieces]).
+        if every is not None and self.prepare_ahead and not pieces:
             preparing = time.perf_counter()
             plans = {number: self.plan(stepper, hosted, every[number][0], groups, settings,
                                        turn % 2, ahead=True)
