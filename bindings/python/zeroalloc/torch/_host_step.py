@@ -887,7 +887,7 @@ class HostStep:
         pieces: dict = {}  # Note [The run's ends in pieces]: per window, (end, event) each
         if behind or self.queues_ahead(stepper, chosen):  # Note [Gradients queued ahead]
             queueing = time.perf_counter()
-            for turn, (number, hosted) in enumerate(chosen):
+            for turn, (number, hosted) in enumerate(chosen if self.piece_parameters else ()):
                 ends = piece_ends([p.numel() for p in hosted], turn == 0,
                                   turn + 1 == len(chosen), self.piece_parameters)
                 if len(ends) > 1:
