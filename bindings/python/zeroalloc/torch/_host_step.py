@@ -445,7 +445,6 @@ class HostStep:
         self.pin_ahead = PIN_BUFFERS_AHEAD
         # Note [States made where the CPUs step them]
         self.make_states_on_host = MAKE_STATES_ON_HOST
-        self.told_room = False  # room_for_buffers told the log once that room was missing
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -565,9 +564,9 @@ class HostStep:
         room = self.buffer_room(stepper, device)
         if room.short == 0:
             return True
+        told = self.figures["host_state_room_short_bytes"] > 0
         self.figures["host_state_room_short_bytes"] = room.short
-        if not self.told_room:
-            self.told_room = True
+        if not told:
             try:
                 _offload.log("warn", room_message(room))
                 # The report (ZEROALLOC_REPORT) keeps it for doctor; none asked: nothing.
@@ -816,24 +815,24 @@ class HostStep:
                 and 2 * sum(p.numel() for p in parameters) <= self.ahead_bytes)
 
     def copy_every_gradient(self, stepper, chosen: list, after,
-                            pieces: "dict | None" = None) -> dict:
+                            cuts: "dict | None" = None) -> tuple:
         """Note [Gradients queued ahead] and Note [The host step finishes behind the
         forward]: queues the copies of every window's gradients into one pinned buffer,
         after the event `after`; returns, per window number, (views of the buffer, event
-        after its copies). `pieces` (Note [The run's ends in pieces]): per window number,
-        the ends of its pieces, each replaced here by (end, event after its copies)."""
+        after its copies), and, per window number in `cuts` (the ends of its pieces, Note
+        [The run's ends in pieces]), the pieces as (end, event after its copies)."""
         grads = {number: [stepper.gradient(p) for p in hosted] for number, hosted in chosen}
         total = sum(aligned(g.numel() * g.element_size()) for each in grads.values()
                     for g in each)
         if self.gradients is None or self.gradients.numel() < total:
             self.gradients = None  # the old one goes first
             self.gradients = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        copies, offset = {}, 0
+        copies, pieces, offset = {}, {}, 0
         self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             for number, _ in chosen:
                 views = []
-                ends = (pieces or {}).get(number, [])
+                ends = set((cuts or {}).get(number, [])[:-1])  # those before the window's
                 marks = []
                 for index, grad in enumerate(grads[number]):
                     nbytes = grad.numel() * grad.element_size()
@@ -842,16 +841,16 @@ class HostStep:
                     view.copy_(grad.view(-1), non_blocking=True)
                     views.append(view)
                     offset += aligned(nbytes)
-                    if index + 1 in ends[:-1]:  # a piece's end before the window's
+                    if index + 1 in ends:
                         mark = torch.cuda.Event()
                         mark.record(self.stream)
                         marks.append((index + 1, mark))
                 copied = torch.cuda.Event()
                 copied.record(self.stream)
                 copies[number] = (views, copied)
-                if number in (pieces or {}):
+                if marks:
                     pieces[number] = marks + [(len(views), copied)]
-        return copies
+        return copies, pieces
 
     def start(self, stepper, chosen: list, groups: dict, main,
               behind: bool = False) -> "HostRun":
@@ -887,12 +886,11 @@ class HostStep:
         pieces: dict = {}  # Note [The run's ends in pieces]: per window, (end, event) each
         if behind or self.queues_ahead(stepper, chosen):  # Note [Gradients queued ahead]
             queueing = time.perf_counter()
-            for turn, (number, hosted) in enumerate(chosen if self.piece_parameters else ()):
-                ends = piece_ends([p.numel() for p in hosted], turn == 0,
-                                  turn + 1 == len(chosen), self.piece_parameters)
-                if len(ends) > 1:
-                    pieces[number] = ends
-            every = self.copy_every_gradient(stepper, chosen, after, pieces)
+            cuts = {number: piece_ends([p.numel() for p in hosted], turn == 0,
+                                       turn + 1 == len(chosen), self.piece_parameters)
+                    for turn, (number, hosted) in
+                    enumerate(chosen if self.piece_parameters else ())}
+            every, pieces = self.copy_every_gradient(stepper, chosen, after, cuts)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
         plans = {}
         # Note [Windows prepared ahead]. A run in pieces plans each piece once its gradients
