@@ -117,9 +117,12 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: turn. The pieces of a window share its pinned buffer for the masters at distinct offsets,
 #: so no call waits for another's copies back. Splitting the ends into turns of their own
 #: ran slower (bench/RESULTS.md, 2026-12-06 00:3x). Only with the gradients queued ahead
-#: (Note [Gradients queued ahead]). Off (0) until measured: the bench's
+#: (Note [Gradients queued ahead]). At 24.8 GiB, pieces of 64 M parameters took the wait
+#: for the first window's gradients from 0.012 to 0.002 s and the step phase from 0.157 to
+#: 0.121 s; at 13.3 GiB they were even (0.603 against 0.606 s a step; H100, bench/RESULTS.md,
+#: 2026-12-06 11:5x). So the ends go in pieces by default (0: whole windows). The bench's
 #: --host-piece-parameters N,0 runs both side by side.
-HOST_PIECE_PARAMETERS = 0
+HOST_PIECE_PARAMETERS = 64 << 20
 
 
 def piece_ends(counts: list, first: bool, last: bool, size: int) -> list:
