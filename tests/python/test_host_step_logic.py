@@ -539,8 +539,8 @@ def test_a_window_in_pieces_steps_each_once_its_gradients_are_there_at_offsets_o
         happened.append(("planned", [p.numel() for p in part], part_views))
         return [outputs]
 
-    def run_calls(stepper, planned, slot, batched, wait_each=True):
-        happened.append(("called", wait_each))
+    def run_calls(stepper, planned, slot, batched):
+        happened.append(("called",))
         return [window[3]] if planned[0][-1].numel() == 40 else []
 
     monkeypatch.setattr(host, "plan", plan)
@@ -550,13 +550,64 @@ def test_a_window_in_pieces_steps_each_once_its_gradients_are_there_at_offsets_o
     refused = host.step(None, window, (views, Event("window")), {}, {}, slot=1,
                         pieces=[(1, Event("first")), (4, Event("window"))])
     assert happened == [
-        ("arrived", "first"), ("waited", 1), ("planned", [10], ["view 0"]), ("called", False),
+        ("arrived", "first"), ("waited", 1), ("planned", [10], ["view 0"]), ("called",),
         ("arrived", "window"), ("planned", [20, 30, 40], ["view 1", "view 2", "view 3"]),
-        ("called", False)]
+        ("called",)]
     a = _host_step.aligned
     assert offsets == [0, a(20)]  # the second piece's masters begin after the first's
     assert refused == [window[3]]
     assert host.figures["host_pieces"] == 1 and host.figures["host_windows"] == 1
+
+
+def test_a_window_of_two_groups_waits_for_its_buffers_copies_once_and_lays_them_apart(
+        monkeypatch):
+    """Note [The CPUs' windows]: a window whose masters are in two groups (weights with decay,
+    norms without, as the Trainer makes them) is two library calls. The CPUs wait for the
+    pinned buffer's last copies once, before the first call, and the second call's masters
+    begin after the first's: neither call waits for the other's copies back."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    host = _host_step.HostStep()
+    window = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 30)]
+    optimizer = torch.optim.AdamW([{"params": [window[0], window[2]]},
+                                   {"params": [window[1]], "weight_decay": 0.0}])
+    for parameter in window:
+        optimizer.state[parameter].update(
+            step=torch.tensor(0.0), exp_avg=torch.zeros_like(parameter),
+            exp_avg_sq=torch.zeros_like(parameter))
+
+    class Masters:
+        def working(self, parameter):
+            return parameter
+
+    class Stepper:
+        pass
+
+    stepper = Stepper()
+    stepper.optimizer, stepper.masters = optimizer, Masters()
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    settings = {id(group): {} for group in optimizer.param_groups}
+    happened, laid = [], []
+
+    class Event:
+        def synchronize(self):
+            happened.append("arrived")
+
+    def run_calls(stepper, planned, slot, batched):
+        for call in planned:
+            laid.append([(o.data_ptr() - host.copies[slot].data_ptr(), o.numel())
+                         for o in call.outputs])
+            happened.append(("called", [p.numel() for p, _ in call.members]))
+        return []
+
+    monkeypatch.setattr(host, "run_calls", run_calls)
+    monkeypatch.setattr(host, "wait_copies", lambda slot: happened.append(("waited", slot)))
+    host.copies = [torch.zeros(1 << 16, dtype=torch.uint8), None]
+    views = [torch.zeros(p.numel(), dtype=torch.bfloat16) for p in window]
+    assert host.step(stepper, window, (views, Event()), groups, settings, slot=0) == []
+    assert happened == ["arrived", ("waited", 0), ("called", [10, 30]), ("called", [20])]
+    a = _host_step.aligned
+    assert laid == [[(0, 10), (a(20), 30)], [(a(20) + a(60), 20)]]
 
 
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])

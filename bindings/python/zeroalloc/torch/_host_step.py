@@ -103,6 +103,9 @@ from zeroalloc.torch._step_records import is_out_of_memory, residency_or_foreign
 #: fast recipe ran 1.09 x at 13.3 GiB and 1.20 x at 24.8 GiB (H100, bench/RESULTS.md). So
 #: they merge by default (0: each window alone). The pinned buffers for the CPUs' bf16
 #: masters grow with the window: two of them, 1 GiB each for a merged window of masters.
+#: A window is a library call per group (the Trainer makes two: weights with decay, the
+#: rest without). Its calls lay their masters out one after the other in its buffer, so the
+#: CPUs wait for the buffer's last copies once a window, and no call waits for another's.
 HOST_WINDOW_PARAMETERS = 512 << 20
 
 #: Note [The run's ends in pieces]: the CPUs start a window once all its gradients are on
@@ -901,7 +904,7 @@ class HostStep:
         if every is not None and self.prepare_ahead and not pieces:
             preparing = time.perf_counter()
             plans = {number: self.plan(stepper, hosted, every[number][0], groups, settings,
-                                       turn % 2, ahead=True)
+                                       turn % 2, ahead=True, offset=[0])
                      for turn, (number, hosted) in enumerate(chosen)}
             self.figures["host_prepare_s"] += time.perf_counter() - preparing
         if every:
@@ -1035,7 +1038,10 @@ class HostStep:
         if pieces is None:
             pieces = [(len(window), copied)]
         refused = []
-        offset = [0] if len(pieces) > 1 else None  # the pieces' masters: distinct offsets
+        # The window's calls (its groups', its pieces') lay their masters out one after the
+        # other in the pinned buffer, so the CPUs wait for its last copies once, before the
+        # first call: none waits for another's copies back (Note [The CPUs' windows]).
+        offset = [0]
         begin = 0
         for end, arrived in pieces:
             waited = time.perf_counter()
@@ -1043,15 +1049,12 @@ class HostStep:
             started = time.perf_counter()
             self.figures["host_gradient_wait_s"] += started - waited
             try:
-                if offset is not None:
-                    if begin == 0:  # once for the window: its calls' copies do not overlap
-                        self.wait_copies(slot)
+                if begin == 0:
+                    self.wait_copies(slot)
+                if not batched:
                     planned = self.plan(stepper, window[begin:end], views[begin:end], groups,
                                         settings, slot, offset=offset)
-                elif planned is None:
-                    planned = self.plan(stepper, window, views, groups, settings, slot)
-                refused += self.run_calls(stepper, planned, slot, batched,
-                                          wait_each=offset is None)
+                refused += self.run_calls(stepper, planned, slot, batched)
             finally:
                 self.figures["host_s"] += time.perf_counter() - started
             begin = end
@@ -1060,19 +1063,14 @@ class HostStep:
             self.figures["host_windows"] += 1
         return refused
 
-    def run_calls(self, stepper, planned: list, slot: int, batched: bool,
-                  wait_each: bool = True) -> list:
+    def run_calls(self, stepper, planned: list, slot: int, batched: bool) -> list:
         """Makes the library calls `planned`, queueing each stepped master's copies back;
-        returns the parameters of the calls refused. With `wait_each`, the CPUs wait for
-        pinned buffer `slot`'s last copies before each master's call: each lays out its
-        masters from the buffer's start. Without it, the caller waited once for the window,
-        whose calls lay theirs out at offsets of their own (Note [The run's ends in
-        pieces])."""
+        returns the parameters of the calls refused. The caller waited for pinned buffer
+        `slot`'s last copies once for the window, whose calls lay their masters out at
+        offsets of their own."""
         refused = []
         for call in planned:
             members = call.members
-            if call.master and wait_each:
-                self.wait_copies(slot)
             calling = time.perf_counter()
             if call.master:
                 stepped = _offload.adamw_on_host_bf16(
