@@ -608,6 +608,20 @@ def test_a_window_of_two_groups_waits_for_its_buffers_copies_once_and_lays_them_
     assert happened == ["arrived", ("waited", 0), ("called", [10, 30]), ("called", [20])]
     a = _host_step.aligned
     assert laid == [[(0, 10), (a(20), 30)], [(a(20) + a(60), 20)]]
+    # Planned ahead (Note [Windows prepared ahead]) into a slot with no buffer yet: one
+    # buffer for the whole window, made before the first call, and the calls still apart.
+    made = []
+    empty = torch.empty
+
+    def pinned(*shape, pin_memory=False, **kwargs):
+        made.append(shape)
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned)
+    planned = host.plan(stepper, window, views, groups, settings, 1, ahead=True)
+    assert made == [(a(20) + a(40) + a(60),)]
+    assert [[(o.data_ptr() - host.copies[1].data_ptr(), o.numel()) for o in call.outputs]
+            for call in planned] == laid
 
 
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])

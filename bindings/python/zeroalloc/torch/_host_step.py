@@ -179,7 +179,8 @@ QUEUE_GRADIENTS_AHEAD = True
 #: thread prepares every window's calls (their addresses, buffer views and the working
 #: copies flattened) before the CPUs' thread starts. That thread then raises the counts
 #: with one PyTorch call a library call, and queues the copies back with another. Only with
-#: the copies queued ahead. Off by default until measured; the bench's
+#: the copies queued ahead. A window in pieces (Note [The run's ends in pieces]) is planned
+#: piece by piece instead. Off by default until measured; the bench's
 #: --prepare-windows-ahead 0,1 runs both side by side.
 PREPARE_WINDOWS_AHEAD = False
 
@@ -424,7 +425,8 @@ class HostStep:
         # host_gradient_wait_s: waiting for a window's gradients, before host_s;
         # host_queue_s: queueing the gradients' copies (by the step's thread when queued
         # ahead); host_prepare_s: the calls prepared ahead (Note [Windows prepared ahead]).
-        # host_run_s: each run's wall time, start to end.
+        # host_run_s: each run's wall time, start to end. host_calls: the library calls
+        # made (a window's groups', pieces' and step counts', Note [The CPUs' windows]).
         self.figures = {"host_windows": 0, "host_bytes": 0, "host_s": 0.0,
                         "host_call_s": 0.0, "host_copy_wait_s": 0.0, "host_write_s": 0.0,
                         "host_gradient_wait_s": 0.0, "host_queue_s": 0.0, "host_run_s": 0.0,
@@ -434,7 +436,8 @@ class HostStep:
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0, "host_made_state_bytes": 0,
-                        "host_state_room_short_bytes": 0, "host_pieces": 0}
+                        "host_state_room_short_bytes": 0, "host_pieces": 0,
+                        "host_calls": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
         # last_on_host (the default) the last masters go to the host (else each partial one
         # goes there whole, where it is).
@@ -899,13 +902,13 @@ class HostStep:
             every, pieces = self.copy_every_gradient(stepper, chosen, after, cuts)
             self.figures["host_queue_s"] += time.perf_counter() - queueing
         plans = {}
-        # Note [Windows prepared ahead]. A run in pieces plans each piece once its gradients
-        # are there (Note [The run's ends in pieces]).
-        if every is not None and self.prepare_ahead and not pieces:
+        # Note [Windows prepared ahead]. A window in pieces plans each piece once its
+        # gradients are there (Note [The run's ends in pieces]).
+        if every is not None and self.prepare_ahead:
             preparing = time.perf_counter()
             plans = {number: self.plan(stepper, hosted, every[number][0], groups, settings,
-                                       turn % 2, ahead=True, offset=[0])
-                     for turn, (number, hosted) in enumerate(chosen)}
+                                       turn % 2, ahead=True)
+                     for turn, (number, hosted) in enumerate(chosen) if number not in pieces}
             self.figures["host_prepare_s"] += time.perf_counter() - preparing
         if every:
             run.gradients_copied = every[chosen[-1][0]][1]  # the last window's, on one stream
@@ -993,9 +996,12 @@ class HostStep:
         """The window's library calls: one per group, step count (the bias corrections
         differ between counts) and kind (masters or not), each with its arguments; `ahead`
         (Note [Windows prepared ahead]): with each master's working copy flattened for the
-        copy back. `offset` ([bytes], Note [The run's ends in pieces]): where the masters'
-        copies begin in pinned buffer `slot`, moved past them (else each call's begin at
-        its start)."""
+        copy back. The calls lay their masters' copies out one after the other in pinned
+        buffer `slot`, from `offset` ([bytes], moved past them; a piece's, Note [The run's
+        ends in pieces]) or from its start (Note [The CPUs' windows])."""
+        if offset is None:
+            offset = [0]
+            self.reserve_copies(stepper, window, slot)
         batches: dict = {}
         for parameter, view in zip(window, views):
             group = groups[id(parameter)]
@@ -1042,6 +1048,8 @@ class HostStep:
         # other in the pinned buffer, so the CPUs wait for its last copies once, before the
         # first call: none waits for another's copies back (Note [The CPUs' windows]).
         offset = [0]
+        if not batched:
+            self.reserve_copies(stepper, window, slot)
         begin = 0
         for end, arrived in pieces:
             waited = time.perf_counter()
@@ -1082,6 +1090,7 @@ class HostStep:
                                                  stream=self.fence.cuda_stream,
                                                  **call.settings)
             self.figures["host_call_s"] += time.perf_counter() - calling
+            self.figures["host_calls"] += 1
             if not stepped:
                 self.figures["host_refused"] += 1
                 refused.extend(p for p, _ in members)
@@ -1251,10 +1260,10 @@ class HostStep:
 
     def output_views(self, members: list, slot: int, at: "list | None" = None) -> list:
         """Views of pinned buffer `slot` for the bf16 copies of `members`' masters (written
-        only once wait_copies(slot) returned), from its start or from `at` ([bytes], moved
-        past them). A buffer replaced by a larger one lives on in the views and copies that
-        still use it."""
-        offset = at[0] if at is not None else 0
+        only once wait_copies(slot) returned), from `at` ([bytes], moved past them). A
+        buffer replaced by a larger one lives on in the views and copies that still use
+        it."""
+        offset = at[0]
         total = offset + sum(aligned(p.numel() * 2) for p, _ in members)
         buffer = self.copies[slot]
         if buffer is None or buffer.numel() < total:
@@ -1264,9 +1273,18 @@ class HostStep:
             nbytes = parameter.numel() * 2
             views.append(buffer[offset:offset + nbytes].view(torch.bfloat16))
             offset += aligned(nbytes)
-        if at is not None:
-            at[0] = offset
+        at[0] = offset
         return views
+
+    def reserve_copies(self, stepper, window: list, slot: int) -> None:
+        """Grows pinned buffer `slot` to hold the bf16 copies of every master of `window` at
+        once, before its calls lay theirs out: grown call by call, each larger buffer would
+        leave the last one in PyTorch's pinned cache."""
+        total = sum(aligned(p.numel() * 2) for p in window
+                    if working_of(stepper, p) is not None)
+        buffer = self.copies[slot]
+        if total and (buffer is None or buffer.numel() < total):
+            self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
 
     def write_working(self, stepper, members: list, outputs: list, slot: int,
                       targets: "list | None" = None) -> None:
@@ -1284,11 +1302,13 @@ class HostStep:
                     for working, output in zip(workings, outputs):
                         working.data.view(-1).copy_(output, non_blocking=True)
         finally:
+            # After whatever was queued, even if queueing failed part way: the CPUs write
+            # this buffer again only once these copies have read it.
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            self.copied[slot] = done
+            self.written = done
             _use_hints.end(workings, self.stream.cuda_stream)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        self.copied[slot] = done
-        self.written = done
         self.figures["host_copy_bytes"] += sum(p.numel() * 2 for p, _ in members)
 
 
