@@ -28,7 +28,8 @@
 # NVMe tier) zero (two GPUs or more only: bench/python/zero_bench.py, about 5 minutes;
 # GPU_CHECK_ZERO_MODES, _ARGS)
 # baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes), split
-# at spaces; GPU_CHECK_PYTEST_K: an expression for pytest's -k, whole ("merged or prepared").
+# at spaces; GPU_CHECK_PYTEST_K: an expression for pytest's -k, whole ("merged or prepared");
+# GPU_CHECK_PYTEST_JOBS: how many pytest processes share the tests, run at once (default 1).
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
 set -uo pipefail
@@ -187,7 +188,44 @@ if [[ -z $(skipped trace) ]]; then
 else skipped trace; fi
 
 step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
-if [[ -z $(skipped pytest) ]]; then
+if [[ -z $(skipped pytest) ]] && ((${GPU_CHECK_PYTEST_JOBS:-1} > 1)); then
+  # The tests chosen, dealt in turn to GPU_CHECK_PYTEST_JOBS pytest processes run at once:
+  # each test trains in processes of its own, and the device has room for several.
+  chosen=(${GPU_CHECK_PYTEST:-tests/python} ${GPU_CHECK_PYTEST_K:+-k "$GPU_CHECK_PYTEST_K"})
+  ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q --collect-only "${chosen[@]}" \
+    2>&1 | grep "::" >"$out/pytest-ids.txt"
+  jobs=$GPU_CHECK_PYTEST_JOBS
+  for ((shard = 0; shard < jobs; ++shard)); do
+    mapfile -t ids < <(awk -v jobs="$jobs" -v shard="$shard" 'NR % jobs == shard' "$out/pytest-ids.txt")
+    ((${#ids[@]})) || continue
+    (ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout ${GPU_CHECK_PYTEST_TIMEOUT:-540} \
+      python3 -m pytest -q -s -rfEs --durations=6 "${ids[@]}" >"$out/pytest-$shard.log" 2>&1
+     echo $? >"$out/pytest-$shard.rc") &
+  done
+  wait
+  python3 - "$out" "$jobs" <<'PY' >"$out/pytest.log"
+import pathlib, re, sys
+out, jobs = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+counts, longest, codes = {}, 0.0, []
+for log in sorted(out.glob("pytest-[0-9]*.log")):
+    text = log.read_text()
+    print(f"== {log.name}\n{text}")
+    codes.append(int((out / log.name.replace(".log", ".rc")).read_text()))
+    last = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|error).*) in ([0-9.]+)s", text, re.M)
+    if last:
+        for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last[-1][0]):
+            counts[word] = counts.get(word, 0) + int(number)
+        longest = max(longest, float(last[-1][1]))
+words = ", ".join(f"{number} {word}" for word, number in counts.items()) or "0 passed"
+print(f"{words} in {longest:.2f}s ({jobs} jobs at once; exit codes {codes})")
+PY
+  grep -q "exit codes \[0\(, 0\)*\])" "$out/pytest.log" || fail pytest  # none ran: failed
+  grep -E "^(FAILED|ERROR) " "$out/pytest.log"
+  tail -1 "$out/pytest.log"
+  echo "-- figures printed by the Python tests"
+  grep -E "^(every-step offload|Trainer under|ZEROALLOC_TORCH=zeroalloc|expandable_segments=|  cuMemCreate passed)" \
+    "$out/pytest.log" || true
+elif [[ -z $(skipped pytest) ]]; then
   ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so timeout ${GPU_CHECK_PYTEST_TIMEOUT:-540} python3 -m pytest -q -s -rs --durations=12 \
     ${GPU_CHECK_PYTEST:-tests/python} ${GPU_CHECK_PYTEST_K:+-k "$GPU_CHECK_PYTEST_K"} \
     >"$out/pytest.log" 2>&1 || fail pytest
