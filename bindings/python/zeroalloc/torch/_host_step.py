@@ -823,8 +823,7 @@ class HostStep:
                 and all(working_of(stepper, p) is not None for p in parameters)
                 and 2 * sum(p.numel() for p in parameters) <= self.ahead_bytes)
 
-    def copy_every_gradient(self, stepper, chosen: list, after,
-                            cuts: "dict | None" = None) -> tuple:
+    def copy_every_gradient(self, stepper, chosen: list, after, cuts: dict) -> tuple:
         """Note [Gradients queued ahead] and Note [The host step finishes behind the
         forward]: queues the copies of every window's gradients into one pinned buffer,
         after the event `after`; returns, per window number, (views of the buffer, event
@@ -841,7 +840,7 @@ class HostStep:
         with torch.cuda.stream(self.stream):
             for number, _ in chosen:
                 views = []
-                ends = set((cuts or {}).get(number, [])[:-1])  # those before the window's
+                ends = set(cuts.get(number, [])[:-1])  # those before the window's end
                 marks = []
                 for index, grad in enumerate(grads[number]):
                     nbytes = grad.numel() * grad.element_size()
@@ -1264,10 +1263,7 @@ class HostStep:
         buffer replaced by a larger one lives on in the views and copies that still use
         it."""
         offset = at[0]
-        total = offset + sum(aligned(p.numel() * 2) for p, _ in members)
-        buffer = self.copies[slot]
-        if buffer is None or buffer.numel() < total:
-            buffer = self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        buffer = self.grow_copies(slot, offset + sum(aligned(p.numel() * 2) for p, _ in members))
         views = []
         for parameter, _ in members:
             nbytes = parameter.numel() * 2
@@ -1282,9 +1278,15 @@ class HostStep:
         leave the last one in PyTorch's pinned cache."""
         total = sum(aligned(p.numel() * 2) for p in window
                     if working_of(stepper, p) is not None)
+        if total:
+            self.grow_copies(slot, total)
+
+    def grow_copies(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Pinned buffer `slot`, replaced by one of `nbytes` when it holds fewer."""
         buffer = self.copies[slot]
-        if total and (buffer is None or buffer.numel() < total):
-            self.copies[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self.copies[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buffer
 
     def write_working(self, stepper, members: list, outputs: list, slot: int,
                       targets: "list | None" = None) -> None:
