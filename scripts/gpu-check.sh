@@ -39,10 +39,12 @@ final=${OUT:-gpu-out}; mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-check.XXXXXX)
 trap 'tar czf "$final/gpu-check-logs.tar.gz" -C "$out" . 2>/dev/null' EXIT
 prefix=/tmp/zeroalloc-prefix
-if ! ls /usr/include/liburing.h >/dev/null 2>&1; then
+# Unpacked once: a second run of this script at the same time (see below) must not rewrite
+# a library the first one's processes have loaded.
+if [[ ! -e /usr/include/liburing.h && ! -e $prefix/usr/include/liburing.h ]]; then
   for deb in .deps/liburing*.deb; do dpkg -x "$deb" "$prefix"; done
 fi
-if ! ls /usr/include/nlohmann/json.hpp >/dev/null 2>&1; then
+if [[ ! -e /usr/include/nlohmann/json.hpp && ! -e $prefix/usr/include/nlohmann/json.hpp ]]; then
   for deb in .deps/nlohmann-json*.deb; do dpkg -x "$deb" "$prefix"; done
 fi
 export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -82,7 +84,12 @@ if [[ -n ${GPU_CHECK_PREBUILT:-} ]]; then
   if [[ ! -e $built_at ]]; then mkdir -p "$(dirname "$built_at")" && ln -s "$root" "$built_at"; fi
   [[ $(cd "$built_at" && pwd -P) == $(pwd -P) ]] \
     || { echo "the prebuilt build's path $built_at is another tree here" >&2; exit 1; }
-  rm -rf build && cp -a "$GPU_CHECK_PREBUILT/build" build
+  # Copied once per pack: runs of this script at the same time on one tree (the corpus beside
+  # the Python tests, each with its own OUT and steps) share the copy the first one made.
+  if ! cmp -s "$GPU_CHECK_PREBUILT/commit" build/.prebuilt-commit 2>/dev/null; then
+    rm -rf build && cp -a "$GPU_CHECK_PREBUILT/build" build
+    cp "$GPU_CHECK_PREBUILT/commit" build/.prebuilt-commit
+  fi
   export LD_LIBRARY_PATH=$root/$GPU_CHECK_PREBUILT/lib:$LD_LIBRARY_PATH
   echo "prebuilt at $(cat "$GPU_CHECK_PREBUILT/commit" | tr '\n' ' ')"
 else
