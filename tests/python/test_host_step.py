@@ -138,7 +138,9 @@ def groups(parameters):  # one group, or with GROUPS the Trainer's two (biases: 
 
 
 def in_model_order(saved):  # the masters' state_dict entry is in param_groups' order
-    grouped = [p for g in optimizer.param_groups for p in g["params"]]
+    # param_groups hold the masters; the model holds their working copies.
+    working = optimizer._zeroalloc_stepper.masters.working
+    grouped = [working(m) for g in optimizer.param_groups for m in g["params"]]
     where = {id(p): number for number, p in enumerate(grouped)}
     return [saved[where[id(p)]] for p in model.parameters()]
 
