@@ -307,6 +307,10 @@ HOST_SETTINGS = (
      "moments", "1: the first step makes the moments of the masters the host holds there and "
      "the CPUs step them in that step (Note [States made where the CPUs step them]), 0: "
      "AdamW makes them on the device"),
+    ("first_step_room", "--first-step-room", "room_first", ("0", "1").__contains__, "room",
+     "1: the first step sends the masters whose moments would overflow the limit to the host "
+     "and makes their moments there (Note [The first step's room]), 0: AdamW makes them on "
+     "the device"),
     ("guard_behind", "--guard-behind", "guard_behind", ("0", "1").__contains__, "guarded",
      "1: under ZEROALLOC_ACCESS=any, the CPUs finish behind the next forward, the working "
      "copies guarded (Note [Behind the forward, guarded]), 0: within the step"),
@@ -722,6 +726,9 @@ def format_main_table(results: dict) -> str:
                     if overlap.get("host_made_state_bytes"):  # Note [States made where
                         notes += (f"; moments made on the host: "  # the CPUs step them]
                                   f"{overlap['host_made_state_bytes'] / GIB:.2f} GiB")
+                        if overlap.get("host_placed_bytes"):  # Note [The first step's room]
+                            notes += (f", for {overlap['host_placed_bytes'] / GIB:.2f} GiB of "
+                                      "masters the first step sent there")
                     elif overlap.get("host_state_room_short_bytes"):
                         notes += (f"; moments left to AdamW: the host step's buffers "
                                   f"{overlap['host_state_room_short_bytes'] / GIB:.2f} GiB "

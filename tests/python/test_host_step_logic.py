@@ -779,6 +779,106 @@ def test_the_first_step_makes_moments_only_for_masters_the_cpus_would_step_there
     assert batches == []
 
 
+def device_master(number: int, nbytes: int):
+    """A stand-in for an fp32 master of `nbytes` on CUDA device 0, at address `number`."""
+    storage = types.SimpleNamespace(nbytes=lambda: nbytes, data_ptr=lambda: number)
+    return types.SimpleNamespace(is_cuda=True, device=types.SimpleNamespace(index=0),
+                                 untyped_storage=lambda: storage, number=number)
+
+
+@pytest.mark.parametrize("peak, limit, on_host, sent", [
+    (700, 1000, (), [2, 3]),  # moments 800: 500 over; one master saves 300, two 600
+    (700, 1000, (3,), [2]),  # the last on the host already: moments 600, 300 over
+    (200, 1000, (), []),  # the moments fit
+    (600, 0, (), [])])  # no limit
+def test_the_first_step_sends_the_last_masters_its_moments_would_overflow_to_the_host(
+        monkeypatch, peak, limit, on_host, sent):
+    """Note [The first step's room]: the device's peak so far, plus two moments for each
+    master still on the device, over the limit: the last masters wholly on the device go
+    to the host, each worth three times its bytes, the fewest that cover it."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    masters = [device_master(number, 100) for number in range(4)]
+    places = {id(m): "host" if m.number in on_host else "device" for m in masters}
+    monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
+        "limit_bytes": limit, "total": {"allocated_bytes": {"peak": peak}}})
+    host = _host_step.HostStep()
+    assert [m.number for m in host.beyond_the_limit(masters, places)] == sent
+
+
+def test_masters_sent_to_the_host_are_moved_together_and_a_refused_move_is_told(monkeypatch):
+    """Note [The first step's room]: the masters' moves are all queued, then waited for;
+    their residency is asked again, and the bytes that reached the host are counted. A move
+    the host tier refuses warns, and leaves the masters not moved where they were."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc._library import ZeroallocError
+    from zeroalloc.torch import _host_step
+    masters = [device_master(number, 100) for number in range(3)]
+    where = {m.number: "device" for m in masters}
+    calls = []
+
+    def offload(pointer, wait=True):
+        calls.append((pointer, wait))
+        if pointer == refuse:
+            raise ZeroallocError("the host tier is full")
+        if wait:
+            where[pointer] = "host"
+
+    monkeypatch.setattr(_host_step._offload, "offload_pointer", offload)
+    monkeypatch.setattr(_host_step, "residency_or_foreign", lambda m: where[m.number])
+    host = _host_step.HostStep()
+    refuse, places = None, {}
+    host.place_on_host(masters[1:], places)
+    assert calls == [(1, False), (2, False), (1, True), (2, True)]
+    assert [places[id(m)] for m in masters[1:]] == ["host", "host"]
+    assert host.figures["host_placed_bytes"] == 200
+    refuse, calls[:] = 0, []
+    with pytest.warns(UserWarning, match="the optimizer makes their states on the device"):
+        host.place_on_host(masters[:1], places)
+    assert places[id(masters[0])] == "device" and host.figures["host_placed_bytes"] == 200
+
+
+def test_the_masters_the_first_step_sends_to_the_host_get_their_moments_there(monkeypatch):
+    """Note [The first step's room]: the masters sent to the host have their moments made
+    there, with those the host held already, and the step's cache forgets them; nothing is
+    sent without room for the host step's buffers."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    names = ("first", "second", "third")
+    tensors = {name: torch.nn.Parameter(torch.zeros(1024)) for name in names}
+    optimizer = torch.optim.AdamW(list(tensors.values()))
+    places = {id(tensors["first"]): "host", id(tensors["second"]): "device",
+              id(tensors["third"]): "device"}
+    stepper = types.SimpleNamespace(
+        optimizer=optimizer, masters=types.SimpleNamespace(working=lambda p: p),
+        gradient=lambda p: p, forget=lambda parameters: forgotten.extend(parameters))
+    groups = {id(p): optimizer.param_groups[0] for p in tensors.values()}
+    batches, forgotten, sent = [], [], []
+
+    def place_on_host(self, masters, found):
+        sent.extend(masters)
+        found.update((id(m), "host") for m in masters)
+
+    room = [True]
+    monkeypatch.setattr(_host_step.HostStep, "gradient_steppable", lambda *_: True)
+    monkeypatch.setattr(_host_step, "residency_or_foreign", lambda t: places[id(t)])
+    monkeypatch.setattr(_host_step.HostStep, "room_for_buffers", lambda *_: room[0])
+    monkeypatch.setattr(_host_step.HostStep, "beyond_the_limit",
+                        lambda self, candidates, found: [tensors["third"]])
+    monkeypatch.setattr(_host_step.HostStep, "place_on_host", place_on_host)
+    monkeypatch.setattr(_host_step.HostStep, "make_batch",
+                        lambda self, stepper, batch, stream: batches.extend(batch))
+    host = _host_step.HostStep()
+    room[0] = False
+    host.make_states(stepper, [list(tensors.values())], groups, None)
+    assert sent == [] and batches == []
+    room[0] = True
+    host.make_states(stepper, [list(tensors.values())], groups, None)
+    assert sent == [tensors["third"]]
+    assert [id(p) for p in batches] == [id(tensors["first"]), id(tensors["third"])]
+    assert {id(p) for p in forgotten} == {id(tensors["first"]), id(tensors["third"])}
+
+
 @pytest.mark.parametrize("raised, told", [
     ("refused", True), ("out of memory", True), ("other", False)])
 def test_moments_the_host_tier_or_the_device_cannot_take_are_left_to_adamw(

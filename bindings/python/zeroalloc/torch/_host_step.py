@@ -247,6 +247,25 @@ GUARD_BEHIND = False
 #: library made ahead (Note [Pinned buffers made ahead]) are held already and need no room.
 #: The bench's --moments-on-host 0,1 runs both side by side.
 MAKE_STATES_ON_HOST = True
+#: Note [The first step's room]: the above makes moments only for masters the host holds
+#: already. Under a limit the first forward and backward fit, the host holds none of them:
+#: the 1.3B Llama at 24.8 GiB peaks near 20 GiB before it has moments, and AdamW's 10 GiB of
+#: moments then overflow the limit. AdamW made them on the device. The next forward moved
+#: 7.7 GB of states out, least recently used first, so parts of many masters. The second
+#: step then traded them for the last masters whole (Note [Whole masters on the host]),
+#: 4 GB each way, and paid the CPUs' first run: 1.7-2.5 s, 6-9 x a later step (bench/
+#: RESULTS.md). So the first step asks what the moments will overflow: the device's peak
+#: allocation so far, plus two moments for each master still on the device, less the limit.
+#: The last masters wholly on the device, each worth its bytes and its moments' (three times
+#: its own), go to the host, whole, until they cover that. Their moments are then made there,
+#: and the CPUs step them in the first step. They are the masters the trade would choose, so
+#: the second step finds nothing to trade when the estimate holds. It can only fall short:
+#: the step's own scratch and the allocator's slack are not in it. The engine then moves
+#: what is missing, and the trade makes it whole, as before. Nothing moves without a limit,
+#: or without room for the host step's buffers. A move the host tier refuses warns, and
+#: AdamW makes the moments of the masters left on the device there. The bench's
+#: --first-step-room 0,1 runs both side by side.
+ROOM_FIRST = True
 #: About the device memory the moments of one batch take before they move (Note [States
 #: made where the CPUs step them]); a batch holds one master at least.
 STATE_BATCH_BYTES = 512 << 20
@@ -436,7 +455,8 @@ class HostStep:
                         "host_refused": 0, "host_copy_bytes": 0, "host_behind_steps": 0,
                         "host_behind_s": 0.0, "host_completed_bytes": 0,
                         "host_returned_bytes": 0, "host_made_state_bytes": 0,
-                        "host_state_room_short_bytes": 0, "host_pieces": 0,
+                        "host_state_room_short_bytes": 0, "host_placed_bytes": 0,
+                        "host_pieces": 0,
                         "host_calls": 0}
         # Note [Whole masters on the host]: off once the host tier refused a move; with
         # last_on_host (the default) the last masters go to the host (else each partial one
@@ -452,8 +472,9 @@ class HostStep:
         # Note [Pinned buffers made ahead]: asked for, the thread making them (once), and
         # the stream the copies through them run on, for their release.
         self.pin_ahead = PIN_BUFFERS_AHEAD
-        # Note [States made where the CPUs step them]
+        # Note [States made where the CPUs step them], Note [The first step's room]
         self.make_states_on_host = MAKE_STATES_ON_HOST
+        self.room_first = ROOM_FIRST
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -521,18 +542,29 @@ class HostStep:
         if not self.make_states_on_host or stepper.masters is None:
             return
         state = stepper.optimizer.state
-        chosen = []
+        candidates = []  # the masters the CPUs could step once wholly on the host
         for window in windows:
             for parameter in window:
                 group = groups.get(id(parameter))
                 if (state.get(parameter) or group is None
                         or working_of(stepper, parameter) is None
                         or adamw_settings(stepper.optimizer, group) is None
-                        or not self.gradient_steppable(stepper, parameter)
-                        or residency_or_foreign(parameter) not in ON_HOST):
+                        or not self.gradient_steppable(stepper, parameter)):
                     continue
-                chosen.append(parameter)
-        if not chosen or not self.room_for_buffers(stepper, chosen[0].device.index):
+                candidates.append(parameter)
+        if not candidates:
+            return
+        places = {id(p): residency_or_foreign(p) for p in candidates}
+        placed = (self.beyond_the_limit(candidates, places)  # Note [The first step's room]
+                  if self.room_first else [])
+        if not placed and not any(places[id(p)] in ON_HOST for p in candidates):
+            return
+        if not self.room_for_buffers(stepper, candidates[0].device.index):
+            return
+        self.place_on_host(placed, places)
+        stepper.forget(placed)
+        chosen = [p for p in candidates if places[id(p)] in ON_HOST]
+        if not chosen:
             return
         # AdamW's first step would add these entries in param_groups' order.
         for group in stepper.optimizer.param_groups:
@@ -561,6 +593,49 @@ class HostStep:
                           f"({error}); the optimizer makes the rest on the device")
         finally:
             stepper.forget(chosen)
+
+    def beyond_the_limit(self, candidates: list, places: dict) -> list:
+        """Note [The first step's room]: the last of `candidates` (masters without states, in
+        the order the CPUs step them) wholly on the device that must go to the host, whole,
+        for their moments and the rest of the step's peak to fit under the device's limit;
+        none when they fit, or with no limit."""
+        if not candidates[0].is_cuda:
+            return []
+        stats = _stats.raw_stats(candidates[0].device.index)
+        limit = stats.get("limit_bytes", 0)
+        if not limit:
+            return []
+        # AdamW makes two moments shaped as each master; those of masters on the host are
+        # made there (make_states).
+        new = sum(2 * p.untyped_storage().nbytes() for p in candidates
+                  if places[id(p)] not in ON_HOST)
+        over = stats["total"]["allocated_bytes"]["peak"] + new - limit
+        chosen, saved = [], 0
+        for parameter in reversed(candidates):
+            if saved >= over:
+                break
+            if places[id(parameter)] == "device":
+                chosen.append(parameter)
+                saved += 3 * parameter.untyped_storage().nbytes()  # the master, its moments
+        return chosen[::-1]
+
+    def place_on_host(self, masters: list, places: dict) -> None:
+        """Note [The first step's room]: moves `masters` to the host (all queued, then waited
+        for), and asks their residency again into `places`. A move the host tier refuses
+        warns, and the masters not moved stay where they are (AdamW makes their moments)."""
+        pointers = [m.untyped_storage().data_ptr() for m in masters]
+        try:
+            for pointer in pointers:
+                _offload.offload_pointer(pointer, wait=False)
+            for pointer in pointers:
+                _offload.offload_pointer(pointer, wait=True)
+        except ZeroallocError as error:
+            warnings.warn(f"zeroalloc: moving masters to the host for their first states "
+                          f"failed ({error}); the optimizer makes their states on the device")
+        for master in masters:
+            places[id(master)] = residency_or_foreign(master)
+            if places[id(master)] in ON_HOST:
+                self.figures["host_placed_bytes"] += master.untyped_storage().nbytes()
 
     def room_for_buffers(self, stepper, device: int) -> bool:
         """Note [States made where the CPUs step them]: whether the host can pin the host
