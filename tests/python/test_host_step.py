@@ -318,7 +318,7 @@ def test_the_first_step_sends_the_masters_beyond_the_limit_to_the_host_with_thei
     """Note [The first step's room]: at 640 MiB the first forward and backward fit (about
     450 MiB: bf16 weights and gradients, fp32 masters), and AdamW's 384 MiB of moments would
     not. The first step sends the last masters to the host and makes their moments there,
-    so the second step trades fewer bytes than when AdamW makes every moment on the device.
+    and the CPUs step them in that step, where AdamW would make every moment on the device.
     Both train within rounding of the plain recipe."""
     plain = run_script(MASTERS, str(tmp_path / "plain.pt"), RECIPE="plain")
     room = ast.literal_eval(field(masters_on_the_host_against(
@@ -329,10 +329,8 @@ def test_the_first_step_sends_the_masters_beyond_the_limit_to_the_host_with_thei
     assert none["host_placed_bytes"] == 0 == none["host_made_state_bytes"], none
     assert room["host_placed_bytes"] > 0, room
     assert room["host_made_state_bytes"] >= 2 * room["host_placed_bytes"], room
-
-    def traded(figures):
-        return figures["host_completed_bytes"] + figures["host_returned_bytes"]
-    assert traded(room) < traded(none), (room, none)
+    # The first step's windows of those masters are stepped by the CPUs, not the device.
+    assert room["host_windows"] > none["host_windows"], (room, none)
 
 
 @pytest.mark.parametrize("access", ["any", "hinted"])

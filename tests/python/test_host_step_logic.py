@@ -619,9 +619,32 @@ def test_a_window_of_two_groups_waits_for_its_buffers_copies_once_and_lays_them_
 
     monkeypatch.setattr(torch, "empty", pinned)
     planned = host.plan(stepper, window, views, groups, settings, 1, ahead=True)
-    assert made == [(a(20) + a(40) + a(60),)]
+    # The whole block PyTorch pins for it (Note [Buffers as large as their blocks]).
+    assert made == [(_host_step.power_of_two(a(20) + a(40) + a(60)),)]
     assert [[(o.data_ptr() - host.copies[1].data_ptr(), o.numel()) for o in call.outputs]
             for call in planned] == laid
+
+
+def test_a_pinned_buffer_a_little_short_for_a_later_run_is_used_again(monkeypatch):
+    """Note [Buffers as large as their blocks]: the host step's pinned buffers take the
+    whole power-of-two block PyTorch pins for them, so a later run that needs a little more
+    (but no more than the block) uses the same buffer; one that needs more gets a new one."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    made = []
+    empty = torch.empty
+
+    def pinned(*shape, pin_memory=False, **kwargs):
+        assert pin_memory
+        made.append(shape)
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned)
+    host = _host_step.HostStep()
+    first = host.grow_copies(0, 3000)
+    assert host.grow_copies(0, 4000) is first and first.numel() == 4096
+    assert host.grow_copies(0, 5000).numel() == 8192
+    assert made == [(4096,), (8192,)]
 
 
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64])

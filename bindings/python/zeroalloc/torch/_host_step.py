@@ -261,7 +261,10 @@ MAKE_STATES_ON_HOST = True
 #: and the CPUs step them in the first step. They are the masters the trade would choose, so
 #: the second step finds nothing to trade when the estimate holds. It can only fall short:
 #: the step's own scratch and the allocator's slack are not in it. The engine then moves
-#: what is missing, and the trade makes it whole, as before. Nothing moves without a limit,
+#: what is missing, and the trade makes it whole, as before. At 24.8 GiB the first step sent
+#: 1.04 GiB of masters, and the second traded 0.57 GiB out and 0.50 back (3.81 and 3.70
+#: without this). That step took 3.6 x a later one, against 7.5 x, and the steady step
+#: 0.216 s against 0.237 s, side by side (bench/RESULTS.md). Nothing moves without a limit,
 #: or without room for the host step's buffers. A move the host tier refuses warns, and
 #: AdamW makes the moments of the masters left on the device there. The bench's
 #: --first-step-room 0,1 runs both side by side.
@@ -324,6 +327,20 @@ def available_host_bytes() -> int:
 def power_of_two(nbytes: int) -> int:
     """The least power of two at least `nbytes` (1 for 0)."""
     return 1 << max(0, nbytes - 1).bit_length()
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """Pinned host memory for at least `nbytes`, from PyTorch's pinned allocator.
+
+    Note [Buffers as large as their blocks]: that allocator rounds each request up to a
+    power of two and pins the whole block. So the host step's buffers take the whole block.
+    A later run that needs a little more then uses the same buffer. Without this, it pinned
+    a new block of the same size. That happens in the second step when the trade adds
+    masters to what the first step sent to the host (Note [The first step's room]). Pinning
+    is slow: at 24.8 GiB of the 1.3B Llama, queueing the gradients' copies took 0.42 s in
+    the CPUs' first run, against 0.001 s in a later one (bench/RESULTS.md). The memory
+    pinned is the same either way."""
+    return torch.empty(power_of_two(nbytes), dtype=torch.uint8, pin_memory=True)
 
 
 class BufferRoom(NamedTuple):
@@ -870,8 +887,7 @@ class HostStep:
                     if id(p) not in there)
         buffer = self.buffers[slot]
         if total and (buffer is None or buffer.numel() < total):
-            buffer = self.buffers[slot] = torch.empty(total, dtype=torch.uint8,
-                                                      pin_memory=True)
+            buffer = self.buffers[slot] = pinned_buffer(total)
         views, offset = [], 0
         self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
@@ -909,7 +925,7 @@ class HostStep:
                     for g in each)
         if self.gradients is None or self.gradients.numel() < total:
             self.gradients = None  # the old one goes first
-            self.gradients = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.gradients = pinned_buffer(total)
         copies, pieces, offset = {}, {}, 0
         self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
@@ -1360,7 +1376,7 @@ class HostStep:
         """Pinned buffer `slot`, replaced by one of `nbytes` when it holds fewer."""
         buffer = self.copies[slot]
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self.copies[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buffer = self.copies[slot] = pinned_buffer(nbytes)
         return buffer
 
     def write_working(self, stepper, members: list, outputs: list, slot: int,
