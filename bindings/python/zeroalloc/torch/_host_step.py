@@ -263,8 +263,8 @@ MAKE_STATES_ON_HOST = True
 #: the step's own scratch and the allocator's slack are not in it. The engine then moves
 #: what is missing, and the trade makes it whole, as before. At 24.8 GiB the first step sent
 #: 1.04 GiB of masters, and the second traded 0.57 GiB out and 0.50 back (3.81 and 3.70
-#: without this). That step took 3.6 x a later one, against 7.5 x, and the steady step
-#: 0.216 s against 0.237 s, side by side (bench/RESULTS.md). Nothing moves without a limit,
+#: without this). That step took 3.6 x a later one, against 7.5 x, side by side, and the
+#: later steps were no slower (bench/RESULTS.md). Nothing moves without a limit,
 #: or without room for the host step's buffers. A move the host tier refuses warns, and
 #: AdamW makes the moments of the masters left on the device there. The bench's
 #: --first-step-room 0,1 runs both side by side.
