@@ -121,10 +121,11 @@ HOST_WINDOW_PARAMETERS = 512 << 20
 #: so no call waits for another's copies back. Splitting the ends into turns of their own
 #: ran slower (bench/RESULTS.md, 2026-12-06 00:3x). Only with the gradients queued ahead
 #: (Note [Gradients queued ahead]). At 24.8 GiB, pieces of 64 M parameters took the wait
-#: for the first window's gradients from 0.012 to 0.002 s and the step phase from 0.157 to
-#: 0.121 s; at 13.3 GiB they were even (0.603 against 0.606 s a step; H100, bench/RESULTS.md,
-#: 2026-12-06 11:5x). So the ends go in pieces by default (0: whole windows). The bench's
-#: --host-piece-parameters N,0 runs both side by side.
+#: for the first window's gradients from 0.011-0.012 to 0.001-0.002 s. Run first, they took
+#: the step phase from 0.157 to 0.121 s; run second, on another host, the two were even
+#: (0.276 against 0.280 s a step). At 13.3 GiB they were even too (0.603 against 0.606 s;
+#: H100, bench/RESULTS.md, 2026-12-06). Never slower, so the ends go in pieces by default
+#: (0: whole windows). The bench's --host-piece-parameters N,0 runs both side by side.
 HOST_PIECE_PARAMETERS = 64 << 20
 
 
