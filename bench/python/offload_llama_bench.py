@@ -882,7 +882,7 @@ def worker(args) -> int:
     times, phases, warmup_times = [], [], []
     loss = None
     timed_from = None
-    host_from = {}
+    host_from, overlap_before, previous = {}, {}, {}
     for index in range(warmup + steps):
         if index == warmup and mode == "offload":
             timed_from = offload_counters(zeroalloc)
@@ -905,20 +905,23 @@ def worker(args) -> int:
             for name, each in stats.get("classes", {}).items():
                 figures[f"{name}_reserved"] = each["reserved_bytes"]["current"]
             figures["retries"] = stats["total"].get("retries", 0)
-            if index > 0:
-                moved = {k: figures[k] - previous[k] for k in figures
-                         if isinstance(figures[k], (int, float)) and k in previous
-                         and figures[k] != previous[k]}
-                step_phases = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
-                overlap = zt.step_figures(optimizer) if mode == "offload" else {}
-                print(f"step {index}: {time.perf_counter() - started:.3f} s "
-                      f"(fwd/bwd/step {'/'.join(f'{p:.3f}' for p in step_phases)}; "
-                      f"overlap {overlap}); device holds "
-                      f"{figures['device_held'] / 2**30:.2f} GiB, reserved "
-                      f"{figures['reserved'] / 2**30:.2f} GiB; changes: " +
-                      ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
-                                for k, v in sorted(moved.items())), file=sys.stderr)
-            previous = figures
+            moved = {k: figures[k] - previous[k] for k in figures
+                     if isinstance(figures[k], (int, float)) and k in previous
+                     and figures[k] != previous[k]}
+            step_phases = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
+            overlap = zt.step_figures(optimizer) if mode == "offload" else {}
+            # The step's figures count from the run's start: this step's share of each.
+            own = {k: v - overlap_before.get(k, 0) for k, v in overlap.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and v != overlap_before.get(k, 0)}
+            print(f"step {index}: {time.perf_counter() - started:.3f} s "
+                  f"(fwd/bwd/step {'/'.join(f'{p:.3f}' for p in step_phases)}; "
+                  f"this step's figures {own}); device holds "
+                  f"{figures['device_held'] / 2**30:.2f} GiB, reserved "
+                  f"{figures['reserved'] / 2**30:.2f} GiB; changes: " +
+                  ", ".join(f"{k} {v / 2**20 if k.endswith(('bytes', 'reserved', 'held', 'pooled')) else v:.6g}"
+                            for k, v in sorted(moved.items())), file=sys.stderr)
+            previous, overlap_before = figures, overlap
     timed = None
     if timed_from is not None:
         timed_to = offload_counters(zeroalloc)

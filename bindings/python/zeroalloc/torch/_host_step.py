@@ -555,7 +555,8 @@ class HostStep:
     def make_states(self, stepper, windows: list, groups: dict, stream) -> None:
         """Note [States made where the CPUs step them]: the moments of the masters in
         `windows` that have none yet, that the CPUs can step, and that are wholly on the
-        host. They are made as AdamW makes them and moved to the host, in batches of about
+        host, or that the step sends there first (Note [The first step's room]). They are
+        made as AdamW makes them and moved to the host, in batches of about
         STATE_BATCH_BYTES."""
         if not self.make_states_on_host or stepper.masters is None:
             return
