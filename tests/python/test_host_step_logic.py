@@ -809,23 +809,28 @@ def device_master(number: int, nbytes: int):
                                  untyped_storage=lambda: storage, number=number)
 
 
-@pytest.mark.parametrize("peak, limit, on_host, sent", [
-    (700, 1000, (), [2, 3]),  # moments 800: 500 over; one master saves 300, two 600
-    (700, 1000, (3,), [2]),  # the last on the host already: moments 600, 300 over
-    (200, 1000, (), []),  # the moments fit
-    (600, 0, (), [])])  # no limit
+@pytest.mark.parametrize("peak, before, limit, where, sent", [
+    (700, 300, 1000, {}, [2, 3]),  # moments 800: 500 over; one master saves 300, two 600
+    (700, 300, 1000, {3: "host"}, [2]),  # the last on the host: moments 600, 300 over
+    (700, 300, 1000, {3: "split"}, [2, 3]),  # partly on the host: the trade's, so sent
+    (200, 100, 1000, {}, []),  # the moments fit
+    (700, 700, 1000, {}, []),  # the peak is not this step's: no estimate
+    (700, None, 1000, {}, []),  # no forward seen since offload(): no estimate
+    (700, 300, 0, {}, [])])  # no limit known
 def test_the_first_step_sends_the_last_masters_its_moments_would_overflow_to_the_host(
-        monkeypatch, peak, limit, on_host, sent):
-    """Note [The first step's room]: the device's peak so far, plus two moments for each
-    master still on the device, over the limit: the last masters wholly on the device go
-    to the host, each worth three times its bytes, the fewest that cover it."""
+        monkeypatch, peak, before, limit, where, sent):
+    """Note [The first step's room]: the device's peak, when its own forward and backward
+    reached it (above the peak as the first forward began), plus two moments for each master
+    still on the device, over the limit: the last masters on the device (or split) go to the
+    host, each worth three times its bytes, the fewest that cover it."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
     masters = [device_master(number, 100) for number in range(4)]
-    places = {id(m): "host" if m.number in on_host else "device" for m in masters}
+    places = {id(m): where.get(m.number, "device") for m in masters}
     monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
         "limit_bytes": limit, "total": {"allocated_bytes": {"peak": peak}}})
     host = _host_step.HostStep()
+    host.peak_before = before
     assert [m.number for m in host.beyond_the_limit(masters, places)] == sent
 
 
@@ -861,17 +866,21 @@ def test_masters_sent_to_the_host_are_moved_together_and_a_refused_move_is_told(
     assert places[id(masters[0])] == "device" and host.figures["host_placed_bytes"] == 200
 
 
-def test_the_masters_the_first_step_sends_to_the_host_get_their_moments_there(monkeypatch):
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_masters_the_first_step_sends_to_the_host_get_their_moments_there(
+        monkeypatch, refused):
     """Note [The first step's room]: the masters sent to the host have their moments made
-    there, with those the host held already, and the step's cache forgets them; nothing is
-    sent without room for the host step's buffers."""
+    there, with those the host held already, and the step's cache forgets them. One whose
+    move was refused stays on the device and gets none there. A neighbour a move took partly
+    along stays so (the trade leaves it bounced). Nothing is sent without room for the host
+    step's buffers, or once any master has states (a master added later)."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
-    names = ("first", "second", "third")
+    names = ("first", "second", "third", "fourth")
     tensors = {name: torch.nn.Parameter(torch.zeros(1024)) for name in names}
     optimizer = torch.optim.AdamW(list(tensors.values()))
     places = {id(tensors["first"]): "host", id(tensors["second"]): "device",
-              id(tensors["third"]): "device"}
+              id(tensors["third"]): "device", id(tensors["fourth"]): "device"}
     stepper = types.SimpleNamespace(
         optimizer=optimizer, masters=types.SimpleNamespace(working=lambda p: p),
         gradient=lambda p: p, forget=lambda parameters: forgotten.extend(parameters))
@@ -880,14 +889,17 @@ def test_the_masters_the_first_step_sends_to_the_host_get_their_moments_there(mo
 
     def place_on_host(self, masters, found):
         sent.extend(masters)
-        found.update((id(m), "host") for m in masters)
+        for master in masters:  # a refused move leaves the last one on the device
+            if not (refused and master is tensors["fourth"]):
+                places[id(master)] = found[id(master)] = "host"
+        places[id(tensors["second"])] = "split"  # shares a chunk with the third
 
     room = [True]
     monkeypatch.setattr(_host_step.HostStep, "gradient_steppable", lambda *_: True)
     monkeypatch.setattr(_host_step, "residency_or_foreign", lambda t: places[id(t)])
     monkeypatch.setattr(_host_step.HostStep, "room_for_buffers", lambda *_: room[0])
     monkeypatch.setattr(_host_step.HostStep, "beyond_the_limit",
-                        lambda self, candidates, found: [tensors["third"]])
+                        lambda self, candidates, found: [tensors["third"], tensors["fourth"]])
     monkeypatch.setattr(_host_step.HostStep, "place_on_host", place_on_host)
     monkeypatch.setattr(_host_step.HostStep, "make_batch",
                         lambda self, stepper, batch, stream: batches.extend(batch))
@@ -897,9 +909,16 @@ def test_the_masters_the_first_step_sends_to_the_host_get_their_moments_there(mo
     assert sent == [] and batches == []
     room[0] = True
     host.make_states(stepper, [list(tensors.values())], groups, None)
-    assert sent == [tensors["third"]]
-    assert [id(p) for p in batches] == [id(tensors["first"]), id(tensors["third"])]
-    assert {id(p) for p in forgotten} == {id(tensors["first"]), id(tensors["third"])}
+    assert sent == [tensors["third"], tensors["fourth"]]
+    made = ["first", "third"] if refused else ["first", "third", "fourth"]
+    assert [id(p) for p in batches] == [id(tensors[n]) for n in made]
+    assert {id(p) for p in forgotten} >= {id(tensors[n]) for n in made}
+    assert host.returned == {id(tensors["second"])}
+    # A later step: a master has states now, so a new one is not sent.
+    optimizer.state[tensors["first"]]["step"] = torch.tensor(1.0)
+    sent.clear()
+    host.make_states(stepper, [[tensors["second"]]], groups, None)
+    assert sent == []
 
 
 @pytest.mark.parametrize("raised, told", [

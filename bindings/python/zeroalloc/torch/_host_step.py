@@ -255,20 +255,24 @@ MAKE_STATES_ON_HOST = True
 #: 7.7 GB of states out, least recently used first, so parts of many masters. The second
 #: step then traded them for the last masters whole (Note [Whole masters on the host]),
 #: 4 GB each way, and paid the CPUs' first run: 1.7-2.5 s, 6-9 x a later step (bench/
-#: RESULTS.md). So the first step asks what the moments will overflow: the device's peak
-#: allocation so far, plus two moments for each master still on the device, less the limit.
-#: The last masters wholly on the device, each worth its bytes and its moments' (three times
-#: its own), go to the host, whole, until they cover that. Their moments are then made there,
-#: and the CPUs step them in the first step. They are the masters the trade would choose, so
-#: the second step finds nothing to trade when the estimate holds. It can only fall short:
-#: the step's own scratch and the allocator's slack are not in it. The engine then moves
-#: what is missing, and the trade makes it whole, as before. At 24.8 GiB the first step sent
-#: 1.04 GiB of masters, and the second traded 0.57 GiB out and 0.50 back (3.81 and 3.70
-#: without this). That step took 3.6 x a later one, against 7.5 x, side by side, and the
-#: later steps were no slower (bench/RESULTS.md). Nothing moves without a limit,
-#: or without room for the host step's buffers. A move the host tier refuses warns, and
-#: AdamW makes the moments of the masters left on the device there. The bench's
-#: --first-step-room 0,1 runs both side by side.
+#: RESULTS.md). So the optimizer's first step asks what the moments will overflow: the
+#: device's peak allocation, plus two moments for each master still on the device, less the
+#: limit (the device's memory when none was set). The peak must be this step's own: one
+#: above the peak when the first forward after offload() began (a checkpoint loaded or an
+#: evaluation before it could leave a higher one). Else nothing moves, as before. The last
+#: masters on the device, each worth its bytes and its moments' (three times its own), go to
+#: the host, whole, until they cover that. Their moments are then made there, and the CPUs
+#: step them in the first step. They are the masters the trade would choose, so the second
+#: step finds nothing to trade when the estimate holds. A master that shares a chunk with
+#: one sent, and went partly along, stays so, bounced, as with the trade. The estimate can
+#: only fall short: the step's own scratch and the allocator's slack are not in it. The
+#: engine then moves what is missing, and the trade makes it whole, as before. At 24.8 GiB
+#: the first step sent 1.04 GiB of masters, and the second traded 0.57 GiB out and 0.50 back
+#: (3.81 and 3.70 without this). That step took 3.6 x a later one, against 7.5 x, side by
+#: side, and the later steps were no slower (bench/RESULTS.md). Nothing moves without room
+#: for the host step's buffers. A move the host tier refuses warns, and AdamW makes the
+#: moments of the masters left on the device there. The bench's --first-step-room 0,1 runs
+#: both side by side.
 ROOM_FIRST = True
 #: About the device memory the moments of one batch take before they move (Note [States
 #: made where the CPUs step them]); a batch holds one master at least.
@@ -493,6 +497,7 @@ class HostStep:
         # Note [States made where the CPUs step them], Note [The first step's room]
         self.make_states_on_host = MAKE_STATES_ON_HOST
         self.room_first = ROOM_FIRST
+        self.peak_before = None  # the device's peak as the first forward began
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -574,14 +579,24 @@ class HostStep:
         if not candidates:
             return
         places = {id(p): residency_or_foreign(p) for p in candidates}
-        placed = (self.beyond_the_limit(candidates, places)  # Note [The first step's room]
-                  if self.room_first else [])
+        # Note [The first step's room]: in the optimizer's first step only. A master added
+        # later would be traded back at once (Note [Whole masters on the host]).
+        first = self.room_first and not any(state.get(m) for m in all_masters(stepper))
+        placed = self.beyond_the_limit(candidates, places) if first else []
         if not placed and not any(places[id(p)] in ON_HOST for p in candidates):
             return
         if not self.room_for_buffers(stepper, candidates[0].device.index):
             return
-        self.place_on_host(placed, places)
-        stepper.forget(placed)
+        if placed:
+            self.place_on_host(placed, places)
+            # A chunk shared with a master sent may have taken part of a neighbour along:
+            # that one stays so, bounced, as a master the trade dragged does.
+            sent = {id(p) for p in placed}
+            for parameter in candidates:
+                if id(parameter) not in sent and places[id(parameter)] == "device":
+                    places[id(parameter)] = residency_or_foreign(parameter)
+                    if places[id(parameter)] in PARTLY_ON_HOST:
+                        self.returned.add(id(parameter))
         chosen = [p for p in candidates if places[id(p)] in ON_HOST]
         if not chosen:
             return
@@ -621,22 +636,32 @@ class HostStep:
         if not candidates[0].is_cuda:
             return []
         stats = _stats.raw_stats(candidates[0].device.index)
-        limit = stats.get("limit_bytes", 0)
-        if not limit:
-            return []
+        limit = stats.get("limit_bytes", 0)  # the device's memory when no limit was set
+        peak = stats["total"]["allocated_bytes"]["peak"]
+        if not limit or self.peak_before is None or peak <= self.peak_before:
+            return []  # the peak may be another phase's (a checkpoint loaded, an evaluation)
         # AdamW makes two moments shaped as each master; those of masters on the host are
         # made there (make_states).
         new = sum(2 * p.untyped_storage().nbytes() for p in candidates
                   if places[id(p)] not in ON_HOST)
-        over = stats["total"]["allocated_bytes"]["peak"] + new - limit
+        over = peak + new - limit
         chosen, saved = [], 0
         for parameter in reversed(candidates):
             if saved >= over:
                 break
-            if places[id(parameter)] == "device":
+            if places[id(parameter)] in ("device", "split"):  # the masters the trade takes
                 chosen.append(parameter)
                 saved += 3 * parameter.untyped_storage().nbytes()  # the master, its moments
         return chosen[::-1]
+
+    def note_peak(self, stepper) -> None:
+        """Note [The first step's room]: the device's peak allocation as the first forward
+        after offload() begins. The first step's estimate takes only a peak above it: one
+        its own forward and backward reached."""
+        masters = all_masters(stepper) if stepper.masters is not None else []
+        if self.room_first and masters and masters[0].is_cuda:
+            stats = _stats.raw_stats(masters[0].device.index)
+            self.peak_before = stats["total"]["allocated_bytes"]["peak"]
 
     def place_on_host(self, masters: list, places: dict) -> None:
         """Note [The first step's room]: moves `masters` to the host (all queued, then waited

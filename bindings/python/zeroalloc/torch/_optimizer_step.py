@@ -493,10 +493,15 @@ class WindowedStep:
 
     # -- between steps (Note [Overlapping the step]) ---------------------------------------
     def first_hint(self) -> None:
-        """The first module hint after this step was made, whatever it overlaps: the host
-        step's pinned buffers may be made from here on (Note [Pinned buffers made ahead])."""
+        """The first module hint after this step was made, whatever it overlaps: the device's
+        peak so far is noted (Note [The first step's room]), and the host step's pinned
+        buffers may be made from here on (Note [Pinned buffers made ahead])."""
         if self.host is None:
             return
+        try:  # Note [The first step's room] (_host_step.py): without it, nothing is sent
+            self.host.note_peak(self)
+        except ZeroallocError:
+            pass
         try:
             self.host.make_ahead(self)
         except Exception as error:  # noqa: BLE001  the user's forward runs on: the step makes them
