@@ -500,8 +500,8 @@ class WindowedStep:
             return
         try:  # Note [The first step's room] (_host_step.py): without it, nothing is sent
             self.host.note_peak(self)
-        except ZeroallocError:
-            pass
+        except Exception:  # noqa: BLE001  the user's forward runs on, whatever failed here
+            self.host.peak_before = None
         try:
             self.host.make_ahead(self)
         except Exception as error:  # noqa: BLE001  the user's forward runs on: the step makes them
