@@ -630,9 +630,9 @@ class HostStep:
 
     def beyond_the_limit(self, candidates: list, places: dict) -> list:
         """Note [The first step's room]: the last of `candidates` (masters without states, in
-        the order the CPUs step them) wholly on the device that must go to the host, whole,
-        for their moments and the rest of the step's peak to fit under the device's limit;
-        none when they fit, or with no limit."""
+        the order the CPUs step them) on the device, or split, that must go to the host,
+        whole, for their moments and the rest of the step's peak to fit under the device's
+        limit; none when they fit, or when the peak is not this step's own."""
         if not candidates[0].is_cuda:
             return []
         stats = _stats.raw_stats(candidates[0].device.index)
