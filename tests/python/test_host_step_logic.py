@@ -834,6 +834,27 @@ def test_the_first_step_sends_the_last_masters_its_moments_would_overflow_to_the
     assert [m.number for m in host.beyond_the_limit(masters, places)] == sent
 
 
+def test_the_peak_is_noted_as_the_first_forward_begins_unless_turned_off(monkeypatch):
+    """Note [The first step's room]: the device's peak as the first forward after offload()
+    begins is what the first step's own peak must pass; turned off, none is noted, and so
+    nothing is sent."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    masters = [device_master(0, 100)]
+    optimizer = types.SimpleNamespace(param_groups=[{"params": masters}])
+    stepper = types.SimpleNamespace(optimizer=optimizer,
+                                    masters=types.SimpleNamespace(working=lambda p: p))
+    monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
+        "limit_bytes": 1000, "total": {"allocated_bytes": {"peak": 450}}})
+    host = _host_step.HostStep()
+    host.note_peak(stepper)
+    assert host.peak_before == 450
+    off = _host_step.HostStep()
+    off.room_first = False
+    off.note_peak(stepper)
+    assert off.peak_before is None
+
+
 def test_masters_sent_to_the_host_are_moved_together_and_a_refused_move_is_told(monkeypatch):
     """Note [The first step's room]: the masters' moves are all queued, then waited for;
     their residency is asked again, and the bytes that reached the host are counted. A move
