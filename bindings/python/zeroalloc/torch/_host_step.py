@@ -334,6 +334,16 @@ def power_of_two(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
+def move_together(move, tensors: list) -> None:
+    """Moves the allocations of `tensors` with `move` (_offload.offload_pointer or
+    fetch_pointer): all queued first, then waited for, so the moves overlap."""
+    pointers = [tensor.untyped_storage().data_ptr() for tensor in tensors]
+    for pointer in pointers:
+        move(pointer, wait=False)
+    for pointer in pointers:
+        move(pointer, wait=True)
+
+
 def pinned_buffer(nbytes: int) -> torch.Tensor:
     """Pinned host memory for at least `nbytes`, from PyTorch's pinned allocator.
 
@@ -667,12 +677,8 @@ class HostStep:
         """Note [The first step's room]: moves `masters` to the host (all queued, then waited
         for), and asks their residency again into `places`. A move the host tier refuses
         warns, and the masters not moved stay where they are (AdamW makes their moments)."""
-        pointers = [m.untyped_storage().data_ptr() for m in masters]
         try:
-            for pointer in pointers:
-                _offload.offload_pointer(pointer, wait=False)
-            for pointer in pointers:
-                _offload.offload_pointer(pointer, wait=True)
+            move_together(_offload.offload_pointer, masters)
         except ZeroallocError as error:
             warnings.warn(f"zeroalloc: moving masters to the host for their first states "
                           f"failed ({error}); the optimizer makes their states on the device")
@@ -740,11 +746,7 @@ class HostStep:
         for parameter, (exp_avg, exp_avg_sq) in zip(parameters, made):
             state[parameter].update({"step": step_count_zero(), "exp_avg": exp_avg,
                                      "exp_avg_sq": exp_avg_sq})
-        pointers = [moment.untyped_storage().data_ptr() for moment in moments]
-        for pointer in pointers:  # all queued first, then waited for: they overlap
-            _offload.offload_pointer(pointer, wait=False)
-        for pointer in pointers:
-            _offload.offload_pointer(pointer, wait=True)
+        move_together(_offload.offload_pointer, moments)
         self.figures["host_made_state_bytes"] += sum(m.untyped_storage().nbytes()
                                                      for m in moments)
 
@@ -826,13 +828,8 @@ class HostStep:
             return
         try:
             # Out first: what leaves makes the room for what comes back.
-            for move, tensors in ((_offload.offload_pointer, to_host),
-                                  (_offload.fetch_pointer, to_device)):
-                pointers = [tensor.untyped_storage().data_ptr() for tensor in tensors]
-                for pointer in pointers:  # all queued first, then waited for: they overlap
-                    move(pointer, wait=False)
-                for pointer in pointers:
-                    move(pointer, wait=True)
+            move_together(_offload.offload_pointer, to_host)
+            move_together(_offload.fetch_pointer, to_device)
         except ZeroallocError as error:  # the host tier is full, say: bounced as before
             self.completing = False
             warnings.warn(f"zeroalloc: moving masters whole to the host or back failed "
