@@ -980,3 +980,38 @@ def test_moments_the_host_tier_or_the_device_cannot_take_are_left_to_adamw(
         with pytest.raises(RuntimeError, match="an unrelated failure"):
             host.make_states(stepper, [[parameter]], groups, None)
     assert forgotten == [parameter]
+
+
+def test_a_step_boundary_waits_for_the_use_the_cpus_thread_holds_open(monkeypatch):
+    """Note [A use the boundary waits for]: the host step's thread queues its copies back
+    inside a held use. A step boundary on the main thread meanwhile waits until that use
+    ends: closed under it, the engine could move the chunk while the copies were queued."""
+    import threading
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc import _offload
+    calls = []
+
+    class Library:
+        def __getattr__(self, name):
+            return lambda *arguments: calls.append(name.replace("zeroalloc_", ""))
+
+    monkeypatch.setattr(_offload, "library", lambda: Library())
+    inside, release = threading.Event(), threading.Event()
+
+    def copies_back():
+        with _offload.use_held([4096], 7):
+            inside.set()
+            release.wait(10)
+
+    cpus = threading.Thread(target=copies_back)
+    cpus.start()
+    assert inside.wait(10)
+    boundary = threading.Thread(target=_offload.step_boundary)
+    boundary.start()
+    boundary.join(0.3)
+    waited = boundary.is_alive()
+    release.set()
+    cpus.join(10)
+    boundary.join(10)
+    assert waited, calls
+    assert calls == ["use_begins_many", "use_ends_many", "step_boundary"], calls

@@ -4,7 +4,9 @@ zeroalloc allocations (a tensor's data_ptr() when zeroalloc is PyTorch's allocat
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
 
 from zeroalloc._library import AdamWSettings, ZeroallocError, last_error, library
 
@@ -66,8 +68,35 @@ def use_ends_many(pointers: list, stream: int = 0) -> None:
         library().zeroalloc_use_ends_many(_array(pointers), len(pointers), stream or None)
 
 
+#: Note [A use the boundary waits for]: the step boundary closes every open use, so that a
+#: hint never ended cannot pin its chunk for good. A use that another thread holds open is
+#: not such a hint. The host step's thread copies the CPUs' results into the working copies
+#: on its own stream, inside a use, while the next step may already have begun (Note [The
+#: host step finishes behind the forward]). A boundary that closed that use let the engine
+#: move the chunk while the copies were still being queued. They then wrote the backing the
+#: chunk had left, and the next forward read the old weights: under ZEROALLOC_ACCESS=hinted,
+#: three runs in four of the host step's test drifted from the others, at random. Such a use
+#: is held (use_held), and the boundary waits until no held use is open.
+_held = threading.Lock()
+
+
+@contextlib.contextmanager
+def use_held(pointers: list, stream: int):
+    """A use of the allocations at `pointers` on `stream`, begun and ended on this thread,
+    that no step boundary closes while it is open (Note [A use the boundary waits for])."""
+    with _held:
+        use_begins_many(pointers, stream)
+        try:
+            yield
+        finally:
+            use_ends_many(pointers, stream)
+
+
 def step_boundary() -> None:
-    library().zeroalloc_step_boundary()
+    """Closes every use but the held ones, which it waits for (Note [A use the boundary
+    waits for]), and starts the next step of the learned order and the report."""
+    with _held:
+        library().zeroalloc_step_boundary()
 
 
 def adamw_on_host(parameters: list, gradients: list, exp_avgs: list, exp_avg_sqs: list,

@@ -1410,22 +1410,23 @@ class HostStep:
         that stream after the host's windows. With `targets` (the working copies flattened,
         Note [Windows prepared ahead]), in one PyTorch call."""
         workings = [working_of(stepper, p) for p, _ in members]
-        _use_hints.begin(workings, self.stream.cuda_stream)
-        try:
-            with torch.cuda.stream(self.stream):
-                if targets is not None:
-                    torch._foreach_copy_(targets, outputs, non_blocking=True)
-                else:
-                    for working, output in zip(workings, outputs):
-                        working.data.view(-1).copy_(output, non_blocking=True)
-        finally:
-            # After whatever was queued, even if queueing failed part way: the CPUs write
-            # this buffer again only once these copies have read it.
-            done = torch.cuda.Event()
-            done.record(self.stream)
-            self.copied[slot] = done
-            self.written = done
-            _use_hints.end(workings, self.stream.cuda_stream)
+        # Held: a step boundary on the main thread must not close it while the copies are
+        # queued (Note [A use the boundary waits for] in zeroalloc/_offload.py).
+        with _offload.use_held(_use_hints.pointers(workings), self.stream.cuda_stream):
+            try:
+                with torch.cuda.stream(self.stream):
+                    if targets is not None:
+                        torch._foreach_copy_(targets, outputs, non_blocking=True)
+                    else:
+                        for working, output in zip(workings, outputs):
+                            working.data.view(-1).copy_(output, non_blocking=True)
+            finally:
+                # After whatever was queued, even if queueing failed part way: the CPUs
+                # write this buffer again only once these copies have read it.
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self.copied[slot] = done
+                self.written = done
         self.figures["host_copy_bytes"] += sum(p.numel() * 2 for p, _ in members)
 
 

@@ -1,0 +1,63 @@
+"""Runs tests/python/test_host_step.py's MASTERS script many times in each of some settings,
+and prints, per run, its losses' worst relative difference from the plain recipe and the
+first step where it differs from the setting's first run. A setting whose runs differ from
+each other is not deterministic: a race, not rounding.
+
+    python3 scripts/host-step-repeats.py 6 'ZEROALLOC_ACCESS=hinted' 'ZEROALLOC_ACCESS=any'
+"""
+
+import concurrent.futures
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+
+import test_host_step as hs  # noqa: E402
+from gpu_script import field, run_script  # noqa: E402
+
+BASE = {"RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
+        "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1"}
+
+
+# UNHELD=1: the step boundary as it was before Note [A use the boundary waits for], to
+# compare in one call.
+UNHELD = r"""
+if os.environ.get("UNHELD"):
+    from zeroalloc import _offload as unheld
+    unheld.step_boundary = lambda: unheld.library().zeroalloc_step_boundary()
+"""
+SCRIPT = hs.MASTERS.replace("zt.install()\n", "zt.install()\n" + UNHELD, 1)
+assert SCRIPT != hs.MASTERS
+
+
+def losses(out: str) -> list:
+    return [float(v) for v in field(out, "losses").split()]
+
+
+def main() -> None:
+    repeats = int(sys.argv[1])
+    settings = [dict(part.split("=", 1) for part in each.split()) for each in sys.argv[2:]]
+    work = Path(tempfile.mkdtemp())
+    plain = losses(run_script(hs.MASTERS, str(work / "plain.pt"), RECIPE="plain"))
+    jobs = [(n, r) for n in range(len(settings)) for r in range(repeats)]
+
+    def one(job):
+        n, r = job
+        return job, losses(run_script(SCRIPT, str(work / f"{n}-{r}.pt"),
+                                      **{**BASE, **settings[n]}))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        found = dict(pool.map(one, jobs))
+    for n, setting in enumerate(settings):
+        runs = [found[(n, r)] for r in range(repeats)]
+        worst = [max(abs(a - b) / abs(a) for a, b in zip(plain, got)) for got in runs]
+        apart = [next((i for i, (a, b) in enumerate(zip(runs[0], got)) if a != b), "-")
+                 for got in runs]
+        print(f"{' '.join(sys.argv[2 + n].split()) or 'base'}: worst vs plain "
+              f"{' '.join(f'{w:.1e}' for w in worst)}; first step apart from run 0: "
+              f"{' '.join(str(a) for a in apart)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
