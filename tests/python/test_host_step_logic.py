@@ -809,20 +809,23 @@ def device_master(number: int, nbytes: int):
                                  untyped_storage=lambda: storage, number=number)
 
 
-@pytest.mark.parametrize("peak, before, limit, where, sent", [
-    (700, 300, 1000, {}, [2, 3]),  # moments 800: 500 over; one master saves 300, two 600
-    (700, 300, 1000, {3: "host"}, [2]),  # the last on the host: moments 600, 300 over
-    (700, 300, 1000, {3: "split"}, [2, 3]),  # partly on the host: the trade's, so sent
-    (200, 100, 1000, {}, []),  # the moments fit
-    (700, 700, 1000, {}, []),  # the peak is not this step's: no estimate
-    (700, None, 1000, {}, []),  # no forward seen since offload(): no estimate
-    (700, 300, 0, {}, [])])  # no limit known
+@pytest.mark.parametrize("peak, before, limit, headroom, where, sent", [
+    (700, 300, 1000, 0, {}, [2, 3]),  # moments 800: 500 over; one master saves 300, two 600
+    (700, 300, 1000, 0, {3: "host"}, [2]),  # the last on the host: moments 600, 300 over
+    (700, 300, 1000, 0, {3: "split"}, [2, 3]),  # partly on the host: the trade's, so sent
+    (500, 300, 1000, 0, {}, [3]),  # 300 over: one master
+    (500, 300, 1000, 100, {}, [2, 3]),  # the engine keeps 100 free: 400 over, two
+    (200, 100, 1000, 0, {}, []),  # the moments fit
+    (700, 700, 1000, 0, {}, []),  # the peak is not this step's: no estimate
+    (700, None, 1000, 0, {}, []),  # no forward seen since offload(): no estimate
+    (700, 300, 0, 0, {}, [])])  # no limit known
 def test_the_first_step_sends_the_last_masters_its_moments_would_overflow_to_the_host(
-        monkeypatch, peak, before, limit, where, sent):
+        monkeypatch, peak, before, limit, headroom, where, sent):
     """Note [The first step's room]: the device's peak, when its own forward and backward
     reached it (above the peak as the first forward began), plus two moments for each master
-    still on the device, over the limit: the last masters on the device (or split) go to the
-    host, each worth three times its bytes, the fewest that cover it."""
+    still on the device, over the limit less the engine's prefetch headroom: the last
+    masters on the device (or split) go to the host, each worth three times its bytes, the
+    fewest that cover it."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
     masters = [device_master(number, 100) for number in range(4)]
@@ -831,6 +834,7 @@ def test_the_first_step_sends_the_last_masters_its_moments_would_overflow_to_the
         "limit_bytes": limit, "total": {"allocated_bytes": {"peak": peak}}})
     host = _host_step.HostStep()
     host.peak_before = before
+    host.headroom_bytes = headroom
     assert [m.number for m in host.beyond_the_limit(masters, places)] == sent
 
 
@@ -1015,3 +1019,27 @@ def test_a_step_boundary_waits_for_the_use_the_cpus_thread_holds_open(monkeypatc
     boundary.join(10)
     assert waited, calls
     assert calls == ["use_begins_many", "use_ends_many", "step_boundary"], calls
+
+
+@pytest.mark.parametrize("value, expected", [(None, 512 << 20), ("64MiB", 64 << 20)])
+def test_the_first_steps_estimate_counts_the_prefetch_headroom_the_variable_sets(
+        monkeypatch, value, expected):
+    """Note [The first step's room]: unless told otherwise, the estimate takes the headroom
+    the engine keeps free from ZEROALLOC_PREFETCH_BYTES, or its default."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+    if value is None:
+        monkeypatch.delenv("ZEROALLOC_PREFETCH_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("ZEROALLOC_PREFETCH_BYTES", value)
+    masters = [device_master(number, 100 << 20) for number in range(4)]
+    places = {id(m): "device" for m in masters}
+    # Peak 202 MiB and 800 MiB of moments, under a limit of 1001 MiB and the headroom: the
+    # device holds 1 MiB too few.
+    monkeypatch.setattr(_host_step._stats, "raw_stats", lambda device: {
+        "limit_bytes": (1001 << 20) + expected, "total": {"allocated_bytes": {"peak": 202 << 20}}})
+    host = _host_step.HostStep()
+    host.peak_before = 100 << 20
+    assert [m.number for m in host.beyond_the_limit(masters, places)] == [3]
+    host.headroom_bytes = 0  # without it, the moments fit
+    assert host.beyond_the_limit(masters, places) == []

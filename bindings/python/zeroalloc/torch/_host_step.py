@@ -269,10 +269,13 @@ MAKE_STATES_ON_HOST = True
 #: engine then moves what is missing, and the trade makes it whole, as before. At 24.8 GiB
 #: the first step sent 1.04 GiB of masters, and the second traded 0.57 GiB out and 0.50 back
 #: (3.81 and 3.70 without this). That step took 3.6 x a later one, against 7.5 x, side by
-#: side, and the later steps were no slower (bench/RESULTS.md). Nothing moves without room
-#: for the host step's buffers. A move the host tier refuses warns, and AdamW makes the
-#: moments of the masters left on the device there. The bench's --first-step-room 0,1 runs
-#: both side by side.
+#: side, and the later steps were no slower (bench/RESULTS.md). The 0.57 GiB was about the
+#: headroom the engine keeps free below the limit for fetches ahead (ZEROALLOC_PREFETCH_BYTES,
+#: 512 MiB): the device holds the limit less that. So the estimate counts it too, as the step
+#: model's placement does (plan_host in zeroalloc/_step_model.py). Not yet measured.
+#: Nothing moves without room for the host step's buffers. A move the host tier refuses
+#: warns, and AdamW makes the moments of the masters left on the device there. The bench's
+#: --first-step-room 0,1 runs both side by side.
 ROOM_FIRST = True
 #: About the device memory the moments of one batch take before they move (Note [States
 #: made where the CPUs step them]); a batch holds one master at least.
@@ -508,6 +511,7 @@ class HostStep:
         self.make_states_on_host = MAKE_STATES_ON_HOST
         self.room_first = ROOM_FIRST
         self.peak_before = None  # the device's peak as the first forward began
+        self.headroom_bytes = None  # the engine's prefetch headroom; None: the setting's
         # Note [Behind the forward, guarded]
         self.guard_behind = GUARD_BEHIND or _settings.host_step_guarded()
         watch_captures()
@@ -654,7 +658,10 @@ class HostStep:
         # made there (make_states).
         new = sum(2 * p.untyped_storage().nbytes() for p in candidates
                   if places[id(p)] not in ON_HOST)
-        over = peak + new - limit
+        # The engine keeps its prefetch headroom free below the limit (as plan_host counts).
+        headroom = (self.headroom_bytes if self.headroom_bytes is not None
+                    else _settings.prefetch_headroom_bytes())
+        over = peak + new + headroom - limit
         chosen, saved = [], 0
         for parameter in reversed(candidates):
             if saved >= over:

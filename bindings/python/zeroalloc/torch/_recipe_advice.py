@@ -161,8 +161,7 @@ def measure_rates(device: int) -> Rates:
 
 def read_memory(device: int) -> Memory:
     stats = _stats.raw_stats(device)
-    from zeroalloc.doctor import _byte_size
-    headroom = _byte_size(_settings.setting("ZEROALLOC_PREFETCH_BYTES", "512MiB")) or 0
+    headroom = _settings.prefetch_headroom_bytes()
     reserved = stats["total"]["reserved_bytes"]
     return Memory(int(reserved.get("lifetime_peak", reserved["peak"])),
                   int(stats["limit_bytes"]), headroom)

@@ -26,6 +26,13 @@ def setting(name: str, fallback: str) -> str:
     return (option.get("value") or option.get("default") or fallback).strip().lower()
 
 
+def prefetch_headroom_bytes() -> int:
+    """The device memory the offload engine keeps free for fetches ahead
+    (ZEROALLOC_PREFETCH_BYTES). A placement under a limit can count on the limit less this."""
+    from zeroalloc.doctor import _byte_size
+    return _byte_size(setting("ZEROALLOC_PREFETCH_BYTES", "512MiB")) or 0
+
+
 def setting_if_set(name: str) -> "str | None":
     """The variable `name` as the environment holds it, checked, or None when it is unset."""
     value = _option(name).get("value")
