@@ -8,6 +8,7 @@ its losses and final parameters stay within fp32 rounding of plain training on t
 """
 
 import ast
+import concurrent.futures
 
 import pytest
 
@@ -387,6 +388,26 @@ def test_windows_of_two_groups_train_as_the_plain_recipe(tmp_path):
     print("two groups:", figures)
     # Windows of more than one call: a window holds both groups' masters.
     assert figures["host_calls"] > figures["host_windows"] > 0, figures
+
+
+def test_runs_behind_the_forward_under_hinted_train_the_same_every_time(tmp_path):
+    """Note [A use the boundary waits for] (zeroalloc/_offload.py): under hinted the CPUs
+    finish behind the next forward, unguarded, and queue their copies back while the main
+    thread passes the step boundary. Four runs at once give the same losses to the bit, as
+    the runs that finish inside the step do. A boundary that closed the copies' use let
+    three runs in four drift apart at random."""
+    settings = {"RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
+                "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1",
+                "ZEROALLOC_ACCESS": "hinted"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda n: run_script(MASTERS, str(tmp_path / f"run{n}.pt"),
+                                                  **settings), range(4)))
+    figures = [ast.literal_eval(field(out, "figures")) for out in outs]
+    losses = [field(out, "losses") for out in outs]
+    print("behind the forward, four runs:", [f["host_behind_steps"] for f in figures], losses)
+    assert all(f["host_behind_steps"] > 0 and f["host_guarded_steps"] == 0 for f in figures), \
+        figures
+    assert len(set(losses)) == 1, losses
 
 
 def test_guarded_runs_finish_behind_the_forward_under_any_and_every_read_waits(tmp_path):
