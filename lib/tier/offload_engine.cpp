@@ -540,7 +540,10 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
         migrator_.wait_until_settled(chunk.address);
       }
-      in_place_off_the_placeholder(chunk.address, stream);
+      const auto opened = std::count_if(chunks.begin(), chunks.end(), [&](const chunk_info& each) {
+        return each.address == chunk.address;
+      });
+      in_place_off_the_placeholder(chunk.address, stream, static_cast<int>(opened));
       if (migrator_.where(chunk.address) == residency::host) {
         std::lock_guard lock(mutex_);
         chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
@@ -790,7 +793,8 @@ void offload_engine::step_boundary() {
 // and back when it likes, and a use on another thread queues kernels after its own begin.
 // Moving the chunk under such a use would lose the writes that land on the backing being
 // left. So no fetch moves a chunk with an open use other than its caller's own: a prefetch
-// none at all, a use's miss only its own begin. The use that finds its chunk held stays on
+// none at all, a use's miss or a use in place of a parked chunk only its own (the CPUs
+// write a parked chunk at its host copy). The use that finds its chunk held stays on
 // the host for it, reached over PCIe, and marks the chunk used there (its next fetch waits
 // for the use). Evictions pass over chunks in use the same way.
 bool offload_engine::bring_back(std::uintptr_t address, std::size_t bytes, bool wait, bool urgent,
@@ -1219,7 +1223,8 @@ bool offload_engine::evict(const void* pointer, bool wait) {
   return true;
 }
 
-void offload_engine::in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream) {
+void offload_engine::in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream,
+                                                  int callers_uses) {
   // Note [Parameters parked]: with device memory free within the limit, a fetch (a device
   // map and a copy) costs less than mapping the host chunk, and the use then runs on the
   // device; with none, nothing is evicted for it: the host chunk is mapped. A parked chunk
@@ -1237,9 +1242,13 @@ void offload_engine::in_place_off_the_placeholder(std::uintptr_t address, stream
       idle = state != chunks_.end() && state->second.hinted && !state->second.used_on_host;
       if (idle) idle_generation = state->second.released_generation;
       use_ends = use_end_fences(address);
-      // Claimed only while still parked: another thread may have mapped it on the host
-      // meanwhile for a use of its own, whose work must not find it moved.
-      claimed = migrator_.claim_fetch(address, /*parked_only=*/true);
+      // Claimed only while still parked, and while no other use is open on it (Note [Moving
+      // a chunk in use]): the CPUs write a parked chunk at its host copy (use_on_host), and
+      // a fetch then would copy it from under their writes and free what they write.
+      // Another thread may also have mapped it on the host meanwhile for a use of its own,
+      // whose work must not find it moved.
+      const bool others = state != chunks_.end() && state->second.open_uses > callers_uses;
+      claimed = !others && migrator_.claim_fetch(address, /*parked_only=*/true);
     }
     bool started = false;
     try {

@@ -347,8 +347,9 @@ class offload_engine : public paging_listener {
   /// use_in_place's part for a chunk that may be parked: fetched when the device has room
   /// within the limit (no eviction for it; its bytes arrive in `stream`'s order), else
   /// mapped on the host; as reachable_where_it_is otherwise. Caller does not hold mutex_
-  /// and has a use open on it.
-  void in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream);
+  /// and has `callers_uses` uses open on it: another use open keeps it where it is (Note
+  /// [Moving a chunk in use]).
+  void in_place_off_the_placeholder(std::uintptr_t address, stream_handle stream, int callers_uses);
   /// Claims `chosen` and appends it to `into`; false when the migrator would not move it.
   /// Caller holds mutex_.
   bool plan_eviction(const victim& chosen, std::vector<planned_eviction>& into);

@@ -1942,6 +1942,42 @@ TEST_F(ParkedParametersTest, AUseInPlaceFetchesAParkedParameterWhenTheDeviceHasR
   }
 }
 
+// Note [Moving a chunk in use]: the CPUs write a parked parameter at its host copy (the host
+// step, behind a use_on_host). A use in place of the same chunk meanwhile (the device's
+// step of a neighbour sharing it) finds room on the device, but fetches nothing: it maps
+// the host chunk, and the CPUs' writes are what the next use reads.
+TEST_F(ParkedParametersTest, AUseInPlaceLeavesAParkedParameterTheCpusWriteWhereItIs) {
+  std::vector<void*> layers = parked_layers_under_limit();
+  void* used = nullptr;
+  for (void*& layer : layers) {
+    if (parked(layer) && used == nullptr) {
+      used = layer;
+    } else if (!parked(layer) && where_first_chunk(layer) == residency::device) {
+      allocator_->deallocate(std::exchange(layer, nullptr));  // room for a fetch
+    }
+  }
+  allocator_->empty_cache();
+  ASSERT_NE(used, nullptr);
+  const void* pointers[] = {used};
+  std::vector<offload_engine::host_view> views;
+  ASSERT_TRUE(engine_->use_on_host(pointers, nullptr, views));
+  ASSERT_EQ(views.size(), 1u);
+  engine_->use_in_place(used, nullptr);
+  EXPECT_EQ(where_first_chunk(used), residency::host) << "fetched from under the CPUs";
+  EXPECT_EQ(engine_->figures().in_place_fetches, 0u);
+  std::memset(reinterpret_cast<void*>(views[0].host +
+                                      (reinterpret_cast<std::uintptr_t>(used) - views[0].address)),
+              0x77, kChunkBytes);  // the CPUs' write, at the host copy
+  engine_->use_on_host_ends(pointers, nullptr);
+  engine_->use_ends(used, nullptr);
+  engine_->use_begins(used, nullptr);
+  EXPECT_TRUE(holds(used, 0x77, kChunkBytes)) << "the CPUs' write was lost";
+  engine_->use_ends(used, nullptr);
+  for (void* layer : layers) {
+    if (layer != nullptr) allocator_->deallocate(layer);
+  }
+}
+
 // Only chunks whose every use the engine sees coming are parked: not a parameter no hint has
 // reached, nor one whose segment gained an allocation since its last use, nor an
 // optimizer state, nor one the program evicted itself, nor any with the setting off. Those
