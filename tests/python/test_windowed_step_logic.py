@@ -1031,6 +1031,29 @@ def test_with_step_marks_each_iteration_marks_one_boundary_windowed_or_not(engin
     assert engine.boundaries == 6  # removed
 
 
+def test_a_boundary_marked_for_another_optimizer_pins_the_kept_states_again(engine):
+    # An optimizer zt.offload does not manage marks a boundary of its own (_step_marks),
+    # which closes every use. The windowed step's kept states stay pinned between its steps,
+    # and the forward writes them back: pinned again, as the windowed step's own boundary
+    # pins them, so that no move of the engine meets that write.
+    from zeroalloc.torch import _step_marks
+    model, optimizer = managed(overlap_bytes=9 * LAYER_BYTES)
+    stepper = optimizer._zeroalloc_stepper
+    steps = data(3)
+    for inputs, labels in steps[:2]:
+        train(model, optimizer, inputs, labels)
+    pinned = sum(1 for e in stepper.kept if e.pinned)
+    assert pinned and engine.open() == pinned
+    _step_marks.mark_every_optimizer_step()
+    try:
+        plain, plain_optimizer = build()
+        train(plain, plain_optimizer, *steps[2])
+    finally:
+        _step_marks.stop_marking()
+    assert engine.boundaries == 3
+    assert engine.open() == pinned, "the kept states' pins were left closed"
+
+
 def state_tensors(state: dict) -> list:
     """The state tensors of an optimizer's state (or a state dict's), step counts left out."""
     return [value for per in state.values() for value in per.values()

@@ -13,6 +13,10 @@ _handle = None  # the global post-hook's, while it is registered
 def _mark(optimizer, args, kwargs) -> None:
     if getattr(optimizer, "_zeroalloc_stepper", None) is None:
         _offload.step_boundary()
+        # The boundary closed every use, also those the windowed steps of optimizers under
+        # zt.offload hold between their steps: pinned again, as their own boundary does.
+        from zeroalloc.torch._step_listeners import windowed_steps
+        windowed_steps.repin()
 
 
 def mark_every_optimizer_step() -> None:
