@@ -16,10 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python")
 import test_host_step as hs  # noqa: E402
 from gpu_script import field, run_script  # noqa: E402
 
-BASE = {"RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
-        "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1"}
-
-
 # UNHELD=1: the step boundary as it was before Note [A use the boundary waits for], to
 # compare in one call.
 UNHELD = r"""
@@ -45,7 +41,7 @@ def main() -> None:
     def one(job):
         n, r = job
         return job, losses(run_script(SCRIPT, str(work / f"{n}-{r}.pt"),
-                                      **{**BASE, **settings[n]}))
+                                      **{**hs.HOSTED, **settings[n]}))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         found = dict(pool.map(one, jobs))

@@ -22,6 +22,26 @@ std::uint64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
           .count());
 }
 
+/// Each chunk of a hint once, with the uses the hint opens on it (two allocations of one
+/// chunk open two, and count as two): the caller's own uses when a move asks whether another
+/// use is open (Note [Moving a chunk in use]).
+std::vector<std::pair<const chunk_info*, int>> distinct_chunks(
+    const std::vector<chunk_info>& chunks) {
+  std::vector<std::pair<const chunk_info*, int>> distinct;
+  distinct.reserve(chunks.size());
+  for (const chunk_info& chunk : chunks) {
+    auto seen = std::find_if(distinct.begin(), distinct.end(), [&](const auto& each) {
+      return each.first->address == chunk.address;
+    });
+    if (seen == distinct.end()) {
+      distinct.emplace_back(&chunk, 1);
+    } else {
+      ++seen->second;
+    }
+  }
+  return distinct;
+}
+
 }  // namespace
 
 offload_engine::offload_engine(caching_allocator& allocator, host_pool& pool, bool verify,
@@ -384,21 +404,8 @@ void offload_engine::use_begins(std::span<const void* const> pointers, stream_ha
   if (device_.stream_is_capturing(stream)) return;  // Note [Hints during a capture]
   const std::vector<chunk_info> chunks = chunks_of(pointers);
   if (chunks.empty()) return;
-  // Each chunk once, with the uses this hint opens on it (two allocations of one chunk
-  // open two, and count as two): they do not keep it from being fetched (Note [Moving a
-  // chunk in use]).
-  std::vector<std::pair<const chunk_info*, int>> distinct;
-  distinct.reserve(chunks.size());
-  for (const chunk_info& chunk : chunks) {
-    auto seen = std::find_if(distinct.begin(), distinct.end(), [&](const auto& each) {
-      return each.first->address == chunk.address;
-    });
-    if (seen == distinct.end()) {
-      distinct.emplace_back(&chunk, 1);
-    } else {
-      ++seen->second;
-    }
-  }
+  // The hint's own uses do not keep its chunks from being fetched.
+  const auto distinct = distinct_chunks(chunks);
   bool wished = false;
   {
     std::lock_guard lock(mutex_);
@@ -530,24 +537,18 @@ void offload_engine::use_in_place(std::span<const void* const> pointers, stream_
   // A move started before the hint must land before the caller queues work on the chunk;
   // one failing does not leave the others unsettled (the first failure is reported after).
   std::exception_ptr first_failure;
-  std::vector<std::uintptr_t> seen;  // a chunk two of the allocations share: once
-  for (const chunk_info& chunk : chunks) {
-    if (std::find(seen.begin(), seen.end(), chunk.address) != seen.end()) continue;
-    seen.push_back(chunk.address);
+  for (const auto& [chunk, opened] : distinct_chunks(chunks)) {
     try {
-      off_disk(chunk.address, chunk.handle.bytes);  // used where it is: on the host, then
-      const residency where = migrator_.where(chunk.address);
+      off_disk(chunk->address, chunk->handle.bytes);  // used where it is: on the host, then
+      const residency where = migrator_.where(chunk->address);
       if (where == residency::moving_to_host || where == residency::moving_to_device) {
-        migrator_.wait_until_settled(chunk.address);
+        migrator_.wait_until_settled(chunk->address);
       }
-      const auto opened = std::count_if(chunks.begin(), chunks.end(), [&](const chunk_info& each) {
-        return each.address == chunk.address;
-      });
-      in_place_off_the_placeholder(chunk.address, stream, static_cast<int>(opened));
-      if (migrator_.where(chunk.address) == residency::host) {
+      in_place_off_the_placeholder(chunk->address, stream, opened);
+      if (migrator_.where(chunk->address) == residency::host) {
         std::lock_guard lock(mutex_);
-        chunks_[chunk.address].used_on_host = true;  // its next fetch must wait for this use
-        figures_.in_place_host_bytes += chunk.handle.bytes;
+        chunks_[chunk->address].used_on_host = true;  // its next fetch must wait for this use
+        figures_.in_place_host_bytes += chunk->handle.bytes;
       }
     } catch (...) {
       if (!first_failure) first_failure = std::current_exception();

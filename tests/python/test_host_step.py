@@ -270,6 +270,12 @@ with torch.no_grad():
 torch.save(values, sys.argv[1])
 """
 
+# MASTERS through zt.offload with the host step: 96 MiB of bf16 weights, as much of
+# gradients, 576 MiB of masters and moments under a limit of 320 MiB; most windows are on
+# the host and step there.
+HOSTED = {"RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
+          "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1"}
+
 
 def test_master_weights_train_as_the_recipe_in_plain_pytorch_on_the_device_and_the_host(
         tmp_path):
@@ -396,9 +402,7 @@ def test_runs_behind_the_forward_under_hinted_train_the_same_every_time(tmp_path
     thread passes the step boundary. Four runs at once give the same losses to the bit, as
     the runs that finish inside the step do. A boundary that closed the copies' use let
     three runs in four drift apart at random."""
-    settings = {"RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
-                "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1",
-                "ZEROALLOC_ACCESS": "hinted"}
+    settings = {**HOSTED, "ZEROALLOC_ACCESS": "hinted"}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda n: run_script(MASTERS, str(tmp_path / f"run{n}.pt"),
                                                   **settings), range(4)))
@@ -479,9 +483,7 @@ def test_a_script_that_drops_its_optimizer_after_the_last_step_keeps_that_step(t
     right after its last step, while the CPUs still step that step's masters, finds that
     step in every weight of its model (it used to fail at its next read, or at exit, with
     "'NoneType' object has no attribute ..."); the optimizer is freed once they are done."""
-    out = run_script(MASTERS, str(tmp_path / "dropped.pt"), RECIPE="offload",
-                     ZEROALLOC_OFFLOAD="host", ZEROALLOC_HOST_LIMIT="4GiB",
-                     ZEROALLOC_MEMORY_LIMIT="320MiB", ZEROALLOC_HOST_STEP="1", DROP="1",
+    out = run_script(MASTERS, str(tmp_path / "dropped.pt"), **HOSTED, DROP="1",
                      ZEROALLOC_ACCESS="hinted")  # the step behind the forward
     assert field(out, "running") == "True", out  # else this run did not test the drop
     stepped = [line.split() for line in out.splitlines() if line.startswith("stepped ")]
@@ -492,11 +494,7 @@ def test_a_script_that_drops_its_optimizer_after_the_last_step_keeps_that_step(t
 def masters_on_the_host_against(plain: str, tmp_path, **settings) -> str:
     """Trains MASTERS with the host step under a limit (plus `settings`) and checks it
     against the plain recipe's run `plain` (saved at tmp_path/plain.pt); returns its output."""
-    # 96 MiB of bf16 weights, as much of gradients, 576 MiB of masters and moments under a
-    # limit of 320 MiB: most windows are on the host and step there.
-    hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), **{
-        "RECIPE": "offload", "ZEROALLOC_OFFLOAD": "host", "ZEROALLOC_HOST_LIMIT": "4GiB",
-        "ZEROALLOC_MEMORY_LIMIT": "320MiB", "ZEROALLOC_HOST_STEP": "1", **settings})
+    hosted = run_script(MASTERS, str(tmp_path / "hosted.pt"), **{**HOSTED, **settings})
     expected = [float(v) for v in field(plain, "losses").split()]
     reference = torch.load(tmp_path / "plain.pt")
     figures = ast.literal_eval(field(hosted, "figures"))
