@@ -482,6 +482,23 @@ def test_the_guarded_step_is_asked_for_by_its_variable_under_any(settings, guard
     assert result.stdout.split() == [str(guarded)], result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("settings, behind", [
+    ({"ZEROALLOC_ACCESS": "hinted"}, False),
+    ({"ZEROALLOC_ACCESS": "hinted", "ZEROALLOC_HOST_STEP_OVERLAP": "1"}, True),
+    ({"ZEROALLOC_HOST_STEP_OVERLAP": "1"}, False),  # under any only the guarded form
+])
+def test_the_step_finishes_behind_the_forward_only_when_asked_for(settings, behind):
+    """Note [Behind the forward under hinted, off]: runs behind the forward under hinted
+    differ from each other, so the CPUs finish inside optimizer.step() unless
+    ZEROALLOC_HOST_STEP_OVERLAP=1 asks for it."""
+    result = run_python("""
+        from zeroalloc.torch import _settings
+        print(_settings.host_step_overlap())
+    """, **settings)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == [str(behind)], result.stdout + result.stderr
+
+
 def test_a_malformed_guarded_setting_is_told_naming_the_variable():
     result = run_python("""
         from zeroalloc.torch._host_step import HostStep

@@ -104,20 +104,27 @@ def host_step() -> bool:
 
 
 def host_step_overlap() -> bool:
-    """ZEROALLOC_HOST_STEP_OVERLAP (default 1) under ZEROALLOC_ACCESS=hinted: whether the
+    """ZEROALLOC_HOST_STEP_OVERLAP (default 0) under ZEROALLOC_ACCESS=hinted: whether the
     CPUs finish the host step's windows of master weights while the next forward runs (Note
-    [The host step finishes behind the forward] in _host_step.py). Never under
-    ZEROALLOC_ACCESS=any: a kernel the hints do not announce (an EMA of the weights right
-    after optimizer.step()) would read weights the step has not written yet."""
-    return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
+    [The host step finishes behind the forward] in _host_step.py). Off unless asked for:
+    runs with it differ from each other (Note [Behind the forward under hinted, off]).
+    Never under ZEROALLOC_ACCESS=any: a kernel the hints do not announce (an EMA of the
+    weights right after optimizer.step()) would read weights the step has not written yet."""
+    return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "0")
 
 
 def host_step_guarded() -> bool:
     """ZEROALLOC_HOST_STEP_GUARDED (default 0) under ZEROALLOC_ACCESS=any: whether the CPUs
     may finish behind the next forward where the step shows every read goes through the
     parameter object (Note [Behind the forward, guarded] in _host_step.py)."""
-    return (any_access() and enabled("ZEROALLOC_HOST_STEP_GUARDED", "0")
-            and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1"))
+    return any_access() and enabled("ZEROALLOC_HOST_STEP_GUARDED", "0") and overlap_not_refused()
+
+
+def overlap_not_refused() -> bool:
+    """Whether ZEROALLOC_HOST_STEP_OVERLAP is unset or 1: set to 0, it turns off the guarded
+    form under any too (its default, 0, is hinted's alone)."""
+    chosen = setting_if_set("ZEROALLOC_HOST_STEP_OVERLAP")
+    return chosen is None or chosen in YES
 
 
 def require_offload_engine() -> None:
