@@ -47,9 +47,13 @@ limit) agree through step 2 and part at steps 3 to 5, 1e-3 from the plain recipe
 CPUs. They stepped the same bytes in every run, and refused no call. Guarded runs under any,
 behind the forward with the same windows, are 2.4e-7 from the plain recipe and identical to
 the bit. Holding the CPUs' copies back across the step boundary (Note [A use the boundary
-waits for] in zeroalloc/_offload.py) did not change it. The cause is not found. A race that
-changes weights is a defect, not a mode: under hinted too the step finishes inside
-optimizer.step(), unless ZEROALLOC_HOST_STEP_OVERLAP=1 asks for the overlap
+waits for] in zeroalloc/_offload.py) did not change it. The lead (same file, 19:4x): three
+runs in three were exact when the CPUs' thread waited for each window's copies back before
+going on, or when every move was checksummed (ZEROALLOC_VERIFY=1); a 32 MiB prefetch
+headroom left one off by 4.4e-6; parking off changed nothing. So a move of a working copy's
+chunk while its copies back are in flight is the likely cause, not the forward's reads. Not
+yet found. A race that changes weights is a defect, not a mode: under hinted too the step
+finishes inside optimizer.step(), unless ZEROALLOC_HOST_STEP_OVERLAP=1 asks for the overlap
 (docs/known-limits.md says why not to).
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
