@@ -20,33 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python")
 import test_host_step as hs  # noqa: E402
 from gpu_script import field, run_script  # noqa: E402
 
-# UNHELD=1: the step boundary as it was before Note [A use the boundary waits for], to
-# compare in one call.
-UNHELD = r"""
+# Probes, set in a setting's variables, to tell a race's cause in one call. UNHELD=1: the
+# step boundary as it was before Note [A use the boundary waits for]. SYNCW=1: the CPUs'
+# thread waits for each window's copies into the working copies before it goes on.
+PROBES = r"""
 if os.environ.get("UNHELD"):
     from zeroalloc import _offload as unheld
     unheld.step_boundary = lambda: unheld.library().zeroalloc_step_boundary()
-# Probes, to tell a race's cause in one call. WHOLE=1: a hinted use of any working copy the
-# run behind writes waits for the whole run. SYNCW=1: the CPUs' thread waits for each
-# window's copies into the working copies before it goes on.
-from zeroalloc.torch import _host_step as probed
-if os.environ.get("WHOLE"):
-    def whole_run(self, tensors, stream, before_use=probed.HostStep.before_use):
-        behind = self.behind
-        if behind is not None and threading.current_thread() is not behind.run.thread:
-            if any(behind.window_of.get(t.untyped_storage().data_ptr()) is not None
-                   for t in tensors):
-                return self.wait_window(behind, behind.turns - 1, stream)
-        return before_use(self, tensors, stream)
-    import threading
-    probed.HostStep.before_use = whole_run
 if os.environ.get("SYNCW"):
+    from zeroalloc.torch import _host_step as probed
+
     def synchronized(self, *arguments, write_working=probed.HostStep.write_working):
         write_working(self, *arguments)
         self.stream.synchronize()
     probed.HostStep.write_working = synchronized
 """
-SCRIPT = hs.MASTERS.replace("zt.install()\n", "zt.install()\n" + UNHELD, 1)
+SCRIPT = hs.MASTERS.replace("zt.install()\n", "zt.install()\n" + PROBES, 1)
 assert SCRIPT != hs.MASTERS
 
 
