@@ -23,6 +23,11 @@ from gpu_script import field, run_script  # noqa: E402
 # Probes, set in a setting's variables, to tell a race's cause in one call. UNHELD=1: the
 # step boundary as it was before Note [A use the boundary waits for]. SYNCW=1: the CPUs'
 # thread waits for each window's copies into the working copies before it goes on.
+# CHECKW=1: when a run is finished (finish_behind), each working copy the CPUs wrote is
+# compared with the bytes they wrote (lost writes). CHECKF=1: each hinted use on the main
+# thread sums its working copies in stream order, and the sums are taken again when the run
+# is finished (a use that read other bytes than those that stayed). The script prints
+# "checked" with, per finished run, written:lost/read:stale.
 PROBES = r"""
 if os.environ.get("UNHELD"):
     from zeroalloc import _offload as unheld
@@ -34,6 +39,62 @@ if os.environ.get("SYNCW"):
         write_working(self, *arguments)
         self.stream.synchronize()
     probed.HostStep.write_working = synchronized
+if os.environ.get("CHECKW") or os.environ.get("CHECKF"):
+    import atexit, threading
+    from zeroalloc import _offload as checked_offload
+    from zeroalloc.torch import _host_step as checked
+    expected, reads, found, comparing = {}, [], [], []
+
+    def recorded(self, stepper, members, outputs, *rest,
+                 write_working=checked.HostStep.write_working):
+        write_working(self, stepper, members, outputs, *rest)
+        if os.environ.get("CHECKW"):
+            for (parameter, _), output in zip(members, outputs):
+                working = checked.working_of(stepper, parameter)
+                expected[id(working)] = (working, output.detach().reshape(-1).clone())
+    checked.HostStep.write_working = recorded
+
+    def begins(pointers, stream=0, use_begins_many=checked_offload.use_begins_many):
+        use_begins_many(pointers, stream)
+        if (not os.environ.get("CHECKF") or comparing
+                or threading.current_thread() is not threading.main_thread()):
+            return
+        if globals().get("model") is None:
+            return
+        by_pointer = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+        on = (torch.cuda.ExternalStream(stream) if stream
+              else torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(on):
+            for pointer in pointers:
+                if pointer in by_pointer:
+                    p = by_pointer[pointer]
+                    reads.append((p, torch.sum(p.detach(), dtype=torch.float32)))
+    checked_offload.use_begins_many = begins
+
+    def compared(self, finish_behind=checked.HostStep.finish_behind):
+        finish_behind(self)
+        if not expected and not reads:
+            return
+        comparing.append(True)
+        try:
+            torch.cuda.synchronize()
+            lost = stale = 0
+            with torch.no_grad():
+                for working, want in expected.values():
+                    with zt.using(working):
+                        got = working.detach().reshape(-1).to("cpu")
+                    lost += not torch.equal(got, want)
+                for p, before in reads:
+                    with zt.using(p):
+                        now = torch.sum(p.detach(), dtype=torch.float32)
+                    stale += not torch.equal(now, before)
+            found.append(f"{len(expected)}:{lost}/{len(reads)}:{stale}")
+            expected.clear()
+            reads.clear()
+        finally:
+            comparing.clear()
+    checked.HostStep.finish_behind = compared
+    atexit.register(lambda: print("checked", " ".join(found), flush=True))
 """
 SCRIPT = hs.MASTERS.replace("zt.install()\n", "zt.install()\n" + PROBES, 1)
 assert SCRIPT != hs.MASTERS
@@ -53,8 +114,11 @@ def main() -> None:
     def one(job):
         n, r = job
         try:
-            return job, losses(run_script(SCRIPT, str(work / f"{n}-{r}.pt"),
-                                          **{**hs.HOSTED, **settings[n]}))
+            out = run_script(SCRIPT, str(work / f"{n}-{r}.pt"), **{**hs.HOSTED, **settings[n]})
+            checked = [line for line in out.splitlines() if line.startswith("checked ")]
+            if checked:
+                print(f"{sys.argv[2 + n]}, run {r}: {checked[0]}", flush=True)
+            return job, losses(out)
         except AssertionError as failed:  # a run that failed (ZEROALLOC_VERIFY stops one)
             print(f"{sys.argv[2 + n]}, run {r} failed:", str(failed)[-1500:], flush=True)
             return job, None
