@@ -11,6 +11,7 @@ the forward under hinted, off] in zeroalloc/torch/_host_step.py).
 """
 
 import concurrent.futures
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -116,8 +117,10 @@ def main() -> None:
         try:
             out = run_script(SCRIPT, str(work / f"{n}-{r}.pt"), **{**hs.HOSTED, **settings[n]})
             checked = [line for line in out.splitlines() if line.startswith("checked ")]
-            if checked:
-                print(f"{sys.argv[2 + n]}, run {r}: {checked[0]}", flush=True)
+            refused = re.search(r"'host_refused': (\d+)", out)
+            behind = re.search(r"'host_behind_steps': (\d+)", out)
+            print(f"{sys.argv[2 + n]}, run {r}: refused {refused and refused[1]}, behind "
+                  f"{behind and behind[1]}; {checked[0] if checked else ''}", flush=True)
             return job, losses(out)
         except AssertionError as failed:  # a run that failed (ZEROALLOC_VERIFY stops one)
             print(f"{sys.argv[2 + n]}, run {r} failed:", str(failed)[-1500:], flush=True)
