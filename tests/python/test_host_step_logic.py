@@ -1060,3 +1060,21 @@ def test_the_first_steps_estimate_counts_the_prefetch_headroom_the_variable_sets
     assert [m.number for m in host.beyond_the_limit(masters, places)] == [3]
     host.headroom_bytes = 0  # without it, the moments fit
     assert host.beyond_the_limit(masters, places) == []
+
+
+def test_a_use_on_the_default_stream_waits_there_for_the_cpus_copies(monkeypatch):
+    """A hint names the default stream 0, and torch.cuda.ExternalStream(0) is a stream of
+    PyTorch's pool, not the default one: the forward's wait for a window's copies landed
+    there, and the forward read weights the CPUs' copies were still writing. The wait goes on
+    the current stream; a handle of another stream is waited for on that stream."""
+    sys.path.insert(0, str(PACKAGE))
+    from zeroalloc.torch import _host_step
+
+    current = types.SimpleNamespace(cuda_stream=0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    external = []
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda handle, device=None: external.append(handle) or handle)
+    assert _host_step.stream_of(0, 0) is current
+    assert external == []
+    assert _host_step.stream_of(0x5000, 0) == 0x5000 and external == [0x5000]

@@ -1281,7 +1281,8 @@ class HostStep:
     def wait_window(self, behind: "Behind", needed: int, stream: int) -> None:
         """Waits until the run behind has written window `needed`, and orders `stream` (0:
         the current one) after its copies."""
-        stream = stream or torch.cuda.current_stream(behind.device).cuda_stream
+        waiting = stream_of(stream, behind.device)
+        stream = waiting.cuda_stream
         if behind.ordered.get(stream, -1) >= needed:
             return
         run = behind.run
@@ -1296,7 +1297,7 @@ class HostStep:
             self.finish_behind()
             return
         if event is not None:
-            torch.cuda.ExternalStream(stream, device=behind.device).wait_event(event)
+            waiting.wait_event(event)
         behind.ordered[stream] = needed
         if refused or behind.stepping:
             self.step_refused(behind)
@@ -1304,7 +1305,7 @@ class HostStep:
                 with behind.steps_done:  # another thread steps them: after its steps
                     behind.steps_done.wait_for(lambda: not behind.stepping)
             for event in list(behind.stepped_after):  # the refused parameters' steps, too
-                torch.cuda.ExternalStream(stream, device=behind.device).wait_event(event)
+                waiting.wait_event(event)
         with run.changed:
             done = run.finished and not run.refused and run.error is None
         if done and needed == behind.turns - 1 and not behind.stepping:
@@ -1540,6 +1541,16 @@ def all_masters(stepper) -> list:
     """The optimizer's parameters that are masters (Note [Master weights]), in order."""
     return [p for group in stepper.optimizer.param_groups for p in group["params"]
             if working_of(stepper, p) is not None]
+
+
+def stream_of(handle: int, device) -> "torch.cuda.Stream":
+    """The stream `handle` names on `device`; 0 names the current one. Not
+    torch.cuda.ExternalStream(0): that is a stream of PyTorch's pool, not the default stream
+    (whose handle is 0), and an event waited for there orders nothing the program queues."""
+    current = torch.cuda.current_stream(device)
+    if not handle or handle == current.cuda_stream:
+        return current
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def working_of(stepper, parameter):
