@@ -6,8 +6,8 @@ each other is not deterministic: a race, not rounding.
     python3 scripts/host-step-repeats.py 6 'ZEROALLOC_ACCESS=hinted' \
         'ZEROALLOC_ACCESS=hinted ZEROALLOC_HOST_STEP_OVERLAP=1' 'ZEROALLOC_ACCESS=any GUARD=1'
 
-ZEROALLOC_HOST_STEP_OVERLAP=1 runs the CPUs behind the forward under hinted (Note [Behind
-the forward under hinted, off] in zeroalloc/torch/_host_step.py).
+Under hinted the CPUs run behind the forward unless ZEROALLOC_HOST_STEP_OVERLAP=0 (Note
+[Behind the forward under hinted] in zeroalloc/torch/_host_step.py).
 """
 
 import concurrent.futures

@@ -237,15 +237,14 @@ const std::vector<option_spec>& table() {
        "rounding differs). 0: every window steps on the device. Unset: 1 under "
        "ZEROALLOC_RECIPE=fast, else 0.",
        check<read_boolean>},
-      {"ZEROALLOC_HOST_STEP_OVERLAP", option_kind::boolean, "0", "",
+      {"ZEROALLOC_HOST_STEP_OVERLAP", option_kind::boolean, "1", "",
        "1: under ZEROALLOC_ACCESS=hinted, with ZEROALLOC_HOST_STEP=1 and master weights, "
        "optimizer.step() returns once the device's windows are done, and the CPUs finish "
        "theirs while the next forward runs: each module's hinted use of a working copy waits "
-       "for that copy's update. Off by default: runs with it differ from each other from the "
-       "first forward behind the CPUs, a race not yet found (docs/known-limits.md). 0: the "
-       "step returns once every window is done. Under ZEROALLOC_ACCESS=any, "
-       "ZEROALLOC_HOST_STEP_GUARDED=1 asks for the guarded form instead, and 0 here turns "
-       "that off too.",
+       "for that copy's update (reads outside the model go through zeroalloc.torch.using). "
+       "0: the step returns once every window is done. Under ZEROALLOC_ACCESS=any the step "
+       "returns with the CPUs done, unless ZEROALLOC_HOST_STEP_GUARDED=1 asks for the guarded "
+       "form, which 0 here turns off too.",
        check<read_boolean>},
       {"ZEROALLOC_HOST_STEP_GUARDED", option_kind::boolean, "0", "",
        "1: under ZEROALLOC_ACCESS=any, the CPUs may finish the host step's windows of master "

@@ -483,14 +483,14 @@ def test_the_guarded_step_is_asked_for_by_its_variable_under_any(settings, guard
 
 
 @pytest.mark.parametrize("settings, behind", [
-    ({"ZEROALLOC_ACCESS": "hinted"}, False),
-    ({"ZEROALLOC_ACCESS": "hinted", "ZEROALLOC_HOST_STEP_OVERLAP": "1"}, True),
+    ({"ZEROALLOC_ACCESS": "hinted"}, True),
+    ({"ZEROALLOC_ACCESS": "hinted", "ZEROALLOC_HOST_STEP_OVERLAP": "0"}, False),
     ({"ZEROALLOC_HOST_STEP_OVERLAP": "1"}, False),  # under any only the guarded form
 ])
-def test_the_step_finishes_behind_the_forward_only_when_asked_for(settings, behind):
-    """Note [Behind the forward under hinted, off]: runs behind the forward under hinted
-    differ from each other, so the CPUs finish inside optimizer.step() unless
-    ZEROALLOC_HOST_STEP_OVERLAP=1 asks for it."""
+def test_the_step_finishes_behind_the_forward_under_hinted_unless_told_not_to(settings, behind):
+    """Note [The host step finishes behind the forward]: under hinted by default, inside
+    optimizer.step() with ZEROALLOC_HOST_STEP_OVERLAP=0, and never under any (the guarded
+    form aside)."""
     result = run_python("""
         from zeroalloc.torch import _settings
         print(_settings.host_step_overlap())

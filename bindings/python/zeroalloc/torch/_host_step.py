@@ -23,8 +23,8 @@ and back move 24 bytes a parameter through the same host memory, and the CPUs sl
 much as they were spared (bench/RESULTS.md, 2026-12-06). The CPUs' pass runs at the host's
 memory bandwidth: AdamW at 102% of the rate of moving its bytes with no arithmetic
 (host_step_bench --masters, same). So optimizer.step() may return once the device's windows
-are done (ZEROALLOC_HOST_STEP_OVERLAP=1, off by default: Note [Behind the forward under
-hinted, off]), and the CPUs finish theirs while the next forward runs. The forward reads
+are done (under hinted; ZEROALLOC_HOST_STEP_OVERLAP=0 turns it off), and the CPUs finish
+theirs while the next forward runs. The forward reads
 only the working copies, each written on the copy stream after its window: a hinted use of
 one (a module's forward, zt.using) first waits for the CPUs to finish its window, then
 orders its stream after that window's copies. The CPUs step the windows in the order of the
@@ -40,21 +40,15 @@ for their window, from those gradients. Only with module hints (a read the hints
 could find a working copy not yet written), and only when every window on the host is of
 masters.
 
-Note [Behind the forward under hinted, off]: under ZEROALLOC_ACCESS=hinted, runs that finish
-behind the forward differ from each other. Six runs of the host step's GPU script (320 MiB
-limit) agree through step 2 and part at steps 3 to 5, 1e-3 from the plain recipe
-(bench/RESULTS.md, 2026-12-06 18:3x). Step 3's forward is the first that runs behind the
-CPUs. They stepped the same bytes in every run, and refused no call. Guarded runs under any,
-behind the forward with the same windows, are 2.4e-7 from the plain recipe and identical to
-the bit. Holding the CPUs' copies back across the step boundary (Note [A use the boundary
-waits for] in zeroalloc/_offload.py) did not change it. The lead (same file, 19:4x): three
-runs in three were exact when the CPUs' thread waited for each window's copies back before
-going on, or when every move was checksummed (ZEROALLOC_VERIFY=1); a 32 MiB prefetch
-headroom left one off by 4.4e-6; parking off changed nothing. So a move of a working copy's
-chunk while its copies back are in flight is the likely cause, not the forward's reads. Not
-yet found. A race that changes weights is a defect, not a mode: under hinted too the step
-finishes inside optimizer.step(), unless ZEROALLOC_HOST_STEP_OVERLAP=1 asks for the overlap
-(docs/known-limits.md says why not to).
+Note [Behind the forward under hinted]: runs that finished behind the forward once differed
+from each other. Six runs of the host step's GPU script (320 MiB limit) agreed through step
+2 and parted at steps 3 to 5, 1e-3 from the plain recipe (bench/RESULTS.md, 2026-12-06).
+Step 3's forward is the first that runs behind the CPUs. The cause: a module's hint names
+the default stream by its handle, 0, and the wait for the window's copies went to
+torch.cuda.ExternalStream(0). That is a new stream from PyTorch's pool, not the default
+stream. So the forward never waited for the copies, and read weights they were still
+writing. Waits now go on the stream itself (stream_of). Guarded runs under any were exact
+by luck of another path: their last wait is on the current stream's object.
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
 make room during the forward and backward, so under a limit the host ends up holding parts

@@ -104,13 +104,12 @@ def host_step() -> bool:
 
 
 def host_step_overlap() -> bool:
-    """ZEROALLOC_HOST_STEP_OVERLAP (default 0) under ZEROALLOC_ACCESS=hinted: whether the
+    """ZEROALLOC_HOST_STEP_OVERLAP (default 1) under ZEROALLOC_ACCESS=hinted: whether the
     CPUs finish the host step's windows of master weights while the next forward runs (Note
-    [The host step finishes behind the forward] in _host_step.py). Off unless asked for:
-    runs with it differ from each other (Note [Behind the forward under hinted, off]).
-    Never under ZEROALLOC_ACCESS=any: a kernel the hints do not announce (an EMA of the
-    weights right after optimizer.step()) would read weights the step has not written yet."""
-    return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "0")
+    [The host step finishes behind the forward] in _host_step.py). Never under
+    ZEROALLOC_ACCESS=any: a kernel the hints do not announce (an EMA of the weights right
+    after optimizer.step()) would read weights the step has not written yet."""
+    return not any_access() and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
 
 
 def host_step_guarded() -> bool:
@@ -122,9 +121,8 @@ def host_step_guarded() -> bool:
 
 def overlap_not_refused() -> bool:
     """Whether ZEROALLOC_HOST_STEP_OVERLAP is unset or 1: set to 0, it turns off the guarded
-    form under any too (its default, 0, is hinted's alone)."""
-    chosen = setting_if_set("ZEROALLOC_HOST_STEP_OVERLAP")
-    return chosen is None or chosen in YES
+    form under any too."""
+    return enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
 
 
 def require_offload_engine() -> None:
