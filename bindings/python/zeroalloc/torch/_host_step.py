@@ -24,10 +24,10 @@ much as they were spared (bench/RESULTS.md, 2026-12-06). The CPUs' pass runs at 
 memory bandwidth: AdamW at 102% of the rate of moving its bytes with no arithmetic
 (host_step_bench --masters, same). So optimizer.step() may return once the device's windows
 are done (under hinted; ZEROALLOC_HOST_STEP_OVERLAP=0 turns it off), and the CPUs finish
-theirs while the next forward runs. The forward reads
-only the working copies, each written on the copy stream after its window: a hinted use of
-one (a module's forward, zt.using) first waits for the CPUs to finish its window, then
-orders its stream after that window's copies. The CPUs step the windows in the order of the
+theirs while the next forward runs. The forward reads only the working copies, each written
+on the copy stream after its window: a hinted use of one (a module's forward, zt.using)
+first waits for the CPUs to finish its window, then orders its stream after that window's
+copies. The CPUs step the windows in the order of the
 parameters, which is about the order of the forward, so the forward runs right behind them.
 Everything else that reads or writes what the CPUs hold waits for all of it: the next step,
 zero_grad(set_to_none=False), the model's or the optimizer's state_dict and load_state_dict,
@@ -47,8 +47,10 @@ Step 3's forward is the first that runs behind the CPUs. The cause: a module's h
 the default stream by its handle, 0, and the wait for the window's copies went to
 torch.cuda.ExternalStream(0). That is a new stream from PyTorch's pool, not the default
 stream. So the forward never waited for the copies, and read weights they were still
-writing. Waits now go on the stream itself (stream_of). Guarded runs under any were exact
-by luck of another path: their last wait is on the current stream's object.
+writing. Waits now go on the stream itself (stream_of): four runs at once are identical to
+the bit, and no hinted use read other bytes than those that stayed (bench/RESULTS.md,
+2026-12-06 22:0x). Guarded runs under any went through the same wait, yet were exact in
+every run measured: each of their calls is intercepted, which likely left the copies time.
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
 make room during the forward and backward, so under a limit the host ends up holding parts
