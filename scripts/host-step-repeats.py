@@ -4,7 +4,7 @@ first step where it differs from the setting's first run. A setting whose runs d
 each other is not deterministic: a race, not rounding.
 
     python3 scripts/host-step-repeats.py 6 'ZEROALLOC_ACCESS=hinted' \
-        'ZEROALLOC_ACCESS=hinted ZEROALLOC_HOST_STEP_OVERLAP=1' 'ZEROALLOC_ACCESS=any GUARD=1'
+        'ZEROALLOC_ACCESS=hinted ZEROALLOC_HOST_STEP_OVERLAP=0' 'ZEROALLOC_ACCESS=any GUARD=1'
 
 Under hinted the CPUs run behind the forward unless ZEROALLOC_HOST_STEP_OVERLAP=0 (Note
 [Behind the forward under hinted] in zeroalloc/torch/_host_step.py).

@@ -1063,10 +1063,11 @@ def test_the_first_steps_estimate_counts_the_prefetch_headroom_the_variable_sets
 
 
 def test_a_use_on_the_default_stream_waits_there_for_the_cpus_copies(monkeypatch):
-    """A hint names the default stream 0, and torch.cuda.ExternalStream(0) is a stream of
-    PyTorch's pool, not the default one: the forward's wait for a window's copies landed
-    there, and the forward read weights the CPUs' copies were still writing. The wait goes on
-    the current stream; a handle of another stream is waited for on that stream."""
+    """The forward runs on the default stream, whose handle is 0, and
+    torch.cuda.ExternalStream(0) is a stream of PyTorch's pool, not the default one. The
+    forward's wait for a window's copies landed there, and the forward read weights the CPUs'
+    copies were still writing. The wait goes on the current stream; a handle of another
+    stream is waited for on that stream."""
     sys.path.insert(0, str(PACKAGE))
     from zeroalloc.torch import _host_step
 

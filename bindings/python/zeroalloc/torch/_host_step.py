@@ -27,8 +27,8 @@ are done (under hinted; ZEROALLOC_HOST_STEP_OVERLAP=0 turns it off), and the CPU
 theirs while the next forward runs. The forward reads only the working copies, each written
 on the copy stream after its window: a hinted use of one (a module's forward, zt.using)
 first waits for the CPUs to finish its window, then orders its stream after that window's
-copies. The CPUs step the windows in the order of the
-parameters, which is about the order of the forward, so the forward runs right behind them.
+copies. The CPUs step the windows in the order of the parameters, which is about the order
+of the forward, so the forward runs right behind them.
 Everything else that reads or writes what the CPUs hold waits for all of it: the next step,
 zero_grad(set_to_none=False), the model's or the optimizer's state_dict and load_state_dict,
 OffloadHandle.remove(), and the process's exit. Every gradient is copied to the host when
@@ -43,14 +43,15 @@ masters.
 Note [Behind the forward under hinted]: runs that finished behind the forward once differed
 from each other. Six runs of the host step's GPU script (320 MiB limit) agreed through step
 2 and parted at steps 3 to 5, 1e-3 from the plain recipe (bench/RESULTS.md, 2026-12-06).
-Step 3's forward is the first that runs behind the CPUs. The cause: a module's hint names
-the default stream by its handle, 0, and the wait for the window's copies went to
+Step 3's forward is the first that runs behind the CPUs. The cause: the forward runs on the
+default stream, whose handle is 0, and the wait for the window's copies went to
 torch.cuda.ExternalStream(0). That is a new stream from PyTorch's pool, not the default
 stream. So the forward never waited for the copies, and read weights they were still
-writing. Waits now go on the stream itself (stream_of): four runs at once are identical to
-the bit, and no hinted use read other bytes than those that stayed (bench/RESULTS.md,
-2026-12-06 22:0x). Guarded runs under any went through the same wait, yet were exact in
-every run measured: each of their calls is intercepted, which likely left the copies time.
+writing. Waits now go on the stream itself (stream_of). Four runs at once are then
+identical to the bit. No hinted use read other bytes than those that stayed
+(bench/RESULTS.md, 2026-12-06 22:0x). Guarded runs under any went through the same wait,
+yet were exact in every run measured. Each of their calls is intercepted, which likely
+left the copies time.
 
 Note [Whole masters on the host]: the engine moves chunks, least recently used first, to
 make room during the forward and backward, so under a limit the host ends up holding parts
@@ -1277,10 +1278,10 @@ class HostStep:
     def wait_window(self, behind: "Behind", needed: int, stream: int) -> None:
         """Waits until the run behind has written window `needed`, and orders `stream` (0:
         the current one) after its copies."""
-        waiting = stream_of(stream, behind.device)
-        stream = waiting.cuda_stream
+        stream = stream or torch.cuda.current_stream(behind.device).cuda_stream
         if behind.ordered.get(stream, -1) >= needed:
             return
+        waiting = stream_of(stream, behind.device)
         run = behind.run
         started = time.perf_counter()
         with run.changed:
