@@ -497,8 +497,7 @@ def test_a_script_that_drops_its_optimizer_after_the_last_step_keeps_that_step(t
     step in every weight of its model (it used to fail at its next read, or at exit, with
     "'NoneType' object has no attribute ..."); the optimizer is freed once they are done."""
     out = run_script(MASTERS, str(tmp_path / "dropped.pt"), **HOSTED, DROP="1",
-                     ZEROALLOC_ACCESS="hinted",
-                     ZEROALLOC_HOST_STEP_OVERLAP="1")  # the step behind the forward
+                     ZEROALLOC_ACCESS="hinted")  # the step behind the forward
     assert field(out, "running") == "True", out  # else this run did not test the drop
     stepped = [line.split() for line in out.splitlines() if line.startswith("stepped ")]
     assert len(stepped) == 24 and all(flag == "True" for _, _, flag in stepped), out

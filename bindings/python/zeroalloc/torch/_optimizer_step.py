@@ -1025,7 +1025,7 @@ class WindowedStep:
         """Note [Behind the forward, guarded] (_host_step.py): under ZEROALLOC_ACCESS=any,
         asked for, and shown safe for the run's working copies."""
         return (self.host.guard_behind and _settings.any_access()
-                and _settings.overlap_not_refused()
+                and _settings.enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
                 and guard_proof([self.masters.working(p) for _, hosted in chosen
                                  for p in hosted]))
 

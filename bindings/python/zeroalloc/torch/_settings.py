@@ -116,13 +116,8 @@ def host_step_guarded() -> bool:
     """ZEROALLOC_HOST_STEP_GUARDED (default 0) under ZEROALLOC_ACCESS=any: whether the CPUs
     may finish behind the next forward where the step shows every read goes through the
     parameter object (Note [Behind the forward, guarded] in _host_step.py)."""
-    return any_access() and enabled("ZEROALLOC_HOST_STEP_GUARDED", "0") and overlap_not_refused()
-
-
-def overlap_not_refused() -> bool:
-    """Whether ZEROALLOC_HOST_STEP_OVERLAP is unset or 1: set to 0, it turns off the guarded
-    form under any too."""
-    return enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1")
+    return (any_access() and enabled("ZEROALLOC_HOST_STEP_GUARDED", "0")
+            and enabled("ZEROALLOC_HOST_STEP_OVERLAP", "1"))
 
 
 def require_offload_engine() -> None:
