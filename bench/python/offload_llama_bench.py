@@ -38,6 +38,14 @@ under a limit given outright, with micro-batches per step and model TFLOPS repor
     python3 bench/python/offload_llama_bench.py --modes offload --limit-gib 128 \
         --host-limit 96GiB --hidden 5120 --intermediate 13824 --layers 40 --heads 40 \
         --accumulate 4 --checkpointing --no-autocast-cache --warmup 2 --steps 3
+
+DeepSpeed's step varies by a quarter from one run to the next on a shared host. With
+--rounds N every run runs N times, its later rounds at the limits of the first, in reverse
+order every other round. A last table gives each run's step a round, each offload run
+against each DeepSpeed run of its own round, and the medians:
+
+    python3 bench/python/offload_llama_bench.py --modes offload,ds2 --limits-gib 13.3 \
+        --recipe fast --warmup 3 --steps 4 --rounds 3
 """
 
 import argparse
@@ -190,6 +198,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", default="",
                         help="after the timed steps, profile one more step of the native and "
                         "offload modes (torch.profiler) into DIR/MODE.trace.json.gz")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every mode this many times, each round at the limits of the "
+                        "first, every other round in reverse order; prints each offload run "
+                        "against each DeepSpeed run of its round, and the medians")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -1345,6 +1357,60 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     return json.loads(lines[-1][len("result "):])
 
 
+def run_round(args, runs: list[Run], limits: dict, number: int) -> dict:
+    """Round `number` (2 or more) of --rounds: every run the first round made (the bandwidth
+    measurement aside) again, at the limit it had then, so that only the speeds differ. Even
+    rounds run in reverse order, so that a host growing slower or faster over the call
+    favours no run."""
+    again = [run for run in runs if run.mode != "bandwidth" and
+             (run.limit is None or run.name in limits)]
+    if number % 2 == 0:
+        again.reverse()
+    results = {}
+    for run in again:
+        results[run.name] = run_mode(args, run.mode, limits.get(run.name, 0), run.window_bytes,
+                                     run.overlap_bytes, run.gradient_class,
+                                     f"{run.log_suffix}_round{number}", run.step_parameters,
+                                     run.settings, run.host)
+    return results
+
+
+def format_rounds_table(runs: list[Run], rounds: list[dict]) -> str:
+    """Each run's step in each round and their median, then each offload run's tokens/s over
+    each DeepSpeed run's of the same round, and the median of those ratios."""
+    names = [run.name for run in runs if any(run.name in each for each in rounds)]
+    deepspeed = [name for name in names if name in DEEPSPEED_MODES]
+    offload = [run.name for run in runs if run.mode == "offload" and run.name in names]
+    width = max([len(name) for name in names] +
+                [len(f"{name} vs {mode}") for name in offload for mode in deepspeed] + [14])
+    header = f"{'run':{width}}" + "".join(f" {f'round {n}':>8}" for n in range(1, len(rounds) + 1))
+    lines = [header + f" {'median':>8}"]
+
+    def row(label: str, values: list, digits: int) -> str:
+        known = [value for value in values if value is not None]
+        cells = "".join(f" {'failed' if value is None else f'{value:.{digits}f}':>8}"
+                        for value in values)
+        middle = f"{statistics.median(known):.{digits}f}" if known else "none"
+        return f"{label:{width}}{cells} {middle:>8}"
+
+    def figure(result: Optional[dict], key: str) -> Optional[float]:
+        return result[key] if result and key in result else None
+
+    for name in names:
+        lines.append(row(name, [figure(each.get(name), "step_s") for each in rounds], 3))
+    for name in offload:
+        for mode in deepspeed:
+            ratios = []
+            for each in rounds:
+                ours, theirs = figure(each.get(name), "tokens_per_s"), figure(each.get(mode),
+                                                                              "tokens_per_s")
+                ratios.append(ours / theirs if ours and theirs else None)
+            lines.append(row(f"{name} vs {mode}", ratios, 2))
+    lines.append("step s a round; 'vs': tokens/s over the DeepSpeed run's in the same round; "
+                 "every round at the first round's limits, even rounds in reverse order")
+    return "\n".join(lines)
+
+
 def main() -> int:
     args = parse_args()
     if args.worker:
@@ -1366,7 +1432,10 @@ def main() -> int:
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
-    results, bandwidth_result, sweep = {}, None, []
+    if args.rounds < 1:
+        print(f"--rounds {args.rounds}: give 1 or more", file=sys.stderr)
+        return 2
+    results, bandwidth_result, sweep, limits = {}, None, [], {}
     for run in runs:
         if run.mode == "bandwidth":
             bandwidth_result = run_mode(args, "bandwidth")
@@ -1382,6 +1451,7 @@ def main() -> int:
                       flush=True)
                 results[run.name] = {"mode": run.mode, "error": f"no {source} figure"}
                 continue
+        limits[run.name] = limit_bytes
         results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
                                      run.overlap_bytes, run.gradient_class, run.log_suffix,
                                      run.step_parameters, run.settings, run.host)
@@ -1391,7 +1461,14 @@ def main() -> int:
         shape = {"hidden": args.hidden, "intermediate": args.intermediate,
                  "layers": args.layers, "vocab": args.vocab}
         print("\nbudget sweep\n" + format_sweep_table(sweep, results, bandwidth, shape))
+    rounds = [results]
+    for number in range(2, args.rounds + 1):
+        rounds.append(run_round(args, runs, limits, number))
+    if len(rounds) > 1:
+        print("\nrounds\n" + format_rounds_table(runs, rounds))
     output = {"bench": "offload_llama", "results": results}
+    if len(rounds) > 1:
+        output["later_rounds"] = rounds[1:]
     if bandwidth_result is not None:
         output["bandwidth"] = bandwidth_result
     print(json.dumps(output))

@@ -287,6 +287,53 @@ def test_a_sweep_limit_whose_deepspeed_run_failed_is_skipped_and_said_so(monkeyp
     assert sweep_lines[2].startswith("offload_24GiB")
 
 
+def test_rounds_rerun_every_mode_at_the_first_rounds_limits_and_give_each_rounds_ratio(
+        monkeypatch, capsys):
+    """--rounds: DeepSpeed's step varies from one run to the next, so each offload run is
+    compared with the DeepSpeed run of its own round, and the medians are printed. Later
+    rounds keep the first round's limits (a footprint DeepSpeed changes does not move the
+    offload's limit); every other round runs in reverse order; a run that failed is said
+    so and left out of the medians."""
+    asked = []
+    steps = {"ds2": iter([1.0, 0.8, None]), "offload": iter([0.5, 0.5, 0.6])}
+
+    def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
+                 gradient_class="", log_suffix="", *rest):
+        asked.append((mode, limit_bytes, log_suffix))
+        result = made_up_result(mode, limit_bytes)
+        if mode in steps:
+            step = next(steps[mode])
+            if step is None:
+                return {"mode": mode, "error": "RuntimeError: CUDA out of memory\n"}
+            result.update(step_s=step, tokens_per_s=4096 / step)
+            if mode == "ds2":
+                result["peak_allocated"] = (20 + len(asked)) * GIB
+        return result
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload,ds2",
+                                      "--limits-gib", "ds2", "--rounds", "3"])
+    assert bench.main() == 0
+    assert asked == [("ds2", 0, ""), ("bandwidth", 0, ""), ("offload", 21 * GIB, "_limitds2"),
+                     ("offload", 21 * GIB, "_limitds2_round2"), ("ds2", 0, "_round2"),
+                     ("ds2", 0, "_round3"), ("offload", 21 * GIB, "_limitds2_round3")]
+    out = capsys.readouterr().out
+    table = out.split("\nrounds\n")[1].splitlines()
+    assert table[0].split() == ["run", "round", "1", "round", "2", "round", "3", "median"]
+    rows = {line.rsplit(None, 4)[0]: line.split()[-4:] for line in table[1:4]}
+    assert rows["ds2"] == ["1.000", "0.800", "failed", "0.900"]
+    assert rows["offload_ds2"] == ["0.500", "0.500", "0.600", "0.500"]
+    assert rows["offload_ds2 vs ds2"] == ["2.00", "1.60", "failed", "1.80"]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert [sorted(each) for each in summary["later_rounds"]] == [["ds2", "offload_ds2"]] * 2
+
+
+def test_rounds_below_one_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--rounds", "0"])
+    assert bench.main() == 2
+    assert "--rounds 0: give 1 or more" in capsys.readouterr().err
+
+
 def test_zero_infinity_puts_states_and_parameters_in_files_under_the_path():
     args = bench.parse_args(["--modes", "ds3nvme", "--nvme-path", "/mnt/a:/mnt/b",
                              "--nvme-size", "40GiB"])
