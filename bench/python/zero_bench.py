@@ -155,6 +155,9 @@ def worker(args) -> int:
         result["zero"] = figures
         result["collectives_s"] = figures.get("broadcast_s", 0.0)
     print("result " + json.dumps(result), flush=True)
+    # Every rank done with its collectives before any tears the group down: a gloo rank torn
+    # down while its peer still talks to it can end in std::terminate.
+    distributed.barrier()
     distributed.destroy_process_group()
     return 0
 
