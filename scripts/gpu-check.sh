@@ -29,7 +29,9 @@
 # GPU_CHECK_ZERO_MODES, _ARGS)
 # baseline. GPU_CHECK_PYTEST: what pytest runs (default tests/python, about 7 minutes), split
 # at spaces; GPU_CHECK_PYTEST_K: an expression for pytest's -k, whole ("merged or prepared");
-# GPU_CHECK_PYTEST_JOBS: how many pytest processes share the tests, run at once (default 1).
+# GPU_CHECK_PYTEST_JOBS: how many pytest processes share the tests, run at once (default 1);
+# GPU_CHECK_PYTEST_PART=K/N: the K-th of N parts of the tests collected (every N-th test from
+# the K-th), so that N calls run the whole suite.
 # Everything together runs over 10 minutes, the device tool's limit per
 # command: skip some of them there.
 set -uo pipefail
@@ -195,13 +197,24 @@ if [[ -z $(skipped trace) ]]; then
 else skipped trace; fi
 
 step "Python: package, zeroalloc.torch, PyTorch training with losses bit for bit"
-if [[ -z $(skipped pytest) ]] && ((${GPU_CHECK_PYTEST_JOBS:-1} > 1)); then
+if [[ -z $(skipped pytest) ]] && { ((${GPU_CHECK_PYTEST_JOBS:-1} > 1)) || [[ -n ${GPU_CHECK_PYTEST_PART:-} ]]; }; then
   # The tests chosen, dealt in turn to GPU_CHECK_PYTEST_JOBS pytest processes run at once:
   # each test trains in processes of its own, and the device has room for several.
   chosen=(${GPU_CHECK_PYTEST:-tests/python} ${GPU_CHECK_PYTEST_K:+-k "$GPU_CHECK_PYTEST_K"})
   ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q --collect-only "${chosen[@]}" \
     2>&1 | grep "::" >"$out/pytest-ids.txt"
-  jobs=$GPU_CHECK_PYTEST_JOBS
+  if [[ -n ${GPU_CHECK_PYTEST_PART:-} ]]; then
+    if [[ ! $GPU_CHECK_PYTEST_PART =~ ^([0-9]+)/([0-9]+)$ ]] ||
+       ((BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2])); then
+      echo "GPU_CHECK_PYTEST_PART=$GPU_CHECK_PYTEST_PART: give K/N with 1 <= K <= N (say 1/2)" >&2
+      exit 2
+    fi
+    awk -v part="${BASH_REMATCH[1]}" -v parts="${BASH_REMATCH[2]}" '(NR - 1) % parts == part - 1' \
+      "$out/pytest-ids.txt" >"$out/pytest-part.txt"
+    echo "part $GPU_CHECK_PYTEST_PART: $(wc -l <"$out/pytest-part.txt") of $(wc -l <"$out/pytest-ids.txt") tests"
+    mv "$out/pytest-part.txt" "$out/pytest-ids.txt"
+  fi
+  jobs=${GPU_CHECK_PYTEST_JOBS:-1}
   for ((shard = 0; shard < jobs; ++shard)); do
     mapfile -t ids < <(awk -v jobs="$jobs" -v shard="$shard" 'NR % jobs == shard' "$out/pytest-ids.txt")
     ((${#ids[@]})) || continue
@@ -223,7 +236,12 @@ for log in sorted(out.glob("pytest-[0-9]*.log")):
         for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last[-1][0]):
             counts[word] = counts.get(word, 0) + int(number)
         longest = max(longest, float(last[-1][1]))
-words = ", ".join(f"{number} {word}" for word, number in counts.items()) or "0 passed"
+    else:  # stopped (a timeout): what pytest's progress marks say ran before it
+        marks = "".join(re.findall(r"^([.sFE]+)", text, re.M))
+        for mark, word in ((".", "passed"), ("F", "failed"), ("E", "errors"), ("s", "skipped")):
+            counts[f"{word} before a stop"] = (counts.get(f"{word} before a stop", 0) +
+                                               marks.count(mark))
+words = ", ".join(f"{number} {word}" for word, number in counts.items() if number) or "0 passed"
 print(f"{words} in {longest:.2f}s ({jobs} jobs at once; exit codes {codes})")
 PY
   grep -q "exit codes \[0\(, 0\)*\])" "$out/pytest.log" || fail pytest  # none ran: failed
