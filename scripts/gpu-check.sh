@@ -204,7 +204,7 @@ if [[ -z $(skipped pytest) ]] && { ((${GPU_CHECK_PYTEST_JOBS:-1} > 1)) || [[ -n 
   ZEROALLOC_LIBRARY=$PWD/build/libzeroalloc.so python3 -m pytest -q --collect-only "${chosen[@]}" \
     2>&1 | grep "::" >"$out/pytest-ids.txt"
   if [[ -n ${GPU_CHECK_PYTEST_PART:-} ]]; then
-    if [[ ! $GPU_CHECK_PYTEST_PART =~ ^([0-9]+)/([0-9]+)$ ]] ||
+    if [[ ! $GPU_CHECK_PYTEST_PART =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] ||
        ((BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2])); then
       echo "GPU_CHECK_PYTEST_PART=$GPU_CHECK_PYTEST_PART: give K/N with 1 <= K <= N (say 1/2)" >&2
       exit 2
@@ -236,9 +236,11 @@ for log in sorted(out.glob("pytest-[0-9]*.log")):
         for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last[-1][0]):
             counts[word] = counts.get(word, 0) + int(number)
         longest = max(longest, float(last[-1][1]))
-    else:  # stopped (a timeout): what pytest's progress marks say ran before it
-        marks = "".join(re.findall(r"^([.sFE]+)", text, re.M))
-        for mark, word in ((".", "passed"), ("F", "failed"), ("E", "errors"), ("s", "skipped")):
+    else:  # stopped (a timeout): what pytest's progress marks say ran before it (about:
+        # a line of a test's own output may start with one of them)
+        marks = "".join(re.findall(r"^([.sFExX]+)", text, re.M))
+        for mark, word in ((".", "passed"), ("F", "failed"), ("E", "errors"), ("s", "skipped"),
+                           ("x", "xfailed"), ("X", "xpassed")):
             counts[f"{word} before a stop"] = (counts.get(f"{word} before a stop", 0) +
                                                marks.count(mark))
 words = ", ".join(f"{number} {word}" for word, number in counts.items() if number) or "0 passed"

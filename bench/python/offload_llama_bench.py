@@ -41,11 +41,12 @@ under a limit given outright, with micro-batches per step and model TFLOPS repor
 
 DeepSpeed's step varies by a quarter from one run to the next on a shared host. With
 --rounds N every run runs N times, its later rounds at the limits of the first, in reverse
-order every other round. A last table gives each run's step a round, each offload run
-against each DeepSpeed run of its own round, and the medians:
+order every other round (an even N puts each run first as often as the others). A last
+table gives each run's step a round, each offload run against each DeepSpeed run of its
+own round, and the medians:
 
     python3 bench/python/offload_llama_bench.py --modes offload,ds2 --limits-gib 13.3 \
-        --recipe fast --warmup 3 --steps 4 --rounds 3
+        --recipe fast --warmup 3 --steps 4 --rounds 4
 """
 
 import argparse
@@ -1358,17 +1359,21 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
 
 
 def run_round(args, runs: list[Run], limits: dict, number: int) -> dict:
-    """Round `number` (2 or more) of --rounds: every run the first round made (the bandwidth
-    measurement aside) again, at the limit it had then, so that only the speeds differ. Even
-    rounds run in reverse order, so that a host growing slower or faster over the call
-    favours no run."""
+    """Round `number` (2 or more) of --rounds: every run the first round made again, at the
+    limit it had then, so that only the speeds differ. Not again: the bandwidth measurement,
+    a native run made only to derive a limit, and offload runs whose limit the first round
+    could not set. Even rounds run in reverse order: over an even number of rounds, a host
+    growing slower or faster over the call favours no run. No profile is taken again."""
+    asked = args.modes.split(",")
     again = [run for run in runs if run.mode != "bandwidth" and
+             (run.mode != "native" or "native" in asked) and
              (run.limit is None or run.name in limits)]
     if number % 2 == 0:
         again.reverse()
+    later = argparse.Namespace(**{**vars(args), "profile_dir": ""})
     results = {}
     for run in again:
-        results[run.name] = run_mode(args, run.mode, limits.get(run.name, 0), run.window_bytes,
+        results[run.name] = run_mode(later, run.mode, limits.get(run.name, 0), run.window_bytes,
                                      run.overlap_bytes, run.gradient_class,
                                      f"{run.log_suffix}_round{number}", run.step_parameters,
                                      run.settings, run.host)
@@ -1387,14 +1392,17 @@ def format_rounds_table(runs: list[Run], rounds: list[dict]) -> str:
     lines = [header + f" {'median':>8}"]
 
     def row(label: str, values: list, digits: int) -> str:
-        known = [value for value in values if value is not None]
-        cells = "".join(f" {'failed' if value is None else f'{value:.{digits}f}':>8}"
+        known = [value for value in values if isinstance(value, float)]
+        cells = "".join(f" {value if isinstance(value, str) else f'{value:.{digits}f}':>8}"
                         for value in values)
         middle = f"{statistics.median(known):.{digits}f}" if known else "none"
         return f"{label:{width}}{cells} {middle:>8}"
 
-    def figure(result: Optional[dict], key: str) -> Optional[float]:
-        return result[key] if result and key in result else None
+    def figure(result: Optional[dict], key: str):
+        """The figure, else why there is none: not run that round, or failed."""
+        if result is None:
+            return "not run"
+        return float(result[key]) if key in result else "failed"
 
     for name in names:
         lines.append(row(name, [figure(each.get(name), "step_s") for each in rounds], 3))
@@ -1404,10 +1412,12 @@ def format_rounds_table(runs: list[Run], rounds: list[dict]) -> str:
             for each in rounds:
                 ours, theirs = figure(each.get(name), "tokens_per_s"), figure(each.get(mode),
                                                                               "tokens_per_s")
-                ratios.append(ours / theirs if ours and theirs else None)
+                missing = [value for value in (ours, theirs) if isinstance(value, str)]
+                ratios.append(missing[0] if missing else ours / theirs)
             lines.append(row(f"{name} vs {mode}", ratios, 2))
-    lines.append("step s a round; 'vs': tokens/s over the DeepSpeed run's in the same round; "
-                 "every round at the first round's limits, even rounds in reverse order")
+    lines.append("step s a round" + ("; 'vs': tokens/s over the DeepSpeed run's in the same "
+                                     "round" if offload and deepspeed else "") +
+                 "; every round at the first round's limits, even rounds in reverse order")
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@
 // pattern. AdamW near it is bound by the host's memory, not by its arithmetic. No GPU.
 // With --masters a last column steps split masters: each fp32 master kept as its bf16 copy
 // (rounded to nearest, ties away from zero) and the 16 bits that bf16 drops. The copy and
-// those bits give back the master exactly. The step then reads and writes 26 bytes a
-// parameter instead of 28, and the host holds 4 bytes a master instead of 6.
+// those bits give back the master exactly. The same arithmetic then reads and writes 26
+// bytes a parameter instead of 28, and the host holds 4 bytes a master instead of 6.
 //
 //   build/bench/host_step_bench [--millions 256] [--node 0] [--rounds 3] [--masters]
 #include <algorithm>
@@ -67,7 +67,8 @@ void same_master_bytes(float* __restrict parameter, const std::uint16_t* __restr
 // Split masters: `high` is the master rounded to bf16, ties away from zero, and `low` the
 // master's low 16 bits. The high half was rounded up exactly when the low half is at least
 // 0x8000, so the two give back the master's bits. (Ties to even would make the two tie cases
-// meet at one pair.) NaN is not kept apart here: a probe of the bytes, not the step.
+// meet at one pair.) A NaN master becomes the bf16 NaN PyTorch writes, as rounded() makes it,
+// and comes back a NaN (its payload lost).
 [[gnu::always_inline]] inline float joined(std::uint16_t high, std::uint16_t low) {
   const std::uint32_t top = static_cast<std::uint32_t>(high) - (low >= 0x8000U ? 1U : 0U);
   const std::uint32_t bits = (top << 16U) | low;
@@ -79,37 +80,66 @@ void same_master_bytes(float* __restrict parameter, const std::uint16_t* __restr
 [[gnu::always_inline]] inline void split(float value, std::uint16_t& high, std::uint16_t& low) {
   std::uint32_t bits = 0;
   std::memcpy(&bits, &value, sizeof(bits));
-  low = static_cast<std::uint16_t>(bits & 0xFFFFU);
-  high = static_cast<std::uint16_t>((bits >> 16U) + (low >= 0x8000U ? 1U : 0U));
+  const bool nan = (bits & 0x7FFFFFFFU) > 0x7F800000U;
+  low = nan ? 0 : static_cast<std::uint16_t>(bits & 0xFFFFU);
+  high = nan ? 0x7FC0 : static_cast<std::uint16_t>((bits >> 16U) + (low >= 0x8000U ? 1U : 0U));
 }
 
-// AdamW's arithmetic as lib/tier/host_step.cpp does it, on split masters: 26 bytes a
+// AdamW's scalars, as lib/tier/host_step.cpp computes them (factors_of), held at run time.
+struct factors {
+  float decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+      negative_step_size, gradient_sign;
+};
+
+factors factors_at(std::int64_t step) {
+  const zeroalloc::adamw_settings s;
+  const auto n = static_cast<double>(step);
+  return {static_cast<float>(1.0 - s.lr * s.weight_decay),
+          static_cast<float>(1.0 - s.beta1),
+          static_cast<float>(s.beta2),
+          static_cast<float>(1.0 - s.beta2),
+          static_cast<float>(std::sqrt(1.0 - std::pow(s.beta2, n))),
+          static_cast<float>(s.eps),
+          static_cast<float>(-s.lr / (1.0 - std::pow(s.beta1, n))),
+          s.maximize ? -1.0F : 1.0F};
+}
+
+// The arithmetic of update_element in lib/tier/host_step.cpp, on split masters: 26 bytes a
 // parameter (both halves read and written, the bf16 gradient read, both moments).
 #if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void update_split_elements(std::uint16_t* __restrict high, std::uint16_t* __restrict low,
                            const std::uint16_t* __restrict gradient, float* __restrict exp_avg,
-                           float* __restrict exp_avg_sq, std::size_t count, float step_size) {
-  constexpr float kDecay = 1.0F - 1e-3F * 1e-2F;
+                           float* __restrict exp_avg_sq, std::size_t count, factors f) {
   for (std::size_t i = 0; i < count; ++i) {
     const std::uint32_t wide = static_cast<std::uint32_t>(gradient[i]) << 16U;
-    float g = 0.0F;
-    std::memcpy(&g, &wide, sizeof(g));
-    const float p = joined(high[i], low[i]) * kDecay;
-    const float m = exp_avg[i] + 0.1F * (g - exp_avg[i]);
-    const float v = exp_avg_sq[i] * 0.999F + 0.001F * g * g;
+    float bf16_gradient = 0.0F;
+    std::memcpy(&bf16_gradient, &wide, sizeof(bf16_gradient));
+    const float g = bf16_gradient * f.gradient_sign;
+    const float p = joined(high[i], low[i]) * f.decay;
+    const float m = exp_avg[i] + f.one_minus_beta1 * (g - exp_avg[i]);
+    const float v = exp_avg_sq[i] * f.beta2 + f.one_minus_beta2 * g * g;
+    const float denominator = std::sqrt(v) / f.bias_correction2_sqrt + f.eps;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
-    split(p - step_size * (m / (std::sqrt(v) + 1e-8F)), high[i], low[i]);
+    split(p + f.negative_step_size * (m / denominator), high[i], low[i]);
   }
 }
 
-// Every bf16 pattern's neighbours with every low half: split gives back what it was given.
+// Split masters give back every finite master they are given, and their high half is
+// PyTorch's bf16 cast but in a tie whose truncated half is even (ties away from zero there).
+// Tried on every low half at the edges (0, 0x7FFF, 0x8000, 0x8001, 0xFFFF) and on a spread of
+// the others, for a spread of high patterns of both signs and the largest finite one.
 bool split_masters_are_exact() {
-  for (std::uint32_t top = 0; top < 0x7F80U; top += 7U) {  // finite positives, then negatives
-    for (std::uint32_t sign : {0U, 0x8000U}) {
-      for (std::uint32_t low = 0; low <= 0xFFFFU; low += 257U) {
+  std::vector<std::uint32_t> tops;
+  for (std::uint32_t top = 0; top < 0x7F80U; top += 7U) tops.push_back(top);
+  tops.push_back(0x7F7FU);  // the largest finite: a tie or more rounds up to infinity
+  std::vector<std::uint32_t> lows = {0x0000U, 0x7FFFU, 0x8000U, 0x8001U, 0xFFFFU};
+  for (std::uint32_t low = 1; low < 0xFFFFU; low += 257U) lows.push_back(low);
+  for (const std::uint32_t top : tops) {
+    for (const std::uint32_t sign : {0U, 0x8000U}) {
+      for (const std::uint32_t low : lows) {
         const std::uint32_t bits = ((top | sign) << 16U) | low;
         float value = 0.0F;
         std::memcpy(&value, &bits, sizeof(value));
@@ -117,6 +147,9 @@ bool split_masters_are_exact() {
         split(value, high, kept);
         const float back = joined(high, kept);
         if (std::memcmp(&back, &value, sizeof(value)) != 0) return false;
+        const bool tie_kept_by_even = low == 0x8000U && (top & 1U) == 0;
+        const std::uint16_t cast = zeroalloc::float_to_bf16(value);
+        if (high != (tie_kept_by_even ? cast + 1 : cast)) return false;
       }
     }
   }
@@ -234,7 +267,7 @@ int main(int argc, char** argv) {
           update_split_elements(bf16_copy.data() + at, low_halves.data() + at,
                                 bf16_gradient.data() + at, exp_avg.data() + at,
                                 exp_avg_sq.data() + at, std::min(kPiece, count - at),
-                                1e-3F / static_cast<float>(round + 1));
+                                factors_at(round + 1));
         });
       });
       char text[32];

@@ -328,6 +328,35 @@ def test_rounds_rerun_every_mode_at_the_first_rounds_limits_and_give_each_rounds
     assert [sorted(each) for each in summary["later_rounds"]] == [["ds2", "offload_ds2"]] * 2
 
 
+def test_later_rounds_leave_out_what_only_served_the_first(monkeypatch, capsys):
+    """A native run made only to derive the offload's limit is not made again, nor an
+    offload run whose DeepSpeed footprint never came: its row says so in each round."""
+    asked = []
+
+    def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
+                 gradient_class="", log_suffix="", *rest):
+        asked.append((mode, log_suffix, args.profile_dir))
+        if mode == "ds2" and not log_suffix:
+            return {"mode": mode, "error": "ModuleNotFoundError: No module named 'deepspeed'\n"}
+        return made_up_result(mode, limit_bytes)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--limits-gib", "ds2,24",
+                                      "--rounds", "2", "--profile-dir", "/tmp/profiles"])
+    assert bench.main() == 0
+    assert asked == [("ds2", "", "/tmp/profiles"), ("bandwidth", "", "/tmp/profiles"),
+                     ("offload", "_limit24", "/tmp/profiles"), ("offload", "_limit24_round2", ""),
+                     ("ds2", "_round2", "")]
+    table = capsys.readouterr().out.split("\nrounds\n")[1].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[1:] if " vs " not in line}
+    assert rows["offload_ds2"][:2] == ["failed", "not"]  # "not run" in round 2
+    assert rows["ds2"][:2] == ["failed", "1.000"]
+    asked.clear()  # a limit derived from native's footprint: native is not run again
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--rounds", "2"])
+    assert bench.main() == 0
+    assert [mode for mode, *_ in asked] == ["native", "offload", "offload"]
+
+
 def test_rounds_below_one_are_refused(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--rounds", "0"])
     assert bench.main() == 2
