@@ -205,6 +205,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "against each DeepSpeed run of its round, and the medians")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    # Added to each process group's port in later rounds (--rounds): a mode that runs twice
+    # in a row at a round's boundary does not wait for its own port to be let go.
+    parser.add_argument("--port-offset", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -1315,7 +1318,8 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
             if args.nvme_parameters:
                 env["ZEROALLOC_NVME_PARAMETERS"] = "1"
     if mode in MASTER_PORTS:  # one rank of a process group, without a launcher
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": MASTER_PORTS[mode]})
+        env.update({"MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(int(MASTER_PORTS[mode]) + args.port_offset)})
     if mode in DEEPSPEED_MODES:
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cuda"})
         if "CUDA_HOME" not in env and Path("/usr/local/cuda").is_dir():
@@ -1363,14 +1367,17 @@ def run_round(args, runs: list[Run], limits: dict, number: int) -> dict:
     limit it had then, so that only the speeds differ. Not again: the bandwidth measurement,
     a native run made only to derive a limit, and offload runs whose limit the first round
     could not set. Even rounds run in reverse order: over an even number of rounds, a host
-    growing slower or faster over the call favours no run. No profile is taken again."""
+    growing slower or faster over the call favours no run. No profile is taken again, and
+    the process groups take ports of their own (the same mode may end one round and begin the
+    next)."""
     asked = args.modes.split(",")
     again = [run for run in runs if run.mode != "bandwidth" and
              (run.mode != "native" or "native" in asked) and
              (run.limit is None or run.name in limits)]
     if number % 2 == 0:
         again.reverse()
-    later = argparse.Namespace(**{**vars(args), "profile_dir": ""})
+    later = argparse.Namespace(**{**vars(args), "profile_dir": "",
+                                  "port_offset": 10 * (number - 1)})
     results = {}
     for run in again:
         results[run.name] = run_mode(later, run.mode, limits.get(run.name, 0), run.window_bytes,

@@ -336,17 +336,20 @@ def test_later_rounds_leave_out_what_only_served_the_first(monkeypatch, capsys):
     def run_mode(args, mode, limit_bytes=0, window_bytes="", overlap_bytes="",
                  gradient_class="", log_suffix="", *rest):
         asked.append((mode, log_suffix, args.profile_dir))
+        ports.append(args.port_offset)
         if mode == "ds2" and not log_suffix:
             return {"mode": mode, "error": "ModuleNotFoundError: No module named 'deepspeed'\n"}
         return made_up_result(mode, limit_bytes)
 
     monkeypatch.setattr(bench, "run_mode", run_mode)
+    ports = []
     monkeypatch.setattr(sys, "argv", [str(BENCH), "--modes", "offload", "--limits-gib", "ds2,24",
                                       "--rounds", "2", "--profile-dir", "/tmp/profiles"])
     assert bench.main() == 0
     assert asked == [("ds2", "", "/tmp/profiles"), ("bandwidth", "", "/tmp/profiles"),
                      ("offload", "_limit24", "/tmp/profiles"), ("offload", "_limit24_round2", ""),
                      ("ds2", "_round2", "")]
+    assert ports == [0, 0, 0, 10, 10]  # the later round's process groups on ports of their own
     table = capsys.readouterr().out.split("\nrounds\n")[1].splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in table[1:] if " vs " not in line}
     assert rows["offload_ds2"][:2] == ["failed", "not"]  # "not run" in round 2
