@@ -63,8 +63,7 @@ if os.environ.get("CHECKW") or os.environ.get("CHECKF"):
         if globals().get("model") is None:
             return
         by_pointer = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
-        on = (torch.cuda.ExternalStream(stream) if stream
-              else torch.cuda.current_stream())
+        on = checked.stream_of(stream, torch.cuda.current_device())
         with torch.no_grad(), torch.cuda.stream(on):
             for pointer in pointers:
                 if pointer in by_pointer:

@@ -1362,6 +1362,13 @@ def run_mode(args, mode: str, limit_bytes: int = 0, window_bytes: str = "",
     return json.loads(lines[-1][len("result "):])
 
 
+def run_planned(args, run: Run, limit_bytes: int, log_suffix: str = "") -> dict:
+    """run_mode for one Run of plan_runs, its log named with `log_suffix` more."""
+    return run_mode(args, run.mode, limit_bytes, run.window_bytes, run.overlap_bytes,
+                    run.gradient_class, run.log_suffix + log_suffix, run.step_parameters,
+                    run.settings, run.host)
+
+
 def run_round(args, runs: list[Run], limits: dict, number: int) -> dict:
     """Round `number` (2 or more) of --rounds: every run the first round made again, at the
     limit it had then, so that only the speeds differ. Not again: the bandwidth measurement,
@@ -1380,10 +1387,7 @@ def run_round(args, runs: list[Run], limits: dict, number: int) -> dict:
                                   "port_offset": 10 * (number - 1)})
     results = {}
     for run in again:
-        results[run.name] = run_mode(later, run.mode, limits.get(run.name, 0), run.window_bytes,
-                                     run.overlap_bytes, run.gradient_class,
-                                     f"{run.log_suffix}_round{number}", run.step_parameters,
-                                     run.settings, run.host)
+        results[run.name] = run_planned(later, run, limits.get(run.name, 0), f"_round{number}")
     return results
 
 
@@ -1469,9 +1473,7 @@ def main() -> int:
                 results[run.name] = {"mode": run.mode, "error": f"no {source} figure"}
                 continue
         limits[run.name] = limit_bytes
-        results[run.name] = run_mode(args, run.mode, limit_bytes, run.window_bytes,
-                                     run.overlap_bytes, run.gradient_class, run.log_suffix,
-                                     run.step_parameters, run.settings, run.host)
+        results[run.name] = run_planned(args, run, limit_bytes)
     print("\n" + format_main_table(results))
     if sweep:
         bandwidth = Bandwidth.from_result(bandwidth_result) if bandwidth_result else None
