@@ -89,6 +89,14 @@ runtime::runtime(const options& parsed) : options_(parsed), registry_(parsed) {
              "ZEROALLOC_ACCESS=hinted to accept that contract (docs/known-limits.md), or unset "
              "ZEROALLOC_NVME_PATH to keep every state in device and host memory");
   }
+  // The NVMe tier is the offload engine's: without it the path would be silently unused.
+  if (!parsed.nvme_path.empty() && parsed.offload != "host") {
+    log().warn(
+        "ZEROALLOC_NVME_PATH={} is ignored: the NVMe tier belongs to the offload engine, which "
+        "runs only under ZEROALLOC_OFFLOAD=host. Set ZEROALLOC_OFFLOAD=host and "
+        "ZEROALLOC_ACCESS=hinted to use it (docs/offload.md), or unset ZEROALLOC_NVME_PATH",
+        parsed.nvme_path);
+  }
   if (!parsed.report_prefix.empty()) {
     reporter::settings_list shown;
     for (const option_spec& spec : option_table()) {

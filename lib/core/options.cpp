@@ -317,7 +317,8 @@ const std::vector<option_spec>& table() {
        "Directories for the NVMe tier behind the host tier, separated by ':' (one per drive; "
        "a swap file in each, striped, with no name on disk). With ZEROALLOC_OFFLOAD=host and "
        "ZEROALLOC_NVME_SIZE, optimizer states the host tier cannot hold go there and come back "
-       "through it before they are used. Needs ZEROALLOC_ACCESS=hinted: a state on disk has "
+       "through it before they are used; without ZEROALLOC_OFFLOAD=host the path is ignored, "
+       "with a warning. Needs ZEROALLOC_ACCESS=hinted: a state on disk has "
        "nothing readable behind its addresses, so only the hooks' announced uses may read it. "
        "`python -m zeroalloc doctor` checks that each directory accepts O_DIRECT and measures "
        "its speed.",

@@ -478,6 +478,22 @@ TEST(OffloadCapi, AnNvmePathUnderAnyAccessStopsTheLibraryNamingHintedAccess) {
       ::testing::ExitedWithCode(0), "ZEROALLOC_NVME_PATH=/tmp needs ZEROALLOC_ACCESS=hinted");
 }
 
+// The NVMe tier is the offload engine's: a path given without ZEROALLOC_OFFLOAD=host is not
+// used, and the library says so rather than leaving the user to believe states go to disk.
+TEST(OffloadCapi, AnNvmePathWithoutTheOffloadEngineIsIgnoredWithAWarning) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("ZEROALLOC_NVME_PATH", "/tmp", 1);
+        setenv("ZEROALLOC_NVME_SIZE", "64MiB", 1);
+        unsetenv("ZEROALLOC_OFFLOAD");
+        void* pointer = zeroalloc_malloc(64, 0, nullptr);
+        std::exit(pointer != nullptr ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "ZEROALLOC_NVME_PATH=/tmp is ignored: the NVMe tier belongs to the offload engine");
+}
+
 // Parking needs hinted access: asked for under the default any, it is ignored, and the
 // library says so rather than leaving the user to believe parameters are parked.
 TEST(OffloadCapi, ParkingAskedForUnderAnyAccessIsIgnoredWithAWarning) {

@@ -196,6 +196,9 @@ def test_doctor_names_the_recipe_and_repeats_the_last_runs_advice(tmp_path):
            "weights, the CPUs' rounding)" in recipe_line(ZEROALLOC_RECIPE="fast")
     assert "host step off (numbers differ from native: bf16 weights)" in recipe_line(
         ZEROALLOC_RECIPE="fast", ZEROALLOC_HOST_STEP="0")
+    # Under a ZeRO stage the fast recipe leaves master weights out, and doctor says so.
+    assert "fast: master weights none, host step on (numbers differ from native: the CPUs' " \
+           "rounding)" in recipe_line(ZEROALLOC_RECIPE="fast", ZEROALLOC_ZERO_STAGE="2")
     (tmp_path / "run.rank0.json").write_text(json.dumps({"sections": {"recipe": {
         "advised": "ZEROALLOC_RECIPE=fast", "measured_step_s": 1.9,
         "predicted_step_s": 0.52}}}))

@@ -118,7 +118,10 @@ def _recipe_check(checks: list[Check]) -> None:
         return
     _host_step_check(checks, options)
     recipe = chosen("ZEROALLOC_RECIPE") or "exact"
-    masters = chosen("ZEROALLOC_MASTER_WEIGHTS") or ("bf16" if recipe == "fast" else "none")
+    # As _settings.master_weights: the recipe leaves master weights out under a ZeRO stage.
+    zero = (chosen("ZEROALLOC_ZERO_STAGE") or "0") != "0"
+    masters = chosen("ZEROALLOC_MASTER_WEIGHTS") or (
+        "bf16" if recipe == "fast" and not zero else "none")
     host = chosen("ZEROALLOC_HOST_STEP")
     host_step = host in ("1", "true", "yes", "on") if host else recipe == "fast"
     differences = [what for what, on in (("bf16 weights", masters != "none"),

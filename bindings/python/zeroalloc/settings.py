@@ -12,6 +12,7 @@ HEADER = """# Settings
 
 zeroalloc reads these environment variables once, when it is first used.
 A bad value stops it with a message that names the variable, the value and what it accepts.
+So does a `ZEROALLOC_` variable it does not know: a misspelt name is never silently ignored.
 `python -m zeroalloc doctor` checks every variable set.
 
 This page is generated from the library's options table (`lib/core/options.cpp`) by
