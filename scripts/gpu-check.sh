@@ -205,7 +205,7 @@ if [[ -z $(skipped pytest) ]] && { ((${GPU_CHECK_PYTEST_JOBS:-1} > 1)) || [[ -n 
     2>&1 | grep "::" >"$out/pytest-ids.txt"
   if [[ -n ${GPU_CHECK_PYTEST_PART:-} ]]; then
     if [[ ! $GPU_CHECK_PYTEST_PART =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] ||
-       ((BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2])); then
+       ((BASH_REMATCH[1] > BASH_REMATCH[2])); then
       echo "GPU_CHECK_PYTEST_PART=$GPU_CHECK_PYTEST_PART: give K/N with 1 <= K <= N (say 1/2)" >&2
       exit 2
     fi

@@ -103,6 +103,7 @@ def _host_step_check(checks: list[Check], options: dict) -> None:
 def _recipe_check(checks: list[Check]) -> None:
     """ZEROALLOC_RECIPE, what it sets, and the advice of the last run's report (Note [The
     fast recipe, advised] in zeroalloc/torch/_recipe_advice.py)."""
+    from zeroalloc import _recipe
     from zeroalloc._library import library, read_json
 
     options = {option["name"]: option for option in
@@ -118,12 +119,9 @@ def _recipe_check(checks: list[Check]) -> None:
         return
     _host_step_check(checks, options)
     recipe = chosen("ZEROALLOC_RECIPE") or "exact"
-    # As _settings.master_weights: the recipe leaves master weights out under a ZeRO stage.
-    zero = (chosen("ZEROALLOC_ZERO_STAGE") or "0") != "0"
-    masters = chosen("ZEROALLOC_MASTER_WEIGHTS") or (
-        "bf16" if recipe == "fast" and not zero else "none")
-    host = chosen("ZEROALLOC_HOST_STEP")
-    host_step = host in ("1", "true", "yes", "on") if host else recipe == "fast"
+    masters = _recipe.master_weights(chosen("ZEROALLOC_MASTER_WEIGHTS"), recipe,
+                                     chosen("ZEROALLOC_ZERO_STAGE") or "0")
+    host_step = _recipe.host_step(chosen("ZEROALLOC_HOST_STEP"), recipe)
     differences = [what for what, on in (("bf16 weights", masters != "none"),
                                          ("the CPUs' rounding", host_step)) if on]
     finding = (f"{recipe}: master weights {masters}, host step {'on' if host_step else 'off'} "

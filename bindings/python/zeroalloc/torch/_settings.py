@@ -3,6 +3,7 @@ library's own parser."""
 
 from __future__ import annotations
 
+from zeroalloc import _recipe
 from zeroalloc._library import ZeroallocError, library, read_json
 
 
@@ -40,7 +41,7 @@ def setting_if_set(name: str) -> "str | None":
 
 
 #: The words of a yes, as the library reads them (lowercase).
-YES = ("1", "true", "yes", "on")
+YES = _recipe.YES
 
 
 def enabled(name: str, fallback: str) -> bool:
@@ -88,19 +89,15 @@ def master_weights() -> str:
     """ZEROALLOC_MASTER_WEIGHTS as set, else what the recipe gives: bf16 under fast, else
     none. ZeRO stages do not combine with master weights yet, so under ZEROALLOC_ZERO_STAGE
     the recipe leaves them out (the host step stays)."""
-    chosen = setting_if_set("ZEROALLOC_MASTER_WEIGHTS")
-    if chosen is not None:
-        return chosen
-    zero = setting("ZEROALLOC_ZERO_STAGE", "0") != "0"
-    return "bf16" if recipe() == "fast" and not zero else "none"
+    return _recipe.master_weights(setting_if_set("ZEROALLOC_MASTER_WEIGHTS"), recipe(),
+                                  setting("ZEROALLOC_ZERO_STAGE", "0"))
 
 
 def host_step() -> bool:
     """ZEROALLOC_HOST_STEP as set, else what the recipe gives (on under fast, else off):
     whether the windowed step steps AdamW windows whose states and parameters are all on the
     host there, on the CPUs (Note [Stepped on the host] in lib/tier/host_step.hpp)."""
-    chosen = setting_if_set("ZEROALLOC_HOST_STEP")
-    return chosen in YES if chosen is not None else recipe() == "fast"
+    return _recipe.host_step(setting_if_set("ZEROALLOC_HOST_STEP"), recipe())
 
 
 def host_step_overlap() -> bool:
